@@ -1,0 +1,57 @@
+"""kvlab: a course, and a package, on how an LLM server manages its KV cache in pages.
+
+Importing kvlab first decides the runtime (see :mod:`kvlab.runtime`): without CUDA it
+switches Triton to its interpreter before any kernel is defined.
+
+Public names are loaded lazily, so a chapter that only needs the page table does not
+pay for (or break on) the simulator.
+"""
+from __future__ import annotations
+
+import importlib
+
+from . import runtime  # noqa: F401  (must run before any kernel module is imported)
+from .errors import CacheMisuse, IntegrityError, InvalidArgument, KvlabError, OutOfPages
+from .runtime import DEVICE, INTERPRET, runtime_report
+
+__version__ = "0.1.0"
+
+# name -> module that defines it (d2l-style: the package says where each thing lives)
+_EXPORTS = {
+    "div_ceil": "paging",
+    "page_to_token": "paging",
+    "write_page_table": "paging",
+    "write_page_table_triton": "paging",
+    "PagedTokenAllocator": "token_allocator",
+    "RadixPrefixCache": "radix_cache",
+    "MatchResult": "radix_cache",
+    "InsertResult": "radix_cache",
+    "Req": "cache_manager",
+    "CacheManager": "cache_manager",
+    "CacheRegions": "cache_manager",
+}
+_SUBMODULES = {
+    "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
+    "attention", "bench", "paging", "token_allocator", "radix_cache", "cache_manager",
+    "gallery", "runtime", "errors",
+}
+
+__all__ = [
+    "CacheMisuse", "IntegrityError", "InvalidArgument", "KvlabError", "OutOfPages",
+    "DEVICE", "INTERPRET", "runtime_report", *_EXPORTS,
+]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        module = importlib.import_module(f".{_EXPORTS[name]}", __name__)
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)

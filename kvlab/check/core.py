@@ -1,0 +1,172 @@
+"""The machinery every exercise checker shares.
+
+A checker runs the learner's function on *named edge cases* first, then on seeded random
+cases, against :mod:`kvlab.reference`. On the first wrong answer it raises
+:class:`CheckFailed` with a message in the learner's terms (which case, which request,
+which part or region, the first wrong slot, expected vs got). When everything passes it
+prints one line and returns.
+
+Checkers register themselves with :func:`exercise`, which also stores their step-by-step
+hints; :func:`hint` shows them and :mod:`kvlab.solutions` shows reference solutions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+
+class CheckFailed(AssertionError):
+    """The learner's answer differs from the reference. The message says where and how."""
+
+    def __init__(self, message: str, *, case: str | None = None, expected: Any = None,
+                 got: Any = None, wrong: Sequence[int] | None = None, label: str | None = None):
+        self.case = case
+        self.expected = expected
+        self.got = got
+        self.wrong = list(wrong) if wrong is not None else []
+        self.label = label  # e.g. "request 1, part 3" or "region: duplicate"
+        super().__init__(message)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One named input for a checker. ``kind`` is "edge" or "random"."""
+
+    name: str
+    args: dict
+    kind: str = "edge"
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A labelled range ``[start, end)`` of a flat output, e.g. one request's part 2."""
+
+    label: str
+    start: int
+    end: int
+
+
+def _fmt(values, limit: int = 12) -> str:
+    vals = [int(v) for v in values]
+    if len(vals) > limit:
+        return "[" + ", ".join(map(str, vals[:limit])) + f", ... ({len(vals)} in all)]"
+    return "[" + ", ".join(map(str, vals)) + "]"
+
+
+def label_at(index: int, segments: Iterable[Segment] | None) -> str | None:
+    for seg in segments or ():
+        if seg.start <= index < seg.end:
+            return seg.label
+    return None
+
+
+def compare_flat(expected, got, *, case: str, what: str = "output",
+                 segments: Sequence[Segment] | None = None) -> None:
+    """Compare two 1-D results; raise :class:`CheckFailed` naming the first wrong position."""
+    exp = torch.as_tensor(expected).flatten().cpu().to(torch.int64)
+    if not isinstance(got, torch.Tensor):
+        try:
+            got = torch.as_tensor(got)
+        except Exception as e:  # noqa: BLE001 - learner code may return anything
+            raise CheckFailed(f"[{case}] {what} should be a tensor, got {type(got).__name__}: {e}",
+                              case=case) from None
+    g = got.flatten().cpu().to(torch.int64)
+    if g.numel() != exp.numel():
+        raise CheckFailed(
+            f"[{case}] {what} has {g.numel()} values, expected {exp.numel()}\n"
+            f"  expected: {_fmt(exp)}\n  got:      {_fmt(g)}",
+            case=case, expected=exp, got=g,
+        )
+    wrong = (g != exp).nonzero().flatten().tolist()
+    if not wrong:
+        return
+    i = wrong[0]
+    where = label_at(i, segments)
+    lo, hi = max(0, i - 3), min(exp.numel(), i + 5)
+    msg = (
+        f"[{case}] {what} differs at {len(wrong)} of {exp.numel()} positions; "
+        f"first at index {i}" + (f" ({where})" if where else "") + "\n"
+        f"  expected[{i}] = {int(exp[i])}, got {int(g[i])}\n"
+        f"  expected[{lo}:{hi}] = {_fmt(exp[lo:hi])}\n"
+        f"  got[{lo}:{hi}]      = {_fmt(g[lo:hi])}"
+    )
+    bad_labels = sorted({label_at(j, segments) for j in wrong} - {None})
+    if len(bad_labels) > 1:
+        msg += "\n  wrong values appear in: " + "; ".join(bad_labels)
+    raise CheckFailed(msg, case=case, expected=exp, got=g, wrong=wrong, label=where)
+
+
+def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case], None],
+              *, quiet: bool = False) -> int:
+    """Run every case; stop at the first failure (re-raised with the case name). Returns the count."""
+    n_edge = n_random = 0
+    for case in cases:
+        try:
+            run_one(case)
+        except CheckFailed:
+            raise
+        except Exception as e:  # the learner's code raised: say which case and what
+            raise CheckFailed(
+                f"[{case.name}] your code raised {type(e).__name__}: {e}", case=case.name
+            ) from e
+        if case.kind == "edge":
+            n_edge += 1
+        else:
+            n_random += 1
+    if not quiet:
+        print(f"✓ {exercise_name}: all {n_edge + n_random} cases pass "
+              f"({n_edge} edge cases, {n_random} random)")
+    return n_edge + n_random
+
+
+# --- registry of exercises: checker, hints, solution ------------------------------------
+
+
+@dataclass
+class Exercise:
+    name: str
+    chapter: str
+    checker: Callable[..., Any]
+    hints: list[str] = field(default_factory=list)
+    solution: Callable[..., Any] | None = None
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
+             solution: Callable[..., Any] | None = None):
+    """Decorator: register a checker under ``name`` with its hints and reference solution."""
+
+    def register(checker):
+        EXERCISES[name] = Exercise(name, chapter, checker, list(hints), solution)
+        checker.exercise_name = name
+        checker.hint = lambda level=1: hint(name, level)
+        return checker
+
+    return register
+
+
+def _lookup(name: str) -> Exercise:
+    from . import _load_all
+
+    _load_all()
+    if name not in EXERCISES:
+        known = ", ".join(sorted(EXERCISES)) or "(none)"
+        raise KeyError(f"no exercise named {name!r}; known exercises: {known}")
+    return EXERCISES[name]
+
+
+def hint(name: str, level: int = 1) -> str:
+    """Show hint ``level`` (1, 2, ...) for exercise ``name``; later hints say more."""
+    ex = _lookup(name)
+    if not ex.hints:
+        text = f"No hints are written for {name!r}."
+    elif not 1 <= level <= len(ex.hints):
+        text = f"{name!r} has hints 1 to {len(ex.hints)}."
+    else:
+        text = f"Hint {level}/{len(ex.hints)} for {name}: {ex.hints[level - 1]}"
+    print(text)
+    return text

@@ -1,0 +1,28 @@
+"""The setup cell that opens every chapter, and the one place the course's URL is set.
+
+In Colab the cell clones :data:`REPO_URL` and installs kvlab from it (Colab already has
+torch and triton); on a local checkout it only reports the runtime. ``tools/py2nb.py``
+puts :data:`SETUP_CELL` first in every notebook, and a test checks they all match.
+"""
+
+#: Where Colab fetches the course from. Change it here (and in pyproject's [project.urls])
+#: when you host a fork; ``KVLAB_REPO_URL`` in the environment overrides it at run time.
+REPO_URL = "https://github.com/kvlab-course/kvlab"
+
+SETUP_CELL = f'''\
+# Setup: the same cell opens every chapter. In Colab it installs kvlab from the course
+# repository; on your own checkout it installs nothing and only reports the runtime.
+import os, subprocess, sys
+if "google.colab" in sys.modules:
+    try:
+        import kvlab
+    except ImportError:
+        url = os.environ.get("KVLAB_REPO_URL", "{REPO_URL}")
+        if not os.path.isdir("/content/kvlab"):
+            subprocess.run(["git", "clone", "-q", "--depth", "1", url, "/content/kvlab"], check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "/content/kvlab"], check=True)
+        sys.path.insert(0, "/content/kvlab")
+    from google.colab import output
+    output.enable_custom_widget_manager()  # lets ipywidgets 8 sliders render in Colab
+import kvlab
+kvlab.runtime_report();'''

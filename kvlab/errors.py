@@ -1,0 +1,37 @@
+"""The errors kvlab raises. Every message names the argument and the rule it broke."""
+from __future__ import annotations
+
+
+class KvlabError(Exception):
+    """Base class of every kvlab error."""
+
+
+class InvalidArgument(KvlabError, ValueError):
+    """An argument broke a rule. Raised before any kernel launch; no state has changed."""
+
+    def __init__(self, argument: str, rule: str, detail: str = ""):
+        self.argument = argument
+        self.rule = rule
+        msg = f"{argument}: {rule}"
+        if detail:
+            msg += f" ({detail})"
+        super().__init__(msg)
+
+
+class OutOfPages(KvlabError, RuntimeError):
+    """Not enough free pages. Decided before any kernel reads the free list; no state has changed."""
+
+    def __init__(self, needed: int, free: int, what: str = "allocation"):
+        self.needed = needed
+        self.free = free
+        super().__init__(
+            f"out of pages: this {what} needs {needed} new page(s) but only {free} are free"
+        )
+
+
+class CacheMisuse(KvlabError, RuntimeError):
+    """A prefix-cache or cache-manager call that breaks its protocol (e.g. unlocking twice)."""
+
+
+class IntegrityError(KvlabError, AssertionError):
+    """A memory-manager invariant is broken (a page lost, leaked or owned twice)."""

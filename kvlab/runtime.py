@@ -1,0 +1,114 @@
+"""Which runtime are we on: compiled Triton on a GPU, or Triton's interpreter on the CPU.
+
+This module is imported first by ``kvlab/__init__.py``. Without CUDA it sets
+``TRITON_INTERPRET=1`` *before any kernel is defined*, because ``@triton.jit`` decides
+at definition time whether a kernel is compiled or interpreted.
+
+Override with ``KVLAB_INTERPRET=1`` (force the interpreter even on a GPU machine) or
+``KVLAB_INTERPRET=0`` (never switch; only useful when CUDA is present).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import sys
+from typing import NamedTuple
+
+
+def _want_interpreter() -> bool:
+    forced = os.environ.get("KVLAB_INTERPRET")
+    if forced is not None and forced.strip() != "":
+        return forced.strip() not in ("0", "false", "False", "no")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        return True  # the learner asked for the interpreter themselves
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+INTERPRET: bool = _want_interpreter()
+_TRITON_WAS_IMPORTED_EARLY = "triton" in sys.modules
+
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402  (after the environment variable, on purpose)
+
+#: Where kvlab puts its tensors: ``"cuda"`` when kernels are compiled, else ``"cpu"``
+#: (the interpreter runs Triton programs on CPU tensors).
+DEVICE: torch.device = torch.device("cpu" if INTERPRET else "cuda")
+
+
+def default_device(device: "torch.device | str | None" = None) -> torch.device:
+    """``device`` if given, else the runtime's device (``cuda`` or ``cpu``)."""
+    return torch.device(device) if device is not None else DEVICE
+
+
+def can_pin_memory() -> bool:
+    """Pinned (page-locked) host memory needs a CUDA driver; on a CPU build it raises."""
+    return torch.cuda.is_available()
+
+
+def pick(cpu, gpu):
+    """Choose a problem size by runtime: small in the interpreter, larger on a GPU."""
+    return cpu if INTERPRET else gpu
+
+
+class RuntimeInfo(NamedTuple):
+    mode: str  # "gpu" or "interpreter"
+    device: str
+    device_name: str
+    torch_version: str
+    triton_version: str
+    python_version: str
+    advice: str
+
+    def __str__(self) -> str:
+        return (
+            f"kvlab runtime: {self.mode} ({self.device_name})\n"
+            f"  torch {self.torch_version}, triton {self.triton_version}, "
+            f"python {self.python_version}\n  {self.advice}"
+        )
+
+
+def runtime_info() -> RuntimeInfo:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a hard dependency
+        triton_version = "not installed"
+    if INTERPRET:
+        mode, name = "interpreter", f"CPU: {platform.processor() or platform.machine()}"
+        advice = (
+            "Triton kernels run in the interpreter: each program instance executes on the CPU, "
+            "one after another (roughly 1-5 ms each), so the chapters use small sizes here. "
+            "Results are exact; timings are not meaningful. A GPU runtime (e.g. Colab) compiles them."
+        )
+    else:
+        mode, name = "gpu", torch.cuda.get_device_name()
+        advice = (
+            "Triton kernels are compiled for the GPU: the first call of each kernel compiles it "
+            "(about a second), later calls take microseconds. The chapters use larger sizes here."
+        )
+    if _TRITON_WAS_IMPORTED_EARLY and INTERPRET:
+        advice += (
+            " Note: triton was imported before kvlab; kernels defined before that import "
+            "may not run in the interpreter. Import kvlab first."
+        )
+    return RuntimeInfo(
+        mode=mode,
+        device=str(DEVICE),
+        device_name=name,
+        torch_version=torch.__version__,
+        triton_version=triton_version,
+        python_version=platform.python_version(),
+        advice=advice,
+    )
+
+
+def runtime_report() -> RuntimeInfo:
+    """Print (and return) which mode kvlab runs in and what that means for speed."""
+    info = runtime_info()
+    print(info)
+    return info
