@@ -9,7 +9,8 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .core import EXERCISES, Case, CheckFailed, Segment, compare_flat, exercise, hint, run_cases
+from .core import (EXERCISES, Case, CheckFailed, Segment, call_learner, compare_flat, exercise,
+                   hint, run_cases)
 
 __all__ = ["CheckFailed", "Case", "Segment", "compare_flat", "exercise", "hint", "run_cases",
            "EXERCISES", "exercises"]

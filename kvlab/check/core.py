@@ -121,6 +121,24 @@ def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case
     return n_edge + n_random
 
 
+def call_learner(fn: Callable[..., Any], *args, grid=None, **kwargs):
+    """Run the learner's function, or Triton kernel when ``grid`` is given: ``fn[grid](*args)``.
+
+    Every checker runs learner code through here, so that :mod:`kvlab.check.sandbox` can
+    add its safety net in one place (child process, guard bands around tensor arguments).
+    Tensors written in place are visible to the caller afterwards; the return value is
+    passed back.
+    """
+    impl = _CALL_LEARNER_IMPL
+    if impl is not None:
+        return impl(fn, *args, grid=grid, **kwargs)
+    return fn[grid](*args, **kwargs) if grid is not None else fn(*args, **kwargs)
+
+
+# kvlab.check.sandbox installs its guarded runner here when imported.
+_CALL_LEARNER_IMPL: Callable[..., Any] | None = None
+
+
 # --- registry of exercises: checker, hints, solution ------------------------------------
 
 
