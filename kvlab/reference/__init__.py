@@ -3,3 +3,5 @@
 Tests, exercise checkers and notebooks all compare against these. They use Python lists
 and loops on purpose: nothing clever, so that a reader can check them by eye.
 """
+from .paging import page_to_token_ref, write_page_table_ref  # noqa: F401,E402
+from .alloc import DecodePlan, ExtendPlan, alloc_decode_ref, alloc_extend_ref  # noqa: E402,F401  (chapters 03-04)

@@ -1,0 +1,10 @@
+"""Triton kernels, one module per chapter topic.
+
+Teaching versions mirror the source designs; fast versions sit beside them. Importing
+this package imports :mod:`kvlab` first, so the runtime (compiled vs interpreter) is
+decided before any ``@triton.jit`` runs.
+"""
+from __future__ import annotations
+
+from .. import runtime  # noqa: F401  (must come before any kernel is defined)
+from .paging import page_to_token_kernel, write_page_table_kernel  # noqa: F401

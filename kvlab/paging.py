@@ -1,0 +1,291 @@
+"""Pages, token slots and the page table (chapters 00-02).
+
+Chapter 01 builds :func:`page_to_token` (mini-sglang's ``_page_to_token``) and its Triton
+twin :func:`page_to_token_triton`; chapter 02 builds :func:`write_page_table` (the
+pinned-host-index + one-scatter path of mini-sglang's ``_write_page_table``) and
+:func:`write_page_table_triton` (one launch over per-request metadata).
+
+Vocabulary
+----------
+* A *slot* is one token's place in the KV pool. Page ``k`` owns slots
+  ``k*P .. k*P + P - 1`` (``P`` = page_size); its *page start* is ``k*P``.
+* The *page table* maps (request slot, logical token position) -> physical slot::
+
+                   logical position (column) ->
+                   0    1    2    3  | 4    5    6    7  | 8 ...   (P = 4)
+      row 0 (req) [ 12   13   14   15 |  4    5    6    7 | -1 ... ]
+      row 1 (req) [  0    1    2   -1 | -1   -1   -1   -1 | -1 ... ]
+      ...
+      row R (dummy request that pads CUDA-graph batches)
+
+  kvlab fills unmapped entries with :data:`UNMAPPED` (-1): slot 0 is a real slot, so a
+  zero-initialised table (as in mini-sglang) cannot show which entries were never written.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from . import runtime  # first: decides compiled Triton vs the interpreter
+import triton  # noqa: E402,I001
+from .errors import InvalidArgument
+
+#: The value of a page-table entry that maps to no slot.
+UNMAPPED: int = -1
+
+_TABLE_DTYPES = (torch.int32, torch.int64)
+_KERNEL_DTYPES = (torch.int32, torch.int64)
+_PAGE_TO_TOKEN_BLOCK = 256
+_WRITE_BLOCK = 128
+
+
+def div_ceil(a, b):
+    """``ceil(a / b)`` for non-negative integers (ints, or integer tensors elementwise).
+
+    ``div_ceil(9, 4) == 3``: nine tokens need three pages of four.
+    """
+    return (a + b - 1) // b
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_page_size(page_size) -> int:
+    if hasattr(page_size, "__index__") and not isinstance(page_size, bool) and not isinstance(
+            page_size, torch.Tensor):
+        page_size = int(page_size)
+    if not _is_int(page_size):
+        raise InvalidArgument("page_size", "must be an int", f"got {type(page_size).__name__}")
+    if page_size < 1:
+        raise InvalidArgument("page_size", "must be >= 1", f"got {page_size}")
+    return page_size
+
+
+def new_page_table(max_running_req: int, max_seq_len: int, page_size: int,
+                   device: "torch.device | str | None" = None) -> torch.Tensor:
+    """An empty page table: ``(max_running_req + 1, aligned_max_seq_len)`` int32 of ``UNMAPPED``.
+
+    The extra last row is the dummy request that pads CUDA-graph batches; columns are
+    rounded up to a whole number of pages so that a full last page always fits (chapter 02).
+    """
+    page_size = _check_page_size(page_size)
+    if not _is_int(max_running_req) or max_running_req < 1:
+        raise InvalidArgument("max_running_req", "must be an int >= 1", f"got {max_running_req!r}")
+    if not _is_int(max_seq_len) or max_seq_len < 1:
+        raise InvalidArgument("max_seq_len", "must be an int >= 1", f"got {max_seq_len!r}")
+    aligned = div_ceil(max_seq_len, page_size) * page_size
+    return torch.full((max_running_req + 1, aligned), UNMAPPED, dtype=torch.int32,
+                      device=runtime.default_device(device))
+
+
+# --- chapter 01: page starts -> token slots ---------------------------------------------
+
+
+def check_page_starts(page_starts, page_size) -> int:
+    """Validate ``page_to_token``'s input; returns ``page_size`` as an int.
+
+    Rules: 1-D integer tensor; ``page_size >= 1``; every start a non-negative multiple of
+    ``page_size`` (reads the values: one device->host sync on a GPU).
+    """
+    page_size = _check_page_size(page_size)
+    if not isinstance(page_starts, torch.Tensor):
+        raise InvalidArgument("page_starts", "must be a torch.Tensor", f"got {type(page_starts).__name__}")
+    if page_starts.dim() != 1:
+        raise InvalidArgument("page_starts", "must be 1-D", f"got shape {tuple(page_starts.shape)}")
+    if page_starts.dtype.is_floating_point or page_starts.dtype.is_complex or page_starts.dtype == torch.bool:
+        raise InvalidArgument("page_starts", "must have an integer dtype", f"got {page_starts.dtype}")
+    if page_starts.numel():
+        bad = ((page_starts < 0) | (page_starts % page_size != 0)).nonzero().flatten()
+        if bad.numel():
+            i = int(bad[0])
+            raise InvalidArgument(
+                f"page_starts[{i}]", f"must be a non-negative multiple of page_size={page_size}",
+                f"got {int(page_starts[i])}; pass page ids times page_size")
+    return page_size
+
+
+def page_to_token(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Every token slot of the pages that start at ``page_starts``, in order (chapter 01).
+
+    ``page_to_token(tensor([4, 8]), 4) -> tensor([4, 5, 6, 7, 8, 9, 10, 11])``. Same dtype
+    and device as the input; the input itself when ``page_size == 1``.
+    """
+    page_size = check_page_starts(page_starts, page_size)
+    if page_size == 1:
+        return page_starts  # a page is one slot: nothing to expand
+    # [num_pages, 1] + [page_size] broadcasts to [num_pages, page_size]; rows are pages.
+    offsets = torch.arange(page_size, dtype=page_starts.dtype, device=page_starts.device)
+    return (page_starts.unsqueeze(1) + offsets).flatten()
+
+
+def page_to_token_triton(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
+    """:func:`page_to_token` as one Triton launch (chapter 01). int32 or int64 input."""
+    from .kernels.paging import page_to_token_kernel
+
+    page_size = check_page_starts(page_starts, page_size)
+    if page_starts.dtype not in _KERNEL_DTYPES:
+        raise InvalidArgument("page_starts", "must be int32 or int64 for the Triton kernel",
+                              f"got {page_starts.dtype}")
+    if page_size == 1:
+        return page_starts
+    page_starts = page_starts.contiguous()
+    num_tokens = page_starts.numel() * page_size
+    out = torch.empty(num_tokens, dtype=page_starts.dtype, device=page_starts.device)
+    if num_tokens == 0:
+        return out
+    grid = (triton.cdiv(num_tokens, _PAGE_TO_TOKEN_BLOCK),)
+    page_to_token_kernel[grid](page_starts, out, num_tokens, page_size, BLOCK=_PAGE_TO_TOKEN_BLOCK)
+    return out
+
+
+# --- chapter 02: writing the page table -------------------------------------------------
+
+
+class PageRun(NamedTuple):
+    """One validated ``allocation_info`` entry and where its slots sit in ``allocated``."""
+
+    table_idx: int
+    first_page: int
+    last_page: int
+    offset: int  # index in ``allocated`` of this entry's first slot
+
+    def length(self, page_size: int) -> int:
+        return (self.last_page - self.first_page) * page_size
+
+
+def check_write_page_table(page_table, allocated, allocation_info, page_size) -> list[PageRun]:
+    """Validate a page-table write before anything is touched; return the entries as runs.
+
+    Shared by :func:`write_page_table` and :func:`write_page_table_triton`. Raises
+    :class:`~kvlab.errors.InvalidArgument` naming the argument and the rule.
+    """
+    page_size = _check_page_size(page_size)
+    if not isinstance(page_table, torch.Tensor):
+        raise InvalidArgument("page_table", "must be a torch.Tensor", f"got {type(page_table).__name__}")
+    if page_table.dim() != 2:
+        raise InvalidArgument("page_table", "must be 2-D (request slots x positions)",
+                              f"got shape {tuple(page_table.shape)}")
+    if page_table.dtype not in _TABLE_DTYPES:
+        raise InvalidArgument("page_table", "must be int32 or int64", f"got {page_table.dtype}")
+    if not isinstance(allocated, torch.Tensor):
+        raise InvalidArgument("allocated", "must be a torch.Tensor", f"got {type(allocated).__name__}")
+    if allocated.dim() != 1:
+        raise InvalidArgument("allocated", "must be 1-D", f"got shape {tuple(allocated.shape)}")
+    if allocated.dtype.is_floating_point or allocated.dtype.is_complex or allocated.dtype == torch.bool:
+        raise InvalidArgument("allocated", "must have an integer dtype", f"got {allocated.dtype}")
+    if allocated.device != page_table.device:
+        raise InvalidArgument("allocated", "must be on the page table's device",
+                              f"allocated on {allocated.device}, page_table on {page_table.device}")
+    try:
+        entries = list(allocation_info)
+    except TypeError:
+        raise InvalidArgument("allocation_info", "must be a list of (table_idx, first_page, last_page)",
+                              f"got {type(allocation_info).__name__}") from None
+
+    rows, cols = page_table.shape
+    runs: list[PageRun] = []
+    offset = 0
+    for i, entry in enumerate(entries):
+        name = f"allocation_info[{i}]"
+        try:
+            table_idx, first_page, last_page = (int(v) for v in entry)
+            if any(isinstance(v, (bool, float)) for v in entry):
+                raise TypeError
+        except (TypeError, ValueError):
+            raise InvalidArgument(name, "must be three ints (table_idx, first_page, last_page)",
+                                  f"got {entry!r}") from None
+        if not 0 <= table_idx < rows:
+            raise InvalidArgument(name, f"table_idx must be in [0, {rows}) (page_table rows)",
+                                  f"got {table_idx}")
+        if first_page < 0:
+            raise InvalidArgument(name, "first_page must be >= 0", f"got {first_page}")
+        if first_page > last_page:
+            raise InvalidArgument(name, "first_page <= last_page", f"got {first_page} > {last_page}")
+        if last_page * page_size > cols:
+            raise InvalidArgument(
+                name, f"last_page * page_size must be <= {cols} (page_table columns)",
+                f"got {last_page} * {page_size} = {last_page * page_size}")
+        runs.append(PageRun(table_idx, first_page, last_page, offset))
+        offset += (last_page - first_page) * page_size
+
+    # Two entries for the same row must not write the same page (the later would win).
+    by_row: dict[int, list[tuple[int, int, int]]] = {}
+    for i, run in enumerate(runs):
+        if run.first_page < run.last_page:
+            by_row.setdefault(run.table_idx, []).append((run.first_page, run.last_page, i))
+    for row, ranges in by_row.items():
+        ranges.sort()
+        for (f0, l0, i0), (f1, l1, i1) in zip(ranges, ranges[1:]):
+            if f1 < l0:
+                a, b = sorted((i0, i1))
+                raise InvalidArgument(
+                    f"allocation_info[{b}]", f"must not overlap allocation_info[{a}] (same row {row})",
+                    f"pages [{f0}, {l0}) and [{f1}, {l1}) intersect")
+
+    if allocated.numel() != offset:
+        raise InvalidArgument(
+            "allocated", "length must equal the sum of (last_page - first_page) * page_size",
+            f"allocated has {allocated.numel()} slots, allocation_info needs {offset}")
+    return runs
+
+
+def write_page_table(page_table: torch.Tensor, allocated: torch.Tensor,
+                     allocation_info: Sequence[tuple[int, int, int]], page_size: int) -> None:
+    """Write ``allocated`` into the page table, entry by entry, with one scatter (chapter 02).
+
+    For each ``(table_idx, first_page, last_page)`` the next ``(last_page - first_page) * P``
+    slots of ``allocated`` go to ``page_table[table_idx, first_page*P : last_page*P]``.
+    As in mini-sglang: fill host tensors of rows and columns (pinned when a CUDA driver is
+    present, so the copy can run asynchronously), copy them non-blocking, scatter once.
+    """
+    runs = check_write_page_table(page_table, allocated, allocation_info, page_size)
+    needed_tokens = allocated.numel()
+    if needed_tokens == 0:
+        return
+    pin = runtime.can_pin_memory()
+    rows_host = torch.empty(needed_tokens, dtype=torch.int64, pin_memory=pin)
+    cols_host = torch.empty(needed_tokens, dtype=torch.int64, pin_memory=pin)
+    # rows_host: | r0 r0 r0 r0 | r1 r1 ... |   cols_host: | f0*P .. l0*P-1 | f1*P .. |
+    for run in runs:
+        length = run.length(page_size)
+        if length == 0:
+            continue
+        rows_host[run.offset: run.offset + length].fill_(run.table_idx)
+        torch.arange(run.first_page * page_size, run.last_page * page_size,
+                     out=cols_host[run.offset: run.offset + length])
+    rows = rows_host.to(page_table.device, non_blocking=True)
+    cols = cols_host.to(page_table.device, non_blocking=True)
+    page_table[rows, cols] = allocated.to(page_table.dtype)
+
+
+def write_page_table_triton(page_table: torch.Tensor, allocated: torch.Tensor,
+                            allocation_info: Sequence[tuple[int, int, int]], page_size: int) -> None:
+    """:func:`write_page_table` as one Triton launch over per-request metadata (chapter 02).
+
+    The host builds a ``[4, num_requests]`` int64 array (row, first_page, last_page,
+    offset): work per request, none per token. One small copy to the device, one launch.
+    """
+    from .kernels.paging import write_page_table_kernel
+
+    runs = check_write_page_table(page_table, allocated, allocation_info, page_size)
+    if allocated.dtype not in _KERNEL_DTYPES:
+        raise InvalidArgument("allocated", "must be int32 or int64 for the Triton kernel",
+                              f"got {allocated.dtype}")
+    runs = [run for run in runs if run.last_page > run.first_page]
+    if not runs:
+        return
+    if page_table.stride(1) != 1:
+        raise InvalidArgument("page_table", "rows must be contiguous (stride(1) == 1)",
+                              f"got strides {page_table.stride()}")
+    meta_host = torch.tensor([[r.table_idx for r in runs], [r.first_page for r in runs],
+                              [r.last_page for r in runs], [r.offset for r in runs]],
+                             dtype=torch.int64)
+    if runtime.can_pin_memory():
+        meta_host = meta_host.pin_memory()
+    meta = meta_host.to(page_table.device, non_blocking=True)
+    write_page_table_kernel[(len(runs),)](
+        page_table, page_table.stride(0), allocated.contiguous(), meta, len(runs),
+        int(page_size), BLOCK=_WRITE_BLOCK)
+
