@@ -1,0 +1,405 @@
+"""Fast slot allocation for a whole batch: one compilation for every shape (chapter 09).
+
+The teaching kernels (:mod:`kvlab.kernels.alloc`, chapters 03-04) mirror the source design
+and inherit its three costs. This module removes each one:
+
+===================================  ============================================================
+teaching kernel                      fast path (this module)
+===================================  ============================================================
+``tl.arange(0, next_power_of_2(T))`` fixed ``BLOCK`` lanes, runtime loop bounds: one compiled
+a compile-time size: a new power of   kernel serves every batch size and token count
+two of tokens recompiles (0.2-21 s)
+each program re-sums every earlier   one scan (``tl.cumsum`` with a carry) computes all
+length: O(bs^2)                       output offsets and first pages once: O(bs)
+one program per request touches      one program per BLOCK *output tokens*: work is linear in
+``next_power_of_2(T)`` lanes          tokens and balanced across programs, whatever the lengths
+``ret_values.item()`` after launch:  the caller passes what it already knows on the host (its
+a host sync every batch, and the      lengths, or the number of new pages): the out-of-pages
+page count is known only *after*      decision is made before any launch, with no sync
+the kernel has read ``free_pages``
+===================================  ============================================================
+
+Pipeline of one extend (``T`` new tokens, ``bs`` requests, ``F`` free pages)::
+
+    host:  pages_needed (from host lengths, or one sync)  ->  OutOfPages?  (nothing launched yet)
+    scan:  1 program   extend_lens [bs] --cumsum--> token_start [bs]  (where my slots go)
+                       new_pages   [bs] --cumsum--> page_start  [bs]  (my first free page)
+    fill:  cdiv(T, BLOCK) programs; output position t:
+             r = request owning t      (binary search in token_start: O(log bs))
+             k = t - token_start[r]    (my k-th new token; its position is pos = pre + k)
+             pos <  ceil(pre/P)*P  ->  last_loc[r] + 1 + k                    (old page)
+             pos >= ceil(pre/P)*P  ->  free_pages[page_start[r] + j] * P + pos % P
+                                       with j = pos // P - ceil(pre/P)         (new pages)
+
+The three parts of the teaching kernel become one formula per token. Every load and store
+is masked against the tensor's length, so even inconsistent inputs cannot make the kernels
+touch memory out of bounds (the host still validates what it can before launching).
+"""
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import runtime  # noqa: F401  (decides compiled vs interpreter before @triton.jit)
+from ..errors import InvalidArgument, OutOfPages
+
+#: Output tokens one fill program writes (a power of two; lanes of one vector).
+EXTEND_BLOCK = 1024
+#: Requests one scan step (or one decode step) handles at once; bigger batches loop.
+BATCH_BLOCK = 1024
+
+
+def _jit_options(ints: Sequence[str], pointers: Sequence[str]) -> dict:
+    """Ask Triton not to specialise on integer values (``== 1``, ``% 16 == 0``) nor on pointer
+    alignment, so a new batch size or a sliced ``free_pages`` never triggers a recompile."""
+    opts: dict = {"do_not_specialize": list(ints)}
+    if "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters:
+        opts["do_not_specialize_on_alignment"] = list(pointers)
+    return opts
+
+
+# --- scan: output offsets and first pages, computed once ------------------------------------
+
+
+@triton.jit(**_jit_options(["bs"], ["prefix_lens_ptr", "seq_lens_ptr", "token_start_ptr",
+                                    "page_start_ptr", "totals_ptr"]))
+def extend_scan_kernel(
+    prefix_lens_ptr,     # [bs]  tokens already cached per request
+    seq_lens_ptr,        # [bs]  tokens wanted after this batch
+    token_start_ptr,     # [bs]  out: where request r's slots begin in out_indices (int64)
+    page_start_ptr,      # [bs]  out: position in free_pages of request r's first new page (int64)
+    totals_ptr,          # [2]   out: total new tokens, total new pages (int64)
+    bs,                  # runtime batch size: no recompile per batch size
+    page_size: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # One program walks the batch in blocks of BLOCK requests; `carry_*` holds the sums of
+    # all earlier blocks, so each length is read once: O(bs) in all.
+    #   extend_lens: [ 5 | 0 | 3 | 7 ]  ->  token_start: [ 0 | 5 | 5 | 8 ],  total 15
+    lanes = tl.arange(0, BLOCK)
+    carry_tokens = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    carry_pages = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    for block_start in range(0, bs, BLOCK):
+        offs = block_start + lanes
+        mask = offs < bs
+        pre = tl.load(prefix_lens_ptr + offs, mask=mask, other=0).to(tl.int64)
+        seq = tl.load(seq_lens_ptr + offs, mask=mask, other=0).to(tl.int64)
+        extend = seq - pre
+        new_pages = (seq + page_size - 1) // page_size - (pre + page_size - 1) // page_size
+        tl.store(token_start_ptr + offs, carry_tokens + tl.cumsum(extend, axis=0) - extend,
+                 mask=mask)
+        tl.store(page_start_ptr + offs, carry_pages + tl.cumsum(new_pages, axis=0) - new_pages,
+                 mask=mask)
+        carry_tokens += tl.sum(extend, axis=0)
+        carry_pages += tl.sum(new_pages, axis=0)
+    tl.store(totals_ptr + 0, carry_tokens)
+    tl.store(totals_ptr + 1, carry_pages)
+
+
+# --- fill: one slot per output token, one formula for all three parts ------------------------
+
+
+@triton.jit(**_jit_options(["bs", "num_tokens", "num_free", "search_steps"],
+                           ["prefix_lens_ptr", "seq_lens_ptr", "last_loc_ptr", "free_pages_ptr",
+                            "token_start_ptr", "page_start_ptr", "out_ptr"]))
+def extend_fill_kernel(
+    prefix_lens_ptr,     # [bs]
+    seq_lens_ptr,        # [bs]
+    last_loc_ptr,        # [bs]  slot of each request's last prefix token
+    free_pages_ptr,      # [num_free] free page ids; new pages come from the front
+    token_start_ptr,     # [bs]  from extend_scan_kernel
+    page_start_ptr,      # [bs]  from extend_scan_kernel
+    out_ptr,             # [num_tokens] out: one slot per new token (int64)
+    bs,
+    num_tokens,
+    num_free,
+    search_steps,        # ceil(log2(bs)): binary-search rounds to find a token's request
+    page_size: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # This program writes out_indices[t] for t in [pid*BLOCK, pid*BLOCK + BLOCK).
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = t < num_tokens
+
+    # Which request owns output position t? The last r with token_start[r] <= t.
+    # Invariant: token_start[lo] <= t < token_start[hi] (token_start[bs] would be T).
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = lo + bs
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2                       # lo <= mid < hi <= bs: always in bounds
+        go_right = tl.load(token_start_ptr + mid, mask=live, other=0) <= t
+        lo = tl.where(go_right, mid, lo)
+        hi = tl.where(go_right, hi, mid)
+    r = lo
+
+    pre = tl.load(prefix_lens_ptr + r, mask=live, other=0).to(tl.int64)
+    last = tl.load(last_loc_ptr + r, mask=live, other=0).to(tl.int64)
+    k = t - tl.load(token_start_ptr + r, mask=live, other=0)   # my k-th new token
+    first_page = tl.load(page_start_ptr + r, mask=live, other=0)
+    pos = pre + k                                                 # its logical position
+
+    # request r's old page ends at ceil(pre/P)*P; tokens past it go on new pages
+    #   | old page: last+1 .. | new page 0 | new page 1 | ... | last new page (maybe partial) |
+    old_page_end = (pre + page_size - 1) // page_size * page_size
+    on_old_page = pos < old_page_end
+    free_idx = first_page + pos // page_size - old_page_end // page_size
+    wants_page = live & (on_old_page == 0)
+    page = tl.load(free_pages_ptr + free_idx,
+                   mask=wants_page & (free_idx >= 0) & (free_idx < num_free), other=0)
+    slot = tl.where(on_old_page, last + 1 + k, page.to(tl.int64) * page_size + pos % page_size)
+    tl.store(out_ptr + t, slot, mask=live)
+
+
+# --- decode: one program, a vector of requests, one scan -------------------------------------
+
+
+@triton.jit(**_jit_options(["bs", "num_free"],
+                           ["seq_lens_ptr", "last_loc_ptr", "free_pages_ptr", "out_ptr"]))
+def decode_fast_kernel(
+    seq_lens_ptr,        # [bs]  lengths AFTER the new token (seq = pre + 1)
+    last_loc_ptr,        # [bs]
+    free_pages_ptr,      # [num_free]
+    out_ptr,             # [bs]  out: one slot per request (int64)
+    bs,
+    num_free,
+    page_size: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # A request needs a new page when its new token is the first of a page: (seq-1) % P == 0.
+    # The k-th such request (counting in batch order) takes free_pages[k]: an exclusive scan.
+    #   needs: [0 1 0 1 1]  ->  rank: [. 0 . 1 2]
+    lanes = tl.arange(0, BLOCK)
+    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    for block_start in range(0, bs, BLOCK):
+        offs = block_start + lanes
+        mask = offs < bs
+        seq = tl.load(seq_lens_ptr + offs, mask=mask, other=1).to(tl.int64)
+        last = tl.load(last_loc_ptr + offs, mask=mask, other=0).to(tl.int64)
+        needs = ((seq - 1) % page_size == 0) & mask
+        needs64 = needs.to(tl.int64)
+        rank = carry + tl.cumsum(needs64, axis=0) - needs64
+        page = tl.load(free_pages_ptr + rank, mask=needs & (rank < num_free), other=0)
+        slot = tl.where(needs, page.to(tl.int64) * page_size, last + 1)
+        tl.store(out_ptr + offs, slot, mask=mask)
+        carry += tl.sum(needs64, axis=0)
+
+
+# --- host side ---------------------------------------------------------------------------------
+
+
+class FastExtend(NamedTuple):
+    """Result of :func:`alloc_extend_fast`: the slots, and how many free pages they used."""
+
+    out_indices: torch.Tensor   # [num_tokens] int64, requests concatenated
+    num_new_pages: int          # the caller removes this many pages from the front of free_pages
+
+
+class FastDecode(NamedTuple):
+    """Result of :func:`alloc_decode_fast`."""
+
+    out_indices: torch.Tensor   # [bs] int64
+    num_new_pages: int
+
+
+def _as_int_list(name: str, values) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1:
+            raise InvalidArgument(name, "a 1-D tensor or list", f"got shape {tuple(values.shape)}")
+        return values.tolist()
+    return [int(v) for v in values]
+
+
+def _check_device_tensor(name: str, t, bs: int | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(name, "a torch.Tensor", f"got {type(t).__name__}")
+    if t.dim() != 1:
+        raise InvalidArgument(name, "1-D", f"got shape {tuple(t.shape)}")
+    if t.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgument(name, "dtype int32 or int64", f"got {t.dtype}")
+    if bs is not None and t.numel() != bs:
+        raise InvalidArgument(name, "one entry per request", f"got {t.numel()}, expected {bs}")
+
+
+def _check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, int) or page_size < 1:
+        raise InvalidArgument("page_size", "an int >= 1", f"got {page_size!r}")
+
+
+def extend_needs_from_host(prefix_lens_cpu, seq_lens_cpu, page_size: int) -> tuple[int, int]:
+    """``(extend_num_tokens, num_new_pages)`` from lengths the caller has on the host.
+
+    Also checks the rules that need the values (``0 <= pre <= seq``), so that nothing
+    inconsistent is ever launched. No device sync: these are host lists or CPU tensors.
+    """
+    pre = _as_int_list("prefix_lens_cpu", prefix_lens_cpu)
+    seq = _as_int_list("seq_lens_cpu", seq_lens_cpu)
+    if len(pre) != len(seq):
+        raise InvalidArgument("seq_lens_cpu", "same length as prefix_lens_cpu",
+                              f"got {len(seq)} and {len(pre)}")
+    tokens = pages = 0
+    P = page_size
+    for r, (p, s) in enumerate(zip(pre, seq)):
+        if p < 0:
+            raise InvalidArgument(f"prefix_lens[{r}]", "prefix_lens >= 0", f"got {p}")
+        if s < p:
+            raise InvalidArgument(f"seq_lens[{r}]", "seq_lens >= prefix_lens", f"got seq {s} < pre {p}")
+        tokens += s - p
+        pages += (s + P - 1) // P - (p + P - 1) // P
+    return tokens, pages
+
+
+def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
+                      free_pages: torch.Tensor, page_size: int, *,
+                      extend_num_tokens: int | None = None,
+                      num_new_pages: int | None = None,
+                      prefix_lens_cpu=None, seq_lens_cpu=None) -> FastExtend:
+    """Slots for a batched extend, same result as :func:`kvlab.reference.alloc_extend_ref`.
+
+    Three ways to call it, from most to least host work avoided:
+
+    * ``extend_num_tokens`` and ``num_new_pages`` given (the scheduler knows both): no host
+      sync, no host loop; two launches (scan, fill).
+    * ``prefix_lens_cpu`` and ``seq_lens_cpu`` given: both counts are computed on the host
+      (and the lengths validated there); no device sync.
+    * neither: the scan kernel computes the totals on the device and the host reads them
+      once (one sync, the same one the source design pays for ``ret_values.item()``).
+
+    In every mode the out-of-pages decision is made before the fill kernel (the only one that
+    reads ``free_pages``) is launched; on :class:`OutOfPages` nothing has been written.
+    ``free_pages`` is not modified: the caller drops ``num_new_pages`` pages from its front.
+    """
+    _check_page_size(page_size)
+    _check_device_tensor("prefix_lens", prefix_lens)
+    bs = prefix_lens.numel()
+    _check_device_tensor("seq_lens", seq_lens, bs)
+    _check_device_tensor("last_loc", last_loc, bs)
+    _check_device_tensor("free_pages", free_pages)
+    device = prefix_lens.device
+    for name, t in (("seq_lens", seq_lens), ("last_loc", last_loc), ("free_pages", free_pages)):
+        if t.device != device:
+            raise InvalidArgument(name, "on the same device as prefix_lens",
+                                  f"got {t.device} and {device}")
+
+    if (prefix_lens_cpu is None) != (seq_lens_cpu is None):
+        raise InvalidArgument("prefix_lens_cpu/seq_lens_cpu", "give both or neither")
+    if prefix_lens_cpu is not None:
+        host_tokens, host_pages = extend_needs_from_host(prefix_lens_cpu, seq_lens_cpu, page_size)
+        if len(_as_int_list("prefix_lens_cpu", prefix_lens_cpu)) != bs:
+            raise InvalidArgument("prefix_lens_cpu", "one entry per request",
+                                  f"got {len(prefix_lens_cpu)}, expected {bs}")
+        if extend_num_tokens is not None and extend_num_tokens != host_tokens:
+            raise InvalidArgument("extend_num_tokens", "== sum(seq_lens - prefix_lens)",
+                                  f"got {extend_num_tokens}, the lengths sum to {host_tokens}")
+        if num_new_pages is not None and num_new_pages != host_pages:
+            raise InvalidArgument("num_new_pages", "== sum(ceil(seq/P) - ceil(pre/P))",
+                                  f"got {num_new_pages}, the lengths need {host_pages}")
+        extend_num_tokens, num_new_pages = host_tokens, host_pages
+    for name, v in (("extend_num_tokens", extend_num_tokens), ("num_new_pages", num_new_pages)):
+        if v is not None and (not isinstance(v, int) or v < 0):
+            raise InvalidArgument(name, "an int >= 0", f"got {v!r}")
+
+    num_free = free_pages.numel()
+    if num_new_pages is not None and num_new_pages > num_free:
+        raise OutOfPages(num_new_pages, num_free, "extend")  # before any launch
+    if bs == 0:
+        if extend_num_tokens not in (None, 0):
+            raise InvalidArgument("extend_num_tokens", "0 for an empty batch", f"got {extend_num_tokens}")
+        return FastExtend(torch.empty(0, dtype=torch.int64, device=device), 0)
+
+    # scan: offsets [bs] and first pages [bs], plus totals [2], in one int64 buffer
+    #   scratch = [ token_start (bs) | page_start (bs) | total tokens | total pages ]
+    scratch = torch.empty(2 * bs + 2, dtype=torch.int64, device=device)
+    token_start, page_start, totals = scratch[:bs], scratch[bs:2 * bs], scratch[2 * bs:]
+    extend_scan_kernel[(1,)](prefix_lens, seq_lens, token_start, page_start, totals, bs,
+                             page_size=page_size, BLOCK=BATCH_BLOCK)
+
+    if extend_num_tokens is None or num_new_pages is None:
+        device_tokens, device_pages = totals.tolist()  # the one host sync of this mode
+        if extend_num_tokens is not None and extend_num_tokens != device_tokens:
+            raise InvalidArgument("extend_num_tokens", "== sum(seq_lens - prefix_lens)",
+                                  f"got {extend_num_tokens}, the lengths sum to {device_tokens}")
+        if num_new_pages is not None and num_new_pages != device_pages:
+            raise InvalidArgument("num_new_pages", "== sum(ceil(seq/P) - ceil(pre/P))",
+                                  f"got {num_new_pages}, the lengths need {device_pages}")
+        if device_tokens < 0 or device_pages < 0:
+            raise InvalidArgument("seq_lens", "seq_lens >= prefix_lens",
+                                  f"the lengths sum to {device_tokens} tokens, {device_pages} pages")
+        extend_num_tokens, num_new_pages = device_tokens, device_pages
+        if num_new_pages > num_free:
+            raise OutOfPages(num_new_pages, num_free, "extend")  # before the fill reads free_pages
+
+    out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
+    if extend_num_tokens > 0:
+        grid = (triton.cdiv(extend_num_tokens, EXTEND_BLOCK),)
+        extend_fill_kernel[grid](prefix_lens, seq_lens, last_loc, free_pages, token_start,
+                                 page_start, out, bs, extend_num_tokens, num_free,
+                                 max(1, (bs - 1).bit_length()),
+                                 page_size=page_size, BLOCK=EXTEND_BLOCK)
+    return FastExtend(out, num_new_pages)
+
+
+def decode_needs_from_host(seq_lens_cpu, page_size: int) -> int:
+    """New pages one decode step takes, from host lengths: ``#{r : (seq_r - 1) % P == 0}``."""
+    seq = _as_int_list("seq_lens_cpu", seq_lens_cpu)
+    for r, s in enumerate(seq):
+        if s < 1:
+            raise InvalidArgument(f"seq_lens[{r}]", "seq_lens >= 1 (the length after the new token)",
+                                  f"got {s}")
+    if page_size == 1:
+        return len(seq)
+    return sum(1 for s in seq if (s - 1) % page_size == 0)
+
+
+def alloc_decode_fast(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor,
+                      page_size: int, *, num_new_pages: int | None = None,
+                      seq_lens_cpu=None) -> FastDecode:
+    """One slot per request for one decode step; same result as :func:`kvlab.reference.alloc_decode_ref`.
+
+    With ``seq_lens_cpu`` (or ``num_new_pages``) there is no host sync and one launch; with
+    neither, the page count is read from the device once (one sync) before the launch. With
+    ``page_size == 1`` every request takes a page and nothing needs to be read at all.
+    """
+    _check_page_size(page_size)
+    _check_device_tensor("seq_lens", seq_lens)
+    bs = seq_lens.numel()
+    _check_device_tensor("last_loc", last_loc, bs)
+    _check_device_tensor("free_pages", free_pages)
+    device = seq_lens.device
+    for name, t in (("last_loc", last_loc), ("free_pages", free_pages)):
+        if t.device != device:
+            raise InvalidArgument(name, "on the same device as seq_lens", f"got {t.device} and {device}")
+    if seq_lens_cpu is not None:
+        if len(_as_int_list("seq_lens_cpu", seq_lens_cpu)) != bs:
+            raise InvalidArgument("seq_lens_cpu", "one entry per request",
+                                  f"got {len(seq_lens_cpu)}, expected {bs}")
+        host_pages = decode_needs_from_host(seq_lens_cpu, page_size)
+        if num_new_pages is not None and num_new_pages != host_pages:
+            raise InvalidArgument("num_new_pages", "== #{r : (seq_lens[r] - 1) % P == 0}",
+                                  f"got {num_new_pages}, the lengths need {host_pages}")
+        num_new_pages = host_pages
+    elif num_new_pages is None:
+        if page_size == 1:
+            num_new_pages = bs
+        else:
+            # one sync: read the page need (and the rule seq >= 1) before anything is launched
+            seq_min, need = torch.stack([
+                seq_lens.min().to(torch.int64) if bs else torch.ones((), dtype=torch.int64, device=device),
+                ((seq_lens - 1) % page_size == 0).sum().to(torch.int64)]).tolist()
+            if seq_min < 1:
+                raise InvalidArgument("seq_lens", "seq_lens >= 1 (the length after the new token)",
+                                      f"got a minimum of {seq_min}")
+            num_new_pages = need
+    if not isinstance(num_new_pages, int) or num_new_pages < 0:
+        raise InvalidArgument("num_new_pages", "an int >= 0", f"got {num_new_pages!r}")
+    num_free = free_pages.numel()
+    if num_new_pages > num_free:
+        raise OutOfPages(num_new_pages, num_free, "decode step")  # before any launch
+    out = torch.empty(bs, dtype=torch.int64, device=device)
+    if bs > 0:
+        decode_fast_kernel[(1,)](seq_lens, last_loc, free_pages, out, bs, num_free,
+                                 page_size=page_size, BLOCK=BATCH_BLOCK)
+    return FastDecode(out, num_new_pages)
