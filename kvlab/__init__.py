@@ -29,6 +29,9 @@ _EXPORTS = {
     "Req": "cache_manager",
     "CacheManager": "cache_manager",
     "CacheRegions": "cache_manager",
+    "KVPool": "attention",  # chapter 08
+    "paged_decode_attention": "attention",
+    "TinyTransformer": "attention",
 }
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
