@@ -3,17 +3,28 @@
 Each chapter's checkers live in a module ``kvlab/check/chNN_*.py`` and register with
 :func:`kvlab.check.core.exercise`. ``kvlab.check.hint(name, level)`` gives hints in steps;
 ``kvlab.solutions.show(name)`` shows a reference solution.
+
+Learner code always runs through :func:`call_learner`, which :mod:`kvlab.check.sandbox`
+wraps in a safety net: a crash or a hang is reported instead of killing the notebook, and
+reads or writes just outside a tensor are caught by guard bands. A failure also draws a
+picture in a notebook (:mod:`kvlab.check.picture`).
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
+from . import sandbox
 from .core import (EXERCISES, Case, CheckFailed, Segment, call_learner, compare_flat, exercise,
                    hint, run_cases)
+from .sandbox import LearnerRaised
 
-__all__ = ["CheckFailed", "Case", "Segment", "compare_flat", "exercise", "hint", "run_cases",
-           "EXERCISES", "exercises"]
+# Every checker runs learner code through call_learner: give it the safety net
+# (child process in the interpreter, guard bands around tensor arguments).
+sandbox.install()
+
+__all__ = ["CheckFailed", "LearnerRaised", "Case", "Segment", "compare_flat", "exercise", "hint",
+           "run_cases", "call_learner", "EXERCISES", "exercises"]
 
 _loaded = False
 

@@ -21,13 +21,29 @@ class CheckFailed(AssertionError):
     """The learner's answer differs from the reference. The message says where and how."""
 
     def __init__(self, message: str, *, case: str | None = None, expected: Any = None,
-                 got: Any = None, wrong: Sequence[int] | None = None, label: str | None = None):
+                 got: Any = None, wrong: Sequence[int] | None = None, label: str | None = None,
+                 shape: Sequence[int] | None = None,
+                 segments: Sequence["Segment"] | None = None, what: str | None = None):
         self.case = case
         self.expected = expected
         self.got = got
         self.wrong = list(wrong) if wrong is not None else []
         self.label = label  # e.g. "request 1, part 3" or "region: duplicate"
+        # for the failure picture (kvlab.check.picture): the output's shape before flattening,
+        # the labelled ranges of the flat output, and what the output is called
+        self.shape = tuple(shape) if shape is not None else None
+        self.segments = list(segments) if segments is not None else []
+        self.what = what
         super().__init__(message)
+
+    def add_case(self, case: str) -> "CheckFailed":
+        """Prefix the message with ``[case]`` (once) and remember the case; returns self."""
+        if self.case is None:
+            self.case = case
+        msg = str(self.args[0]) if self.args else ""
+        if not msg.startswith(f"[{case}]"):
+            self.args = (f"[{case}] {msg}",) + tuple(self.args[1:])
+        return self
 
 
 @dataclass(frozen=True)
@@ -65,7 +81,9 @@ def label_at(index: int, segments: Iterable[Segment] | None) -> str | None:
 def compare_flat(expected, got, *, case: str, what: str = "output",
                  segments: Sequence[Segment] | None = None) -> None:
     """Compare two 1-D results; raise :class:`CheckFailed` naming the first wrong position."""
-    exp = torch.as_tensor(expected).flatten().cpu().to(torch.int64)
+    exp_full = torch.as_tensor(expected)
+    shape = tuple(exp_full.shape)
+    exp = exp_full.flatten().cpu().to(torch.int64)
     if not isinstance(got, torch.Tensor):
         try:
             got = torch.as_tensor(got)
@@ -77,7 +95,7 @@ def compare_flat(expected, got, *, case: str, what: str = "output",
         raise CheckFailed(
             f"[{case}] {what} has {g.numel()} values, expected {exp.numel()}\n"
             f"  expected: {_fmt(exp)}\n  got:      {_fmt(g)}",
-            case=case, expected=exp, got=g,
+            case=case, expected=exp, got=g, shape=shape, segments=segments, what=what,
         )
     wrong = (g != exp).nonzero().flatten().tolist()
     if not wrong:
@@ -95,7 +113,20 @@ def compare_flat(expected, got, *, case: str, what: str = "output",
     bad_labels = sorted({label_at(j, segments) for j in wrong} - {None})
     if len(bad_labels) > 1:
         msg += "\n  wrong values appear in: " + "; ".join(bad_labels)
-    raise CheckFailed(msg, case=case, expected=exp, got=g, wrong=wrong, label=where)
+    if len(shape) == 2 and shape[1] > 0:  # a table: say which row and column too
+        msg += f"\n  (index {i} is row {i // shape[1]}, column {i % shape[1]} of the {what})"
+    why = _explain_value(int(g[i]))
+    if why:
+        msg += "\n  " + why
+    raise CheckFailed(msg, case=case, expected=exp, got=g, wrong=wrong, label=where,
+                      shape=shape, segments=segments, what=what)
+
+
+def _explain_value(value: int) -> str | None:
+    """Say so when a wrong value is a guard sentinel of the safety net (a read outside a tensor)."""
+    from . import sandbox
+
+    return sandbox.explain_value(value)
 
 
 def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case], None],
@@ -105,7 +136,9 @@ def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case
     for case in cases:
         try:
             run_one(case)
-        except CheckFailed:
+        except CheckFailed as e:
+            e.add_case(case.name)
+            _show_picture(e)
             raise
         except Exception as e:  # the learner's code raised: say which case and what
             raise CheckFailed(
@@ -119,6 +152,19 @@ def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case
         print(f"✓ {exercise_name}: all {n_edge + n_random} cases pass "
               f"({n_edge} edge cases, {n_random} random)")
     return n_edge + n_random
+
+
+def _show_picture(err: CheckFailed) -> None:
+    """In a notebook, draw the failure (expected vs got, wrong cells marked). Never raises."""
+    if getattr(err, "_picture_shown", False):
+        return
+    err._picture_shown = True
+    try:
+        from .picture import show_failure
+
+        show_failure(err)
+    except Exception:  # noqa: BLE001 - a picture is a bonus; the message says it all
+        pass
 
 
 def call_learner(fn: Callable[..., Any], *args, grid=None, **kwargs):
