@@ -1,0 +1,7 @@
+"""Pictures of the KV cache: page-table heatmaps, and (later chapters) trees and region bars.
+
+Each picture function draws on a matplotlib Axes (``ax=`` or a new figure) and returns it.
+"""
+from __future__ import annotations
+
+from .heatmap import HeatmapView, page_table_heatmap  # noqa: F401
