@@ -1,0 +1,375 @@
+"""A small, deterministic serving loop over the real kvlab parts (chapter 07).
+
+Nothing is faked except the model: the token a request "generates" is read from its
+workload spec. Memory goes through :class:`kvlab.CacheManager` exactly as a server would
+drive it (mini-sglang's order):
+
+    each step
+    ┌──────────────────────────────────────────────────────────────────────────────┐
+    │ 1 arrivals      specs whose time has come join the waiting queue (FIFO)     │
+    │ 2 aborts        clients that gave up: release_req (nothing cached)          │
+    │ 3 decode        every running request computes one token:                   │
+    │                 allocate_paged(batch) maps a page when one crosses a page   │
+    │                 boundary; short of pages even after eviction -> preempt the │
+    │                 youngest running request (release it, re-queue it first)   │
+    │ 4 prefill       admit waiting requests while a row, the token budget and    │
+    │                 memory allow: admit = match_req + lock + map the hit;       │
+    │                 one allocate_paged for the batch; then cache_req(finished=  │
+    │                 False) puts the prompt's whole pages into the prefix cache  │
+    │ 5 finish        a request with its whole answer: cache_req(finished=True)   │
+    │ 6 check         check_integrity() + no running row reads a free page        │
+    │ 7 record        a StepRecord snapshot                                       │
+    └──────────────────────────────────────────────────────────────────────────────┘
+
+Out of pages: a *waiting* request waits (it is not admitted until memory allows); a
+*running* request that needs a page preempts the youngest running request, which goes
+back to the front of the queue with everything it generated so far -- its prompt pages
+stay in the prefix cache (unlocked), so its re-prefill is mostly a cache hit, unless
+they were evicted meanwhile. The token budget bounds prefill tokens per step, but the
+first admitted request of a step always goes (there is no chunked prefill).
+"""
+from __future__ import annotations
+
+import re
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache_manager import CacheManager, Req
+from ..errors import IntegrityError, InvalidArgument
+from ..paging import div_ceil, new_page_table
+from ..radix_cache import RadixPrefixCache
+from .timeline import MemorySplit, NodeSnap, RequestStats, StepRecord, Timeline
+from .workloads import RequestSpec, Workload
+
+__all__ = ["SimConfig", "Simulator", "SimIntegrityError", "simulate"]
+
+
+class SimIntegrityError(IntegrityError):
+    """An invariant broke during a run: says at which step and for which request."""
+
+    def __init__(self, step: int, rid: int | None, message: str):
+        self.step = step
+        self.rid = rid
+        who = f"request {rid}" if rid is not None else "no single request"
+        super().__init__(f"step {step}, {who}: {message}")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Knobs of a run. ``max_seq_len=None`` sizes the page table for the workload's longest request."""
+
+    page_size: int = 16
+    num_pages: int = 24
+    max_running: int = 4
+    prefill_budget: int = 128
+    max_seq_len: int | None = None
+    cache_after_prefill: bool = True     # cache_req(finished=False) right after prefill
+    remap_duplicates: bool = True        # False: the source design's stale row (caught by checks)
+    page_table_writer: str = "host"      # "host" scatter or "triton" kernel
+    max_steps: int = 5000
+
+
+class _CountingCache(RadixPrefixCache):
+    """The real radix cache, counting what eviction frees (for the timeline)."""
+
+    evicted_tokens = 0
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        freed = super().evict(num_tokens)
+        self.evicted_tokens += int(freed.numel())
+        return freed
+
+
+@dataclass
+class _Live:
+    spec: RequestSpec
+    input_ids: list[int]
+    generated: int = 0
+    req: Req | None = None
+    admit_order: int = -1
+    done: bool = False
+
+
+@dataclass
+class _StepLog:
+    arrived: list[int] = field(default_factory=list)
+    admitted: list[int] = field(default_factory=list)
+    decoded: list[int] = field(default_factory=list)
+    finished: list[int] = field(default_factory=list)
+    aborted: list[int] = field(default_factory=list)
+    preempted: list[int] = field(default_factory=list)
+    prefill_tokens: int = 0
+    hit_tokens: int = 0
+    prompt_tokens: int = 0
+    evicted_tokens: int = 0
+    regions: object | None = None
+    regions_rid: int = -1
+
+
+class Simulator:
+    """Runs a :class:`~kvlab.sim.workloads.Workload` step by step; :meth:`run` returns a Timeline."""
+
+    def __init__(self, workload: Workload, config: SimConfig = SimConfig(), device=None):
+        P = config.page_size
+        if not isinstance(P, int) or P < 1:
+            raise InvalidArgument("config.page_size", "an int >= 1", f"got {P!r}")
+        if config.prefill_budget < 1:
+            raise InvalidArgument("config.prefill_budget", ">= 1 token", f"got {config.prefill_budget}")
+        max_seq_len = config.max_seq_len or workload.max_total_len
+        for r in workload.requests:
+            if len(r.prompt) < 1 or len(r.output) < 1:
+                raise InvalidArgument(f"workload request {r.rid}", "a prompt and an output of >= 1 token")
+            if r.total_len > max_seq_len:
+                raise InvalidArgument(f"workload request {r.rid}", f"prompt + output <= max_seq_len={max_seq_len}",
+                                      f"got {r.total_len}")
+            if div_ceil(r.total_len, P) > config.num_pages:
+                raise InvalidArgument(
+                    f"workload request {r.rid}", f"must fit in memory alone: div_ceil(len, P) <= num_pages={config.num_pages}",
+                    f"needs {div_ceil(r.total_len, P)} pages")
+        rids = [r.rid for r in workload.requests]
+        if sorted(rids) != list(range(len(rids))):
+            raise InvalidArgument("workload.requests", "rids 0..n-1, each once")
+        self.workload = workload
+        self.config = config
+        self.page_table = new_page_table(config.max_running, max_seq_len, P, device)
+        self.cache = _CountingCache(P, device=self.page_table.device)
+        self.manager = CacheManager(config.num_pages, P, self.page_table, self.cache,
+                                    page_table_writer=config.page_table_writer,
+                                    remap_duplicates=config.remap_duplicates)
+        self.step_no = 0
+        self._pending = list(workload.requests)
+        self._waiting: deque[_Live] = deque()
+        self._running: dict[int, _Live] = {}          # rid -> live, in admission order
+        self._free_rows = list(range(config.max_running))
+        self._finish_step: dict[int, int] = {}
+        self._admits = 0
+        self.timeline = Timeline(workload.name, P, config.num_pages, config.max_running)
+        for r in workload.requests:
+            self.timeline.requests[r.rid] = RequestStats(r.rid, r.tag, len(r.prompt), len(r.output))
+
+    # --- helpers --------------------------------------------------------------------
+
+    @property
+    def done(self) -> bool:
+        return not (self._pending or self._waiting or self._running)
+
+    def _evictable_pages(self) -> int:
+        return self.cache.size_info.evictable_size // self.config.page_size
+
+    def _release(self, live: _Live) -> None:
+        """Give a running request's pages back (nothing is cached) and free its row."""
+        self.manager.release_req(live.req)
+        self._free_rows.append(live.req.table_idx)
+        self._free_rows.sort()
+        del self._running[live.spec.rid]
+        live.req = None
+
+    def _finish(self, live: _Live, log: _StepLog) -> None:
+        regions = self.manager.cache_req(live.req, finished=True)
+        log.regions, log.regions_rid = regions, live.spec.rid
+        self._free_rows.append(live.req.table_idx)
+        self._free_rows.sort()
+        del self._running[live.spec.rid]
+        live.req, live.done = None, True
+        self._finish_step[live.spec.rid] = self.step_no
+        self.timeline.requests[live.spec.rid].finish_step = self.step_no
+        log.finished.append(live.spec.rid)
+
+    def _emit_token(self, live: _Live) -> None:
+        """The forward pass computed KV for [cached_len, device_len); take the next token."""
+        live.req.append_token(live.spec.output[live.generated])
+        live.req.complete_one()  # cached_len = device_len; device_len += 1
+        live.generated += 1
+        self.timeline.requests[live.spec.rid].generated = live.generated
+
+    # --- the six phases ---------------------------------------------------------------
+
+    def _arrivals(self, log: _StepLog) -> None:
+        still = []
+        for spec in self._pending:
+            if spec.after is None:
+                ready = spec.arrival <= self.step_no
+            else:
+                done_at = self._finish_step.get(spec.after)
+                ready = done_at is not None and done_at + spec.arrival <= self.step_no
+            if ready:
+                self._waiting.append(_Live(spec, list(spec.prompt)))
+                self.timeline.requests[spec.rid].arrival_step = self.step_no
+                log.arrived.append(spec.rid)
+            else:
+                still.append(spec)
+        self._pending = still
+
+    def _aborts(self, log: _StepLog) -> None:
+        for live in list(self._running.values()):
+            limit = live.spec.abort_after
+            if limit is not None and live.generated >= limit:
+                self._release(live)
+                live.done = True
+                self._finish_step[live.spec.rid] = self.step_no  # a follow-up turn may come
+                self.timeline.requests[live.spec.rid].aborted = True
+                log.aborted.append(live.spec.rid)
+
+    def _decode(self, log: _StepLog) -> None:
+        P = self.config.page_size
+        while self._running:
+            batch = list(self._running.values())
+            need = sum(div_ceil(l.req.device_len, P) - div_ceil(l.req.cached_len, P) for l in batch)
+            if need <= self.manager.num_free_pages + self._evictable_pages():
+                break
+            youngest = max(batch, key=lambda l: l.admit_order)
+            live_ids = list(youngest.req.input_ids)
+            self._release(youngest)
+            youngest.input_ids = live_ids            # prompt + what it generated so far
+            self._waiting.appendleft(youngest)
+            self.timeline.requests[youngest.spec.rid].preemptions += 1
+            log.preempted.append(youngest.spec.rid)
+        batch = list(self._running.values())
+        if not batch:
+            return
+        self.manager.allocate_paged([l.req for l in batch])
+        for live in batch:
+            self._emit_token(live)
+            log.decoded.append(live.spec.rid)
+            if live.generated == len(live.spec.output):
+                self._finish(live, log)
+
+    def _prefill(self, log: _StepLog) -> None:
+        P = self.config.page_size
+        batch: list[_Live] = []
+        tokens = pages = 0
+        while self._waiting and self._free_rows:
+            live = self._waiting[0]
+            req = Req(list(live.input_ids), self._free_rows[0], rid=live.spec.rid)
+            self.manager.admit(req)                # match_req + lock + map the hit into the row
+            extend = req.device_len - req.cached_len
+            need = div_ceil(req.device_len, P) - div_ceil(req.cached_len, P)
+            over_budget = batch and tokens + extend > self.config.prefill_budget
+            # admit() locked the hit, so evictable pages are counted after it
+            no_memory = pages + need > self.manager.num_free_pages + self._evictable_pages()
+            if over_budget or no_memory:
+                self.manager.release_req(req)      # undo the admission: unlock, clear the row
+                break
+            self._waiting.popleft()
+            self._free_rows.pop(0)
+            live.req = req
+            live.admit_order = self._admits
+            self._admits += 1
+            self._running[live.spec.rid] = live
+            batch.append(live)
+            tokens += extend
+            pages += need
+            log.admitted.append(live.spec.rid)
+            log.hit_tokens += req.cached_len
+            log.prompt_tokens += req.device_len
+            stats = self.timeline.requests[live.spec.rid]
+            if stats.first_admit_step < 0:
+                stats.first_admit_step, stats.hit_tokens = self.step_no, req.cached_len
+        if not batch:
+            return
+        self.manager.allocate_paged([l.req for l in batch])
+        log.prefill_tokens += tokens
+        for live in batch:
+            self._emit_token(live)
+            if live.generated == len(live.spec.output):
+                self._finish(live, log)
+            elif self.config.cache_after_prefill:
+                log.regions = self.manager.cache_req(live.req, finished=False)
+                log.regions_rid = live.spec.rid
+
+    # --- checks and snapshots ---------------------------------------------------------
+
+    def _rid_of_row(self, row: int) -> int | None:
+        for rid, live in self._running.items():
+            if live.req.table_idx == row:
+                return rid
+        return None
+
+    def check(self) -> None:
+        """Every invariant, naming the step and the request when one breaks."""
+        P = self.config.page_size
+        free = set((self.manager.free_slots // P).tolist())
+        for rid, live in self._running.items():
+            req = live.req
+            row = self.page_table[req.table_idx, : req.cached_len].tolist()
+            for pos, slot in enumerate(row):
+                if slot < 0:
+                    raise SimIntegrityError(self.step_no, rid, f"row {req.table_idx} position {pos} "
+                                            f"is unmapped but its KV was computed (cached_len={req.cached_len})")
+                if slot // P in free:
+                    raise SimIntegrityError(self.step_no, rid, f"row {req.table_idx} position {pos} "
+                                            f"points at slot {slot} on page {slot // P}, which is free")
+        try:
+            self.manager.check_integrity()
+        except IntegrityError as e:
+            m = re.search(r"row (\d+)", str(e))
+            raise SimIntegrityError(self.step_no, self._rid_of_row(int(m.group(1))) if m else None,
+                                    str(e)) from e
+
+    def _snapshot(self, log: _StepLog) -> StepRecord:
+        P = self.config.page_size
+        info = self.cache.size_info
+        private = wasted = 0
+        row_rids = [-1] * self.config.max_running
+        for rid, live in self._running.items():
+            req = live.req
+            mapped = self.manager.allocated_pages(req)
+            handle_pages = req.cache_handle.cached_len // P if req.cache_handle is not None else 0
+            private += mapped - handle_pages
+            wasted += mapped * P - req.cached_len
+            row_rids[req.table_idx] = rid
+        memory = MemorySplit(self.manager.num_free_pages, info.evictable_size // P,
+                             info.protected_size // P, private)
+        tree = tuple(
+            NodeSnap(n.uid, -1 if n.parent is self.cache.root else n.parent.uid, n.length, n.ref_count,
+                     n.last_access, tuple(n.key[:3]), tuple((n.value[::P] // P).tolist()))
+            for n in self.cache.nodes())
+        return StepRecord(
+            step=self.step_no, arrived=tuple(log.arrived), admitted=tuple(log.admitted),
+            decoded=tuple(log.decoded), finished=tuple(log.finished), aborted=tuple(log.aborted),
+            preempted=tuple(log.preempted), waiting=tuple(l.spec.rid for l in self._waiting),
+            prefill_tokens=log.prefill_tokens, hit_tokens=log.hit_tokens,
+            prompt_tokens=log.prompt_tokens, evicted_tokens=log.evicted_tokens,
+            memory=memory, wasted_slots=wasted,
+            page_table=self.page_table[: self.config.max_running].clone().cpu(),
+            row_rids=tuple(row_rids), free_pages=tuple((self.manager.free_slots // P).tolist()),
+            tree=tree, cache_evictable=info.evictable_size, cache_protected=info.protected_size,
+            last_regions=log.regions, last_regions_rid=log.regions_rid)
+
+    # --- driving ----------------------------------------------------------------------
+
+    def step(self) -> StepRecord:
+        """Run one step (arrivals, aborts, decode, prefill, finish), check it, record it."""
+        log = _StepLog()
+        evicted_before = self.cache.evicted_tokens
+        self._arrivals(log)
+        self._aborts(log)
+        self._decode(log)
+        self._prefill(log)
+        log.evicted_tokens = self.cache.evicted_tokens - evicted_before
+        self.check()
+        record = self._snapshot(log)
+        self.timeline.steps.append(record)
+        self.step_no += 1
+        return record
+
+    def run(self) -> Timeline:
+        while not self.done:
+            if self.step_no >= self.config.max_steps:
+                raise RuntimeError(f"the run did not finish in max_steps={self.config.max_steps} steps "
+                                   f"({len(self._waiting)} waiting, {len(self._running)} running)")
+            self.step()
+        return self.timeline
+
+
+def simulate(workload: Workload, config: SimConfig | None = None, device=None, **overrides) -> Timeline:
+    """Run ``workload`` to the end and return its :class:`~kvlab.sim.timeline.Timeline`.
+
+    ``overrides`` replace fields of ``config`` (e.g. ``simulate(w, page_size=1)``).
+    """
+    from dataclasses import replace
+
+    config = replace(config or SimConfig(), **overrides)
+    return Simulator(workload, config, device).run()
