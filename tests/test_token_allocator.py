@@ -1,0 +1,297 @@
+"""PagedTokenAllocator (teaching kernels) against the plain-Python oracles, on random batches.
+
+Every allocation is compared with :mod:`kvlab.reference.alloc` run on a copy of
+``free_pages`` taken just before; the invariants are checked on the kernel's output as well,
+so a wrong reference could not hide a wrong kernel.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvlab
+from kvlab import InvalidArgument, OutOfPages, PagedTokenAllocator
+from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref, pages_needed_extend
+
+
+def t(values, device=None, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=device or kvlab.DEVICE)
+
+
+class Batch:
+    """Requests that already own their prefix pages (allocated through the allocator itself)."""
+
+    def __init__(self, alloc: PagedTokenAllocator, prefix_lens: list[int]):
+        self.alloc = alloc
+        self.pre = list(prefix_lens)
+        n = sum(prefix_lens)
+        slots = alloc.alloc_extend(t([0] * len(prefix_lens)), t(prefix_lens),
+                                   t([-1] * len(prefix_lens)), n).tolist()
+        self.slots: list[list[int]] = []
+        at = 0
+        for p in prefix_lens:
+            self.slots.append(slots[at:at + p])
+            at += p
+
+    @property
+    def last_loc(self) -> list[int]:
+        return [s[-1] if s else -1 for s in self.slots]
+
+    def pages_of(self, r: int) -> set[int]:
+        return {x // self.alloc.page_size for x in self.slots[r]}
+
+
+def extend_and_check(batch: Batch, seq_lens: list[int]) -> None:
+    """Extend every request of ``batch`` to ``seq_lens`` and check the result thoroughly."""
+    alloc, P, pre = batch.alloc, batch.alloc.page_size, batch.pre
+    free_before = alloc.free_pages.tolist()
+    needed = pages_needed_extend(pre, seq_lens, P)
+    n_tokens = sum(s - p for p, s in zip(pre, seq_lens))
+    if needed > len(free_before):
+        before = alloc.state()
+        with pytest.raises(OutOfPages, match=f"needs {needed} new page"):
+            alloc.alloc_extend(t(pre), t(seq_lens), t(batch.last_loc), n_tokens)
+        assert alloc.state().equals(before)
+        return
+    plan = alloc_extend_ref(pre, seq_lens, batch.last_loc, free_before, P)
+    out = alloc.alloc_extend(t(pre), t(seq_lens), t(batch.last_loc), n_tokens)
+    got = out.tolist()
+
+    assert out.dtype == torch.int64 and out.numel() == n_tokens
+    assert got == plan.out_indices                                  # equal to the reference
+    assert len(set(got)) == len(got)                                # slots unique
+    assert alloc.free_pages.tolist() == free_before[plan.num_new_pages:]  # consumed exactly
+    taken = set(free_before[:plan.num_new_pages])
+    all_old = [batch.pages_of(r) for r in range(len(pre))]
+    for r, (p, s) in enumerate(zip(pre, seq_lens)):
+        mine = got[plan.output_starts[r]:plan.output_starts[r] + s - p]
+        pages = [x // P for x in mine]
+        others_old = set().union(*(all_old[:r] + all_old[r + 1:])) if len(pre) > 1 else set()
+        assert not set(pages) & others_old                          # never another request's page
+        new = [pg for pg in pages if pg not in all_old[r]]
+        assert set(new) <= taken                                    # new pages came off the free list
+        assert [x % P for x in mine] == [k % P for k in range(p, s)]  # offset in page == position % P
+        for i, x in enumerate(mine):                                # a slot that starts a page is aligned
+            if i == 0 and p % P == 0 or i > 0 and pages[i] != pages[i - 1]:
+                assert x % P == 0 and pages[i] not in all_old[r]
+    # new pages are not shared between requests
+    owners: dict[int, int] = {}
+    for i, (r, _part) in enumerate(plan.parts):
+        pg = got[i] // P
+        if pg in taken:
+            assert owners.setdefault(pg, r) == r
+    for r in range(len(pre)):
+        batch.slots[r] += got[plan.output_starts[r]:plan.output_starts[r] + seq_lens[r] - pre[r]]
+    batch.pre = list(seq_lens)
+
+
+# --- hand-worked cases ------------------------------------------------------------------------
+
+
+def test_worked_example_reproduced_by_the_kernel():
+    alloc = PagedTokenAllocator(16, 64)
+    # A's prefix ends at offset 5 of page 2, B's fills page 1; free pages come out as 7, 3, 9, 5
+    alloc.free_pages = t([7, 3, 9, 5, 11, 12])
+    last_loc = [2 * 64 + 5, 1 * 64 + 63]
+    out = alloc.alloc_extend(t([70, 128]), t([190, 260]), t(last_loc), 252)
+    plan = alloc_extend_ref([70, 128], [190, 260], last_loc, [7, 3, 9, 5, 11, 12], 64)
+    assert out.tolist() == plan.out_indices
+    assert out[:58].tolist() == list(range(2 * 64 + 6, 3 * 64))        # A part 1
+    assert out[58:120].tolist() == list(range(7 * 64, 7 * 64 + 62))    # A part 3
+    assert out[120:248].tolist() == list(range(3 * 64, 4 * 64)) + list(range(9 * 64, 10 * 64))
+    assert out[248:].tolist() == [5 * 64 + k for k in range(4)]        # B part 3
+    assert alloc.free_pages.tolist() == [11, 12]
+    assert alloc.ret_values.item() == (4 << 32) | 252
+
+
+@pytest.mark.parametrize("P", [1, 4, 16, 64])
+@pytest.mark.parametrize("prefix_lens,seq_lens", [
+    ([0], [0]),                       # one empty request: nothing to do, no launch
+    ([0], [1]),                       # one request, pre == 0, one token
+    ([0, 0, 0], [5, 64, 65]),          # pre == 0 for all
+    ([64, 128], [64, 200]),            # page-aligned prefixes, one empty extend
+    ([3, 70, 1], [3, 190, 130]),       # unaligned prefixes, one empty extend
+    ([5] * 9, [6, 7, 8, 9, 60, 64, 65, 128, 5]),  # many requests
+])
+def test_edge_cases(P, prefix_lens, seq_lens):
+    # room for every prefix page plus every new page, and two to spare
+    alloc = PagedTokenAllocator(pages_needed_extend([0] * len(seq_lens), seq_lens, P) + 2, P)
+    batch = Batch(alloc, prefix_lens)
+    free_before = alloc.num_free_pages
+    extend_and_check(batch, seq_lens)
+    assert alloc.num_free_pages == free_before - pages_needed_extend(prefix_lens, seq_lens, P)
+
+
+def test_int32_inputs_are_accepted():
+    alloc = PagedTokenAllocator(8, 4)
+    out = alloc.alloc_extend(t([0, 0], dtype=torch.int32), t([3, 5], dtype=torch.int32),
+                             t([-1, -1], dtype=torch.int32), 8)
+    assert out.dtype == torch.int64
+    assert out.tolist() == [0, 1, 2, 4, 5, 6, 7, 8]
+
+
+# --- random batches (hypothesis) ------------------------------------------------------------
+
+
+@st.composite
+def workloads(draw):
+    P = draw(st.sampled_from([1, 2, 4, 16, 64]))
+    bs = draw(st.integers(1, 6))
+    pre = [draw(st.integers(0, 3 * P + 2)) for _ in range(bs)]
+    seq = [p + draw(st.one_of(st.just(0), st.integers(0, 2 * P + 3))) for p in pre]
+    prefix_pages = pages_needed_extend([0] * bs, pre, P)
+    spare = draw(st.integers(-2, 6))  # sometimes too few pages for the extend
+    num_pages = max(1, prefix_pages + max(0, pages_needed_extend(pre, seq, P) + spare))
+    return P, pre, seq, num_pages
+
+
+@given(workloads(), st.randoms(use_true_random=False))
+def test_random_extends_match_the_reference(workload, rnd):
+    P, pre, seq, num_pages = workload
+    alloc = PagedTokenAllocator(num_pages, P)
+    perm = list(range(num_pages))
+    rnd.shuffle(perm)  # a scrambled free list, as after a while of serving
+    alloc.free_pages = t(perm)
+    batch = Batch(alloc, pre)
+    extend_and_check(batch, seq)
+
+
+@given(workloads(), st.integers(1, 5))
+def test_random_decode_steps_match_the_reference(workload, steps):
+    P, pre, _seq, num_pages = workload
+    alloc = PagedTokenAllocator(num_pages + 2, P)
+    batch = Batch(alloc, pre)
+    for _ in range(steps):
+        seq = [p + 1 for p in batch.pre]
+        free_before = alloc.free_pages.tolist()
+        needed = sum(1 for s in seq if (s - 1) % P == 0)
+        if needed > len(free_before):
+            before = alloc.state()
+            with pytest.raises(OutOfPages):
+                alloc.alloc_decode(t(seq), t(batch.last_loc))
+            assert alloc.state().equals(before)
+            return
+        plan = alloc_decode_ref(seq, batch.last_loc, free_before, P)
+        got = alloc.alloc_decode(t(seq), t(batch.last_loc)).tolist()
+        assert got == plan.out_indices
+        assert len(set(got)) == len(got)
+        assert alloc.free_pages.tolist() == free_before[plan.num_new_pages:]
+        for r, x in enumerate(got):
+            others = set().union(*(batch.pages_of(q) for q in range(len(seq)) if q != r))
+            assert x // P not in others
+            assert (x % P == 0) == plan.takes_new_page[r] == ((seq[r] - 1) % P == 0)
+            batch.slots[r].append(x)
+        batch.pre = seq
+
+
+# --- refusals leave everything as it was ---------------------------------------------------
+
+
+def _refused(alloc, call, error):
+    before = alloc.state()
+    with pytest.raises(error) as e:
+        call()
+    assert alloc.state().equals(before)
+    return e.value
+
+
+def test_out_of_pages_names_needed_and_free_and_changes_nothing():
+    alloc = PagedTokenAllocator(4, 4)
+    alloc.alloc_extend(t([0]), t([9]), t([-1]), 9)  # 3 pages, 1 left
+    err = _refused(alloc, lambda: alloc.alloc_extend(t([9, 0]), t([13, 1]), t([8 + 0, -1]), 5), OutOfPages)
+    assert (err.needed, err.free) == (2, 1) and "needs 2" in str(err) and "only 1" in str(err)
+    assert isinstance(err, RuntimeError)
+
+
+@pytest.mark.parametrize("args,argument,rule", [
+    ((t([4]), t([3]), t([3]), 0), "seq_lens[0]", "seq_lens >= prefix_lens"),
+    ((t([4]), t([6]), t([4]), 2), "last_loc[0]", "(last_loc + 1) % page_size"),
+    ((t([0]), t([2]), t([0]), 2), "last_loc[0]", "(last_loc + 1) % page_size"),
+    ((t([-4]), t([2]), t([-1]), 6), "prefix_lens[0]", "prefix_lens >= 0"),
+    ((t([0, 0]), t([2]), t([-1]), 2), "prefix_lens/seq_lens/last_loc", "same length"),
+    ((t([0]), t([2]), t([-1]), 3), "extend_num_tokens", "sum(seq_lens - prefix_lens)"),
+    ((t([0]), t([2.0], dtype=torch.float32), t([-1]), 2), "seq_lens", "dtype"),
+    ((t([0]), t([2], dtype=torch.int16), t([-1]), 2), "seq_lens", "dtype"),
+    (([0], t([2]), t([-1]), 2), "prefix_lens", "torch.Tensor"),
+    ((t([4]), t([6]), t([999]), 2), "last_loc[0]", "0 <= last_loc"),
+])
+def test_bad_extend_arguments_are_refused_before_launch(args, argument, rule):
+    alloc = PagedTokenAllocator(8, 4)
+    err = _refused(alloc, lambda: alloc.alloc_extend(*args), InvalidArgument)
+    assert err.argument == argument and rule in err.rule
+    assert isinstance(err, ValueError)
+
+
+def test_wrong_device_is_refused():
+    # on a GPU: allocator on cuda, inputs on the cpu; without one, an allocator on "meta"
+    other = "cuda" if torch.cuda.is_available() else "meta"
+    alloc = PagedTokenAllocator(8, 4, device=other)
+    free_before = alloc.free_pages.clone()
+    with pytest.raises(InvalidArgument) as e:
+        alloc.alloc_extend(t([0], "cpu"), t([1], "cpu"), t([-1], "cpu"), 1)
+    assert e.value.argument == "prefix_lens" and "device" in e.value.rule
+    assert alloc.free_pages.shape == free_before.shape
+
+
+@pytest.mark.parametrize("args,argument", [
+    ((t([0]), t([-1])), "seq_lens[0]"),
+    ((t([6]), t([5])), "last_loc[0]"),
+    ((t([1, 2]), t([-1])), "seq_lens/last_loc"),
+])
+def test_bad_decode_arguments_are_refused(args, argument):
+    alloc = PagedTokenAllocator(8, 4)
+    err = _refused(alloc, lambda: alloc.alloc_decode(*args), InvalidArgument)
+    assert err.argument == argument
+
+
+@pytest.mark.parametrize("num_pages,page_size", [(0, 4), (4, 0), (4, 3), (4, 48)])
+def test_bad_constructor_arguments(num_pages, page_size):
+    with pytest.raises(InvalidArgument):
+        PagedTokenAllocator(num_pages, page_size)
+
+
+def test_unknown_impl_is_refused():
+    with pytest.raises(InvalidArgument, match="impl"):
+        PagedTokenAllocator(4, 4, impl="magic")
+
+
+# --- free -------------------------------------------------------------------------------------
+
+
+def test_free_returns_whole_pages_and_available_size_follows():
+    alloc = PagedTokenAllocator(6, 4)
+    assert alloc.available_size() == 24
+    out = alloc.alloc_extend(t([0, 0]), t([6, 3]), t([-1, -1]), 9)  # pages 0, 1 | 2
+    assert alloc.available_size() == 12 and alloc.free_pages.tolist() == [3, 4, 5]
+    alloc.free(out[:6])                      # request 0's slots: pages 0 and 1
+    assert alloc.free_pages.tolist() == [3, 4, 5, 0, 1]
+    alloc.free(out[6:7])                     # one slot of page 2 frees the page
+    assert alloc.free_pages.tolist() == [3, 4, 5, 0, 1, 2]
+    assert alloc.available_size() == 24
+    alloc.free(t([]))                        # nothing: fine
+    assert alloc.num_free_pages == 6
+
+
+@pytest.mark.parametrize("indices,rule", [
+    ([0], "allocated"),           # page 0 is already free (double free)
+    ([-1], "0 <= slot"),          # out of range
+    ([24], "0 <= slot"),          # out of range (6 pages of 4)
+    ([8, 8], "at most once"),     # the same slot twice
+    ([8, 3], "allocated"),        # one good page, one already free: nothing changes
+])
+def test_free_refusals_change_nothing(indices, rule):
+    alloc = PagedTokenAllocator(6, 4)
+    alloc.alloc_extend(t([0]), t([12]), t([-1]), 12)  # pages 0, 1, 2 allocated
+    alloc.free(t([0, 1, 2, 3]))                          # page 0 back
+    err = _refused(alloc, lambda: alloc.free(t(indices)), InvalidArgument)
+    assert rule in err.rule
+
+
+def test_nothing_is_freed_twice():
+    alloc = PagedTokenAllocator(4, 2)
+    out = alloc.alloc_extend(t([0]), t([4]), t([-1]), 4)
+    alloc.free(out)
+    _refused(alloc, lambda: alloc.free(out), InvalidArgument)
+    assert sorted(alloc.free_pages.tolist()) == [0, 1, 2, 3]
