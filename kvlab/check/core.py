@@ -23,7 +23,8 @@ class CheckFailed(AssertionError):
     def __init__(self, message: str, *, case: str | None = None, expected: Any = None,
                  got: Any = None, wrong: Sequence[int] | None = None, label: str | None = None,
                  shape: Sequence[int] | None = None,
-                 segments: Sequence["Segment"] | None = None, what: str | None = None):
+                 segments: Sequence["Segment"] | None = None, what: str | None = None,
+                 page_size: int | None = None):
         self.case = case
         self.expected = expected
         self.got = got
@@ -34,6 +35,7 @@ class CheckFailed(AssertionError):
         self.shape = tuple(shape) if shape is not None else None
         self.segments = list(segments) if segments is not None else []
         self.what = what
+        self.page_size = page_size  # a page table is drawn with page boundaries when given
         super().__init__(message)
 
     def add_case(self, case: str) -> "CheckFailed":

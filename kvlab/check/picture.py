@@ -57,7 +57,7 @@ def failure_figure(err):
     title = str(err.args[0]).splitlines()[0] if err.args else "check failed"
     if len(shape) == 2 and exp.numel() == got.numel() == shape[0] * shape[1] and exp.numel():
         return table_figure(exp.reshape(shape), got.reshape(shape), title=title,
-                            what=err.what or "table")
+                            what=err.what or "table", page_size=getattr(err, "page_size", None))
     return strip_figure(exp, got, segments=err.segments, title=title, what=err.what or "output")
 
 
@@ -129,13 +129,22 @@ def strip_figure(expected: torch.Tensor, got: torch.Tensor, *, segments=(), titl
 
 
 def table_figure(expected: torch.Tensor, got: torch.Tensor, *, title: str = "",
-                 what: str = "table"):
-    """Two heatmaps (expected, got) of a 2-D output; cells that differ outlined in red."""
+                 what: str = "table", page_size: int | None = None):
+    """Two heatmaps (expected, got) of a 2-D output; cells that differ outlined in red.
+
+    With ``page_size`` (a page table), the course's page-table heatmap draws each side
+    (colour = physical page); otherwise a plain heatmap of the values.
+    """
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
     rows, cols = expected.shape
     wrong = (expected != got).nonzero().tolist()
+    if page_size:
+        try:
+            return _page_table_pair(expected, got, page_size, title=title, n_wrong=len(wrong))
+        except Exception:  # noqa: BLE001 - fall back to the plain heatmap below
+            pass
     vmin = int(min(expected.min(), got.min()))
     vmax = int(max(expected.max(), got.max()))
     fig, axes = plt.subplots(1, 2, figsize=(min(16, 2 + 0.5 * cols * 2), 1.2 + 0.35 * rows),
@@ -154,6 +163,25 @@ def table_figure(expected: torch.Tensor, got: torch.Tensor, *, title: str = "",
         ax.set_xlabel("column (logical token position)", fontsize=8)
         ax.set_ylabel("row", fontsize=8)
     fig.suptitle(textwrap.fill(f"{title}  ({len(wrong)} wrong cells, outlined in red)",
+                               int(fig.get_figwidth() * 13)), fontsize=9, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def _page_table_pair(expected: torch.Tensor, got: torch.Tensor, page_size: int, *, title: str,
+                     n_wrong: int):
+    import matplotlib.pyplot as plt
+
+    from ..viz import page_table_heatmap
+
+    rows, cols = expected.shape
+    mask = (expected != got).numpy()
+    fig, axes = plt.subplots(1, 2, figsize=(min(16, 3 + 0.45 * cols * 2), 1.6 + 0.4 * rows),
+                             squeeze=False)
+    for ax, name, vals in zip(axes[0], ("expected", "got"), (expected, got)):
+        page_table_heatmap(vals, page_size, ax=ax, highlight=mask, title=f"{name} page table",
+                           colorbar=False)
+    fig.suptitle(textwrap.fill(f"{title}  ({n_wrong} wrong cells, outlined in red)",
                                int(fig.get_figwidth() * 13)), fontsize=9, x=0.01, ha="left")
     fig.tight_layout()
     return fig

@@ -1,0 +1,223 @@
+"""The checker framework (kvlab.check.core), failure pictures, hints and solutions.
+
+The last tests run over every registered exercise, so they grow as chapters add checkers:
+each must have at least two hints and a stored solution, the solution must pass its own
+checker, and ``kvlab.solutions.show`` must print its source.
+"""
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import kvlab  # noqa: E402
+import kvlab.check  # noqa: E402
+import kvlab.solutions  # noqa: E402
+from kvlab.check import Case, CheckFailed, Segment, compare_flat, core, picture  # noqa: E402
+
+# --- compare_flat ------------------------------------------------------------------------
+
+
+def test_compare_flat_passes_equal_values_of_any_int_dtype():
+    compare_flat([1, 2, 3], torch.tensor([1, 2, 3], dtype=torch.int32), case="c")
+    compare_flat(torch.empty(0), torch.empty(0, dtype=torch.int64), case="empty")
+
+
+def test_compare_flat_names_the_first_wrong_position_and_its_segment():
+    segments = [Segment("request 0, part 1", 0, 3), Segment("request 0, part 2", 3, 7),
+                Segment("request 1, part 3", 7, 9)]
+    got = torch.arange(9)
+    got[4] = 99
+    got[8] = 77
+    with pytest.raises(CheckFailed) as info:
+        compare_flat(torch.arange(9), got, case="two requests", what="out_indices",
+                     segments=segments)
+    err = info.value
+    msg = str(err)
+    assert msg.startswith("[two requests] out_indices differs at 2 of 9 positions")
+    assert "first at index 4 (request 0, part 2)" in msg
+    assert "expected[4] = 4, got 99" in msg
+    assert "wrong values appear in: request 0, part 2; request 1, part 3" in msg
+    assert err.wrong == [4, 8] and err.label == "request 0, part 2"
+    assert err.case == "two requests" and err.what == "out_indices"
+    assert err.segments == segments and err.shape == (9,)
+
+
+def test_compare_flat_reports_a_length_mismatch():
+    with pytest.raises(CheckFailed, match=r"has 2 values, expected 3"):
+        compare_flat([1, 2, 3], torch.tensor([1, 2]), case="c")
+
+
+def test_compare_flat_rejects_a_non_tensor_answer():
+    with pytest.raises(CheckFailed, match="should be a tensor"):
+        compare_flat([1, 2], object(), case="c")
+
+
+def test_compare_flat_names_row_and_column_of_a_table():
+    exp = torch.arange(12).reshape(3, 4)
+    got = exp.clone()
+    got[2, 1] = -1
+    with pytest.raises(CheckFailed) as info:
+        compare_flat(exp, got, case="table", what="page_table")
+    assert "row 2, column 1 of the page_table" in str(info.value)
+    assert info.value.shape == (3, 4)
+
+
+# --- run_cases ---------------------------------------------------------------------------
+
+
+def test_run_cases_prints_one_line_and_counts_edge_and_random(capsys):
+    cases = [Case("a", {}), Case("b", {}), Case("r1", {}, kind="random")]
+    assert core.run_cases("demo", cases, lambda c: None) == 3
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out == ["✓ demo: all 3 cases pass (2 edge cases, 1 random)"]
+
+
+def test_run_cases_stops_at_the_first_failure_and_names_the_case():
+    ran = []
+
+    def run_one(case):
+        ran.append(case.name)
+        if case.name == "b":
+            raise ValueError("bad shape")
+
+    with pytest.raises(CheckFailed, match=r"^\[b\] your code raised ValueError: bad shape"):
+        core.run_cases("demo", [Case("a", {}), Case("b", {}), Case("c", {})], run_one)
+    assert ran == ["a", "b"]
+
+
+def test_run_cases_adds_the_case_name_once():
+    def run_one(case):
+        raise CheckFailed("[b] already named", case=None)
+
+    with pytest.raises(CheckFailed) as info:
+        core.run_cases("demo", [Case("b", {})], run_one)
+    assert str(info.value) == "[b] already named" and info.value.case == "b"
+
+
+def test_run_cases_shows_the_picture_of_a_failure(monkeypatch):
+    shown = []
+    monkeypatch.setattr(picture, "show_failure", lambda err: shown.append(err))
+
+    def run_one(case):
+        compare_flat([1, 2], torch.tensor([1, 3]), case=case.name)
+
+    with pytest.raises(CheckFailed) as info:
+        core.run_cases("demo", [Case("x", {})], run_one)
+    assert shown == [info.value]
+
+
+# --- pictures ----------------------------------------------------------------------------
+
+
+def _failure(exp, got, **kw) -> CheckFailed:
+    with pytest.raises(CheckFailed) as info:
+        compare_flat(exp, got, case="c", **kw)
+    return info.value
+
+
+def _red_outlines(fig) -> int:
+    from matplotlib.patches import Rectangle
+
+    return sum(1 for ax in fig.axes for p in ax.patches
+               if isinstance(p, Rectangle) and not p.get_fill() and p.get_edgecolor()[:3] == (1, 0, 0))
+
+
+def test_strip_picture_outlines_each_wrong_cell():
+    got = torch.arange(10)
+    got[[2, 7]] = 0
+    err = _failure(torch.arange(10), got, what="slots",
+                   segments=[Segment("page 0", 0, 5), Segment("page 1", 5, 10)])
+    fig = picture.failure_figure(err)
+    assert _red_outlines(fig) == 2
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert "page 0" in texts and "page 1" in texts
+    plt.close(fig)
+
+
+def test_strip_picture_of_a_long_output_shows_a_window_around_the_first_wrong_cell():
+    got = torch.arange(500)
+    got[300] = -1
+    fig = picture.failure_figure(_failure(torch.arange(500), got))
+    assert _red_outlines(fig) == 1
+    assert "showing" in fig.axes[0].get_xlabel()
+    plt.close(fig)
+
+
+def test_strip_picture_of_different_lengths():
+    fig = picture.failure_figure(_failure([1, 2, 3, 4], torch.tensor([1, 2])))
+    assert fig is not None and _red_outlines(fig) == 2
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("page_size", [None, 2])
+def test_table_picture_outlines_wrong_cells_on_both_sides(page_size):
+    exp = torch.arange(24).reshape(4, 6)
+    got = exp.clone()
+    got[1, 2] = 0
+    err = _failure(exp, got, what="page table")
+    err.page_size = page_size
+    fig = picture.failure_figure(err)
+    assert _red_outlines(fig) >= 2 or page_size  # the course heatmap draws its own outlines
+    assert len([ax for ax in fig.axes if ax.get_title()]) >= 2
+    plt.close(fig)
+
+
+def test_no_picture_without_data_or_without_a_front_end():
+    assert picture.failure_figure(CheckFailed("crashed")) is None
+    assert picture.front_end_present() is False  # plain pytest: no Jupyter kernel
+    assert picture.show_failure(_failure([1], torch.tensor([2]))) is False
+
+
+# --- hints and solutions ------------------------------------------------------------------
+
+
+def test_hint_levels_and_unknown_names(capsys):
+    @core.exercise("_demo_exercise", chapter="99", hints=["first", "second"], solution=abs)
+    def demo(fn):
+        return 1
+
+    try:
+        assert core.hint("_demo_exercise", 2) == "Hint 2/2 for _demo_exercise: second"
+        assert demo.hint(1).endswith("first")
+        assert "hints 1 to 2" in core.hint("_demo_exercise", 3)
+        assert kvlab.solutions.get("_demo_exercise") is abs
+        assert kvlab.check._demo_exercise is demo
+        with pytest.raises(KeyError, match="no exercise named 'nope'"):
+            core.hint("nope")
+        with pytest.raises(AttributeError):
+            kvlab.check.nope  # noqa: B018
+    finally:
+        del core.EXERCISES["_demo_exercise"]
+
+
+EXERCISE_NAMES = kvlab.check.exercises()
+
+
+def test_exercises_are_registered():
+    assert EXERCISE_NAMES, "no exercise checkers are registered (kvlab/check/chNN_*.py)"
+
+
+@pytest.mark.parametrize("name", EXERCISE_NAMES)
+def test_every_exercise_has_steps_of_hints(name, capsys):
+    ex = core.EXERCISES[name]
+    assert len(ex.hints) >= 2, f"{name} has {len(ex.hints)} hint(s); give at least 2"
+    assert all(len(h) >= 20 for h in ex.hints), f"{name} has a hint too short to help"
+    assert len(set(ex.hints)) == len(ex.hints)
+    assert ex.chapter.isdigit()
+    for level in range(1, len(ex.hints) + 1):
+        assert ex.hints[level - 1] in core.hint(name, level)
+
+
+@pytest.mark.parametrize("name", EXERCISE_NAMES)
+def test_every_solution_is_shown_and_passes_its_own_checker(name, capsys):
+    solution = kvlab.solutions.get(name)
+    src = kvlab.solutions.show(name)
+    assert "def " in src and f"Reference solution for {name!r}" in capsys.readouterr().out
+    checker = getattr(kvlab.check, name)
+    assert checker(solution) > 0
+    assert f"✓ {name}" in capsys.readouterr().out
