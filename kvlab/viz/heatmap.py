@@ -71,7 +71,8 @@ def page_table_heatmap(page_table, page_size: int, *, rows=None, cols=None, empt
                        ax=None, title: str | None = None, highlight=None, categories=None,
                        category_labels: "Sequence[str] | Mapping[int, str] | None" = None,
                        max_cells: int = MAX_COLUMNS, annotate: bool | None = None,
-                       colorbar: bool = True, cmap: str = "viridis", row_label: str = "request slot"):
+                       colorbar: bool = True, cmap: str = "viridis", row_label: str = "request slot",
+                       page_range: "tuple[int, int] | None" = None):
     """Draw a page table: rows = request slots, columns = logical positions, colour = page.
 
     page_table: 2-D tensor or array of physical slots. ``empty`` is the value meaning
@@ -83,6 +84,7 @@ def page_table_heatmap(page_table, page_size: int, *, rows=None, cols=None, empt
         names from ``category_labels``) instead of by page; negative = blank.
     max_cells: most columns drawn; wider views show one cell per block of whole pages.
     annotate: write the slot number in each cell (default: when the view is small).
+    page_range: (lowest, highest) page of the colour scale, to give several pictures one scale.
 
     Returns the matplotlib Axes (the drawn grid is in ``ax.kvlab_view``, a :class:`HeatmapView`).
     """
@@ -153,6 +155,8 @@ def page_table_heatmap(page_table, page_size: int, *, rows=None, cols=None, empt
         cm = plt.get_cmap(cmap).with_extremes(bad="white")
         finite = values[np.isfinite(values)]
         vmin, vmax = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
+        if page_range is not None:
+            vmin, vmax = float(page_range[0]), float(page_range[1])
         im = ax.imshow(np.ma.masked_invalid(values), cmap=cm, vmin=vmin, vmax=max(vmax, vmin + 1),
                        aspect="auto", interpolation="nearest")
         if colorbar and finite.size:
