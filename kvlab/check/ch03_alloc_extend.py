@@ -1,0 +1,202 @@
+"""Chapter 03's exercises: complete the three parts of ``alloc_extend_kernel``.
+
+The learner writes a Triton kernel with the teaching kernel's signature::
+
+    kernel[(bs,)](pre_lens, seq_lens, last_loc, free_pages, out_indices, ret_values,
+                  bs_upper, page_size, max_num_extend_tokens)
+
+and fills it in one part at a time. Each checker runs the kernel on named edge cases, then
+seeded random batches, and compares only the slots of *its* part with
+:func:`kvlab.reference.alloc.alloc_extend_ref`:
+
+* ``alloc_extend_part1`` - the rest of each request's old page (``last_loc + 1 ...``);
+* ``alloc_extend_part2`` - whole new pages;
+* ``alloc_extend_part3`` - the partly filled new last page, and the packed ``ret_values``.
+
+``out_indices`` starts filled with -1, so a slot the kernel never wrote shows as -1. A failure
+names the case, the request and the part, the first wrong slot, expected vs got.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .. import runtime
+from ..kernels.alloc import alloc_extend_kernel
+from ..reference.alloc import (ExtendPlan, alloc_extend_ref, pages_for, pages_needed_extend,
+                               unpack_ret_value)
+from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
+
+NOT_WRITTEN = -1
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (max(1, n) - 1).bit_length())
+
+
+def extend_case_inputs(prefix_lens: list[int], seq_lens: list[int], page_size: int, seed: int = 0,
+                       spare_pages: int = 2) -> tuple[list[int], list[int]]:
+    """``(last_loc, free_pages)`` for a batch: every prefix on pages of its own, a shuffled free list.
+
+    Prefix pages are drawn first (request by request), the free list gets the remaining
+    pages in a seeded random order: exactly enough for the batch plus ``spare_pages``.
+    """
+    rng = random.Random(seed)
+    P = page_size
+    n_prefix = sum(pages_for(p, P) for p in prefix_lens)
+    n_new = pages_needed_extend(prefix_lens, seq_lens, P)
+    pages = list(range(n_prefix + n_new + spare_pages))
+    rng.shuffle(pages)
+    last_loc, at = [], 0
+    for p in prefix_lens:
+        n = pages_for(p, P)
+        mine = pages[at:at + n]
+        at += n
+        last_loc.append(mine[-1] * P + (p - 1) % P if p > 0 else -1)
+    return last_loc, pages[at:]
+
+
+def run_extend_kernel(kernel, prefix_lens, seq_lens, last_loc, free_pages, page_size):
+    """Launch ``kernel`` the way the allocator does; return ``(out_indices, ret_value)`` on the CPU."""
+    dev = runtime.DEVICE
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+    n_tokens = sum(s - p for p, s in zip(prefix_lens, seq_lens))
+    out = torch.full((n_tokens,), NOT_WRITTEN, dtype=torch.int64, device=dev)
+    ret = torch.zeros(1, dtype=torch.int64, device=dev)
+    bs = len(prefix_lens)
+    call_learner(kernel, as_t(prefix_lens), as_t(seq_lens), as_t(last_loc), as_t(free_pages), out, ret,
+                 _next_pow2(bs), page_size, _next_pow2(n_tokens), grid=(bs,))
+    return out.cpu(), int(ret.cpu()[0])
+
+
+def plan_segments(plan: ExtendPlan) -> list[Segment]:
+    """One labelled segment per request part, e.g. ``Segment("request 1, part 3", 248, 252)``."""
+    return [Segment(s.label, s.start, s.end) for s in plan.spans]
+
+
+def _case(name: str, pre: list[int], seq: list[int], page_size: int, kind: str = "edge",
+          seed: int = 0) -> Case:
+    return Case(name, {"pre": pre, "seq": seq, "page_size": page_size, "seed": seed}, kind)
+
+
+def _cases(part: int, seed: int, n_random: int) -> list[Case]:
+    cases = [
+        _case("the worked example: A 70->190, B 128->260, page_size 64", [70, 128], [190, 260], 64),
+        _case("page_size 1", [2, 0, 5], [4, 3, 6], 1),
+        _case("one request, unaligned prefix", [5], [19], 4),
+        _case("page-aligned prefixes", [8, 4], [20, 6], 4),
+        _case("empty prefixes (pre == 0, last_loc == -1)", [0, 0, 0], [3, 4, 9], 4),
+        _case("empty extends between others", [6, 3, 9], [6, 13, 9], 4),
+        _case("stays inside the old page", [1, 17], [3, 20], 16),
+        _case("many requests", [3, 0, 16, 7, 1, 30, 12, 5], [9, 16, 40, 7, 33, 31, 12, 20], 16),
+    ]
+    rng = random.Random(seed * 1000 + part)
+    for i in range(n_random):
+        P = rng.choice([1, 2, 4, 16, 64])
+        bs = rng.randint(1, 5)
+        pre = [rng.choice([0, rng.randint(0, 3 * P), rng.randint(0, 3) * P]) for _ in range(bs)]
+        seq = [p + rng.choice([0, rng.randint(1, 2 * P + 3), rng.randint(0, P)]) for p in pre]
+        if sum(seq) == sum(pre):
+            seq[0] += 1  # at least one new token, so there is something to launch for
+        cases.append(_case(f"random {i + 1} (page_size {P}, {bs} requests)", pre, seq, P,
+                           kind="random", seed=rng.randrange(2**16)))
+    return cases
+
+
+def _check_part(kernel, part: int, case: Case) -> tuple[ExtendPlan, int]:
+    a = case.args
+    pre, seq, P = a["pre"], a["seq"], a["page_size"]
+    last_loc, free_pages = extend_case_inputs(pre, seq, P, a["seed"])
+    plan = alloc_extend_ref(pre, seq, last_loc, free_pages, P)
+    got, ret = run_extend_kernel(kernel, pre, seq, last_loc, free_pages, P)
+    exp = torch.tensor(plan.out_indices, dtype=torch.int64)
+    if got.numel() == exp.numel():
+        # only this part's slots are checked: elsewhere "expected" is whatever the kernel wrote
+        mine = torch.tensor([p == part for _, p in plan.parts], dtype=torch.bool)
+        exp = torch.where(mine, exp, got)
+    context = (f"pre={pre}, seq={seq}, last_loc={last_loc}, free_pages={free_pages[:8]}"
+               f"{'...' if len(free_pages) > 8 else ''}, page_size={P}")
+    try:
+        compare_flat(exp, got, case=case.name, what="out_indices", segments=plan_segments(plan))
+    except CheckFailed as e:
+        note = (f"\n  inputs: {context}\n  (this exercise checks part {part} only; "
+                f"{NOT_WRITTEN} = a slot your kernel never wrote)")
+        raise CheckFailed(str(e) + note, case=e.case, expected=e.expected, got=e.got, wrong=e.wrong,
+                          label=e.label, shape=e.shape, segments=e.segments, what=e.what) from None
+    return plan, ret
+
+
+_COMMON_HINT = ("Lengths first: num_part1 = min(seq, ceil(pre/P)*P) - pre, "
+                "num_part2 = floor(seq/P)*P - ceil(pre/P)*P, num_part3 = seq - floor(seq/P)*P; "
+                "write them with // and tl.minimum.")
+
+
+@exercise(
+    "alloc_extend_part1",
+    chapter="03",
+    hints=[
+        "Part 1 fills the rest of the request's last, partly used page: the slots right after "
+        "last_loc, i.e. last_loc + 1, last_loc + 2, ...",
+        _COMMON_HINT,
+        "offs = tl.arange(0, page_size) covers at most one page; store last_loc + 1 + offs at "
+        "out_indices + output_start_loc + offs with mask=offs < num_part1.",
+        "output_start_loc is the sum of the extend lengths of the requests before this one: "
+        "load all lengths with mask=offs_bs <= pid (other=0), tl.sum them, subtract your own.",
+    ],
+    solution=alloc_extend_kernel,
+)
+def alloc_extend_part1(kernel, *, seed: int = 0, n_random: int = 4) -> int:
+    """Check part 1 (old page) of your ``alloc_extend_kernel``; prints one line when all pass."""
+    return run_cases("alloc_extend_part1", _cases(1, seed, n_random),
+                     lambda case: _check_part(kernel, 1, case))
+
+
+@exercise(
+    "alloc_extend_part2",
+    chapter="03",
+    hints=[
+        "Part 2 covers whole new pages. This request's new pages are free_pages[new_page_start_loc], "
+        "free_pages[new_page_start_loc + 1], ...; new_page_start_loc counts the new pages of the "
+        "requests before it.",
+        _COMMON_HINT,
+        "With k = tl.arange(0, max_num_extend_tokens): page = tl.load(free_pages + "
+        "new_page_start_loc + k // page_size, mask=k < num_part2); slot = page * page_size + k % page_size.",
+        "Part 2's slots follow part 1's: store at out_indices + output_start_loc + num_part1 + k, "
+        "with the same mask.",
+    ],
+    solution=alloc_extend_kernel,
+)
+def alloc_extend_part2(kernel, *, seed: int = 0, n_random: int = 4) -> int:
+    """Check part 2 (whole new pages) of your ``alloc_extend_kernel``."""
+    return run_cases("alloc_extend_part2", _cases(2, seed, n_random),
+                     lambda case: _check_part(kernel, 2, case))
+
+
+@exercise(
+    "alloc_extend_part3",
+    chapter="03",
+    hints=[
+        "Part 3 is the request's last new page, filled from offset 0 to seq % page_size - 1.",
+        "That page is the request's LAST new page: free_pages[new_page_start_loc + "
+        "num_new_pages_self - 1].",
+        "Its slots follow parts 1 and 2: out_indices + output_start_loc + num_part1 + num_part2 + offs, "
+        "value page * page_size + offs, mask offs < num_part3 (offs = tl.arange(0, page_size)).",
+        "ret_values: the last program (pid == tl.num_programs(0) - 1) has summed every request; it "
+        "stores (total_new_pages.to(tl.int64) << 32) | total_tokens.to(tl.int64).",
+    ],
+    solution=alloc_extend_kernel,
+)
+def alloc_extend_part3(kernel, *, seed: int = 0, n_random: int = 4) -> int:
+    """Check part 3 (new last page) of your ``alloc_extend_kernel``, and its ``ret_values``."""
+
+    def run_one(case: Case) -> None:
+        plan, ret = _check_part(kernel, 3, case)
+        got_pages, got_tokens = unpack_ret_value(ret)
+        if ret != plan.ret_value:
+            raise CheckFailed(
+                f"[{case.name}] ret_values holds {ret:#x} = ({got_pages} pages << 32) | {got_tokens} "
+                f"tokens; expected {plan.ret_value:#x} = ({plan.num_new_pages} << 32) | "
+                f"{plan.num_extend_tokens}", case=case.name, label="ret_values")
+
+    return run_cases("alloc_extend_part3", _cases(3, seed, n_random), run_one)

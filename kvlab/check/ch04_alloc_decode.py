@@ -1,0 +1,125 @@
+"""Chapter 04's exercise: ``kvlab.check.alloc_decode(your_kernel)``.
+
+The learner writes a Triton kernel with the teaching kernel's signature::
+
+    kernel[(bs,)](seq_lens, last_loc, free_pages, out_indices, ret_values, bs_upper, page_size)
+
+that gives every request one slot for its new token: ``last_loc + 1`` while the page has
+room, the first slot of the next free page when ``(seq - 1) % page_size == 0``. It is run
+on named edge cases and seeded random batches against
+:func:`kvlab.reference.alloc.alloc_decode_ref`; a failure names the request and whether it
+should have taken a new page.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .. import runtime
+from ..kernels.alloc import alloc_decode_kernel
+from ..reference.alloc import alloc_decode_ref, pages_for
+from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
+
+NOT_WRITTEN = -1
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (max(1, n) - 1).bit_length())
+
+
+def decode_case_inputs(seq_lens: list[int], page_size: int, seed: int = 0,
+                       spare_pages: int = 2) -> tuple[list[int], list[int]]:
+    """``(last_loc, free_pages)``: each request's first ``seq - 1`` tokens on pages of its own."""
+    rng = random.Random(seed)
+    P = page_size
+    pre = [s - 1 for s in seq_lens]
+    n_prefix = sum(pages_for(p, P) for p in pre)
+    n_new = sum(1 for s in seq_lens if (s - 1) % P == 0)
+    pages = list(range(n_prefix + n_new + spare_pages))
+    rng.shuffle(pages)
+    last_loc, at = [], 0
+    for p in pre:
+        n = pages_for(p, P)
+        mine = pages[at:at + n]
+        at += n
+        last_loc.append(mine[-1] * P + (p - 1) % P if p > 0 else -1)
+    return last_loc, pages[at:]
+
+
+def run_decode_kernel(kernel, seq_lens, last_loc, free_pages, page_size):
+    """Launch ``kernel`` as the allocator does; return ``(out_indices, ret_value)`` on the CPU."""
+    dev = runtime.DEVICE
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
+    bs = len(seq_lens)
+    out = torch.full((bs,), NOT_WRITTEN, dtype=torch.int64, device=dev)
+    ret = torch.zeros(1, dtype=torch.int64, device=dev)
+    call_learner(kernel, as_t(seq_lens), as_t(last_loc), as_t(free_pages), out, ret,
+                 _next_pow2(bs), page_size, grid=(bs,))
+    return out.cpu(), int(ret.cpu()[0])
+
+
+def _case(name: str, seq: list[int], page_size: int, kind: str = "edge", seed: int = 0) -> Case:
+    return Case(name, {"seq": seq, "page_size": page_size, "seed": seed}, kind)
+
+
+def _cases(seed: int, n_random: int) -> list[Case]:
+    cases = [
+        _case("one request, same page", [6], 4),
+        _case("one request crossing into a new page", [5], 4),
+        _case("page_size 1: every token takes a page", [1, 2, 7], 1),
+        _case("first token of a request (seq == 1, last_loc == -1)", [1, 3], 4),
+        _case("several cross at once", [5, 9, 2, 13, 4], 4),
+        _case("page_size 64", [65, 64, 129, 2], 64),
+    ]
+    rng = random.Random(seed * 1000 + 4)
+    for i in range(n_random):
+        P = rng.choice([1, 2, 4, 16, 64])
+        bs = rng.randint(1, 8)
+        seq = [rng.choice([rng.randint(1, 3 * P + 1), rng.randint(0, 3) * P + 1]) for _ in range(bs)]
+        cases.append(_case(f"random {i + 1} (page_size {P}, {bs} requests)", seq, P, kind="random",
+                           seed=rng.randrange(2**16)))
+    return cases
+
+
+@exercise(
+    "alloc_decode",
+    chapter="04",
+    hints=[
+        "seq_lens are lengths AFTER the new token, so the new token is number seq - 1 (from 0). "
+        "It starts a page exactly when (seq - 1) % page_size == 0.",
+        "Otherwise the slot is simply last_loc + 1: the next slot of the same page.",
+        "A request that starts a page takes free_pages[k], where k counts the requests before it "
+        "that also start a page: load seq_lens with mask=offs <= pid (other=0), count with tl.sum, "
+        "subtract your own.",
+        "Write ret_values (the total new pages) from the last program: "
+        "if pid == tl.num_programs(0) - 1: tl.store(ret_values, total.to(tl.int64)).",
+    ],
+    solution=alloc_decode_kernel,
+)
+def alloc_decode(kernel, *, seed: int = 0, n_random: int = 4) -> int:
+    """Check your ``alloc_decode_kernel``; prints one line when all cases pass."""
+
+    def run_one(case: Case) -> None:
+        seq, P = case.args["seq"], case.args["page_size"]
+        last_loc, free_pages = decode_case_inputs(seq, P, case.args["seed"])
+        plan = alloc_decode_ref(seq, last_loc, free_pages, P)
+        got, ret = run_decode_kernel(kernel, seq, last_loc, free_pages, P)
+        segments = [Segment(f"request {r}, " + ("new page: free_pages[{}] * page_size".format(plan.page_reads[r])
+                                                if plan.takes_new_page[r] else "same page: last_loc + 1"),
+                            r, r + 1) for r in range(len(seq))]
+        try:
+            compare_flat(torch.tensor(plan.out_indices, dtype=torch.int64), got, case=case.name,
+                         what="out_indices", segments=segments)
+        except CheckFailed as e:
+            note = (f"\n  inputs: seq_lens={seq}, last_loc={last_loc}, free_pages={free_pages}, "
+                    f"page_size={P}\n  ({NOT_WRITTEN} = a slot your kernel never wrote)")
+            raise CheckFailed(str(e) + note, case=e.case, expected=e.expected, got=e.got,
+                              wrong=e.wrong, label=e.label, shape=e.shape, segments=e.segments,
+                              what=e.what) from None
+        if ret != plan.num_new_pages:
+            raise CheckFailed(f"[{case.name}] ret_values holds {ret}; expected {plan.num_new_pages} "
+                              "(the number of requests that took a new page)", case=case.name,
+                              label="ret_values")
+
+    return run_cases("alloc_decode", _cases(seed, n_random), run_one)
