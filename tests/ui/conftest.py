@@ -1,0 +1,75 @@
+"""Fixtures for the browser tests: one JupyterLab server and one headless Chromium per session.
+
+Run with ``make test-ui`` (it installs Debian's chromium first when /usr/bin/chromium is
+missing). Screenshots and the server log go to ``test-output/ui/``.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from fixture_notebooks import write_fixture_notebooks  # noqa: E402
+from lab_driver import CHROMIUM, CHROMIUM_ARGS, LabServer, NotebookPage  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+OUTPUT = ROOT / "test-output" / "ui"
+
+
+@pytest.fixture(scope="session")
+def ui_output() -> Path:
+    OUTPUT.mkdir(parents=True, exist_ok=True)
+    return OUTPUT
+
+
+@pytest.fixture(scope="session")
+def lab_server(tmp_path_factory, ui_output):
+    home = tmp_path_factory.mktemp("jupyterlab")
+    # Copies of the course notebooks (autosave must never write into the repository)
+    # plus the harness's own small notebooks.
+    notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    notebooks += write_fixture_notebooks(home / "fixtures")
+    server = LabServer(home, notebooks, ui_output / "jupyter-server.log", pythonpath=[ROOT])
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: run `sh tools/install_chromium.sh` "
+                    "(make test-ui does it for you)", pytrace=False)
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as pw:
+        # Playwright gives every launch a fresh, temporary user-data dir; it downloads nothing
+        # because the executable is Debian's chromium.
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS,
+                                      headless=True)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+@pytest.fixture
+def open_notebook(browser, lab_server, ui_output):
+    """``open_notebook("07_x.ipynb")`` -> a :class:`NotebookPage` in a fresh browser context."""
+    contexts = []
+
+    def _open(name: str, timeout_s: float = 120.0) -> NotebookPage:
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        context.set_default_timeout(60_000)
+        contexts.append(context)
+        return NotebookPage(context.new_page(), lab_server, name, ui_output).open(timeout_s)
+
+    yield _open
+    for context in contexts:
+        context.close()
+    lab_server.shutdown_sessions()  # stop the kernels this test started

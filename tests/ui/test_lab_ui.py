@@ -1,0 +1,109 @@
+"""The course as a learner meets it: JupyterLab in headless Chromium (``make test-ui``).
+
+Each test opens a notebook in a real JupyterLab, runs all cells from the Run menu, fails on
+any cell error shown in the page, and then looks at what a learner would look at: the
+simulator's timeline slider must change the picture (chapter 07), the allocator chapter's
+heatmap must render (chapter 03). The first two tests check the harness itself on small
+notebooks. Screenshots: ``test-output/ui/``.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from fixture_notebooks import ERROR_DEMO, SLIDER_DEMO
+from lab_driver import CellError, image_colours, move_slider
+
+pytestmark = pytest.mark.ui
+
+ROOT = Path(__file__).resolve().parents[2]
+VIEW = "img.kvlab-view, .kvlab-view img"
+SLIDER = ".kvlab-timeline-slider"
+
+
+def chapter(prefix: str) -> str:
+    found = sorted((ROOT / "notebooks").glob(f"{prefix}_*.ipynb"))
+    assert len(found) == 1, f"expected one notebooks/{prefix}_*.ipynb, found {found}"
+    return found[0].name
+
+
+def wait_for_new_picture(view, old_png: bytes, old_src: str, timeout_s: float):
+    """Poll the view until its pixels differ from ``old_png``; return (png, src)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        png = view.screenshot()
+        src = view.get_attribute("src") or ""
+        if png != old_png and src != old_src:
+            return png, src
+        time.sleep(0.5)
+    raise AssertionError(f"the view did not change within {timeout_s:.0f} s of moving the slider")
+
+
+def check_slider_redraws_view(nb, settle_s: float) -> None:
+    page = nb.page
+    slider = page.locator(SLIDER).first
+    view = page.locator(VIEW).first
+    slider.wait_for(state="visible", timeout=60_000)
+    view.wait_for(state="visible", timeout=60_000)
+    view.scroll_into_view_if_needed()
+    assert image_colours(view.screenshot()) >= 4, "the view shows a blank image"
+    old_png, old_src = view.screenshot(), view.get_attribute("src") or ""
+    nb.screenshot("slider-before")
+    before, after = move_slider(slider, steps=3)
+    assert after > before, f"the slider did not move ({before} -> {after})"
+    new_png, new_src = wait_for_new_picture(view, old_png, old_src, settle_s)
+    assert image_colours(new_png) >= 4
+    view.scroll_into_view_if_needed()
+    nb.screenshot("slider-after")
+    nb.raise_on_cell_error()
+
+
+# -- the harness on its own small notebooks -------------------------------------------------
+def test_harness_moves_a_slider_and_sees_the_view_change(open_notebook):
+    nb = open_notebook(SLIDER_DEMO)
+    result = nb.run_all(timeout_s=120)
+    assert result.code_cells == 4
+    # the inline matplotlib figure of the last cell is in the page
+    assert any(img["w"] >= 200 and img["h"] >= 100 and "kvlab-view" not in img["cls"]
+               for img in nb.output_images())
+    check_slider_redraws_view(nb, settle_s=30)
+
+
+def test_harness_fails_on_a_cell_error_but_not_on_a_warning(open_notebook):
+    nb = open_notebook(ERROR_DEMO)
+    with pytest.raises(CellError, match="ZeroDivisionError") as caught:
+        nb.run_all(timeout_s=120)
+    assert "only a warning" not in str(caught.value)
+    assert nb.prompts()[0] == "[1]:"  # the warning cell ran and is not reported
+    # the second line of defence reads the saved notebook back from the server
+    saved = nb.saved_errors()
+    assert len(saved) == 1 and "ZeroDivisionError" in saved[0], saved
+
+
+# -- the course --------------------------------------------------------------------------
+def test_ch07_timeline_slider_changes_the_heatmap(open_notebook):
+    nb = open_notebook(chapter("07"))
+    result = nb.run_all(timeout_s=400)
+    nb.screenshot("ran")
+    print(f"{nb.name}: {result.code_cells} code cells in {result.seconds:.0f} s")
+    check_slider_redraws_view(nb, settle_s=90)
+
+
+def test_ch03_page_table_heatmap_renders(open_notebook):
+    nb = open_notebook(chapter("03"))
+    result = nb.run_all(timeout_s=400)
+    print(f"{nb.name}: {result.code_cells} code cells in {result.seconds:.0f} s")
+    figures = [img for img in nb.output_images() if img["w"] >= 200 and img["h"] >= 100]
+    assert figures, f"{nb.name}: no rendered figure in the outputs"
+    # Look at the pictures as a learner would: at least one is a colourful heatmap.
+    images = nb.page.locator(".jp-NotebookPanel .jp-OutputArea-output img")
+    colours = []
+    for i in range(images.count()):
+        img = images.nth(i)
+        if img.evaluate("e => e.naturalWidth >= 200 && e.naturalHeight >= 100"):
+            img.scroll_into_view_if_needed()
+            colours.append(image_colours(img.screenshot()))
+    assert max(colours) >= 8, f"{nb.name}: figures look blank (colours per figure: {colours})"
+    nb.page.locator(".jp-NotebookPanel .jp-OutputArea-output img").last.scroll_into_view_if_needed()
+    nb.screenshot("heatmap")
