@@ -89,11 +89,13 @@ class Req:
 
 
 class Region(NamedTuple):
-    name: str
+    """Positions ``[start, end)`` of a request's row; compares equal to ``(start, end)``."""
+
     start: int
     end: int
 
-    def __len__(self) -> int:  # tokens in the region
+    @property
+    def length(self) -> int:
         return self.end - self.start
 
 
@@ -117,29 +119,31 @@ class CacheRegions:
 
     @property
     def hit(self) -> Region:
-        return Region("hit", 0, self.old_cached_len)
+        return Region(0, self.old_cached_len)
 
     @property
     def duplicate(self) -> Region:
-        return Region("duplicate", self.old_cached_len, self.already_cached_len)
+        return Region(self.old_cached_len, self.already_cached_len)
 
     @property
     def inserted(self) -> Region:
-        return Region("inserted", self.already_cached_len, self.new_cached_len)
+        return Region(self.already_cached_len, self.new_cached_len)
 
     @property
     def tail(self) -> Region:
-        return Region("tail", self.new_cached_len, self.req_cached_len)
+        return Region(self.new_cached_len, self.req_cached_len)
 
     @property
     def tail_freed(self) -> bool:
         return self.finished
 
-    def regions(self) -> list[Region]:
-        return [self.hit, self.duplicate, self.inserted, self.tail]
+    def regions(self) -> dict[str, Region]:
+        """The four regions in order: hit, duplicate, inserted, tail."""
+        return {"hit": self.hit, "duplicate": self.duplicate, "inserted": self.inserted,
+                "tail": self.tail}
 
     def __str__(self) -> str:
-        parts = ", ".join(f"{r.name} [{r.start}, {r.end})" for r in self.regions())
+        parts = ", ".join(f"{name} [{r.start}, {r.end})" for name, r in self.regions().items())
         tail = "freed" if self.finished else "kept"
         return f"CacheRegions(row {self.table_idx}: {parts}; tail {tail})"
 
