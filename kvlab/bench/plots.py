@@ -1,0 +1,144 @@
+"""Pictures of a benchmark result (the dict in ``bench.json``), for chapter 09 and ``figures/``.
+
+Every function takes the result dict and returns a matplotlib Figure; none measures anything,
+so they draw the same picture on a laptop as on the GPU that produced the numbers.
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+
+COLORS = {"teaching": "#c0504d", "fast": "#2e7d32", "fast_host_lens": "#66bb6a",
+          "fast_sync": "#a5d6a7", "torch": "#5b7fbf", "host_loop": "#c0504d", "triton": "#2e7d32"}
+LABELS = {"teaching": "teaching (source design)", "fast": "fast (counts on host, no sync)",
+          "fast_host_lens": "fast (host lengths)", "fast_sync": "fast (one sync)",
+          "torch": "vectorised torch", "host_loop": "host loop + scatter", "triton": "Triton kernel"}
+
+
+def _title(res: dict, what: str) -> str:
+    m = res["meta"]
+    where = "SMOKE RUN (interpreter, not timings)" if res.get("smoke") else m["device"]
+    return f"{what}\n{where}, torch {m['torch']}, triton {m['triton']}"
+
+
+def _grouped_bars(ax, rows, names, key_label, value="median_us"):
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        xs, ys = [], []
+        for i, row in enumerate(rows):
+            entry = row["paths"].get(name, {})
+            x = i - 0.4 + width * (j + 0.5)
+            if value in entry:
+                xs.append(x)
+                ys.append(entry[value])
+            elif "skipped" in entry:
+                ax.text(x, 1, "skipped:\nrecompile", rotation=90, ha="center", va="bottom",
+                        fontsize=7, color=COLORS.get(name, "gray"))
+        ax.bar(xs, ys, width, label=LABELS.get(name, name), color=COLORS.get(name))
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([key_label(r) for r in rows], fontsize=8)
+    ax.set_yscale("log")
+
+
+def plot_extend(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
+    """Median time of one alloc_extend per case, one panel per page size."""
+    sizes = sorted({r["page_size"] for r in res["extend"]})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5.2 * len(sizes), 4.2), sharey=True)
+    axes = [axes] if len(sizes) == 1 else list(axes)
+    for ax, P in zip(axes, sizes):
+        rows = [r for r in res["extend"] if r["page_size"] == P]
+        _grouped_bars(ax, rows, names, lambda r: f"{r['bs']}x{r['mean_extend']}\nT={r['tokens']}")
+        ax.set_title(f"page size {P}")
+        ax.set_xlabel("batch x mean extend")
+    axes[0].set_ylabel("median µs per call (log)")
+    axes[-1].legend(fontsize=8, loc="upper left")
+    fig.suptitle(_title(res, "alloc_extend, steady state"), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_recompile(res: dict):
+    """First call of each path on shapes it has not seen: the teaching kernel recompiles."""
+    rows = res["cold"]
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    labels = [f"{r['case']} P={r['page_size']}\n{r['teaching_lanes']} lanes" for r in rows]
+    xs = range(len(rows))
+    teach = [r["teaching_first_call_ms"] for r in rows]
+    fast = [r["fast_first_call_ms"] for r in rows]
+    ax.bar([x - 0.2 for x in xs], [t if t is not None else 0 for t in teach], 0.4,
+           color=COLORS["teaching"], label="teaching: first call (compiles per power of two)")
+    ax.bar([x + 0.2 for x in xs], fast, 0.4, color=COLORS["fast"],
+           label="fast: first call (compiles once per page size)")
+    for x, t in zip(xs, teach):
+        if t is None:
+            ax.text(x - 0.2, 0.05, "skipped:\nwould\nrecompile", ha="center", va="bottom", fontsize=6,
+                    color=COLORS["teaching"])
+    ax.axhline(20, color="gray", ls="--", lw=1)
+    ax.text(len(rows) - 0.5, 21, "20 ms target", ha="right", va="bottom", fontsize=8, color="gray")
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=6, rotation=60, ha="right")
+    ax.set_ylabel("first call, ms (log)")
+    ax.legend(fontsize=8, loc="upper left")
+    ax.set_title(_title(res, "The recompile trap: first call on a new shape"), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_scaling(res: dict):
+    """Fixed total tokens, growing batch: O(bs^2) prefix sums vs one scan."""
+    rows = res["scaling"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    bss = [r["bs"] for r in rows]
+    for name in ("teaching", "fast"):
+        ax.plot(bss, [r["paths"][name]["median_us"] for r in rows], "o-", color=COLORS[name],
+                label=LABELS[name])
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(f"batch size (total tokens fixed at {rows[0]['tokens']})" if rows else "batch size")
+    ax.set_ylabel("median µs per call (log)")
+    ax.legend(fontsize=8)
+    ax.set_title(_title(res, "Prefix sums: every program re-sums (teaching) vs one scan (fast)"),
+                 fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def plot_decode(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
+    sizes = sorted({r["page_size"] for r in res["decode"]})
+    fig, axes = plt.subplots(1, len(sizes), figsize=(4.4 * len(sizes), 3.8), sharey=True)
+    axes = [axes] if len(sizes) == 1 else list(axes)
+    for ax, P in zip(axes, sizes):
+        rows = [r for r in res["decode"] if r["page_size"] == P]
+        _grouped_bars(ax, rows, names, lambda r: f"bs={r['bs']}")
+        ax.set_title(f"page size {P}")
+    axes[0].set_ylabel("median µs per step (log)")
+    axes[-1].legend(fontsize=7, loc="upper left")
+    fig.suptitle(_title(res, "alloc_decode, one step"), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot_page_table(res: dict):
+    rows = [r for r in res["page_table"] if "paths" in r]
+    sizes = sorted({r["page_size"] for r in rows})
+    fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(5 * max(1, len(sizes)), 4), sharey=True)
+    axes = [axes] if len(sizes) <= 1 else list(axes)
+    for ax, P in zip(axes, sizes):
+        sub = [r for r in rows if r["page_size"] == P]
+        _grouped_bars(ax, sub, ("host_loop", "triton"), lambda r: f"bs={r['bs']}\n{r['slots']} slots")
+        ax.set_title(f"page size {P}")
+    axes[0].set_ylabel("median µs per write (log)")
+    axes[-1].legend(fontsize=8, loc="upper left")
+    fig.suptitle(_title(res, "Page-table write: host loop + scatter vs one Triton launch"), fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+#: file name -> plot function; ``python -m kvlab.bench`` writes all of them
+PLOTS = {
+    "09_bench_extend.png": plot_extend,
+    "09_recompile_trap.png": plot_recompile,
+    "09_prefix_sum_scaling.png": plot_scaling,
+    "09_bench_decode.png": plot_decode,
+    "09_page_table_write.png": plot_page_table,
+}

@@ -1,0 +1,118 @@
+"""Writing a benchmark result: ``bench.json``, ``bench.md`` (tables, targets) and the plots."""
+from __future__ import annotations
+
+import json
+import os
+
+
+def _us(entry: dict | None) -> str:
+    if not entry:
+        return "–"
+    if "median_us" in entry:
+        return f"{entry['median_us']:.1f}"
+    if "skipped" in entry:
+        return "skipped"
+    return "–"
+
+
+def _ratio(row: dict, num: str, den: str) -> str:
+    a, b = row["paths"].get(num, {}), row["paths"].get(den, {})
+    if "median_us" in a and "median_us" in b and b["median_us"] > 0:
+        return f"{a['median_us'] / b['median_us']:.2f}"
+    return "–"
+
+
+def markdown(res: dict) -> str:
+    m = res["meta"]
+    lines = [f"# kvlab.bench — {m['device']}", "",
+             f"{m['note']}.", "",
+             f"torch {m['torch']}, triton {m['triton']}, python {m['python']}; timer: {m['timer']}; "
+             f"{m['date']}; {m.get('seconds', '?')} s.", ""]
+    if res.get("smoke"):
+        lines += ["**Smoke run: these numbers are not timings and make no claim.**", ""]
+
+    lines += ["## Targets", "", "| target | rule | measured | result |", "|---|---|---|---|"]
+    for t in res["targets"]:
+        verdict = "n/a (smoke)" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
+        lines.append(f"| {t['name']} | {t['rule']} | {t['measured']} | **{verdict}** |")
+
+    lines += ["", "## alloc_extend (median µs per call)", "",
+              "| case | P | tokens | teaching | fast | fast/teaching | fast (host lens) | fast (1 sync) | torch | agree |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["extend"]:
+        p = r["paths"]
+        lines.append(f"| {r['case']} | {r['page_size']} | {r['tokens']} | {_us(p.get('teaching'))} | "
+                     f"{_us(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} | {_us(p.get('fast_host_lens'))} | "
+                     f"{_us(p.get('fast_sync'))} | {_us(p.get('torch'))} | {'yes' if r.get('agree') else 'NO'} |")
+    skipped = {r["paths"]["teaching"]["skipped"] for r in res["extend"]
+               if "skipped" in r["paths"].get("teaching", {})}
+    for s in sorted(skipped):
+        lines.append(f"\nteaching skipped: {s}.")
+
+    lines += ["", "## First call on a shape not seen before (ms, fresh process)", "",
+              "| case | P | tokens | teaching lanes | teaching | fast | fast compiled before? |",
+              "|---|---|---|---|---|---|---|"]
+    for r in res["cold"]:
+        t = r["teaching_first_call_ms"]
+        tt = f"{t:.1f}" if t is not None else f"skipped: {r.get('teaching_skipped', '')}"
+        lines.append(f"| {r['case']} | {r['page_size']} | {r['tokens']} | {r['teaching_lanes']} | {tt} | "
+                     f"{r['fast_first_call_ms']:.2f} | {'yes' if r['fast_compiled_before'] else 'no (compiles)'} |")
+
+    lines += ["", "## alloc_decode (median µs per step)", "",
+              "| bs | P | new pages | teaching | fast | fast/teaching | fast (1 sync) | torch | agree |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["decode"]:
+        p = r["paths"]
+        lines.append(f"| {r['bs']} | {r['page_size']} | {r['new_pages']} | {_us(p.get('teaching'))} | "
+                     f"{_us(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} | {_us(p.get('fast_sync'))} | "
+                     f"{_us(p.get('torch'))} | {'yes' if r.get('agree') else 'NO'} |")
+
+    lines += ["", "## Page-table write (median µs per write)", ""]
+    if res["page_table"] and "error" in res["page_table"][0]:
+        lines.append(res["page_table"][0]["error"])
+    else:
+        lines += ["| case | P | slots | host loop | Triton | host loop / Triton | agree |", "|---|---|---|---|---|---|---|"]
+        for r in res["page_table"]:
+            lines.append(f"| {r['case']} | {r['page_size']} | {r['slots']} | {_us(r['paths']['host_loop'])} | "
+                         f"{_us(r['paths']['triton'])} | {_ratio(r, 'host_loop', 'triton')} | "
+                         f"{'yes' if r.get('agree') else 'NO'} |")
+
+    lines += ["", f"## Prefix sums: fixed {res['config']['scaling_tokens']} tokens, growing batch (median µs)", "",
+              "| bs | teaching | fast |", "|---|---|---|"]
+    for r in res["scaling"]:
+        lines.append(f"| {r['bs']} | {_us(r['paths']['teaching'])} | {_us(r['paths']['fast'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(res: dict, out_dir: str, log=print) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .plots import PLOTS
+
+    os.makedirs(out_dir, exist_ok=True)
+    written = []
+    path = os.path.join(out_dir, "bench.json")
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
+    written.append(path)
+    path = os.path.join(out_dir, "bench.md")
+    with open(path, "w") as f:
+        f.write(markdown(res))
+    written.append(path)
+    for name, plot in PLOTS.items():
+        fig = plot(res)
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+        plt.close(fig)
+        written.append(path)
+    for p in written:
+        log(f"wrote {p}")
+    return written
+
+
+def load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)

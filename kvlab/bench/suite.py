@@ -1,0 +1,319 @@
+"""The benchmark suite behind ``python -m kvlab.bench`` (chapter 09).
+
+On CUDA it times, in one process and on the same batches: the teaching path, the fast path
+(three modes), a vectorised-torch version, the host-loop page-table write and the Triton one;
+medians of many runs with ``triton.testing.do_bench`` (CUDA events). It also records the
+*first call* of every path on every case, in order, in a process that starts with an empty
+Triton cache: for the teaching kernel that is a recompile whenever ``next_power_of_2`` of the
+batch or of its token count is new; for the fast kernels it is a plain launch once each page
+size has compiled once.
+
+Without CUDA it runs a tiny smoke version (the harness only: the interpreter's timings mean
+nothing, and the output says so).
+
+Result layout (``bench.json``)::
+
+    {"meta": {...}, "smoke": bool,
+     "extend":     [{case, bs, mean_extend, tokens, page_size, paths: {name: {median_us | skipped, first_call_ms}}}],
+     "decode":     [{bs, page_size, paths: {...}}],
+     "page_table": [{case, bs, page_size, paths: {"host_loop": ..., "triton": ...}}],
+     "scaling":    [{bs, tokens, page_size, paths: {"teaching": ..., "fast": ...}}],
+     "targets":    [{name, rule, measured, passed}]}
+"""
+from __future__ import annotations
+
+import os
+import platform
+import time
+from typing import Callable
+
+import torch
+import triton
+
+from .. import runtime
+from . import cases as C
+from . import paths as X
+
+#: The teaching kernel is compiled for next_power_of_2(T) lanes; past this it is skipped
+#: (it would recompile for seconds to minutes, and past about 2^20 it does not compile).
+TEACHING_MAX_LANES = 32768
+#: one extra shape that shows the recompile trap on its own (timed once, first call only)
+TRAP_CASE = (256, 256, 64)  # bs, mean extend, P -> 65536 tokens: next_power_of_2 = 65536
+#: a case only the fast path can run: about 1.5 million tokens
+HUGE_CASE = (1024, 1536)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available() and not runtime.INTERPRET:
+        torch.cuda.synchronize()
+
+
+def first_call_ms(fn: Callable[[], object]) -> float:
+    """Wall time of one call, synchronised: includes any compilation it triggers."""
+    _sync()
+    t0 = time.perf_counter()
+    fn()
+    _sync()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def median_us(fn: Callable[[], object], smoke: bool) -> float:
+    """Median time of one call in microseconds (CUDA events); on the CPU one timed call."""
+    if smoke:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def _meta(smoke: bool) -> dict:
+    info = runtime.runtime_info()
+    return {
+        "mode": info.mode, "device": info.device_name, "torch": info.torch_version,
+        "triton": info.triton_version, "python": platform.python_version(),
+        "timer": "perf_counter, one call (smoke: no timing claims)" if smoke
+        else "triton.testing.do_bench, median, warmup 25 ms, rep 100 ms (CUDA events)",
+        "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR", "(default)"),
+        "note": ("SMOKE RUN in the Triton interpreter: tiny cases, harness only; the numbers are "
+                 "not timings of anything and make no claim.") if smoke else
+        "medians of many calls on the same batches, one process, one GPU",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
+
+
+def _time_path(fn, smoke: bool, *, first: bool = True) -> dict:
+    entry: dict = {}
+    if first:
+        entry["first_call_ms"] = first_call_ms(fn)
+    entry["median_us"] = median_us(fn, smoke)
+    return entry
+
+
+def bench_extend(case_list, page_sizes, smoke: bool, log=print) -> list[dict]:
+    rows = []
+    for P in page_sizes:
+        for bs, mean in case_list:
+            b = C.make_extend_batch(bs, mean, P)
+            row = {"case": f"{bs}x{mean}", "bs": bs, "mean_extend": mean,
+                   "tokens": b.extend_num_tokens, "page_size": P, "paths": {}, "agree": True}
+            outs = {}
+            for name, path in X.EXTEND_PATHS.items():
+                lanes = X.next_pow2(b.extend_num_tokens)
+                if name == "teaching" and lanes > TEACHING_MAX_LANES:
+                    row["paths"][name] = {"skipped": f"would recompile for {lanes} lanes "
+                                                     f"(next_power_of_2 of {b.extend_num_tokens} tokens)"}
+                    continue
+                outs[name] = path(b)  # also the first call: timed separately below
+                row["paths"][name] = {}
+            # first calls were made above, untimed, in path order; time steady state now
+            for name, path in X.EXTEND_PATHS.items():
+                if name in outs:
+                    row["paths"][name]["median_us"] = median_us(lambda: path(b), smoke)
+            ref_out, ref_pages = outs["fast"]
+            for name, (o, n) in outs.items():
+                if not (_same(o, ref_out) and n == ref_pages):
+                    row["agree"] = False
+                    row["paths"][name]["disagrees_with_fast"] = True
+            log(f"extend {row['case']:>10} P={P:<3} T={b.extend_num_tokens:<8} " + "  ".join(
+                f"{k}={v.get('median_us', float('nan')):.1f}us" for k, v in row["paths"].items()))
+            rows.append(row)
+    return rows
+
+
+def bench_cold(case_list, page_sizes, smoke: bool, trap: bool, log=print) -> list[dict]:
+    """First calls, in order, of the teaching and the fast path on shapes they have not seen.
+
+    Run this before anything else in a fresh process (with an empty Triton cache): the first
+    case of each page size includes the fast kernels' one compilation; every later case is a
+    shape they have not seen. The teaching kernel recompiles whenever next_power_of_2(bs) or
+    next_power_of_2(T) is new.
+    """
+    rows = []
+    seen_fast: set[int] = set()
+    for P in page_sizes:
+        extra = [] if smoke else [HUGE_CASE]
+        for bs, mean in list(case_list) + extra:
+            b = C.make_extend_batch(bs, mean, P)
+            lanes = X.next_pow2(b.extend_num_tokens)
+            row = {"case": f"{bs}x{mean}", "bs": bs, "tokens": b.extend_num_tokens, "page_size": P,
+                   "teaching_lanes": lanes, "fast_compiled_before": P in seen_fast}
+            row["fast_first_call_ms"] = first_call_ms(lambda: X.fast_extend(b))
+            seen_fast.add(P)
+            if lanes > TEACHING_MAX_LANES:
+                row["teaching_first_call_ms"] = None
+                row["teaching_skipped"] = f"would recompile for {lanes} lanes"
+            else:
+                row["teaching_first_call_ms"] = first_call_ms(lambda: X.teaching_extend(b))
+            log(f"cold   {row['case']:>10} P={P:<3} T={b.extend_num_tokens:<8} "
+                f"fast={row['fast_first_call_ms']:.1f}ms teaching={row['teaching_first_call_ms']}")
+            rows.append(row)
+    if trap and not smoke:
+        bs, mean, P = TRAP_CASE
+        b = C.make_extend_batch(bs, mean, P)
+        lanes = X.next_pow2(b.extend_num_tokens)
+        row = {"case": f"{bs}x{mean}", "bs": bs, "tokens": b.extend_num_tokens, "page_size": P,
+               "teaching_lanes": lanes, "fast_compiled_before": P in seen_fast, "trap": True,
+               "fast_first_call_ms": first_call_ms(lambda: X.fast_extend(b)),
+               "teaching_first_call_ms": first_call_ms(lambda: X.teaching_extend(b))}
+        log(f"trap   {row['case']:>10} P={P:<3} lanes={lanes} teaching={row['teaching_first_call_ms']:.0f}ms "
+            f"fast={row['fast_first_call_ms']:.1f}ms")
+        rows.append(row)
+    return rows
+
+
+def bench_decode(batches, page_sizes, smoke: bool, log=print) -> list[dict]:
+    rows = []
+    for P in page_sizes:
+        for bs in batches:
+            b = C.make_decode_batch(bs, P)
+            row = {"bs": bs, "page_size": P, "new_pages": b.num_new_pages, "paths": {}, "agree": True}
+            outs = {}
+            for name, path in X.DECODE_PATHS.items():
+                row["paths"][name] = {"first_call_ms": first_call_ms(lambda: path(b))}
+                outs[name] = path(b)
+                row["paths"][name]["median_us"] = median_us(lambda: path(b), smoke)
+            ref_out, ref_pages = outs["fast"]
+            for name, (o, n) in outs.items():
+                if not (_same(o, ref_out) and n == ref_pages):
+                    row["agree"] = False
+                    row["paths"][name]["disagrees_with_fast"] = True
+            log(f"decode bs={bs:<5} P={P:<3} " + "  ".join(
+                f"{k}={v['median_us']:.1f}us" for k, v in row["paths"].items()))
+            rows.append(row)
+    return rows
+
+
+def bench_page_table(case_list, page_sizes, smoke: bool, log=print) -> list[dict]:
+    rows = []
+    try:
+        from ..paging import write_page_table, write_page_table_triton
+    except Exception as e:  # noqa: BLE001 - report, do not hide, a broken module
+        return [{"error": f"kvlab.paging unavailable: {type(e).__name__}: {e}"}]
+    writers = {"host_loop": write_page_table, "triton": write_page_table_triton}
+    for P in page_sizes:
+        for bs, mean in case_list:
+            b = C.make_extend_batch(bs, mean, P)
+            table, allocated, info = C.page_table_job(b)
+            row = {"case": f"{bs}x{mean}", "bs": bs, "page_size": P, "slots": allocated.numel(),
+                   "paths": {}, "agree": True}
+            results = {}
+            for name, write in writers.items():
+                t = table.clone()
+                row["paths"][name] = {"first_call_ms": first_call_ms(lambda: write(t, allocated, info, P))}
+                results[name] = t
+                row["paths"][name]["median_us"] = median_us(lambda: write(t, allocated, info, P), smoke)
+            row["agree"] = _same(results["host_loop"], results["triton"])
+            log(f"ptable {row['case']:>10} P={P:<3} " + "  ".join(
+                f"{k}={v['median_us']:.1f}us" for k, v in row["paths"].items()))
+            rows.append(row)
+    return rows
+
+
+def bench_scaling(batches, tokens: int, page_size: int, smoke: bool, log=print) -> list[dict]:
+    """Fixed total tokens, growing batch: the teaching kernel's prefix sums grow as bs^2."""
+    rows = []
+    for bs in batches:
+        b = C.make_extend_batch(bs, tokens // bs, page_size, extend_lens=[tokens // bs] * bs)
+        row = {"bs": bs, "tokens": b.extend_num_tokens, "page_size": page_size, "paths": {}}
+        for name in ("teaching", "fast"):
+            path = X.EXTEND_PATHS[name]
+            path(b)
+            row["paths"][name] = {"median_us": median_us(lambda: path(b), smoke)}
+        log(f"scale  bs={bs:<5} T={b.extend_num_tokens} " + "  ".join(
+            f"{k}={v['median_us']:.1f}us" for k, v in row["paths"].items()))
+        rows.append(row)
+    return rows
+
+
+# --- targets ------------------------------------------------------------------------------
+
+
+def _ratio(row: dict, num: str, den: str) -> float | None:
+    a, b = row["paths"].get(num, {}), row["paths"].get(den, {})
+    if "median_us" in a and "median_us" in b and b["median_us"] > 0:
+        return a["median_us"] / b["median_us"]
+    return None
+
+
+def evaluate_targets(res: dict) -> list[dict]:
+    targets = []
+    ext = res["extend"]
+    ratios = [(r["case"], r["page_size"], _ratio(r, "fast", "teaching")) for r in ext]
+    ran = [x for x in ratios if x[2] is not None]
+    worst = max(ran, key=lambda x: x[2]) if ran else None
+    fast_all = all("median_us" in r["paths"].get("fast", {}) for r in ext)
+    agree = all(r.get("agree", False) for r in ext)
+    targets.append({
+        "name": "fast alloc_extend vs teaching",
+        "rule": "fast/teaching <= 0.8 on every case the teaching path runs; fast runs every case; outputs equal",
+        "measured": (f"worst {worst[2]:.2f} ({worst[0]}, P={worst[1]}); fast ran {sum(1 for r in ext if 'median_us' in r['paths'].get('fast', {}))}"
+                     f"/{len(ext)} cases; outputs agree: {agree}") if worst else "no case ran",
+        "passed": bool(worst) and worst[2] <= 0.8 and fast_all and agree,
+    })
+    cold = [r for r in res["cold"] if r.get("fast_compiled_before")]
+    worst_cold = max((r["fast_first_call_ms"] for r in cold), default=None)
+    targets.append({
+        "name": "first call on an unseen shape",
+        "rule": "<= 20 ms once the fast kernel has compiled for any shape",
+        "measured": f"worst {worst_cold:.2f} ms over {len(cold)} unseen shapes" if cold else "none measured",
+        "passed": worst_cold is not None and worst_cold <= 20.0,
+    })
+    dec = res["decode"]
+    dratios = [(r["bs"], r["page_size"], _ratio(r, "fast", "teaching")) for r in dec]
+    dran = [x for x in dratios if x[2] is not None]
+    dworst = max(dran, key=lambda x: x[2]) if dran else None
+    dagree = all(r.get("agree", False) for r in dec)
+    targets.append({
+        "name": "fast decode vs teaching",
+        "rule": "fast/teaching <= 0.8 at every batch size; outputs equal",
+        "measured": f"worst {dworst[2]:.2f} (bs={dworst[0]}, P={dworst[1]}); outputs agree: {dagree}" if dworst else "none",
+        "passed": bool(dworst) and dworst[2] <= 0.8 and dagree,
+    })
+    pt = [r for r in res["page_table"] if r.get("bs") == 256 and "paths" in r]
+    speedups = [(r["case"], r["page_size"], 1 / x) for r in pt if (x := _ratio(r, "triton", "host_loop"))]
+    pworst = min(speedups, key=lambda x: x[2]) if speedups else None
+    pagree = all(r.get("agree", False) for r in pt)
+    targets.append({
+        "name": "Triton page-table write vs host loop at bs 256",
+        "rule": "host_loop/triton >= 10; tables equal",
+        "measured": f"worst {pworst[2]:.1f}x ({pworst[0]}, P={pworst[1]}); tables agree: {pagree}" if pworst else
+        (res["page_table"][0].get("error", "none") if res["page_table"] else "none"),
+        "passed": bool(pworst) and pworst[2] >= 10 and pagree,
+    })
+    if res.get("smoke"):
+        for t in targets:
+            t["passed"] = None  # no timing claims in a smoke run
+            t["measured"] += " (smoke run: not a measurement)"
+    return targets
+
+
+def run(out_dir: str, *, smoke: bool | None = None, trap: bool = True, log=print) -> dict:
+    """Run the suite, write ``bench.json``, ``bench.md`` and the plots into ``out_dir``."""
+    from .report import write_outputs
+
+    if smoke is None:
+        smoke = runtime.INTERPRET
+    if smoke:
+        ext_cases, pages, dec, scale, scale_tokens = [(1, 8), (3, 5)], [1, 4], [1, 3], [1, 4], 16
+    else:
+        ext_cases, pages, dec = C.EXTEND_CASES, C.PAGE_SIZES, C.DECODE_BATCHES
+        scale, scale_tokens = C.SCALING_BATCHES, C.SCALING_TOKENS
+    res: dict = {"meta": _meta(smoke), "smoke": smoke,
+                 "config": {"extend_cases": ext_cases, "page_sizes": pages, "decode_batches": dec,
+                            "scaling_batches": scale, "scaling_tokens": scale_tokens,
+                            "teaching_max_lanes": TEACHING_MAX_LANES}}
+    log(f"kvlab.bench: {res['meta']['note']}")
+    t0 = time.perf_counter()
+    res["cold"] = bench_cold(ext_cases, pages, smoke, trap, log)  # first: fresh process
+    res["extend"] = bench_extend(ext_cases, pages, smoke, log)
+    res["decode"] = bench_decode(dec, pages, smoke, log)
+    res["page_table"] = bench_page_table(ext_cases, pages, smoke, log)
+    res["scaling"] = bench_scaling(scale, scale_tokens, pages[-1] if smoke else 16, smoke, log)
+    res["targets"] = evaluate_targets(res)
+    res["meta"]["seconds"] = round(time.perf_counter() - t0, 1)
+    write_outputs(res, out_dir, log)
+    return res

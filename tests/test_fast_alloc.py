@@ -1,0 +1,292 @@
+"""The fast allocation kernels (chapter 09) against the plain-Python references and the
+teaching kernels: random batches, page sizes 1/16/64, empty extends, one and many requests,
+every calling mode; out-of-pages and bad input refused before any launch."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvlab
+from kvlab import runtime
+from kvlab.bench import paths as X
+from kvlab.bench.cases import make_decode_batch, make_extend_batch
+from kvlab.errors import InvalidArgument, OutOfPages
+from kvlab.kernels import fast_alloc
+from kvlab.kernels.fast_alloc import alloc_decode_fast, alloc_extend_fast
+from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref
+
+PAGE_SIZES = [1, 16, 64]
+EXTEND_MODES = ["counts", "host_lens", "sync"]
+
+
+def _t(values, dtype=torch.int64):
+    return torch.tensor(values, dtype=dtype, device=runtime.DEVICE)
+
+
+def _extend(pre, seq, last, free, P, mode, dtype=torch.int64):
+    kw = {}
+    if mode == "counts":
+        ref = alloc_extend_ref(pre, seq, last, free, P)
+        kw = dict(extend_num_tokens=ref.num_extend_tokens, num_new_pages=ref.num_new_pages)
+    elif mode == "host_lens":
+        kw = dict(prefix_lens_cpu=pre, seq_lens_cpu=seq)
+    return alloc_extend_fast(_t(pre, dtype), _t(seq, dtype), _t(last), _t(free), P, **kw)
+
+
+@st.composite
+def extend_batches(draw, max_bs=12):
+    P = draw(st.sampled_from(PAGE_SIZES))
+    bs = draw(st.integers(1, max_bs))
+    pre = [draw(st.integers(0, 3 * P + 5)) for _ in range(bs)]
+    ext = [draw(st.one_of(st.just(0), st.just(P), st.integers(0, 4 * P + 7))) for _ in range(bs)]
+    seq = [p + e for p, e in zip(pre, ext)]
+    # each request's prefix on its own pages, then the free pages (shuffled)
+    last, page = [], 0
+    for p in pre:
+        n = -(-p // P)
+        page += n
+        last.append((page - 1) * P + (p - 1) % P if p else -1)
+    need = sum(-(-s // P) - -(-p // P) for p, s in zip(pre, seq))
+    free = list(range(page, page + need + draw(st.integers(0, 5))))
+    random.Random(draw(st.integers(0, 2**16))).shuffle(free)
+    return pre, seq, last, free, P
+
+
+@given(extend_batches(), st.sampled_from(EXTEND_MODES), st.sampled_from([torch.int32, torch.int64]))
+def test_extend_equals_reference(batch, mode, dtype):
+    pre, seq, last, free, P = batch
+    ref = alloc_extend_ref(pre, seq, last, free, P)
+    got = _extend(pre, seq, last, free, P, mode, dtype)
+    assert got.out_indices.dtype == torch.int64
+    assert got.out_indices.tolist() == ref.out_indices
+    assert got.num_new_pages == ref.num_new_pages
+
+
+@given(extend_batches(max_bs=6))
+def test_extend_equals_teaching_kernel(batch):
+    pre, seq, last, free, P = batch
+    if sum(s - p for p, s in zip(pre, seq)) == 0:
+        return  # the teaching kernel needs at least one lane of work
+    b = make_extend_batch(len(pre), 1, P)  # a shell; fill in this batch
+    b.prefix_lens, b.seq_lens, b.last_loc, b.free_pages = _t(pre), _t(seq), _t(last), _t(free)
+    b.extend_num_tokens = sum(s - p for p, s in zip(pre, seq))
+    b.num_new_pages = alloc_extend_ref(pre, seq, last, free, P).num_new_pages
+    t_out, t_pages = X.teaching_extend(b)
+    f_out, f_pages = X.fast_extend(b)
+    assert torch.equal(t_out, f_out) and t_pages == f_pages
+
+
+@pytest.mark.parametrize("P", PAGE_SIZES)
+def test_extend_edge_cases(P):
+    cases = {
+        "one request, empty prefix, page-aligned": ([0], [2 * P]),
+        "one request, unaligned both ends": ([P // 2 + 1], [3 * P + 1]),
+        "stays inside the old page": ([1], [min(P, 2)]),
+        "all extends empty": ([5, 0, 7], [5, 0, 7]),
+        "empty extends between others": ([0, 3, P, 2], [P + 1, 3, 2 * P, 2 * P + 3]),
+        "prefix ends on a page boundary": ([P, 2 * P], [P + 1, 4 * P]),
+    }
+    for name, (pre, seq) in cases.items():
+        last, page = [], 0
+        for p in pre:
+            page += -(-p // P)
+            last.append((page - 1) * P + (p - 1) % P if p else -1)
+        free = list(range(page + 40, page, -1))
+        ref = alloc_extend_ref(pre, seq, last, free, P)
+        for mode in EXTEND_MODES:
+            got = _extend(pre, seq, last, free, P, mode)
+            assert got.out_indices.tolist() == ref.out_indices, (name, mode)
+            assert got.num_new_pages == ref.num_new_pages, (name, mode)
+
+
+def test_extend_many_requests_many_blocks():
+    # more requests than one scan block, more tokens than one fill block
+    bs = fast_alloc.BATCH_BLOCK + 37
+    rng = random.Random(3)
+    P = 16
+    lens = [rng.choice([0, 1, 2, 17]) for _ in range(bs)]
+    lens[5] = fast_alloc.EXTEND_BLOCK + 300  # one long request spans several fill programs
+    b = make_extend_batch(bs, 1, P, extend_lens=lens, seed=1)
+    ref = alloc_extend_ref(b.prefix_cpu, b.seq_cpu, b.last_loc.tolist(), b.free_pages.tolist(), P)
+    for fn in (X.fast_extend, X.fast_extend_host_lens, X.fast_extend_sync, X.torch_extend):
+        out, pages = fn(b)
+        assert out.tolist() == ref.out_indices, fn.__name__
+        assert pages == ref.num_new_pages
+
+
+def test_worked_example_from_the_source_design():
+    # P = 64: A 70 -> 190, B 128 -> 260; out = [A 58 | A 62 | B 128 | B 4], 4 new pages
+    P, free = 64, [7, 3, 9, 5, 11]
+    last = [1 * P + 5, 2 * P + 63]  # A's prefix ends at offset 5 of page 1, B's at the end of page 2
+    got = _extend([70, 128], [190, 260], last, free, P, "sync")
+    out = got.out_indices.tolist()
+    assert got.num_new_pages == 4 and len(out) == 252
+    assert out[:58] == list(range(last[0] + 1, last[0] + 59))
+    assert out[58:120] == [7 * P + k for k in range(62)]
+    assert out[120:248] == [3 * P + k for k in range(64)] + [9 * P + k for k in range(64)]
+    assert out[248:] == [5 * P + k for k in range(4)]
+
+
+@pytest.mark.parametrize("mode", EXTEND_MODES)
+def test_extend_out_of_pages_raises_before_any_launch(mode, monkeypatch):
+    P = 16
+    pre, seq, last = [0, 3], [40, 50], [-1, 2]
+    need = alloc_extend_ref(pre, seq, last, list(range(100)), P).num_new_pages
+    free = _t(list(range(need - 1)))
+    before = free.clone()
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            raise AssertionError("the fill kernel must not be launched when pages are short")
+
+    monkeypatch.setattr(fast_alloc, "extend_fill_kernel", Spy())
+    kw = {"counts": dict(extend_num_tokens=84, num_new_pages=need),
+          "host_lens": dict(prefix_lens_cpu=pre, seq_lens_cpu=seq), "sync": {}}[mode]
+    with pytest.raises(OutOfPages) as e:
+        alloc_extend_fast(_t(pre), _t(seq), _t(last), free, P, **kw)
+    assert e.value.needed == need and e.value.free == need - 1
+    assert launched == [] and torch.equal(free, before)
+
+
+def test_extend_bad_input_is_refused_by_name():
+    P = 4
+    with pytest.raises(InvalidArgument, match="seq_lens\\[1\\]"):
+        alloc_extend_fast(_t([0, 5]), _t([3, 4]), _t([-1, 4]), _t([0, 1, 2]), P,
+                          prefix_lens_cpu=[0, 5], seq_lens_cpu=[3, 4])
+    with pytest.raises(InvalidArgument, match="extend_num_tokens"):
+        alloc_extend_fast(_t([0]), _t([3]), _t([-1]), _t([0, 1]), P, extend_num_tokens=4,
+                          prefix_lens_cpu=[0], seq_lens_cpu=[3])
+    with pytest.raises(InvalidArgument, match="seq_lens"):
+        alloc_extend_fast(_t([0, 5]), _t([3]), _t([-1, 4]), _t([0, 1]), P)
+    with pytest.raises(InvalidArgument, match="free_pages"):
+        alloc_extend_fast(_t([0]), _t([3]), _t([-1]), _t([[0, 1]]), P)
+    with pytest.raises(InvalidArgument, match="page_size"):
+        alloc_extend_fast(_t([0]), _t([3]), _t([-1]), _t([0, 1]), 0)
+    with pytest.raises(InvalidArgument, match="seq_lens >= prefix_lens"):  # device-only mode
+        alloc_extend_fast(_t([0, 9]), _t([3, 4]), _t([-1, 0]), _t(list(range(9))), P)
+
+
+def test_extend_empty_batch():
+    got = alloc_extend_fast(_t([]), _t([]), _t([]), _t([1, 2]), 16, extend_num_tokens=0)
+    assert got.out_indices.numel() == 0 and got.num_new_pages == 0
+
+
+# --- decode ---------------------------------------------------------------------------------
+
+
+@st.composite
+def decode_batches(draw, max_bs=40):
+    P = draw(st.sampled_from(PAGE_SIZES))
+    bs = draw(st.integers(1, max_bs))
+    seq = [draw(st.one_of(st.integers(1, 4 * P + 3), st.just(P + 1), st.just(1))) for _ in range(bs)]
+    last, page = [], 0
+    for s in seq:
+        page += -(-(s - 1) // P)
+        last.append((page - 1) * P + (s - 2) % P if s > 1 else -1)
+    need = sum(1 for s in seq if (s - 1) % P == 0)
+    free = list(range(page, page + need + draw(st.integers(0, 3))))
+    random.Random(draw(st.integers(0, 2**16))).shuffle(free)
+    return seq, last, free, P
+
+
+@given(decode_batches(), st.sampled_from(["counts", "host_lens", "sync"]))
+def test_decode_equals_reference(batch, mode):
+    seq, last, free, P = batch
+    ref = alloc_decode_ref(seq, last, free, P)
+    kw = {"counts": dict(num_new_pages=ref.num_new_pages), "host_lens": dict(seq_lens_cpu=seq),
+          "sync": {}}[mode]
+    got = alloc_decode_fast(_t(seq), _t(last), _t(free), P, **kw)
+    assert got.out_indices.tolist() == ref.out_indices
+    assert got.num_new_pages == ref.num_new_pages
+
+
+@given(decode_batches(max_bs=12))
+def test_decode_equals_teaching_kernel(batch):
+    seq, last, free, P = batch
+    b = make_decode_batch(len(seq), P)
+    b.seq_lens, b.last_loc, b.free_pages = _t(seq), _t(last), _t(free)
+    b.num_new_pages = sum(1 for s in seq if (s - 1) % P == 0)
+    t_out, t_pages = X.teaching_decode(b)
+    f_out, f_pages = X.fast_decode(b)
+    assert torch.equal(t_out, f_out) and t_pages == f_pages
+
+
+def test_decode_many_requests_many_blocks():
+    b = make_decode_batch(fast_alloc.BATCH_BLOCK * 2 + 5, 4, seed=2)
+    ref = alloc_decode_ref(b.seq_cpu, b.last_loc.tolist(), b.free_pages.tolist(), 4)
+    for fn in (X.fast_decode, X.fast_decode_sync, X.torch_decode):
+        out, pages = fn(b)
+        assert out.tolist() == ref.out_indices and pages == ref.num_new_pages, fn.__name__
+
+
+@pytest.mark.parametrize("mode", ["counts", "host_lens", "sync"])
+def test_decode_out_of_pages_raises_before_any_launch(mode, monkeypatch):
+    P = 4
+    seq, last = [1, 5, 9, 3], [-1, 3, 7, 13]
+    launched = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            raise AssertionError("no launch when pages are short")
+
+    monkeypatch.setattr(fast_alloc, "decode_fast_kernel", Spy())
+    free = _t([20, 21])
+    kw = {"counts": dict(num_new_pages=3), "host_lens": dict(seq_lens_cpu=seq), "sync": {}}[mode]
+    with pytest.raises(OutOfPages):
+        alloc_decode_fast(_t(seq), _t(last), free, P, **kw)
+    assert launched == [] and free.tolist() == [20, 21]
+
+
+def test_decode_bad_input_is_refused_by_name():
+    with pytest.raises(InvalidArgument, match="seq_lens\\[1\\]"):
+        alloc_decode_fast(_t([3, 0]), _t([1, -1]), _t([0]), 4, seq_lens_cpu=[3, 0])
+    with pytest.raises(InvalidArgument, match="seq_lens"):
+        alloc_decode_fast(_t([3, 0]), _t([1, -1]), _t([0]), 4)
+    with pytest.raises(InvalidArgument, match="num_new_pages"):
+        alloc_decode_fast(_t([1, 2]), _t([-1, 4]), _t([0, 1]), 4, num_new_pages=2, seq_lens_cpu=[1, 2])
+
+
+# --- the vectorised-torch path the benchmark compares -----------------------------------------
+
+
+@given(extend_batches())
+def test_torch_extend_equals_reference(batch):
+    pre, seq, last, free, P = batch
+    ref = alloc_extend_ref(pre, seq, last, free, P)
+    out = X.alloc_extend_torch(_t(pre), _t(seq), _t(last), _t(free), P, ref.num_extend_tokens,
+                               ref.num_new_pages)
+    assert out.tolist() == ref.out_indices
+
+
+# --- one compilation for every shape (compiled Triton only) ---------------------------------
+
+
+def _compiled_variants(kernel) -> int:
+    caches = getattr(kernel, "device_caches", None)
+    assert caches is not None, "this Triton has no JITFunction.device_caches; update the test"
+    return sum(len(entry[0]) for entry in caches.values())
+
+
+@pytest.mark.gpu
+def test_one_compilation_serves_every_shape():
+    P = 16
+    shapes = [(1, 5), (3, 1000), (64, 17), (7, 4096), (200, 33), (1, 70000)]
+    for i, (bs, mean) in enumerate(shapes):
+        b = make_extend_batch(bs, mean, P, seed=i)
+        b.free_pages = b.free_pages[i % 3:]  # a sliced free list: an unaligned pointer
+        b.num_new_pages = alloc_extend_ref(b.prefix_cpu, b.seq_cpu, b.last_loc.tolist(),
+                                           b.free_pages.tolist(), P).num_new_pages
+        X.fast_extend(b)
+    assert _compiled_variants(fast_alloc.extend_fill_kernel) == 1
+    assert _compiled_variants(fast_alloc.extend_scan_kernel) == 1
+
+
+def test_kernels_are_exported():
+    assert kvlab.kernels.extend_fill_kernel is fast_alloc.extend_fill_kernel
