@@ -33,13 +33,13 @@ from typing import Callable, Sequence
 
 import torch
 
-from .errors import InvalidArgument
+from .errors import InvalidArgument, OutOfPages
 from .runtime import default_device
 
 __all__ = [
     "KVPool", "paged_decode_attention_reference", "paged_decode_attention",
     "check_paged_attention_inputs", "causal_attention", "TinyConfig", "TinyTransformer",
-    "Generation", "generate_contiguous",
+    "Generation", "generate_contiguous", "PagedEngine", "generate_paged",
 ]
 
 
@@ -169,16 +169,19 @@ def paged_decode_attention_reference(q, k_pool, v_pool, page_table, table_idx, s
 
 
 def paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens,
-                           scale: float | None = None, *, block_n: int = 16) -> torch.Tensor:
+                           scale: float | None = None, *, block_n: int | None = None) -> torch.Tensor:
     """Triton paged decode attention (one program per request and head), checked first.
 
     Same contract as :func:`paged_decode_attention_reference`. ``block_n`` (a power of two)
-    is how many token columns a program reads per loop iteration.
+    is how many token columns a program reads per loop iteration; by default 32 on a GPU
+    and 64 in the interpreter (fewer, wider iterations: the interpreter pays per operation).
     """
     from .kernels.attention import paged_decode_attention_kernel
+    from .runtime import pick
 
+    block_n = pick(cpu=64, gpu=32) if block_n is None else block_n
     check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
-    if block_n < 1 or block_n & (block_n - 1):
+    if not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
         raise InvalidArgument("block_n", "a power of two", f"got {block_n}")
     batch, heads, head_dim = q.shape
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -345,3 +348,141 @@ def generate_contiguous(model: TinyTransformer, prompts: Sequence[Sequence[int]]
         out_tokens.append(toks)
         out_logits.append(torch.stack(logs).cpu())
     return Generation(out_tokens, out_logits, prefill, [0] * len(prompts))
+
+
+# --- generation through the page table --------------------------------------------------
+
+
+class PagedEngine:
+    """The tiny model served through kvlab's memory manager (chapter 08).
+
+    Owns a page table, a :class:`~kvlab.CacheManager` (free pages + radix prefix cache)
+    and a :class:`KVPool` with one slot per token slot of the manager. Every
+    :meth:`generate` call is one batch of requests:
+
+    1. ``admit`` each request (match its prompt in the prefix cache, lock the hit, map it);
+    2. ``allocate_paged`` the rest of the prompts; prefill computes only positions
+       ``[cached_len, len(prompt))`` -- K/V go to ``pool`` at the row's slots
+       (``store_kv``) and attention reads every earlier position through the row;
+    3. ``cache_req(finished=False)``: the prompts' whole pages join the prefix cache;
+    4. decode: per step ``allocate_paged`` (a new page at each page boundary), ``store_kv``
+       of the one new token, then :func:`paged_decode_attention` over ``[0, device_len)``;
+    5. ``cache_req(finished=True)``: prompt + answer stay cached for the next batch.
+
+    The prefix cache outlives a call, so a second batch that shares a prefix with the first
+    computes fewer prefill tokens (``Generation.prefill_tokens``) and must still produce
+    exactly the tokens of :func:`generate_contiguous`.
+    """
+
+    def __init__(self, model: TinyTransformer, *, page_size: int, num_pages: int,
+                 max_running: int = 8, max_seq_len: int = 256, decode_attention: str = "triton",
+                 remap_duplicates: bool = True):
+        from .cache_manager import CacheManager
+        from .paging import new_page_table
+
+        if decode_attention not in ("triton", "reference"):
+            raise InvalidArgument("decode_attention", '"triton" or "reference"', f"got {decode_attention!r}")
+        if max_seq_len > model.config.max_positions:
+            raise InvalidArgument("max_seq_len", f"<= the model's max_positions={model.config.max_positions}",
+                                  f"got {max_seq_len}")
+        c = model.config
+        self.model = model
+        self.max_running = max_running
+        self.max_seq_len = max_seq_len
+        self.decode_attention = decode_attention
+        self.page_table = new_page_table(max_running, max_seq_len, page_size, model.device)
+        self.manager = CacheManager(num_pages, page_size, self.page_table,
+                                    remap_duplicates=remap_duplicates)
+        self.pool = KVPool(num_pages * page_size, c.num_layers, c.num_heads, c.head_dim,
+                           device=model.device)
+
+    def _attend_decode(self, q, rows, seq_lens, layer):
+        fn = paged_decode_attention if self.decode_attention == "triton" else paged_decode_attention_reference
+        return fn(q, self.pool.k[layer], self.pool.v[layer], self.page_table, rows, seq_lens)
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Generation:
+        from .cache_manager import Req
+
+        c = self.model.config
+        _check_prompts(prompts, c.vocab_size, max_new_tokens)
+        if not 1 <= len(prompts) <= self.max_running:
+            raise InvalidArgument("prompts", f"1 to max_running={self.max_running} requests per batch",
+                                  f"got {len(prompts)}")
+        for i, p in enumerate(prompts):
+            if len(p) + max_new_tokens > self.max_seq_len:
+                raise InvalidArgument(f"prompts[{i}]", f"len(prompt) + max_new_tokens <= max_seq_len={self.max_seq_len}",
+                                      f"got {len(p)} + {max_new_tokens}")
+        dev = self.model.device
+        reqs = [Req(list(p), table_idx=i) for i, p in enumerate(prompts)]
+        for req in reqs:
+            self.manager.admit(req)          # match + lock + map the cached prefix into the row
+        hits = [req.cached_len for req in reqs]
+        # decide up front that the whole generation fits, so no step fails half-way
+        P = self.manager.page_size
+        need = sum(-(-(req.device_len + max_new_tokens - 1) // P) - req.cached_len // P for req in reqs)
+        have = self.manager.num_free_pages + self.manager.prefix_cache.size_info.evictable_size // P
+        if need > have:
+            for req in reqs:                 # leave the manager as it was (minus LRU touches)
+                self.manager.release_req(req)
+            raise OutOfPages(need, have, "batch (prompts + max_new_tokens, after prefix hits)")
+        self.manager.allocate_paged(reqs)
+
+        # prefill: only the positions the cache did not have
+        logits_now, prefill = [], 0
+        for req in reqs:
+            row, start, end = req.table_idx, req.cached_len, req.device_len
+            prefill += end - start
+            out_loc = self.page_table[row, start:end]
+            seen = self.page_table[row, :end].long()
+
+            def attend(layer, q, k, v, out_loc=out_loc, seen=seen, start=start):
+                self.pool.store_kv(k, v, out_loc, layer)
+                return causal_attention(q, self.pool.k[layer][seen], self.pool.v[layer][seen], start)
+
+            ids = torch.tensor(req.input_ids[start:end], device=dev)
+            logits_now.append(self.model.forward(ids, torch.arange(start, end, device=dev), attend)[-1])
+        logits_now = torch.stack(logits_now)
+        toks: list[list[int]] = [[] for _ in reqs]
+        logs: list[list[torch.Tensor]] = [[] for _ in reqs]
+
+        def take(logits):
+            for b, req in enumerate(reqs):
+                tok = int(logits[b].argmax())
+                toks[b].append(tok)
+                logs[b].append(logits[b].cpu())
+                req.append_token(tok)
+                req.complete_one()           # cached_len = device_len; device_len += 1
+
+        take(logits_now)
+        for req in reqs:
+            self.manager.cache_req(req, finished=False)
+
+        rows = torch.tensor([req.table_idx for req in reqs], device=dev)
+        for _ in range(max_new_tokens - 1):
+            self.manager.allocate_paged(reqs)  # a new page only where a request crosses a boundary
+            positions = torch.tensor([req.device_len - 1 for req in reqs], device=dev)
+            seq_lens = torch.tensor([req.device_len for req in reqs], device=dev)
+            out_loc = self.page_table[rows, positions]
+            ids = torch.tensor([req.input_ids[-1] for req in reqs], device=dev)
+
+            def attend(layer, q, k, v, out_loc=out_loc, seq_lens=seq_lens):
+                self.pool.store_kv(k, v, out_loc, layer)
+                return self._attend_decode(q, rows, seq_lens, layer)
+
+            take(self.model.forward(ids, positions, attend))
+        for req in reqs:
+            self.manager.cache_req(req, finished=True)
+        self.manager.check_integrity()
+        return Generation(toks, [torch.stack(x) for x in logs], prefill, hits)
+
+
+def generate_paged(model: TinyTransformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                   *, page_size: int = 4, num_pages: int | None = None, **engine_kwargs) -> Generation:
+    """One batch through a fresh :class:`PagedEngine` (no cache hits: a new cache)."""
+    longest = max(len(p) for p in prompts) + max_new_tokens
+    if num_pages is None:
+        num_pages = len(prompts) * (-(-longest // page_size)) + 1
+    engine_kwargs.setdefault("max_seq_len", max(longest, page_size))
+    engine_kwargs.setdefault("max_running", max(len(prompts), 1))
+    engine = PagedEngine(model, page_size=page_size, num_pages=num_pages, **engine_kwargs)
+    return engine.generate(prompts, max_new_tokens)

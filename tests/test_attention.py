@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab import InvalidArgument
-from kvlab.attention import (KVPool, TinyConfig, TinyTransformer, causal_attention,
-                             generate_contiguous, paged_decode_attention,
+from kvlab.attention import (KVPool, PagedEngine, TinyConfig, TinyTransformer, causal_attention,
+                             generate_contiguous, generate_paged, paged_decode_attention,
                              paged_decode_attention_reference)
 from kvlab.reference import paged_decode_attention_reference as ref_from_reference
 
@@ -144,3 +144,72 @@ def test_tiny_model_is_seeded_and_incremental_decode_matches_full_forward():
     torch.testing.assert_close(gen.logits[0], logits[len(prompt) - 1:len(full) - 1], atol=1e-4, rtol=1e-4)
     assert gen.tokens[0] == logits[len(prompt) - 1:len(full) - 1].argmax(-1).tolist()
     assert gen.prefill_tokens == len(prompt)
+
+
+# --- the tiny model through the page table vs a contiguous KV cache ---------------------
+
+SMALL = TinyConfig(vocab_size=64, num_layers=2, num_heads=2, head_dim=16, seed=11)
+
+
+def _prompts(seed, n, shared, extra=(2, 7)):
+    rng = random.Random(seed)
+    system = [rng.randrange(SMALL.vocab_size) for _ in range(shared)]
+    return [system + [rng.randrange(SMALL.vocab_size) for _ in range(rng.randint(*extra))]
+            for _ in range(n)]
+
+
+def _assert_same(paged, contiguous, atol=1e-4):
+    assert paged.tokens == contiguous.tokens
+    for a, b in zip(paged.logits, contiguous.logits):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_paged_generation_equals_contiguous_with_the_triton_kernel(page_size):
+    model = TinyTransformer(SMALL)
+    prompts = _prompts(0, 3, shared=9)
+    _assert_same(generate_paged(model, prompts, 4, page_size=page_size),
+                 generate_contiguous(model, prompts, 4))
+
+
+def test_prefix_hits_compute_fewer_tokens_and_change_nothing():
+    model = TinyTransformer(SMALL)
+    first, second = _prompts(1, 3, shared=13), _prompts(2, 3, shared=13)
+    second = [first[0][:13] + p[13:] for p in second]            # same 13-token system prompt
+    engine = PagedEngine(model, page_size=4, num_pages=40, max_running=3, max_seq_len=40,
+                         decode_attention="reference")
+    g1 = engine.generate(first, 5)
+    g2 = engine.generate(second, 5)
+    assert g1.hit_tokens == [0, 0, 0]
+    assert g2.hit_tokens == [12, 12, 12]                           # 3 whole pages of 4
+    assert g2.prefill_tokens == sum(len(p) for p in second) - 36
+    _assert_same(g1, generate_contiguous(model, first, 5))
+    _assert_same(g2, generate_contiguous(model, second, 5))
+    # asking the first batch again: prompt and answer are cached, only the last token is computed
+    g3 = engine.generate(first, 5)
+    assert g3.tokens == g1.tokens and g3.prefill_tokens < g1.prefill_tokens
+    engine.manager.check_integrity()
+
+
+def test_twin_prompts_in_one_batch_read_the_remapped_duplicate_pages():
+    model = TinyTransformer(SMALL)
+    twin = _prompts(3, 1, shared=10)[0]
+    prompts = [twin, twin, _prompts(4, 1, shared=5)[0]]
+    engine = PagedEngine(model, page_size=2, num_pages=40, max_running=3, max_seq_len=32,
+                         decode_attention="reference")
+    _assert_same(engine.generate(prompts, 6), generate_contiguous(model, prompts, 6))
+
+
+def test_engine_refuses_a_batch_that_cannot_fit_and_changes_nothing():
+    from kvlab import OutOfPages
+
+    model = TinyTransformer(SMALL)
+    engine = PagedEngine(model, page_size=4, num_pages=5, max_running=2, max_seq_len=40)
+    free_before = engine.manager.free_slots.clone()
+    with pytest.raises(OutOfPages):
+        engine.generate(_prompts(5, 2, shared=8), 6)   # 2 x (>=10 + 5) tokens > 20 slots
+    assert torch.equal(engine.manager.free_slots, free_before)
+    assert (engine.page_table == -1).all()
+    engine.manager.check_integrity()
+    with pytest.raises(InvalidArgument, match="prompts\\[0\\]"):
+        engine.generate([[SMALL.vocab_size]], 2)
