@@ -5,3 +5,5 @@ Each picture function draws on a matplotlib Axes (``ax=`` or a new figure) and r
 from __future__ import annotations
 
 from .heatmap import HeatmapView, page_table_heatmap  # noqa: F401
+from .tree import TreeSnapshot, draw_tree, draw_tree_steps, snapshot as tree_snapshot  # noqa: F401  (chapter 05)
+from .regions import REGION_COLOURS, region_bar, region_bars  # noqa: F401  (chapter 06)

@@ -1,0 +1,196 @@
+"""Pictures of the radix prefix cache (chapter 05): the tree, and how it changes step by step.
+
+Each node is a box labelled with its key cut into pages, the physical pages that hold its
+KV, its ``ref_count`` and its last access (the LRU counter)::
+
+                     root
+                       |
+                 [1 2|3 4]          <- key, one | per page boundary
+                 pages 4,5          <- physical pages of the node's slots
+                 ref 1 · t 3        <- locked once; last touched at tick 3
+                 /        \\
+           [5 6]          [7 8]
+
+Colours: locked nodes (``ref_count > 0``) are orange; unlocked ones (evictable) blue.
+Compared with an earlier :func:`snapshot`, new nodes get a green border and nodes that are
+gone (evicted) are drawn faded with a dashed border.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+LOCKED = "#fdae6b"
+UNLOCKED = "#c6dbef"
+NEW_EDGE = "#2ca02c"
+GHOST = "#d9d9d9"
+
+
+class NodeInfo(NamedTuple):
+    """A node as it was when the snapshot was taken (plain data: safe to keep)."""
+
+    uid: int
+    parent: int | None  # uid of the parent; None for children of the root
+    pages: tuple[tuple[int, ...], ...]  # key, page by page
+    page_ids: tuple[int, ...]  # physical page of each key page
+    ref_count: int
+    last_access: int
+
+
+class TreeSnapshot(NamedTuple):
+    page_size: int
+    nodes: tuple[NodeInfo, ...]
+    clock: int  # the cache's access counter when the snapshot was taken
+    evictable_size: int
+    protected_size: int
+
+
+def snapshot(cache) -> TreeSnapshot:
+    """Freeze the tree of a :class:`~kvlab.radix_cache.RadixPrefixCache` for drawing later."""
+    P = cache.page_size
+    nodes = []
+    for node in cache.nodes():
+        parent = None if node.parent is cache.root else node.parent.uid
+        page_ids = tuple(int(s) // P for s in node.value[::P].tolist())
+        nodes.append(NodeInfo(node.uid, parent, tuple(node.pages(P)), page_ids, node.ref_count,
+                              node.last_access))
+    info = cache.size_info
+    return TreeSnapshot(P, tuple(nodes), cache.clock, info.evictable_size, info.protected_size)
+
+
+def _fmt_pages(pages: Sequence[tuple[int, ...]], limit: int = 4) -> str:
+    if len(pages) > limit:
+        pages = list(pages[:2]) + [("…",)] + list(pages[-1:])
+    return "[" + "|".join(" ".join(str(t) for t in p) for p in pages) + "]"
+
+
+def _fmt_ids(ids: Sequence[int], limit: int = 4) -> str:
+    ids = list(ids)
+    if len(ids) > limit:
+        return ",".join(map(str, ids[:2])) + ",…," + str(ids[-1])
+    return ",".join(map(str, ids))
+
+
+def _layout(nodes: Sequence[NodeInfo]) -> dict[int | None, tuple[float, int]]:
+    """x by leaf order (depth-first, children sorted by key), y by depth; root is ``None``."""
+    children: dict[int | None, list[NodeInfo]] = {}
+    for n in nodes:
+        children.setdefault(n.parent, []).append(n)
+    for kids in children.values():
+        kids.sort(key=lambda n: n.pages)
+    pos: dict[int | None, tuple[float, int]] = {}
+    next_x = [0.0]
+
+    def place(uid, depth):
+        kids = children.get(uid, [])
+        if not kids:
+            pos[uid] = (next_x[0], depth)
+            next_x[0] += 1.0
+            return
+        for k in kids:
+            place(k.uid, depth + 1)
+        xs = [pos[k.uid][0] for k in kids]
+        pos[uid] = ((min(xs) + max(xs)) / 2, depth)
+
+    place(None, 0)
+    return pos
+
+
+def draw_tree(tree, ax=None, *, previous: TreeSnapshot | None = None, title: str | None = None,
+              highlight: Sequence[int] = (), fontsize: float = 8.0):
+    """Draw a cache (or a :func:`snapshot` of one) on ``ax``; return the Axes.
+
+    ``previous``: an earlier snapshot; nodes new since then get a green border, nodes gone
+    since then are drawn faded ("evicted"). ``highlight``: uids to outline in red (e.g. the
+    node a handle points at).
+    """
+    import matplotlib.pyplot as plt
+
+    snap = tree if isinstance(tree, TreeSnapshot) else snapshot(tree)
+    now = {n.uid for n in snap.nodes}
+    ghosts: list[NodeInfo] = []
+    if previous is not None:
+        alive = set(now)
+        for n in previous.nodes:  # parents come before children in a snapshot
+            if n.uid not in now and (n.parent is None or n.parent in alive):
+                ghosts.append(n)
+                alive.add(n.uid)
+    old = {n.uid for n in previous.nodes} if previous is not None else now
+    all_nodes = list(snap.nodes) + ghosts
+    pos = _layout(all_nodes)
+    ghost_ids = {g.uid for g in ghosts}
+
+    if ax is None:
+        width = max(3.0, 1.9 * max(1.0, max(x for x, _ in pos.values()) + 1))
+        depth = max(d for _, d in pos.values())
+        _, ax = plt.subplots(figsize=(min(width, 14), 1.0 + 1.1 * (depth + 1)))
+    ax.set_axis_off()
+    xs = [x for x, _ in pos.values()]
+    depth = max(d for _, d in pos.values())
+    ax.set_xlim(min(xs) - 0.6, max(xs) + 0.6)
+    ax.set_ylim(-depth - 0.55, 0.45)
+
+    def y(d):  # depth 0 at the top
+        return -d
+
+    for n in all_nodes:  # edges first, under the boxes
+        (x0, d0), (x1, d1) = pos[n.parent], pos[n.uid]
+        ax.plot([x0, x1], [y(d0) - 0.12, y(d1) + 0.3], color="#bbbbbb" if n.uid in ghost_ids else "#555555",
+                lw=1, ls="--" if n.uid in ghost_ids else "-", zorder=1)
+    rx, rd = pos[None]
+    ax.text(rx, y(rd), "root", ha="center", va="center", fontsize=fontsize,
+            bbox=dict(boxstyle="round,pad=0.3", fc="white", ec="#555555"), zorder=3)
+    for n in all_nodes:
+        x, d = pos[n.uid]
+        ghost = n.uid in ghost_ids
+        label = (f"{_fmt_pages(n.pages)}\npages {_fmt_ids(n.page_ids)}\n"
+                 f"ref {n.ref_count} · t {n.last_access}")
+        if ghost:
+            label = f"{_fmt_pages(n.pages)}\nevicted"
+        fc = GHOST if ghost else (LOCKED if n.ref_count > 0 else UNLOCKED)
+        ec = "#999999" if ghost else (NEW_EDGE if n.uid not in old else "#333333")
+        if n.uid in highlight:
+            ec = "#d62728"
+        ax.text(x, y(d), label, ha="center", va="center", fontsize=fontsize,
+                color="#888888" if ghost else "black", zorder=3, alpha=0.8 if ghost else 1.0,
+                bbox=dict(boxstyle="round,pad=0.35", fc=fc, ec=ec,
+                          lw=2.0 if (ec in (NEW_EDGE, "#d62728")) else 1.0,
+                          ls="--" if ghost else "-"))
+    if title is None:
+        title = (f"radix cache (P={snap.page_size}): {snap.evictable_size} evictable, "
+                 f"{snap.protected_size} locked tokens")
+    ax.set_title(title, fontsize=fontsize + 1)
+    return ax
+
+
+def tree_legend(ax) -> None:
+    """A small legend for the colours used by :func:`draw_tree`."""
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(fc=UNLOCKED, ec="#333333", label="unlocked (evictable)"),
+                       Patch(fc=LOCKED, ec="#333333", label="locked (ref_count > 0)"),
+                       Patch(fc="white", ec=NEW_EDGE, lw=2, label="new this step"),
+                       Patch(fc=GHOST, ec="#999999", ls="--", label="evicted this step")],
+              loc="lower center", bbox_to_anchor=(0.5, -0.02), ncol=4, fontsize=7, frameon=False)
+
+
+def draw_tree_steps(steps: Sequence[tuple[str, TreeSnapshot]], *, ncols: int | None = None,
+                    panel_width: float = 3.6, panel_height: float = 3.0):
+    """A row (or grid) of small trees, one per ``(title, snapshot)``; each compared with the
+    one before it, so new and evicted nodes stand out. Returns the Figure."""
+    import matplotlib.pyplot as plt
+
+    n = len(steps)
+    ncols = ncols or n
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_width * ncols, panel_height * nrows),
+                             squeeze=False)
+    prev = None
+    for i, (title, snap) in enumerate(steps):
+        draw_tree(snap, axes[i // ncols][i % ncols], previous=prev, title=title, fontsize=7)
+        prev = snap
+    for j in range(n, nrows * ncols):
+        axes[j // ncols][j % ncols].set_axis_off()
+    tree_legend(fig.add_axes([0, 0, 1, 0.04], frameon=False))
+    fig.axes[-1].set_axis_off()
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
