@@ -134,18 +134,31 @@ def _explain_value(value: int) -> str | None:
 def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case], None],
               *, quiet: bool = False) -> int:
     """Run every case; stop at the first failure (re-raised with the case name). Returns the count."""
+    global _PENDING
     n_edge = n_random = 0
     for case in cases:
+        outer, _PENDING = _PENDING, []
+        pending = _PENDING
         try:
-            run_one(case)
+            try:
+                run_one(case)
+            finally:
+                _PENDING = outer
         except CheckFailed as e:
+            _merge_pending(pending, e, case.name)
             e.add_case(case.name)
             _show_picture(e)
             raise
         except Exception as e:  # the learner's code raised: say which case and what
-            raise CheckFailed(
-                f"[{case.name}] your code raised {type(e).__name__}: {e}", case=case.name
-            ) from e
+            err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}",
+                              case=case.name)
+            _merge_pending(pending, err, case.name)
+            raise err from e
+        if pending:  # the answer was right, but the code touched memory outside a tensor
+            err = pending[0]
+            err.add_case(case.name)
+            _show_picture(err)
+            raise err
         if case.kind == "edge":
             n_edge += 1
         else:
@@ -154,6 +167,30 @@ def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case
         print(f"✓ {exercise_name}: all {n_edge + n_random} cases pass "
               f"({n_edge} edge cases, {n_random} random)")
     return n_edge + n_random
+
+
+# While run_cases runs a case, the safety net files memory-access problems (a write or read
+# outside a tensor) here instead of raising at once, so that the comparison which follows can
+# still say which part or region came out wrong. Outside run_cases it raises at once.
+_PENDING: list[CheckFailed] | None = None
+
+
+def report_or_defer(err: CheckFailed) -> None:
+    """Raise ``err`` now, or, inside :func:`run_cases`, when the current case has been checked."""
+    if _PENDING is None:
+        raise err
+    _PENDING.append(err)
+
+
+def _merge_pending(pending: list[CheckFailed], err: CheckFailed, case: str) -> None:
+    """Put the safety net's findings first in ``err``'s message: they are the likely cause."""
+    if not pending:
+        return
+    head = "\n".join(str(p.args[0]) for p in pending)
+    body = str(err.args[0]) if err.args else ""
+    if body.startswith(f"[{case}] "):
+        body = body[len(case) + 3:]
+    err.args = (f"{head}\n  and so the answer is wrong: {body}",) + tuple(err.args[1:])
 
 
 def _show_picture(err: CheckFailed) -> None:

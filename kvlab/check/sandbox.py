@@ -466,9 +466,12 @@ def guarded_call(fn: Callable[..., Any], *args, grid=None, **kwargs):
     if problems:
         advice = ("Mask every tl.load / tl.store whose offsets can reach past the data "
                   "(mask=offs < n), and check the index you compute for each program.")
-        raise CheckFailed("the safety net caught memory accesses outside the tensors:\n  "
-                          + "\n  ".join(problems) + "\n  " + advice,
-                          label="memory outside a tensor")
+        from . import core
+
+        # inside a checker this is raised after the comparison, which names the part
+        core.report_or_defer(CheckFailed(
+            "the safety net caught memory accesses outside the tensors:\n  "
+            + "\n  ".join(problems) + "\n  " + advice, label="memory outside a tensor"))
     return ret
 
 

@@ -1,0 +1,199 @@
+"""Mutation suite: typical bugs planted in correct solutions must be rejected by the checkers.
+
+Each mutant is the reference solution's source (``inspect.getsource`` of
+``kvlab.solutions.get(name)``) with one textual change - the kind of slip a learner makes.
+The relevant checker must raise :class:`CheckFailed`, and its message must point at the
+right place: the part of ``alloc_extend`` (1, 2 or 3), the page, the page-table row, the
+region of ``cache_req``, or, for out-of-bounds accesses, the tensor argument - reported by
+the safety net while this test process keeps running.
+"""
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import itertools
+import textwrap
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import kvlab.check
+import kvlab.solutions
+from kvlab.check import CheckFailed, sandbox
+
+_counter = itertools.count()
+
+
+class Mutant(NamedTuple):
+    exercise: str  # the exercise whose solution is mutated (and whose checker must reject it)
+    old: str  # text in the solution's source ...
+    new: str  # ... replaced by this
+    must_say: tuple[str, ...]  # the failure message names these (the part, region, argument)
+    why: str  # the bug, in words
+
+
+def _source(obj) -> str:
+    return textwrap.dedent(inspect.getsource(getattr(obj, "fn", obj)))
+
+
+def build_mutant(exercise: str, old: str, new: str, tmp_dir):
+    """The solution of ``exercise`` with ``old`` replaced by ``new``, loaded from a real file.
+
+    A real file (not ``exec``), because ``@triton.jit`` reads its function's source, and so
+    that crash reports can quote the mutant's lines.
+    """
+    solution = kvlab.solutions.get(exercise)
+    fn = getattr(solution, "fn", solution)
+    src = _source(solution)
+    assert old in src, f"the mutation target {old!r} is not in the solution of {exercise}"
+    mutated = src.replace(old, new)
+    assert mutated != src
+    path = tmp_dir / f"mutant_{next(_counter)}_{exercise}.py"
+    path.write_text(mutated)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    module.__dict__.update({k: v for k, v in fn.__globals__.items() if not k.startswith("__")})
+    spec.loader.exec_module(module)
+    return getattr(module, fn.__name__)
+
+
+@pytest.fixture(scope="module")
+def mutant_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("mutants")
+
+
+def _reject(mutant: Mutant, tmp_dir) -> CheckFailed:
+    checker = getattr(kvlab.check, mutant.exercise)
+    bad = build_mutant(mutant.exercise, mutant.old, mutant.new, tmp_dir)
+    with pytest.raises(CheckFailed) as info:
+        checker(bad)
+    msg = str(info.value)
+    for needle in mutant.must_say:
+        assert needle in msg, f"{mutant.why}: the message should say {needle!r}:\n{msg}"
+    return info.value
+
+
+# --- chapter 01: page_to_token ------------------------------------------------------------
+
+CH01 = [
+    Mutant("page_to_token", "page_starts.unsqueeze(1) + offsets", "page_starts.unsqueeze(1) + 0 * offsets",
+           ("slots differ", "(page 0 (start"), "without the offsets: every slot is its page's start"),
+    Mutant("page_to_token", "(page_starts.unsqueeze(1) + offsets).flatten()",
+           "(page_starts.unsqueeze(1) + offsets).t().flatten()",
+           ("slots differ", "(page 0 (start"), "wrong stride: slots read column by column"),
+    Mutant("page_to_token", "if page_size == 1:", "if page_size <= 4:",
+           ("slots has 2 values, expected 8",), "the page_size 1 shortcut taken for small pages"),
+]
+
+# --- chapter 02: write_page_table ----------------------------------------------------------
+
+CH02 = [
+    Mutant("write_page_table", "first_pos, last_pos = first_page * page_size, last_page * page_size",
+           "first_pos, last_pos = first_page, first_page + (last_page - first_page) * page_size",
+           ("page table differs", "request row 1, logical column 2"),
+           "writes at column first_page instead of first_page * page_size"),
+    Mutant("write_page_table", "rows[offset: offset + length] = table_idx",
+           "rows[offset: offset + length] = min(table_idx, 1)",
+           ("page table differs", "request row"), "writes every request past row 1 into row 1"),
+]
+
+# --- chapter 03: the three parts of alloc_extend_kernel ---------------------------------------
+
+CH03 = [
+    Mutant("alloc_extend_part1", "last_loc + 1 + offset_one_page", "last_loc + offset_one_page",
+           ("part 1",), "part 1 starts at last_loc instead of last_loc + 1"),
+    Mutant("alloc_extend_part1",
+           "tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len\n",
+           "tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len - 1\n",
+           ("part 1",), "off-by-one in part 1's length"),
+    Mutant("alloc_extend_part1",
+           "tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len\n",
+           "tl.minimum(seq_len, pre_len // page_size * page_size) - pre_len\n",
+           ("part 1", "`out_indices`", "written before its start"),
+           "floor instead of ceil for the end of the old page"),
+    Mutant("alloc_extend_part2", "page_start * page_size + offset_many_page % page_size",
+           "page_start * page_size + offset_many_page",
+           ("part 2",), "part 2 forgets that each page holds only page_size slots (k, not k % P)"),
+    Mutant("alloc_extend_part2", "num_pages_before = (pre_lens + page_size - 1) // page_size",
+           "num_pages_before = pre_lens // page_size",
+           ("part 2",), "floor instead of ceil when counting the pages a prefix holds"),
+    Mutant("alloc_extend_part3",
+           "free_page_ptr + new_page_start_loc + num_page_start_loc_self - 1)",
+           "free_page_ptr + new_page_start_loc + num_page_start_loc_self - 2)",
+           ("part 3",), "wrong free-page index for part 3's page"),
+    Mutant("alloc_extend_part3", "start_loc * page_size + offset_one_page",
+           "start_loc * page_size + offset_one_page + 1",
+           ("part 3",), "part 3 starts at offset 1 of its page"),
+    Mutant("alloc_extend_part3", "tl.store(ret_values, merged_value)",
+           "tl.store(ret_values, sum_extend_lens.to(tl.int64))",
+           ("ret_values",), "ret_values without the page count in the high 32 bits"),
+    Mutant("alloc_extend_part2",
+           "        page_start * page_size + offset_many_page % page_size,\n"
+           "        mask=offset_many_page < num_part2,\n",
+           "        page_start * page_size + offset_many_page % page_size,\n",
+           ("`out_indices`", "written past the end"), "missing mask on part 2's store"),
+]
+
+MUTANTS = CH01 + CH02 + CH03
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
+def test_mutant_is_rejected_and_the_message_points_at_the_bug(mutant, mutant_dir):
+    _reject(mutant, mutant_dir)
+
+
+def test_there_are_enough_mutants():
+    assert len(MUTANTS) >= 12
+    assert len({m.why for m in MUTANTS}) == len(MUTANTS)
+
+
+@pytest.mark.parametrize("exercise", sorted({m.exercise for m in MUTANTS}))
+def test_the_unmutated_solution_passes(exercise, mutant_dir, capsys):
+    # the mutant builder itself changes nothing else: a no-op "mutation" still passes
+    solution = kvlab.solutions.get(exercise)
+    first_line = _source(solution).splitlines()[-1]
+    same = build_mutant(exercise, first_line, first_line + "  ", mutant_dir)
+    checker = getattr(kvlab.check, exercise)
+    fewer = {"n_random": 1} if "n_random" in inspect.signature(checker).parameters else {}
+    assert checker(same, **fewer) > 0
+
+
+# --- the safety net on a planted bug in an exercise kernel ------------------------------------
+
+
+def test_out_of_bounds_store_in_an_exercise_kernel_is_reported(mutant_dir):
+    from kvlab.check.ch03_alloc_extend import extend_case_inputs, run_extend_kernel
+
+    bad = build_mutant("alloc_extend_part1", "mask=offset_one_page < num_part1,", "", mutant_dir)
+    pre, seq, P = [5], [7], 4  # part 1 only: 2 slots, but the unmasked store writes 4
+    last_loc, free_pages = extend_case_inputs(pre, seq, P)
+    with pytest.raises(CheckFailed) as info:
+        run_extend_kernel(bad, pre, seq, last_loc, free_pages, P)
+    assert "`out_indices`: 2 value(s) written past the end, up to 2 element(s) out" in str(info.value)
+
+
+def test_wild_load_in_an_exercise_kernel_is_reported(mutant_dir):
+    from kvlab.check.ch03_alloc_extend import run_extend_kernel
+
+    # part 2 reads the page one further on: the last token reads past the free list
+    bad = build_mutant("alloc_extend_part2", "new_page_start_loc + offset_many_page // page_size,",
+                       "new_page_start_loc + offset_many_page // page_size + 1,", mutant_dir)
+    pre, seq, P = [0], [3], 1
+    with pytest.raises(CheckFailed) as info:
+        run_extend_kernel(bad, pre, seq, [-1], [7, 2, 5], P)  # exactly 3 free pages
+    msg = str(info.value)
+    assert "`out_indices[2]` holds the guard sentinel" in msg
+    assert "read past the end of `free_page_ptr`" in msg
+
+
+@pytest.mark.skipif(not sandbox.can_fork(), reason="a crash is only survivable in a child process")
+def test_a_crashing_exercise_kernel_is_reported_and_the_process_survives(mutant_dir):
+    # part 3 takes its page from far outside free_pages: a segfault in the interpreter
+    bad = build_mutant("alloc_extend_part3", "start_loc = tl.load(free_page_ptr + new_page_start_loc",
+                       "start_loc = tl.load(free_page_ptr + (1 << 40) + new_page_start_loc", mutant_dir)
+    with pytest.raises(CheckFailed) as info:
+        kvlab.check.alloc_extend_part3(bad)
+    msg = str(info.value)
+    assert "crashed the interpreter" in msg and "alloc_extend_kernel" in msg
+    assert torch.arange(3).sum() == 3  # still alive
