@@ -19,10 +19,10 @@ def _check_timeline(tl, workload):
         assert s.memory.total == tl.num_pages, f"step {s.step}: pages do not add up"
         assert len(set(s.free_pages)) == len(s.free_pages) == s.memory.free
         free = set(s.free_pages)
-        cached = [p for node in s.tree for p in node.pages]
+        cached = [p for node in s.tree.nodes for p in node.page_ids]
         assert len(set(cached)) == len(cached), f"step {s.step}: a page is in two cache nodes"
         assert not free & set(cached), f"step {s.step}: a cached page is also free"
-        assert sum(n.num_tokens for n in s.tree) == s.cache_evictable + s.cache_protected
+        assert sum(len(n.page_ids) for n in s.tree.nodes) * P == s.cache_evictable + s.cache_protected
         for row, rid in enumerate(s.row_rids):
             mapped = s.page_table[row]
             if rid < 0:

@@ -40,7 +40,8 @@ from ..cache_manager import CacheManager, Req
 from ..errors import IntegrityError, InvalidArgument
 from ..paging import div_ceil, new_page_table
 from ..radix_cache import RadixPrefixCache
-from .timeline import MemorySplit, NodeSnap, RequestStats, StepRecord, Timeline
+from ..viz.tree import snapshot as tree_snapshot
+from .timeline import MemorySplit, RequestStats, StepRecord, Timeline
 from .workloads import RequestSpec, Workload
 
 __all__ = ["SimConfig", "Simulator", "SimIntegrityError", "simulate"]
@@ -322,10 +323,6 @@ class Simulator:
             row_rids[req.table_idx] = rid
         memory = MemorySplit(self.manager.num_free_pages, info.evictable_size // P,
                              info.protected_size // P, private)
-        tree = tuple(
-            NodeSnap(n.uid, -1 if n.parent is self.cache.root else n.parent.uid, n.length, n.ref_count,
-                     n.last_access, tuple(n.key[:3]), tuple((n.value[::P] // P).tolist()))
-            for n in self.cache.nodes())
         return StepRecord(
             step=self.step_no, arrived=tuple(log.arrived), admitted=tuple(log.admitted),
             decoded=tuple(log.decoded), finished=tuple(log.finished), aborted=tuple(log.aborted),
@@ -335,7 +332,7 @@ class Simulator:
             memory=memory, wasted_slots=wasted,
             page_table=self.page_table[: self.config.max_running].clone().cpu(),
             row_rids=tuple(row_rids), free_pages=tuple((self.manager.free_slots // P).tolist()),
-            tree=tree, cache_evictable=info.evictable_size, cache_protected=info.protected_size,
+            tree=tree_snapshot(self.cache), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
             last_regions=log.regions, last_regions_rid=log.regions_rid)
 
     # --- driving ----------------------------------------------------------------------

@@ -7,7 +7,7 @@ objects -- so a timeline can be scrubbed, plotted and compared after the run:
              page table   rows 0..max_running-1, columns up to the longest mapped position
              free list    page ids in free-list order
              memory       pages: free | cached (evictable) | cached (locked) | private
-             cache tree   one NodeSnap per radix node (drawable)
+             cache tree   a kvlab.viz.tree.TreeSnapshot (drawable with draw_tree)
              last cache_req regions (if any this step)
 """
 from __future__ import annotations
@@ -17,19 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["NodeSnap", "MemorySplit", "StepRecord", "RequestStats", "SimSummary", "Timeline"]
-
-
-class NodeSnap(NamedTuple):
-    """One radix-tree node at a step: enough to draw it."""
-
-    uid: int
-    parent: int          # uid of the parent; -1 for children of the root
-    num_tokens: int
-    ref_count: int
-    last_access: int
-    first_tokens: tuple[int, ...]   # the first few token ids of its key (a label)
-    pages: tuple[int, ...]          # physical page ids it holds
+__all__ = ["MemorySplit", "StepRecord", "RequestStats", "SimSummary", "Timeline"]
 
 
 class MemorySplit(NamedTuple):
@@ -68,7 +56,7 @@ class StepRecord:
     page_table: torch.Tensor             # [max_running, cols] int32 (cropped copy, on CPU)
     row_rids: tuple[int, ...]            # rid owning each row (-1: free row)
     free_pages: tuple[int, ...]          # free list, in order (page ids)
-    tree: tuple[NodeSnap, ...]
+    tree: object                         # kvlab.viz.tree.TreeSnapshot of the prefix cache
     cache_evictable: int                 # size_info, in tokens
     cache_protected: int
     last_regions: object | None = None   # the last kvlab.CacheRegions of the step
