@@ -1,0 +1,145 @@
+"""Chapter 06's exercise: ``kvlab.check.cache_req_regions(fn)``.
+
+The learner writes the accounting at the heart of ``CacheManager.cache_req``::
+
+    fn(row_slots, old_cached_len, already_cached_len, req_cached_len, page_size, finished)
+        -> {"hit": (s, e), "duplicate": (s, e), "inserted": (s, e), "tail": (s, e),
+            "free": [page-start slots to return to the free list]}
+
+``row_slots`` is the request's page-table row over ``[0, req_cached_len)``. The learner works
+out ``new_cached_len`` (whole pages of ``req_cached_len``), the four regions, and which
+pages go back: the duplicate region always, the tail only when the request finished, one
+entry per page (``[::page_size]``). Checked against
+:func:`kvlab.reference.radix.cache_req_regions_ref`; a failure names the wrong region.
+"""
+from __future__ import annotations
+
+import random
+
+from ..reference.radix import cache_req_regions_ref, page_aligned_len
+from .core import Case, CheckFailed, call_learner, exercise, run_cases
+
+REGIONS = ("hit", "duplicate", "inserted", "tail")
+MEANING = {
+    "hit": "[0, old_cached_len): in the cache before the prefill",
+    "duplicate": "[old_cached_len, already_cached_len): computed here but cached meanwhile by "
+                 "another request",
+    "inserted": "[already_cached_len, new_cached_len): newly inserted, new_cached_len = "
+                "req_cached_len // page_size * page_size",
+    "tail": "[new_cached_len, req_cached_len): the partial last page",
+}
+
+
+def cache_req_regions_solution(row_slots, old_cached_len, already_cached_len, req_cached_len,
+                               page_size, finished):
+    """The four regions of ``[0, req_cached_len)`` and the page starts to free."""
+    new_cached_len = req_cached_len // page_size * page_size  # insert_prefix keeps whole pages
+    free = list(row_slots[old_cached_len:already_cached_len:page_size])  # duplicates: always
+    if finished:
+        free += list(row_slots[new_cached_len:req_cached_len:page_size])  # the tail: when done
+    return {
+        "hit": (0, old_cached_len),
+        "duplicate": (old_cached_len, already_cached_len),
+        "inserted": (already_cached_len, new_cached_len),
+        "tail": (new_cached_len, req_cached_len),
+        "free": free,
+    }
+
+
+def _row(rng: random.Random, n: int, P: int) -> list[int]:
+    """A row of whole pages from a shuffled pool: page k holds slots p*P .. p*P+P-1."""
+    pages = list(range(2 * (n // P + 2)))
+    rng.shuffle(pages)
+    return [pages[i // P] * P + i % P for i in range(n)]
+
+
+def _cases(seed: int, n_random: int) -> list[Case]:
+    def case(name, P, old, already, req, finished, kind="edge", seed=0):
+        return Case(name, {"P": P, "old": old, "already": already, "req": req, "finished": finished,
+                           "seed": seed}, kind)
+
+    cases = [
+        case("plain hit, unfinished", 4, 8, 8, 10, False),
+        case("plain hit, finished: free the tail", 4, 8, 8, 10, True),
+        case("no hit, nothing cached before: all inserted", 4, 0, 0, 10, False),
+        case("same prompt prefilled in one batch: duplicate", 4, 0, 8, 10, False),
+        case("duplicate and finished", 4, 0, 8, 10, True),
+        case("page-aligned length: empty tail", 4, 4, 4, 12, True),
+        case("page_size 1: no tail ever", 1, 2, 5, 7, True),
+        case("hit, then a duplicate, then new pages", 2, 2, 6, 11, True),
+        case("shorter than a page", 4, 0, 0, 3, True),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        P = rng.choice([1, 2, 4, 16])
+        req = rng.randrange(1, 5 * P + 3)
+        new = page_aligned_len(req, P)
+        already = rng.randrange(0, new // P + 1) * P
+        old = rng.randrange(0, already // P + 1) * P
+        cases.append(case(f"random {i + 1} (page_size {P})", P, old, already, req,
+                          rng.random() < 0.5, "random", rng.randrange(1000)))
+    return cases
+
+
+@exercise(
+    "cache_req_regions",
+    chapter="06",
+    hints=[
+        "First find new_cached_len: insert_prefix caches whole pages only, so it is "
+        "req_cached_len // page_size * page_size.",
+        "The four regions are consecutive and cover [0, req_cached_len): hit [0, old), duplicate "
+        "[old, already), inserted [already, new), tail [new, req_cached_len).",
+        "Free the duplicate pages always and the tail pages only when finished. row_slots holds "
+        "token slots; the free list wants one page start per page: slice with [start:end:page_size].",
+    ],
+    solution=cache_req_regions_solution,
+)
+def cache_req_regions(fn, *, seed: int = 0, n_random: int = 16) -> int:
+    """Check ``fn(row_slots, old_cached_len, already_cached_len, req_cached_len, page_size, finished)``."""
+
+    def run_one(case: Case) -> None:
+        a = case.args
+        P = a["P"]
+        row = _row(random.Random(a["seed"]), a["req"], P)
+        new = page_aligned_len(a["req"], P)
+        ref = cache_req_regions_ref(a["old"], a["already"], new, a["req"], a["finished"])
+        got = call_learner(fn, list(row), a["old"], a["already"], a["req"], P, a["finished"])
+        where = (f"  page_size {P}, old_cached_len {a['old']}, already_cached_len {a['already']}, "
+                 f"req_cached_len {a['req']}, finished={a['finished']}")
+        if not isinstance(got, dict):
+            raise CheckFailed(f"[{case.name}] return a dict with keys {list(REGIONS) + ['free']}, "
+                              f"got {type(got).__name__}", case=case.name)
+        for name in REGIONS:
+            if name not in got:
+                raise CheckFailed(f"[{case.name}] the result has no {name!r} region", case=case.name,
+                                  label=f"region: {name}")
+            try:
+                value = tuple(int(v) for v in got[name])
+            except (TypeError, ValueError):
+                value = got[name]
+            if value != getattr(ref, name):
+                raise CheckFailed(
+                    f"[{case.name}] region {name!r} is wrong: expected {getattr(ref, name)}, got "
+                    f"{got[name]!r}\n  {name} = {MEANING[name]}\n{where}",
+                    case=case.name, expected=getattr(ref, name), got=got[name], label=f"region: {name}")
+        expected_free = [row[p] for s, e in ref.freed for p in range(s, e, P)]
+        got_free = [int(v) for v in got.get("free", [])]
+        if sorted(got_free) != sorted(expected_free):
+            dup = [row[p] for p in range(a["old"], a["already"], P)]
+            tail = [row[p] for p in range(new, a["req"], P)]
+            advice = []
+            if any(s % P for s in got_free):
+                advice.append("the free list holds page starts (multiples of page_size): take "
+                              "every page_size-th slot")
+            if a["finished"] and not set(tail) <= set(got_free):
+                advice.append("a finished request frees its tail")
+            if not a["finished"] and set(tail) & set(got_free):
+                advice.append("an unfinished request keeps its tail (it is still decoding into it)")
+            if not set(dup) <= set(got_free):
+                advice.append("the duplicate pages are always freed (else they leak)")
+            raise CheckFailed(
+                f"[{case.name}] free: expected page starts {sorted(expected_free)}, got "
+                f"{sorted(got_free)}" + ("\n  " + "; ".join(advice) if advice else "") + f"\n{where}",
+                case=case.name, expected=expected_free, got=got_free, label="free")
+
+    return run_cases("cache_req_regions", _cases(seed, n_random), run_one)
