@@ -1,0 +1,563 @@
+# %% [markdown]
+# # 03 · The three-part `alloc_extend_kernel`
+#
+# **Goal.** Rebuild the heart of SGLang's `PagedTokenToKVPoolAllocator`: one Triton launch that
+# hands out a KV slot to *every* new token of *every* request in a batch. You will derive the
+# three parts of the kernel by hand on the source's worked example, reproduce them with the
+# kernel, validate it against a plain-Python reference, draw where the slots land, see what
+# goes wrong when pages run out (and how the allocator avoids it), and finally write the three
+# parts yourself.
+#
+# **The terms** (one value per request; the allocator works on whole batches):
+#
+# | name | meaning |
+# |---|---|
+# | `prefix_lens` | tokens already in the KV cache before this batch (`pre`) |
+# | `seq_lens` | tokens the request should have after this batch (`seq`) |
+# | `last_loc` | the physical slot of the last prefix token (`-1` when `pre == 0`) |
+# | `extend_num_tokens` | new tokens in the whole batch, `sum(seq - pre)` |
+# | `out_indices` | the answer: one physical slot per new token, requests one after another |
+#
+# Slots come in pages of `P = page_size`: page `k` owns slots `k*P ... k*P + P - 1`. A request
+# keeps writing into its last page until it is full, then takes a fresh page from the front of
+# `free_pages`. Because the token at logical position `t` always sits at offset `t % P` of its
+# page, `last_loc` and `pre` must agree: `(last_loc + 1) % P == pre % P`.
+
+# %%
+import inspect
+import random
+
+import matplotlib.pyplot as plt
+import torch
+import triton
+import triton.language as tl
+
+import kvlab
+from kvlab.gallery.ch03_alloc_extend import (draw_logical, draw_page_reads, draw_pool,
+                                            prefill_then_extend, small_example, worked_example)
+from kvlab.kernels import alloc_extend_kernel
+from kvlab.reference.alloc import (alloc_extend_ref, kernel_page_reads_extend, pages_needed_extend,
+                                   part_lengths, unpack_ret_value)
+
+torch.manual_seed(0)
+device = kvlab.DEVICE
+print("device:", device)
+
+# %% [markdown]
+# ## The picture
+#
+# Three requests on pages of 4 slots. `r0` has 3 tokens cached and grows to 9; `r1` has exactly
+# one full page (4) and grows to 12; `r2` is new (0 → 2). Top: each request's token positions,
+# coloured by *how* the slot was found (numbers: the physical slot). Bottom: the same slots in
+# the pool (numbers: the token position stored there).
+#
+# - **part 1** (orange) fills the rest of the request's last, partly used page: `last_loc + 1, ...`
+# - **part 2** (green) takes whole new pages;
+# - **part 3** (red) takes one more new page and fills only its beginning.
+
+# %%
+pic = small_example()
+fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 4.2))
+draw_logical(pic, top, names=["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"], annotate=True)
+draw_pool(pic, 12, bottom, names=["r0", "r1", "r2"], annotate=True)
+bottom.get_legend().remove()
+fig.tight_layout()
+plt.show()
+print("free_pages before the extend:", pic.free_before)
+print("out_indices:", pic.plan.out_indices)
+
+# %% [markdown]
+# ## The three parts by hand: the worked example
+#
+# The source design's example has `P = 64` and two requests:
+#
+# - **A**: `pre = 70`, `seq = 190` (the 70th token sits at offset 6 of its page);
+# - **B**: `pre = 128`, `seq = 260` (a page-aligned prefix).
+#
+# With `ceil(pre/P)*P` = the end of the prefix's last page and `floor(seq/P)*P` = the start of
+# the request's last page after the extend:
+#
+# ```
+# num_part1 = min(seq, ceil(pre/P)*P) - pre       rest of the old page
+# num_part2 = floor(seq/P)*P - ceil(pre/P)*P      whole new pages
+# num_part3 = seq - floor(seq/P)*P                the new last page, partly filled
+# ```
+#
+# (If part 1 already reaches `seq`, the request stays in its old page and parts 2 and 3 are 0.)
+
+# %%
+P = 64
+for name, pre, seq in [("A", 70, 190), ("B", 128, 260)]:
+    ceil_pre = -(-pre // P) * P
+    floor_seq = seq // P * P
+    n1 = min(seq, ceil_pre) - pre
+    n2 = floor_seq - ceil_pre
+    n3 = seq - floor_seq
+    new_pages = -(-seq // P) - (-(-pre // P))
+    print(f"{name}: pre={pre:3d} seq={seq:3d}  ceil(pre/P)*P={ceil_pre:3d}  floor(seq/P)*P={floor_seq:3d}"
+          f"  ->  part1={n1:3d}  part2={n2:3d}  part3={n3:2d}   new pages={new_pages}")
+    assert (n1, n2, n3) == part_lengths(pre, seq, P)
+
+assert part_lengths(70, 190, 64) == (58, 0, 62)
+assert part_lengths(128, 260, 64) == (0, 128, 4)
+print("4 new pages in all; out_indices = [A 58 | A 62 | B 128 | B 4] =", 58 + 62 + 128 + 4, "slots")
+
+# %% [markdown]
+# A needs no new page for its first 58 tokens (they fill its old page up to offset 63) and one
+# new page for the remaining 62. B's prefix ends exactly on a page boundary, so part 1 is empty;
+# it takes two whole pages (128 tokens) and a third page for the last 4.
+#
+# ## Who writes where? One program per request
+#
+# The kernel runs one program per request (`grid = (bs,)`). Every program writes its slots into
+# one shared `out_indices`, so it must know **where its slots start** (the new tokens of all
+# requests before it) and **which free pages are its own** (the new pages of all requests before
+# it; pages are handed out from the front of `free_pages` in request order). There is no
+# communication between programs: each one loads the lengths of requests `0..pid`, with a mask,
+# and sums them itself:
+#
+# ```
+# load_offset = tl.arange(0, bs_upper)          # bs_upper = next_power_of_2(bs)
+# seq_lens = tl.load(seq_lens_ptr + load_offset, mask=load_offset <= pid, other=0)
+# output_start_loc   = tl.sum(seq_lens - pre_lens) - my_extend_len
+# new_page_start_loc = tl.sum(new_pages_of_each) - my_new_pages
+# ```
+#
+# The same in torch, for the worked example:
+
+# %%
+pre_lens = torch.tensor([70, 128])
+seq_lens = torch.tensor([190, 260])
+bs = len(pre_lens)
+bs_upper = triton.next_power_of_2(bs)
+load_offset = torch.arange(bs_upper)
+for pid in range(bs):
+    mask = load_offset <= pid                            # requests 0..pid
+    seq_m = torch.zeros(bs_upper, dtype=torch.int64)     # masked lanes read 0 (other=0)
+    pre_m = torch.zeros(bs_upper, dtype=torch.int64)
+    seq_m[mask] = seq_lens[: pid + 1]
+    pre_m[mask] = pre_lens[: pid + 1]
+    new_pages_each = (seq_m + P - 1) // P - (pre_m + P - 1) // P
+    my_len = int(seq_lens[pid] - pre_lens[pid])
+    my_pages = int(new_pages_each[pid])
+    output_start_loc = int((seq_m - pre_m).sum()) - my_len
+    new_page_start_loc = int(new_pages_each.sum()) - my_pages
+    print(f"program {pid}: mask={mask.int().tolist()}  output_start_loc={output_start_loc:3d}  "
+          f"new_page_start_loc={new_page_start_loc}  (takes free_pages[{new_page_start_loc}:"
+          f"{new_page_start_loc + my_pages}])")
+assert (output_start_loc, new_page_start_loc) == (120, 1)
+
+# %% [markdown]
+# Every program re-sums *all* earlier requests: `bs` programs × `bs` lanes = O(bs²) work for a
+# batch. Fine for a few hundred requests; chapter 09 does it with one prefix sum instead.
+#
+# ## One program, written out in plain Python
+#
+# Before the kernel, here is what a single program does, as a Python function writing into a
+# shared list. Running it for every `pid` (in any order: programs are independent) gives the
+# whole answer.
+
+# %%
+def one_program(pid, pre_lens, seq_lens, last_loc, free_pages, out, P):
+    pre, seq = pre_lens[pid], seq_lens[pid]
+    out_start = sum(s - p for p, s in zip(pre_lens[:pid], seq_lens[:pid]))
+    page_start = sum(-(-s // P) - (-(-p // P)) for p, s in zip(pre_lens[:pid], seq_lens[:pid]))
+    my_pages = -(-seq // P) - (-(-pre // P))
+    # part 1: the rest of the old page, right after last_loc
+    n1 = min(seq, -(-pre // P) * P) - pre
+    for k in range(n1):
+        out[out_start + k] = last_loc[pid] + 1 + k
+    if pre + n1 == seq:
+        return
+    # part 2: whole new pages
+    n2 = seq // P * P - (-(-pre // P)) * P
+    for k in range(n2):
+        out[out_start + n1 + k] = free_pages[page_start + k // P] * P + k % P
+    if pre + n1 + n2 == seq:
+        return
+    # part 3: the new last page, from offset 0
+    n3 = seq - seq // P * P
+    last_page = free_pages[page_start + my_pages - 1]
+    for k in range(n3):
+        out[out_start + n1 + n2 + k] = last_page * P + k
+
+
+# the worked example: A's prefix ends at offset 5 of page 2, B's fills page 1
+ex_pre, ex_seq, ex_last, ex_free = [70, 128], [190, 260], [2 * 64 + 5, 1 * 64 + 63], [7, 3, 9, 5, 11, 12]
+out = [None] * sum(s - p for p, s in zip(ex_pre, ex_seq))
+for pid in reversed(range(2)):  # order does not matter
+    one_program(pid, ex_pre, ex_seq, ex_last, ex_free, out, 64)
+print("A part 1:", out[:3], "...", out[55:58])
+print("A part 3:", out[58:61], "...", out[117:120], " (page 7)")
+print("B part 2:", out[120:123], "...", out[245:248], " (pages 3, 9)")
+print("B part 3:", out[248:], " (page 5)")
+assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
+
+# %% [markdown]
+# ## The kernel
+#
+# `kvlab.kernels.alloc_extend_kernel` is that function as one Triton program. It mirrors the
+# source design line by line (with two fixes for compiled Triton: `other=0` on the masked loads,
+# `tl.minimum` instead of `min`). Read it with the three parts in mind:
+
+# %%
+print(inspect.getsource(alloc_extend_kernel.fn))
+
+# %% [markdown]
+# Two sizes are compile-time constants (`tl.constexpr`): `bs_upper = next_power_of_2(bs)` for
+# the masked sums, and `max_num_extend_tokens = next_power_of_2(extend_num_tokens)` for part 2,
+# which may span many pages. `tl.arange` needs a power of two, and each new value compiles a new
+# kernel on a GPU: another cost chapter 09 removes.
+#
+# Launch it on the worked example, exactly as the allocator does:
+
+# %%
+def launch_extend(kernel, pre, seq, last, free_pages, P):
+    """Run an alloc_extend kernel on lists; return (out_indices, ret_value)."""
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
+    n_tokens = sum(s - p for p, s in zip(pre, seq))
+    out = torch.full((n_tokens,), -1, dtype=torch.int64, device=device)
+    ret = torch.zeros(1, dtype=torch.int64, device=device)
+    bs = len(pre)
+    kernel[(bs,)](as_t(pre), as_t(seq), as_t(last), as_t(free_pages), out, ret,
+                  triton.next_power_of_2(bs), P, max(1, triton.next_power_of_2(n_tokens)))
+    return out.cpu(), int(ret.item())
+
+
+out, ret = launch_extend(alloc_extend_kernel, ex_pre, ex_seq, ex_last, ex_free, 64)
+assert out.tolist() == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
+assert out[:58].tolist() == list(range(2 * 64 + 6, 3 * 64))                     # A 58: old page 2
+assert out[58:120].tolist() == list(range(7 * 64, 7 * 64 + 62))                 # A 62: new page 7
+assert out[120:248].tolist() == list(range(3 * 64, 4 * 64)) + list(range(9 * 64, 10 * 64))  # B 128
+assert out[248:].tolist() == [5 * 64 + k for k in range(4)]                     # B 4: new page 5
+print("the kernel reproduces [A 58 | A 62 | B 128 | B 4]")
+
+# %% [markdown]
+# ### `ret_values`: two counts in one int64
+#
+# The host needs two numbers back: how many pages to remove from `free_pages`, and how many
+# tokens were written. The last program has summed every request, so it packs both into one
+# 64-bit integer, pages in the high 32 bits, tokens in the low 32:
+# `(num_new_pages << 32) | extend_num_tokens`. One `.item()` reads it (one GPU → host sync).
+
+# %%
+pages, tokens = ret >> 32, ret & 0xFFFF_FFFF
+print(f"ret_values = {ret:#x} = {ret}  ->  pages = ret >> 32 = {pages}, tokens = ret & 0xFFFFFFFF = {tokens}")
+assert (pages, tokens) == unpack_ret_value(ret) == (4, 252)
+
+# %% [markdown]
+# ## Validate against the reference on random batches
+#
+# `kvlab.reference.alloc.alloc_extend_ref` is the same computation as plain Python loops, request
+# by request. Random batches with page sizes 1, 16 and 64; prefixes that are empty, page-aligned
+# or not; some empty extends (`seq == pre`). Prefixes live on pages of their own and the free list
+# is shuffled, as it would be after a while of serving.
+
+# %%
+def random_batch(rng, P, bs):
+    pre = [rng.choice([0, rng.randint(0, 3 * P), rng.randint(1, 3) * P]) for _ in range(bs)]
+    seq = [p + rng.choice([0, rng.randint(1, P), rng.randint(P, 3 * P)]) for p in pre]
+    n_prefix_pages = sum(-(-p // P) for p in pre)
+    pages = list(range(n_prefix_pages + pages_needed_extend(pre, seq, P) + 3))
+    rng.shuffle(pages)
+    last, at = [], 0
+    for p in pre:  # each prefix on pages of its own; last_loc at offset (p - 1) % P of its last page
+        n = -(-p // P)
+        last.append(pages[at + n - 1] * P + (p - 1) % P if p else -1)
+        at += n
+    return pre, seq, last, pages[at:]
+
+
+rng = random.Random(0)
+n_trials = kvlab.runtime.pick(cpu=12, gpu=200)
+seen = {"aligned": 0, "unaligned": 0, "empty prefix": 0, "empty extend": 0}
+for trial in range(n_trials):
+    P = [1, 16, 64][trial % 3]
+    pre, seq, last, free = random_batch(rng, P, rng.randint(1, 6))
+    got, ret = launch_extend(alloc_extend_kernel, pre, seq, last, free, P)
+    plan = alloc_extend_ref(pre, seq, last, free, P)
+    assert got.tolist() == plan.out_indices, (P, pre, seq)
+    assert unpack_ret_value(ret) == (plan.num_new_pages, len(plan.out_indices))
+    assert len(set(got.tolist())) == got.numel()  # no slot handed out twice
+    seen["aligned"] += sum(p > 0 and p % P == 0 for p in pre)
+    seen["unaligned"] += sum(p % P != 0 for p in pre)
+    seen["empty prefix"] += pre.count(0)
+    seen["empty extend"] += sum(p == s for p, s in zip(pre, seq))
+print(f"kernel == reference on {n_trials} random batches; requests seen: {seen}")
+assert all(v > 0 for v in seen.values())
+
+# %% [markdown]
+# ## The allocator around the kernel
+#
+# `kvlab.PagedTokenAllocator` owns `free_pages` (every page id `0..num_pages-1` is usable) and
+# wraps the launch in five steps: (1) check the arguments, (2) count the new pages on the host,
+# (3) refuse with `OutOfPages` if there are too few, (4) launch, (5) drop the used pages from the
+# front of `free_pages`. Here it gives three requests their prefixes, then extends them:
+
+# %%
+alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4)
+prefix = alloc.alloc_extend(torch.tensor([0, 0, 0], device=device), torch.tensor([3, 4, 0], device=device),
+                            torch.tensor([-1, -1, -1], device=device), extend_num_tokens=7)
+print("prefix slots:", prefix.tolist(), "  free_pages:", alloc.free_pages.tolist())
+last_loc = torch.tensor([int(prefix[2]), int(prefix[6]), -1], device=device)  # r2 has no prefix
+out = alloc.alloc_extend(torch.tensor([3, 4, 0], device=device), torch.tensor([9, 12, 2], device=device),
+                         last_loc, extend_num_tokens=16)
+print("extend slots:", out.tolist())
+print("free_pages:", alloc.free_pages.tolist(), f"  available_size() = {alloc.available_size()} tokens")
+
+# %% [markdown]
+# ## Where the slots land
+#
+# The worked example, coloured by part: top, each request's positions; bottom, the pool.
+# Page boundaries are the vertical lines. Part 1 continues the old page, part 2 and 3 start
+# new pages at offset 0, anywhere in the pool.
+
+# %%
+pic = worked_example()
+fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 4.4))
+draw_logical(pic, top, names=["A: 70 -> 190", "B: 128 -> 260"])
+draw_pool(pic, 10, bottom, names=["A", "B"])
+bottom.get_legend().remove()
+fig.tight_layout()
+plt.show()
+
+# %% [markdown]
+# And a random batch on pages of 16 (seeded), drawn the same way:
+
+# %%
+rng = random.Random(3)
+pre_r = [rng.choice([0, 5, 16, 21]) for _ in range(5)]
+seq_r = [p + rng.randint(0, 40) for p in pre_r]
+free_r = list(range(24))
+rng.shuffle(free_r)
+pic_r = prefill_then_extend(pre_r, seq_r, 16, free_r)
+fig, ax = plt.subplots(figsize=(11, 2.8))
+draw_logical(pic_r, ax, names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)])
+plt.show()
+assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
+    int(pic_r.table[r, p - 1]) if p else -1 for r, p in enumerate(pre_r)], pic_r.free_before, 16).out_indices
+
+# %% [markdown]
+# ## When pages run out
+#
+# In the source design the host launches the kernel **first**, reads `ret_values`, and only then
+# checks `num_new_pages > len(free_pages)` and returns `None`. By then every program has already
+# loaded its page ids from `free_pages`, and a program whose pages lie past the end of the
+# tensor has read memory that is not `free_pages` at all. On a GPU that is undefined behaviour
+# (garbage slots, or an illegal-address error); in the Triton interpreter, a raw out-of-bounds
+# read can crash the whole process.
+#
+# Which positions would the programs read? The reference knows without running anything:
+
+# %%
+short_pre, short_seq = [3, 4, 0], [9, 12, 10]
+short_free = [7, 3, 10, 1, 8]
+reads = kernel_page_reads_extend(short_pre, short_seq, 4)
+print("positions of free_pages each program reads:", reads)
+print("needed:", pages_needed_extend(short_pre, short_seq, 4), " free:", len(short_free))
+draw_page_reads(short_pre, short_seq, 4, short_free, names=["r0", "r1", "r2"])
+plt.show()
+
+# %% [markdown]
+# To *see* the over-read without touching memory we do not own, give the kernel a `free_pages`
+# that is padded with a sentinel tail (page id `-99`): the kernel cannot tell the padding from
+# real pages, so the "pages" it reads past the real end turn up in `out_indices` as
+# `-99 * 4 + k`, slots that do not exist.
+
+# %%
+SENTINEL = -99
+padded = short_free + [SENTINEL] * 8  # the real list, then a tail we own
+short_last = [2 * 4 + 2, 5 * 4 + 3, -1]  # r0's prefix on page 2, r1's on page 5
+got, ret = launch_extend(alloc_extend_kernel, short_pre, short_seq, short_last, padded, 4)
+print("out_indices:", got.tolist())
+print("ret_values says", ret >> 32, "pages were needed; only", len(short_free), "exist")
+bogus = [x for x in got.tolist() if x < 0]
+print("slots built from the sentinel:", bogus)
+assert bogus and all(x // 4 == SENTINEL for x in bogus)
+
+# %% [markdown]
+# **The fix is an ordering.** `PagedTokenAllocator` counts the pages on the host *before* the
+# launch: `sum(ceil(seq/P) - ceil(pre/P))` is cheap. Too few, and it raises `kvlab.OutOfPages`
+# (a `RuntimeError` whose message says how many were needed and free) without launching
+# anything, so `free_pages` is exactly as it was. Broken arguments raise `InvalidArgument` (a
+# `ValueError` naming the argument and the rule), also before the launch.
+
+# %%
+alloc = kvlab.PagedTokenAllocator(num_pages=11, page_size=4)
+alloc.free_pages = torch.tensor([2, 5, 7, 3, 10, 1, 8], device=device)  # 7 of the 11 pages are free  # pages 2 and 5 go to the prefixes
+alloc.alloc_extend(torch.tensor([0, 0], device=device), torch.tensor([3, 4], device=device),
+                   torch.tensor([-1, -1], device=device), 7)
+before = alloc.state()
+args = (torch.tensor(short_pre, device=device), torch.tensor(short_seq, device=device),
+        torch.tensor(short_last, device=device), sum(short_seq) - sum(short_pre))
+try:
+    alloc.alloc_extend(*args)
+    raise AssertionError("should have been refused")
+except kvlab.OutOfPages as err:
+    print("OutOfPages:", err)
+assert alloc.state().equals(before)
+print("free_pages unchanged:", alloc.free_pages.tolist())
+
+try:
+    alloc.alloc_extend(torch.tensor([3], device=device), torch.tensor([9], device=device),
+                       torch.tensor([5], device=device), 6)  # last_loc 5 is offset 1, but pre=3 needs offset 2
+except kvlab.InvalidArgument as err:
+    print("InvalidArgument:", err)
+assert alloc.state().equals(before)
+
+# %% [markdown]
+# ## Your turn: the three parts
+#
+# Below is the kernel with its bookkeeping done (lengths, the masked sums, `ret_values`). Write
+# the three parts. Each part has its own checker, so you can do them one at a time:
+#
+# - `kvlab.check.alloc_extend_part1(kernel)`: the rest of the old page;
+# - `kvlab.check.alloc_extend_part2(kernel)`: whole new pages;
+# - `kvlab.check.alloc_extend_part3(kernel)`: the new last page (and `ret_values`).
+#
+# A checker compares only its own part's slots with the reference (a slot you have not written
+# yet shows as `-1`) and on a mistake names the case, the request and the part, the first wrong
+# slot, expected vs got. The cell holds a working answer so that the notebook runs end to end;
+# delete the three parts and write your own. Hints: `kvlab.check.hint("alloc_extend_part2", 1)`
+# (then 2, 3, 4); the reference solution: `kvlab.solutions.show("alloc_extend_part1")`.
+
+# %%
+@triton.jit
+def my_alloc_extend_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
+                           ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,
+                           max_num_extend_tokens: tl.constexpr):
+    pid = tl.program_id(0)
+    # --- given: where my slots start, and which free pages are mine ---
+    offs = tl.arange(0, bs_upper)
+    seq_lens = tl.load(seq_lens_ptr + offs, mask=offs <= pid, other=0)
+    pre_lens = tl.load(pre_lens_ptr + offs, mask=offs <= pid, other=0)
+    seq_len = tl.load(seq_lens_ptr + pid)
+    pre_len = tl.load(pre_lens_ptr + pid)
+    sum_extend = tl.sum(seq_lens - pre_lens)
+    output_start_loc = sum_extend - (seq_len - pre_len)
+    new_pages_each = (seq_lens + page_size - 1) // page_size - (pre_lens + page_size - 1) // page_size
+    my_new_pages = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
+    sum_new_pages = tl.sum(new_pages_each)
+    new_page_start_loc = sum_new_pages - my_new_pages
+    if pid == tl.num_programs(0) - 1:
+        tl.store(ret_values, (sum_new_pages.to(tl.int64) << 32) | sum_extend.to(tl.int64))
+    pre_page_end = (pre_len + page_size - 1) // page_size * page_size  # ceil(pre/P)*P
+    seq_page_start = seq_len // page_size * page_size                   # floor(seq/P)*P
+    one_page = tl.arange(0, page_size)
+
+    # --- your code: part 1, the rest of the old page ---
+    last_loc = tl.load(last_loc_ptr + pid)
+    num_part1 = tl.minimum(seq_len, pre_page_end) - pre_len
+    tl.store(out_indices + output_start_loc + one_page, last_loc + 1 + one_page,
+             mask=one_page < num_part1)
+    if pre_len + num_part1 == seq_len:
+        return
+
+    # --- your code: part 2, whole new pages ---
+    num_part2 = seq_page_start - pre_page_end
+    k = tl.arange(0, max_num_extend_tokens)
+    page = tl.load(free_page_ptr + new_page_start_loc + k // page_size, mask=k < num_part2, other=0)
+    tl.store(out_indices + output_start_loc + num_part1 + k, page * page_size + k % page_size,
+             mask=k < num_part2)
+    if pre_len + num_part1 + num_part2 == seq_len:
+        return
+
+    # --- your code: part 3, the new last page ---
+    num_part3 = seq_len - seq_page_start
+    last_page = tl.load(free_page_ptr + new_page_start_loc + my_new_pages - 1)
+    tl.store(out_indices + output_start_loc + num_part1 + num_part2 + one_page,
+             last_page * page_size + one_page, mask=one_page < num_part3)
+
+
+n_random = kvlab.runtime.pick(cpu=2, gpu=20)
+kvlab.check.alloc_extend_part1(my_alloc_extend_kernel, n_random=n_random)
+kvlab.check.alloc_extend_part2(my_alloc_extend_kernel, n_random=n_random)
+kvlab.check.alloc_extend_part3(my_alloc_extend_kernel, n_random=n_random)
+
+# %%
+kvlab.check.hint("alloc_extend_part2", 1)
+# kvlab.solutions.show("alloc_extend_part1")   # uncomment to read the reference kernel
+
+# %% [markdown]
+# What does a mistake look like? This version forgets that part 3 lives on the request's
+# **last** new page and uses its first one instead. For B in the worked example that page is
+# already part 2's, so B's last 4 slots collide with its first 4:
+
+# %%
+@triton.jit
+def wrong_part3_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
+                       ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,
+                       max_num_extend_tokens: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, bs_upper)
+    seq_lens = tl.load(seq_lens_ptr + offs, mask=offs <= pid, other=0)
+    pre_lens = tl.load(pre_lens_ptr + offs, mask=offs <= pid, other=0)
+    seq_len = tl.load(seq_lens_ptr + pid)
+    pre_len = tl.load(pre_lens_ptr + pid)
+    output_start_loc = tl.sum(seq_lens - pre_lens) - (seq_len - pre_len)
+    my_new_pages = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
+    new_page_start_loc = tl.sum((seq_lens + page_size - 1) // page_size
+                                - (pre_lens + page_size - 1) // page_size) - my_new_pages
+    one_page = tl.arange(0, page_size)
+    num_done = seq_len // page_size * page_size - pre_len  # parts 1 and 2 together
+    num_part3 = seq_len - seq_len // page_size * page_size
+    if num_part3 > 0:
+        page = tl.load(free_page_ptr + new_page_start_loc)  # BUG: should be + my_new_pages - 1
+        tl.store(out_indices + output_start_loc + num_done + one_page, page * page_size + one_page,
+                 mask=one_page < num_part3)
+
+
+try:
+    kvlab.check.alloc_extend_part3(wrong_part3_kernel, n_random=0)
+    raise AssertionError("the checker should have caught this")
+except kvlab.check.CheckFailed as err:
+    print(err)
+    assert "request 1, part 3" in str(err)
+
+# %% [markdown]
+# ## Lift
+#
+# The kernel lives in `kvlab.kernels.alloc_extend_kernel`, the allocator in
+# `kvlab.PagedTokenAllocator.alloc_extend`. This notebook's pieces must agree with them: your
+# kernel against the package's, and a host function built the notebook's way (count pages first,
+# then launch your kernel, then slice) against the allocator, on random batches.
+
+# %%
+def my_alloc_extend(free_pages, pre, seq, last, P):
+    """The notebook's allocator step: check pages on the host, launch, slice. Returns (out, free)."""
+    needed = pages_needed_extend(pre, seq, P)
+    if needed > len(free_pages):
+        raise kvlab.OutOfPages(needed, len(free_pages), "extend")
+    out, _ = launch_extend(my_alloc_extend_kernel, pre, seq, last, free_pages, P)
+    return out, free_pages[needed:]
+
+
+rng = random.Random(7)
+for trial in range(kvlab.runtime.pick(cpu=6, gpu=100)):
+    P = rng.choice([1, 4, 16, 64])
+    pre, seq, last, free = random_batch(rng, P, rng.randint(1, 5))
+    got_kernel, _ = launch_extend(my_alloc_extend_kernel, pre, seq, last, free, P)
+    want_kernel, _ = launch_extend(alloc_extend_kernel, pre, seq, last, free, P)
+    assert torch.equal(got_kernel, want_kernel)
+
+    alloc = kvlab.PagedTokenAllocator(max(free + [x // P for x in last]) + 1, P)
+    alloc.free_pages = torch.tensor(free, dtype=torch.int64, device=device)
+    mine, my_free = my_alloc_extend(free, pre, seq, last, P)
+    theirs = alloc.alloc_extend(torch.tensor(pre, device=device), torch.tensor(seq, device=device),
+                                torch.tensor(last, device=device), sum(seq) - sum(pre))
+    assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist()
+print("notebook kernel == kvlab.kernels.alloc_extend_kernel; notebook allocator step == PagedTokenAllocator")
+
+# %% [markdown]
+# ## Summary
+#
+# - One program per request; each finds its output offset and its first new page by summing the
+#   lengths of the requests before it (a masked `tl.sum`: O(bs) per program).
+# - Three parts: **1** `last_loc + 1 ...` to the end of the old page; **2** whole new pages,
+#   `free_pages[start + k // P] * P + k % P`; **3** the last new page from offset 0. Every new
+#   page is entered at offset 0, so a token at position `t` sits at offset `t % P`.
+# - The last program packs `(pages << 32) | tokens` into `ret_values`; the host unpacks it.
+# - The kernel cannot know how long `free_pages` is: count the pages **before** the launch and
+#   refuse with `OutOfPages`. Then nothing is read out of bounds and nothing changes on failure.
+#
+# Next: chapter 04 grows every request by one token per step, `alloc_decode`.
