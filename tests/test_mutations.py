@@ -135,7 +135,24 @@ CH03 = [
            ("`out_indices`", "written past the end"), "missing mask on part 2's store"),
 ]
 
-MUTANTS = CH01 + CH02 + CH03
+# --- chapter 04: alloc_decode_kernel ---------------------------------------------------------
+
+CH04 = [
+    Mutant("alloc_decode",
+           "num_page_start_loc_self = (seq_len + page_size - 1) // page_size - (\n"
+           "        pre_len + page_size - 1\n    ) // page_size",
+           "num_page_start_loc_self = seq_len // page_size - pre_len // page_size",
+           ("out_indices differs", "request 0, new page"),
+           "decode takes a new page at the wrong boundary (seq % P == 0, not (seq - 1) % P == 0)"),
+    Mutant("alloc_decode", "tl.store(out_indices + pid, last_loc + 1)",
+           "tl.store(out_indices + pid, last_loc)",
+           ("same page: last_loc + 1",), "decode writes last_loc instead of last_loc + 1"),
+    Mutant("alloc_decode", "tl.store(out_indices + pid, page * page_size)",
+           "tl.store(out_indices + pid, page)",
+           ("new page: free_pages[",), "decode stores the page id, not its first slot"),
+]
+
+MUTANTS = CH01 + CH02 + CH03 + CH04
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")

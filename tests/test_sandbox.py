@@ -155,13 +155,18 @@ def test_store_before_the_start_is_named(device):
         info.value)
 
 
-def test_store_beyond_the_band_says_it_may_have_gone_further(device):
-    src = torch.arange(sandbox.BAND + 8, dtype=torch.int64, device=device)
+@triton.jit
+def store_one(dst, at):
+    tl.store(dst + at, 1)
+
+
+def test_a_store_at_the_edge_of_the_band_says_it_may_have_gone_further(device):
     dst = torch.zeros(4, dtype=torch.int64, device=device)
-    with pytest.raises(CheckFailed) as info:
-        call_learner(copy_unmasked_store, src[: 4 + sandbox.BAND], dst, 4,
-                     BLOCK=triton.next_power_of_2(4 + sandbox.BAND), grid=(1,))
-    assert "the whole guard band" in str(info.value)
+    with pytest.raises(CheckFailed) as info:  # the last element of the band, no further
+        call_learner(store_one, dst, 4 + sandbox.BAND - 1, grid=(1,))
+    msg = str(info.value)
+    assert f"`dst`: 1 value(s) written past the end, up to {sandbox.BAND} element(s) out" in msg
+    assert "the whole guard band" in msg
 
 
 # --- reads outside a tensor --------------------------------------------------------------
