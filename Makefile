@@ -36,17 +36,35 @@ test-unit: setup
 test-notebooks: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/
 
+# JupyterLab in headless Chromium (Debian's chromium, installed once when missing).
 test-ui: setup
-	$(BIN)/python -m pytest -q -m ui tests/
+	@sh tools/install_chromium.sh
+	$(BIN)/python -m pytest -q -m ui -p no:cacheprovider tests/ui/
 
 figures: setup
 	$(BIN)/python -m kvlab.gallery figures/
 
 # On a machine with CUDA: unit tests and every notebook with compiled Triton, in the
-# current Python (no venv; the GPU image already has torch and triton).
+# current Python (no venv; the GPU image already has torch and triton). kvlab is used from
+# this checkout through PYTHONPATH (nothing installed); the notebooks' kernel inherits it.
+# Offline box without Jupyter: make gpu-check GPU_WHEELS=<dir with nbval, ipykernel... wheels>
+# (one or more folders; unpacked into GPU_SITE). Dry run without CUDA: GPU_REQUIRE=0.
+GPU_WHEELS    ?=
+GPU_SITE      ?= /tmp/kvlab-site
+GPU_REQUIRE   ?= 1
+GPU_TESTS     ?= tests/
+GPU_NOTEBOOKS ?= notebooks/
+GPU_PYTHONPATH = $(CURDIR)$(if $(strip $(GPU_WHEELS)),:$(GPU_SITE))$(if $(PYTHONPATH),:$(PYTHONPATH))
+GPU_ENV = KVLAB_REQUIRE_GPU=$(GPU_REQUIRE) PYTHONPATH=$(GPU_PYTHONPATH)
 gpu-check:
-	KVLAB_REQUIRE_GPU=1 $(PYTHON) -m pytest -q -m "not ui" tests/
-	KVLAB_REQUIRE_GPU=1 $(PYTHON) -m pytest -q --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/
+ifneq ($(strip $(GPU_WHEELS)),)
+	rm -rf $(GPU_SITE) && mkdir -p $(GPU_SITE)
+	$(PYTHON) -m pip install -q --no-index --no-deps --target $(GPU_SITE) $(foreach d,$(GPU_WHEELS),$(d)/*.whl) \
+	  || for w in $(foreach d,$(GPU_WHEELS),$(d)/*.whl); do $(PYTHON) -m zipfile -e $$w $(GPU_SITE) || exit 1; done
+endif
+	$(GPU_ENV) $(PYTHON) tools/gpu_check_env.py $(if $(filter 1,$(GPU_REQUIRE)),--require-gpu)
+	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider -m "not ui" --ignore=tests/ui $(GPU_TESTS)
+	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env $(GPU_NOTEBOOKS)
 
 bench: setup
 	$(BIN)/python -m kvlab.bench

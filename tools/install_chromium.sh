@@ -24,8 +24,16 @@ if [ "$(id -u)" != "0" ]; then
 fi
 echo "install_chromium.sh: installing Debian's chromium package (one time)"
 export DEBIAN_FRONTEND=noninteractive
-$SUDO apt-get update -qq >/dev/null
-$SUDO apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core >/dev/null
+LOG=$(mktemp)
+trap 'rm -f "$LOG"' EXIT
+# fonts-dejavu-core: without any font the screenshots show boxes instead of text
+if ! { $SUDO apt-get update -qq && \
+       $SUDO apt-get install -y -qq --no-install-recommends chromium fonts-dejavu-core; } \
+       >"$LOG" 2>&1; then
+    cat "$LOG" >&2
+    echo "install_chromium.sh: apt-get failed (log above)" >&2
+    exit 1
+fi
 if [ ! -x "$CHROMIUM" ]; then
     echo "install_chromium.sh: apt-get finished but $CHROMIUM is still missing" >&2
     exit 1
