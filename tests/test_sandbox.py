@@ -125,6 +125,19 @@ def test_objects_run_in_process_so_their_changes_stay(device):
     assert box.items == [3]
 
 
+def test_methods_run_in_process_so_their_object_keeps_its_changes(device):
+    class Counter:
+        def __init__(self):
+            self.calls = 0
+
+        def bump(self, x):
+            self.calls += int(x.numel())
+
+    counter = Counter()
+    call_learner(counter.bump, torch.ones(4, device=device))
+    assert counter.calls == 4
+
+
 def test_off_switch_runs_the_code_bare(monkeypatch, device):
     monkeypatch.setenv("KVLAB_SANDBOX", "off")
     seen = []

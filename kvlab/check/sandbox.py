@@ -30,15 +30,17 @@ Two things can go wrong with a learner's Triton kernel that a plain comparison n
 
 Where a child process is not used: on CUDA (forking after CUDA is initialised is unsafe;
 the call runs in-process, with guard bands), on macOS/Windows (no safe ``fork``: in-process
-with guard bands), and for Python functions that receive objects other than plain data
-(tensors, numbers, strings and lists/tuples/dicts of them) - a child could not hand the
-changes it makes to such objects back, so those run in-process (with guard bands on their
-top-level tensors). ``KVLAB_SANDBOX=inprocess`` forces in-process runs (e.g. to use a
+with guard bands), and for Python functions that are methods of an object or receive
+objects other than plain data (tensors, numbers, strings and lists/tuples/dicts of them) -
+a child could not hand the changes it makes to such objects back, so those run in-process
+(with guard bands on their tensors). A plain function that changes *global* state of the
+notebook does so in the child only: checkers pass everything as arguments. ``KVLAB_SANDBOX=inprocess`` forces in-process runs (e.g. to use a
 debugger); ``KVLAB_SANDBOX=off`` turns the safety net off altogether.
 """
 from __future__ import annotations
 
 import faulthandler
+import inspect
 import io
 import linecache
 import os
@@ -348,8 +350,6 @@ def explain_value(value: int) -> str | None:
 
 
 def _param_names(fn: Callable) -> list[str]:
-    import inspect
-
     target = getattr(fn, "fn", fn)  # a @triton.jit kernel keeps the Python function in .fn
     try:
         params = inspect.signature(target).parameters.values()
@@ -444,7 +444,10 @@ def guarded_call(fn: Callable[..., Any], *args, grid=None, **kwargs):
     g_args = _substitute(tuple(args), mapping)
     g_kwargs = _substitute(dict(kwargs), mapping)
 
-    use_child = (mode == "auto" and can_fork() and (grid is not None or plain[0])
+    # a method's object (e.g. a prefix cache) is state the child could not hand back
+    bound_to = getattr(fn, "__self__", None)
+    plain_fn = bound_to is None or inspect.ismodule(bound_to)
+    use_child = (mode == "auto" and can_fork() and (grid is not None or (plain[0] and plain_fn))
                  and all(t.device.type == "cpu" for _, t in named))
     if use_child:
         ret = _run_in_child(fn, g_args, g_kwargs, grid, guards)
