@@ -35,6 +35,10 @@ _EXPORTS = {
     "KVPool": "attention",  # chapter 08
     "paged_decode_attention": "attention",
     "TinyTransformer": "attention",
+    "PagedEngine": "attention",
+    "simulate": "sim",  # chapter 07
+    "SimConfig": "sim",
+    "TimelineExplorer": "widgets",
 }
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",

@@ -166,3 +166,51 @@ def test_bad_configs_and_workloads_are_rejected_up_front():
         make_workload("nope")
     with pytest.raises(InvalidArgument, match="n_requests"):
         shared_system_prompt(n_requests=0)
+
+
+# --- pictures and the explorer ---------------------------------------------------------
+
+
+def test_explorer_slider_changes_the_picture_and_carries_a_png_fallback():
+    import base64
+
+    import matplotlib
+    matplotlib.use("Agg")
+    from kvlab.widgets import TimelineExplorer
+
+    tl = simulate(make_workload("mixed", seed=0), page_size=4, num_pages=24)
+    ex = TimelineExplorer(tl)
+    assert "kvlab-timeline-slider" in ex.slider._dom_classes and ex.slider.description == "step"
+    assert "kvlab-view" in ex.image._dom_classes
+    first = ex.image.value
+    busy = max(range(len(tl)), key=lambda i: (tl[i].page_table >= 0).sum())
+    ex.show_step(busy)
+    assert ex.image.value != first and ex.image.value[:4] == b"\x89PNG"
+    assert f"step {busy}:" in ex.info.value
+    for view in ("free list", "cache tree", "regions"):
+        ex.show_step(busy, view)
+        assert ex.image.value == ex.png(busy, view)
+    bundle = ex._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in bundle
+    assert base64.b64decode(bundle["image/png"]) == ex.png()
+
+
+def test_every_plot_draws_for_a_run_with_pressure():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz import sim as vs
+
+    w = make_workload("mixed", seed=1)
+    runs = {P: simulate(w, page_size=P, num_pages=div_ceil(w.max_total_len, P) + 2) for P in (1, 16, 64)}
+    figs = [vs.timeline_dashboard(runs[16], step=3), vs.compare_page_sizes(runs)]
+    figs += [vs.step_figure(runs[1], s, v) for v in vs.VIEWS for s in (0, len(runs[1]) // 2)]
+    ax = vs.memory_over_time(runs[16])
+    # the stacked memory areas add up to every page at every step
+    tops = [max(p.get_paths()[0].vertices[:, 1]) for p in ax.collections]
+    assert max(tops) == pytest.approx(runs[16].num_pages)
+    with pytest.raises(ValueError, match="view"):
+        vs.draw_step(runs[1], 0, "nope")
+    plt.close("all")
+    assert len(figs) == 2 + 2 * len(vs.VIEWS)

@@ -146,6 +146,7 @@ class Simulator:
         self._free_rows = list(range(config.max_running))
         self._finish_step: dict[int, int] = {}
         self._admits = 0
+        self._last_regions: tuple = (None, -1, -1)   # (CacheRegions, rid, step) of the latest cache_req
         self.timeline = Timeline(workload.name, P, config.num_pages, config.max_running)
         for r in workload.requests:
             self.timeline.requests[r.rid] = RequestStats(r.rid, r.tag, len(r.prompt), len(r.output))
@@ -333,7 +334,8 @@ class Simulator:
             page_table=self.page_table[: self.config.max_running].clone().cpu(),
             row_rids=tuple(row_rids), free_pages=tuple((self.manager.free_slots // P).tolist()),
             tree=tree_snapshot(self.cache), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
-            last_regions=log.regions, last_regions_rid=log.regions_rid)
+            last_regions=self._last_regions[0], last_regions_rid=self._last_regions[1],
+            last_regions_step=self._last_regions[2])
 
     # --- driving ----------------------------------------------------------------------
 
@@ -346,6 +348,8 @@ class Simulator:
         self._decode(log)
         self._prefill(log)
         log.evicted_tokens = self.cache.evicted_tokens - evicted_before
+        if log.regions is not None:
+            self._last_regions = (log.regions, log.regions_rid, self.step_no)
         self.check()
         record = self._snapshot(log)
         self.timeline.steps.append(record)

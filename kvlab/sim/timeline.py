@@ -59,8 +59,9 @@ class StepRecord:
     tree: object                         # kvlab.viz.tree.TreeSnapshot of the prefix cache
     cache_evictable: int                 # size_info, in tokens
     cache_protected: int
-    last_regions: object | None = None   # the last kvlab.CacheRegions of the step
-    last_regions_rid: int = -1
+    last_regions: object | None = None   # the latest kvlab.CacheRegions up to this step
+    last_regions_rid: int = -1           # ... of which request
+    last_regions_step: int = -1          # ... made at which step
 
 
 @dataclass

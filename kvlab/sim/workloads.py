@@ -21,7 +21,7 @@ from typing import Sequence
 __all__ = ["RequestSpec", "Workload", "shared_system_prompt", "multi_turn_chat", "few_shot",
            "random_prompts", "mixed", "WORKLOADS", "make_workload"]
 
-VOCAB = 1000  # token ids are ints in [0, VOCAB); only equality matters to a prefix cache
+VOCAB = 100  # token ids are ints in [0, VOCAB); only equality matters to a prefix cache
 
 
 @dataclass(frozen=True)
