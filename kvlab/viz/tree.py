@@ -162,15 +162,15 @@ def draw_tree(tree, ax=None, *, previous: TreeSnapshot | None = None, title: str
     return ax
 
 
-def tree_legend(ax) -> None:
-    """A small legend for the colours used by :func:`draw_tree`."""
+def tree_legend(target) -> None:
+    """A small legend for the colours of :func:`draw_tree`, on an Axes or a Figure."""
     from matplotlib.patches import Patch
 
-    ax.legend(handles=[Patch(fc=UNLOCKED, ec="#333333", label="unlocked (evictable)"),
-                       Patch(fc=LOCKED, ec="#333333", label="locked (ref_count > 0)"),
-                       Patch(fc="white", ec=NEW_EDGE, lw=2, label="new this step"),
-                       Patch(fc=GHOST, ec="#999999", ls="--", label="evicted this step")],
-              loc="lower center", bbox_to_anchor=(0.5, -0.02), ncol=4, fontsize=7, frameon=False)
+    handles = [Patch(fc=UNLOCKED, ec="#333333", label="unlocked (evictable)"),
+               Patch(fc=LOCKED, ec="#333333", label="locked (ref_count > 0)"),
+               Patch(fc="white", ec=NEW_EDGE, lw=2, label="new this step"),
+               Patch(fc=GHOST, ec="#999999", ls="--", label="evicted this step")]
+    target.legend(handles=handles, loc="lower center", ncol=4, fontsize=7, frameon=False)
 
 
 def draw_tree_steps(steps: Sequence[tuple[str, TreeSnapshot]], *, ncols: int | None = None,
@@ -190,7 +190,6 @@ def draw_tree_steps(steps: Sequence[tuple[str, TreeSnapshot]], *, ncols: int | N
         prev = snap
     for j in range(n, nrows * ncols):
         axes[j // ncols][j % ncols].set_axis_off()
-    tree_legend(fig.add_axes([0, 0, 1, 0.04], frameon=False))
-    fig.axes[-1].set_axis_off()
     fig.tight_layout(rect=(0, 0.05, 1, 1))
+    tree_legend(fig)
     return fig
