@@ -125,6 +125,22 @@ def test_objects_run_in_process_so_their_changes_stay(device):
     assert box.items == [3]
 
 
+@pytest.mark.parametrize("mode", ["auto", "inprocess"])
+def test_changes_to_list_and_dict_arguments_reach_the_caller(monkeypatch, mode):
+    monkeypatch.setenv("KVLAB_SANDBOX", mode)
+    store = {(1, 2): [0, 1]}
+    log = []
+
+    def learner(store, log, ids):
+        store[(1, 2)].append(99)
+        store[(3, 4)] = [2, 3]
+        log.append(len(ids))
+
+    call_learner(learner, store, log, [5, 6, 7])
+    assert store == {(1, 2): [0, 1, 99], (3, 4): [2, 3]}
+    assert log == [3]
+
+
 def test_methods_run_in_process_so_their_object_keeps_its_changes(device):
     class Counter:
         def __init__(self):

@@ -33,8 +33,9 @@ the call runs in-process, with guard bands), on macOS/Windows (no safe ``fork``:
 with guard bands), and for Python functions that are methods of an object or receive
 objects other than plain data (tensors, numbers, strings and lists/tuples/dicts of them) -
 a child could not hand the changes it makes to such objects back, so those run in-process
-(with guard bands on their tensors). A plain function that changes *global* state of the
-notebook does so in the child only: checkers pass everything as arguments. ``KVLAB_SANDBOX=inprocess`` forces in-process runs (e.g. to use a
+(with guard bands on their tensors). Changes a child makes to list, dict and set
+arguments are copied back into the caller's objects; changes to *global* state of the
+notebook stay in the child: checkers pass everything as arguments. ``KVLAB_SANDBOX=inprocess`` forces in-process runs (e.g. to use a
 debugger); ``KVLAB_SANDBOX=off`` turns the safety net off altogether.
 """
 from __future__ import annotations
@@ -371,6 +372,9 @@ def _collect(obj, name: str, out: list, plain: list[bool]):
     elif isinstance(obj, dict) and type(obj) is dict:
         for k, x in obj.items():
             _collect(x, f"{name}[{k!r}]", out, plain)
+    elif type(obj) in (set, frozenset):
+        for x in obj:
+            _collect(x, f"{name} element", out, plain)
     elif isinstance(obj, tuple):  # NamedTuples: immutable, walk their fields
         for k, x in zip(getattr(obj, "_fields", range(len(obj))), obj):
             _collect(x, f"{name}.{k}" if isinstance(k, str) else f"{name}[{k}]", out, plain)
@@ -378,10 +382,26 @@ def _collect(obj, name: str, out: list, plain: list[bool]):
         plain[0] = False
 
 
+def _has_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(x) for x in obj)
+    if type(obj) is dict:
+        return any(_has_tensor(x) for x in obj.values())
+    return False
+
+
 def _substitute(obj, mapping: dict[int, torch.Tensor]):
-    """``obj`` with every tensor replaced by ``mapping[id(tensor)]`` (containers rebuilt)."""
+    """``obj`` with every tensor replaced by ``mapping[id(tensor)]``.
+
+    Containers holding tensors are rebuilt; all others are passed as they are (the same
+    object), so that a learner's changes to a list or dict argument reach the caller.
+    """
     if isinstance(obj, torch.Tensor):
         return mapping.get(id(obj), obj)
+    if not _has_tensor(obj):
+        return obj
     if type(obj) in (list, tuple):
         return type(obj)(_substitute(x, mapping) for x in obj)
     if type(obj) is dict:
@@ -540,6 +560,7 @@ def _run_in_child(fn, g_args, g_kwargs, grid, guards: Guards):
             original=original, traceback_text=payload["traceback"])
     for g, contents in zip(guards.storages, payload["buffers"]):
         g.buffer.copy_(contents)
+    _update_containers(g_args, g_kwargs, payload["containers"])
     ret = payload["ret"]
     return _resolve_refs(ret, {i: a.view for i, a in enumerate(guards.args)})
 
@@ -586,6 +607,33 @@ def _make_refs(obj, guards: Guards):
     return obj
 
 
+_MUTABLE = (list, dict, set, bytearray)
+
+
+def _mutable_containers(g_args, g_kwargs) -> dict:
+    """Top-level list/dict/set arguments (without tensors) as the learner's code left them."""
+    found = {}
+    for key, value in [*enumerate(g_args), *g_kwargs.items()]:
+        if type(value) in _MUTABLE and not _has_tensor(value):
+            try:
+                pickle.dumps(value)
+            except Exception:  # noqa: BLE001 - e.g. a lambda inside: cannot travel, skip it
+                continue
+            found[key] = value
+    return found
+
+
+def _update_containers(g_args, g_kwargs, after: dict) -> None:
+    """Apply the child's changes to list/dict/set arguments to the caller's own objects."""
+    for key, value in after.items():
+        target = g_args[key] if isinstance(key, int) else g_kwargs[key]
+        if isinstance(target, (list, bytearray)):
+            target[:] = value
+        elif isinstance(target, (dict, set)):
+            target.clear()
+            target.update(value)
+
+
 def _child_main(fn, g_args, g_kwargs, grid, guards: Guards, write_fd: int, crash_log) -> int:
     try:
         import resource
@@ -600,7 +648,8 @@ def _child_main(fn, g_args, g_kwargs, grid, guards: Guards, write_fd: int, crash
     try:
         ret = _invoke(fn, g_args, g_kwargs, grid)
         payload = {"status": "ok", "ret": _make_refs(ret, guards),
-                   "buffers": [g.buffer for g in guards.storages]}
+                   "buffers": [g.buffer for g in guards.storages],
+                   "containers": _mutable_containers(g_args, g_kwargs)}
         try:
             data = pickle.dumps({**payload, "stdout": out.getvalue(), "stderr": err.getvalue()})
         except Exception as e:  # noqa: BLE001 - e.g. a lambda in the return value
