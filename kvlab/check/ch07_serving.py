@@ -1,0 +1,156 @@
+"""Chapter 07's exercise: ``kvlab.check.decode_step(fn)``.
+
+The learner writes one decode step of the serving loop::
+
+    fn(manager, reqs, next_tokens, done) -> None
+
+For running requests ``reqs`` (each has ``cached_len == device_len - 1``: its last token's KV
+is what this step computes), ``fn`` must map a new page for every request that crosses a
+page boundary (one ``manager.allocate_paged(reqs)``), then for each request record the token
+the step produced (``req.append_token``) and advance it (``req.complete_one``), and hand the
+requests marked ``done`` back with ``manager.cache_req(req, finished=True)``.
+
+The checker builds the same scenario twice (prefill through the real CacheManager, then a
+few reference decode steps), runs the reference on one copy and ``fn`` on the other, and
+compares the page table, the free list, every request's lengths and tokens, and finally
+runs ``check_integrity()`` on the learner's manager.
+"""
+from __future__ import annotations
+
+import random
+
+import torch
+
+from .core import Case, CheckFailed, call_learner, exercise, run_cases
+
+
+def decode_step_solution(manager, reqs, next_tokens, done):
+    """One decode step: pages first, then advance every request, then finish the done ones."""
+    manager.allocate_paged(reqs)          # a new page where cached_len sits on a page boundary
+    for req, token in zip(reqs, next_tokens):
+        req.append_token(token)           # the token this step produced
+        req.complete_one()                # cached_len = device_len; device_len += 1
+    for req, finished in zip(reqs, done):
+        if finished:
+            manager.cache_req(req, finished=True)
+
+
+def _scenario(P: int, prompt_lens: list[int], warmup: int, seed: int, num_pages: int | None):
+    """A manager with running requests, each prefilled and ``warmup`` decode steps in."""
+    from ..cache_manager import CacheManager, Req
+    from ..paging import div_ceil, new_page_table
+
+    rng = random.Random(seed)
+    longest = max(prompt_lens) + warmup + 2
+    pages = num_pages or sum(div_ceil(n + warmup + 2, P) for n in prompt_lens) + 2
+    table = new_page_table(len(prompt_lens), longest, P, device="cpu")
+    manager = CacheManager(pages, P, table, page_table_writer="host")
+    shared = [rng.randrange(50) for _ in range(min(prompt_lens))]
+    reqs = []
+    for i, n in enumerate(prompt_lens):
+        ids = shared[: n // 2] + [rng.randrange(50) for _ in range(n - n // 2)]
+        req = Req(ids, table_idx=i)
+        manager.admit(req)
+        reqs.append(req)
+    manager.allocate_paged(reqs)
+    for req in reqs:
+        req.append_token(rng.randrange(50))
+        req.complete_one()
+        manager.cache_req(req, finished=False)
+    for _ in range(warmup):
+        decode_step_solution(manager, reqs, [rng.randrange(50) for _ in reqs], [False] * len(reqs))
+    tokens = [rng.randrange(50) for _ in reqs]
+    return manager, reqs, tokens
+
+
+def _cases(seed: int, n_random: int) -> list[Case]:
+    def case(name, P, lens, warmup, done, kind="edge", seed=0, num_pages=None):
+        return Case(name, dict(P=P, lens=lens, warmup=warmup, done=done, seed=seed,
+                               num_pages=num_pages), kind)
+
+    cases = [
+        case("one request, mid-page: no new page", 4, [6], 0, [False]),
+        case("one request on a page boundary: one new page", 4, [8], 0, [False]),
+        case("page_size 1: every step maps a page", 1, [3, 5], 1, [False, False]),
+        case("one of two requests finishes", 4, [7, 9], 1, [True, False]),
+        case("every request finishes", 2, [4, 5, 6], 2, [True, True, True]),
+        case("three requests, one crossing a boundary", 4, [5, 8, 10], 0, [False, True, False]),
+        case("tight memory: exactly the pages this step needs are free", 4, [8, 4], 0,
+             [False, False], num_pages=5),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        P = rng.choice([1, 2, 4, 16])
+        n = rng.randint(1, 4)
+        lens = [rng.randint(1, 3 * P + 2) for _ in range(n)]
+        cases.append(case(f"random {i + 1} (page_size {P}, {n} requests)", P, lens, rng.randint(0, 3),
+                          [rng.random() < 0.4 for _ in range(n)], "random", rng.randrange(1000)))
+    return cases
+
+
+def _first_diff(a: torch.Tensor, b: torch.Tensor):
+    bad = (a != b).nonzero()
+    return tuple(int(x) for x in bad[0]) if bad.numel() else None
+
+
+@exercise(
+    "decode_step",
+    chapter="07",
+    hints=[
+        "Three things, in this order: pages, then tokens, then finishing. Pages come first "
+        "because allocate_paged decides from cached_len and device_len *before* the step.",
+        "manager.allocate_paged(reqs) maps pages [div_ceil(cached_len, P), div_ceil(device_len, P)) "
+        "of every request in one call: a new page only for a request whose cached_len is a "
+        "multiple of P.",
+        "Then per request: req.append_token(token) and req.complete_one() (cached_len = device_len; "
+        "device_len += 1). Finally manager.cache_req(req, finished=True) for the done ones - "
+        "after complete_one, so their last computed token is cached too.",
+    ],
+    solution=decode_step_solution,
+)
+def decode_step(fn, *, seed: int = 0, n_random: int = 6) -> int:
+    """Check ``fn(manager, reqs, next_tokens, done)`` (one decode step of the serving loop)."""
+
+    def run_one(case: Case) -> None:
+        a = case.args
+        args = (a["P"], a["lens"], a["warmup"], a["seed"], a["num_pages"])
+        ref_m, ref_reqs, tokens = _scenario(*args)
+        got_m, got_reqs, _ = _scenario(*args)
+        decode_step_solution(ref_m, ref_reqs, list(tokens), list(a["done"]))
+        call_learner(fn, got_m, got_reqs, list(tokens), list(a["done"]))
+        where = f"  page_size {a['P']}, prompt lengths {a['lens']}, done {a['done']}"
+        for i, (r, g) in enumerate(zip(ref_reqs, got_reqs)):
+            for attr in ("cached_len", "device_len"):
+                if getattr(r, attr) != getattr(g, attr):
+                    raise CheckFailed(
+                        f"[{case.name}] request {i}: {attr} should be {getattr(r, attr)}, got "
+                        f"{getattr(g, attr)} (did you call req.complete_one() once per request?)\n{where}",
+                        case=case.name, expected=getattr(r, attr), got=getattr(g, attr),
+                        label=f"request {i}")
+            if r.input_ids != g.input_ids:
+                raise CheckFailed(f"[{case.name}] request {i}: input_ids should end "
+                                  f"{r.input_ids[-3:]}, got {g.input_ids[-3:]} (append the step's "
+                                  f"token once)\n{where}", case=case.name, label=f"request {i}")
+            if r.finished != g.finished:
+                raise CheckFailed(f"[{case.name}] request {i}: finished should be {r.finished} "
+                                  f"(cache_req(req, finished=True) only for done requests)\n{where}",
+                                  case=case.name, label=f"request {i}")
+        diff = _first_diff(ref_m.page_table, got_m.page_table)
+        if diff is not None:
+            row, col = diff
+            raise CheckFailed(
+                f"[{case.name}] page_table[{row}, {col}] should be {int(ref_m.page_table[row, col])}, "
+                f"got {int(got_m.page_table[row, col])} (one allocate_paged(reqs) before advancing "
+                f"the requests maps exactly the pages this step writes)\n{where}",
+                case=case.name, label=f"row {row}")
+        if ref_m.free_slots.tolist() != got_m.free_slots.tolist():
+            raise CheckFailed(
+                f"[{case.name}] free list should be {ref_m.free_slots.tolist()}, got "
+                f"{got_m.free_slots.tolist()}\n{where}", case=case.name, label="free list")
+        try:
+            got_m.check_integrity()
+        except AssertionError as e:
+            raise CheckFailed(f"[{case.name}] the manager's integrity check fails: {e}\n{where}",
+                              case=case.name) from None
+
+    return run_cases("decode_step", _cases(seed, n_random), run_one)
