@@ -128,6 +128,6 @@ def write_page_table(fn, *, seed: int = 0, n_random: int = 8) -> int:
             f"  got      page_table[{r}, {lo}:{hi}] = {got_row[lo:hi]}",
             case=case.name, expected=expected.flatten(), got=got.flatten(), wrong=wrong,
             label=f"request row {r}, column {c}, page {page}", shape=tuple(expected.shape),
-            what="page table")
+            what="page table", page_size=page_size)
 
     return run_cases("write_page_table", _cases(seed, n_random), run_one)
