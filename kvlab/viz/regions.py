@@ -36,7 +36,7 @@ def region_bar(regions, ax=None, *, label: str | None = None, y: float = 0.0,
     ``finished``, ``page_size``, ``req_cached_len`` and optionally ``row_before``.
     """
     import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch, Rectangle
+    from matplotlib.patches import Rectangle
 
     n = regions.req_cached_len
     P = regions.page_size
@@ -68,11 +68,17 @@ def region_bar(regions, ax=None, *, label: str | None = None, y: float = 0.0,
                   fontsize=fontsize)
     ax.tick_params(labelsize=fontsize)
     if legend:
-        handles = [Patch(fc=REGION_COLOURS[k], label=REGION_NAMES[k]) for k in REGION_COLOURS]
-        handles.append(Patch(fc="white", ec="black", hatch="///", label="returned to free list"))
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45), ncol=5,
-                  fontsize=fontsize, frameon=False)
+        ax.legend(handles=region_legend_handles(), loc="upper center", bbox_to_anchor=(0.5, -0.45),
+                  ncol=5, fontsize=fontsize, frameon=False)
     return ax
+
+
+def region_legend_handles():
+    from matplotlib.patches import Patch
+
+    handles = [Patch(fc=REGION_COLOURS[k], label=REGION_NAMES[k]) for k in REGION_COLOURS]
+    handles.append(Patch(fc="white", ec="black", hatch="///", label="returned to free list"))
+    return handles
 
 
 def region_bars(items: Sequence[tuple[str, object]], *, title: str | None = None,
@@ -81,13 +87,58 @@ def region_bars(items: Sequence[tuple[str, object]], *, title: str | None = None
     import matplotlib.pyplot as plt
 
     longest = max((r.req_cached_len for _, r in items), default=4)
-    fig, ax = plt.subplots(figsize=(min(14, 2.5 + 0.42 * max(longest, 4)), 0.6 + 0.9 * len(items)))
+    fig, ax = plt.subplots(figsize=(min(14, 2.5 + 0.42 * max(longest, 4)), 1.2 + 0.8 * len(items)))
     for i, (label, regions) in enumerate(items):
-        region_bar(regions, ax, label=label, y=-1.4 * i, legend=(i == len(items) - 1),
-                   fontsize=fontsize)
+        region_bar(regions, ax, label=label, y=-1.4 * i, legend=False, fontsize=fontsize)
     ax.set_ylim(-1.4 * (len(items) - 1) - 0.2, 1.3)
     ax.set_xlim(-0.2, longest + 0.2)
     if title:
         ax.set_title(title, fontsize=fontsize + 2)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.legend(handles=region_legend_handles(), loc="lower center", ncol=5, fontsize=fontsize,
+               frameon=False)
     return fig
+
+
+def page_owner_strip(manager, ax=None, *, title: str | None = None, fontsize: float = 7.5):
+    """One cell per physical page, coloured by where it is: free, in the prefix cache
+    (locked or evictable), or held by a running request's row. Pages found in no place or
+    in two places (a broken manager) are outlined in red. Returns the Axes."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    owners = manager.page_owners()
+    locked_nodes = {f"cache node {n.uid}" for n in manager.prefix_cache.nodes() if n.ref_count > 0}
+    rows = sorted({w for who in owners.values() for w in who if w.startswith("row ")})
+    row_colours = ["#9e9ac8", "#fd8d3c", "#e377c2", "#8c6d31", "#17becf", "#bcbd22", "#7f7f7f",
+                   "#393b79"]
+    colour = {"free": "#f0f0f0"}
+    for i, r in enumerate(rows):
+        colour[r] = row_colours[i % len(row_colours)]
+    n = len(owners)
+    if ax is None:
+        _, ax = plt.subplots(figsize=(min(14, 1.5 + 0.35 * n), 1.3))
+    for page, who in sorted(owners.items()):
+        if len(who) == 1:
+            w = who[0]
+            fc = colour.get(w, "#fdae6b" if w in locked_nodes else "#c6dbef")
+            ec, lw = "white", 0.8
+        else:
+            fc, ec, lw = "white", "#d62728", 2.0
+        ax.add_patch(Rectangle((page, 0), 1, 1, fc=fc, ec=ec, lw=lw))
+        if n <= 48:
+            ax.text(page + 0.5, 0.5, str(page), ha="center", va="center", fontsize=fontsize - 1)
+    ax.set_xlim(0, n)
+    ax.set_ylim(0, 1)
+    ax.set_yticks([])
+    ax.set_xticks([])
+    for side in ("left", "right", "top", "bottom"):
+        ax.spines[side].set_visible(False)
+    handles = [Patch(fc="#f0f0f0", label="free"), Patch(fc="#c6dbef", label="cached, evictable"),
+               Patch(fc="#fdae6b", label="cached, locked")]
+    handles += [Patch(fc=colour[r], label=f"own pages of {r}") for r in rows]
+    handles.append(Patch(fc="white", ec="#d62728", lw=2, label="lost / owned twice"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.05), ncol=min(6, len(handles)),
+              fontsize=fontsize, frameon=False)
+    ax.set_title(title or f"where each of the {n} pages is", fontsize=fontsize + 1)
+    return ax
