@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -295,3 +297,41 @@ def test_nothing_is_freed_twice():
     alloc.free(out)
     _refused(alloc, lambda: alloc.free(out), InvalidArgument)
     assert sorted(alloc.free_pages.tolist()) == [0, 1, 2, 3]
+
+
+# --- the chapter checkers judge parts separately ---------------------------------------------
+
+
+@triton.jit
+def _part1_only_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
+                       ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,
+                       max_num_extend_tokens: tl.constexpr):
+    # a learner who has written part 1 and nothing else yet
+    pid = tl.program_id(0)
+    offs = tl.arange(0, bs_upper)
+    seq_lens = tl.load(seq_lens_ptr + offs, mask=offs <= pid, other=0)
+    pre_lens = tl.load(pre_lens_ptr + offs, mask=offs <= pid, other=0)
+    seq_len = tl.load(seq_lens_ptr + pid)
+    pre_len = tl.load(pre_lens_ptr + pid)
+    start = tl.sum(seq_lens - pre_lens) - (seq_len - pre_len)
+    n1 = tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len
+    one_page = tl.arange(0, page_size)
+    tl.store(out_indices + start + one_page, tl.load(last_loc_ptr + pid) + 1 + one_page,
+             mask=one_page < n1)
+
+
+def test_part_checkers_judge_only_their_part():
+    from kvlab import check
+
+    check.alloc_extend_part1(_part1_only_kernel, n_random=0)  # part 1 is right: passes
+    with pytest.raises(check.CheckFailed) as e:
+        check.alloc_extend_part2(_part1_only_kernel, n_random=0)
+    msg = str(e.value)
+    assert "part 2" in msg and "request 1" in msg and "got -1" in msg  # the worked example's B
+
+
+def test_decode_checker_passes_the_teaching_kernel():
+    from kvlab import check
+    from kvlab.kernels import alloc_decode_kernel
+
+    assert check.alloc_decode(alloc_decode_kernel, n_random=1) == 7
