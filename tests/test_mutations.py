@@ -152,7 +152,46 @@ CH04 = [
            ("new page: free_pages[",), "decode stores the page id, not its first slot"),
 ]
 
-MUTANTS = CH01 + CH02 + CH03 + CH04
+# --- chapter 05: the radix prefix cache --------------------------------------------------------
+
+CH05 = [
+    Mutant("match_prefix", "        n = n // P * P  # a partly matched page does not count\n", "",
+           ("matched length", "is not a whole number of pages"),
+           "a partly matched page is counted as cached"),
+    Mutant("match_prefix", "and child.key[n] == input_ids[matched + n]:", ":",
+           ("matched length", "tokens the cache does not hold"),
+           "takes a child's whole key after its first page matched, without comparing the rest"),
+    Mutant("insert_prefix", "insert_len = len(input_ids) // P * P", "insert_len = len(input_ids)",
+           ("new_entries", "not a whole page of the prompt"), "page-unaligned insert of the partial last page"),
+    Mutant("insert_prefix", "new_entries[tuple(input_ids[:start + P])]",
+           "new_entries[tuple(input_ids[start:start + P])]",
+           ("new_entries",), "keys a page by its own tokens instead of the whole prefix"),
+    Mutant("insert_prefix", "cached_len += P  # this page is already there",
+           "store[tuple(input_ids[:cached_len + P])] = []; cached_len += P  # this page is already there",
+           ("leave the store unchanged",), "changes the store while looking pages up"),
+]
+
+# --- chapter 06: cache_req region accounting ----------------------------------------------------
+
+CH06 = [
+    Mutant("cache_req_regions", "    if finished:\n", "    if True:\n",
+           ("free:", "an unfinished request keeps its tail"),
+           "frees the tail of an unfinished request"),
+    Mutant("cache_req_regions", "free = list(row_slots[old_cached_len:already_cached_len:page_size])",
+           "free = []", ("free:", "the duplicate pages are always freed"),
+           "leaks the duplicate region (never freed)"),
+    Mutant("cache_req_regions", "row_slots[old_cached_len:already_cached_len:page_size]",
+           "row_slots[old_cached_len:already_cached_len]", ("free:", "page starts"),
+           "frees token slots instead of page starts (no [::page_size])"),
+    Mutant("cache_req_regions", "new_cached_len = req_cached_len // page_size * page_size",
+           "new_cached_len = req_cached_len", ("region 'inserted' is wrong",),
+           "inserted region not page-aligned"),
+    Mutant("cache_req_regions", '"duplicate": (old_cached_len, already_cached_len)',
+           '"duplicate": (0, already_cached_len)', ("region 'duplicate' is wrong",),
+           "duplicate region starts at 0 (counts the hit twice)"),
+]
+
+MUTANTS = CH01 + CH02 + CH03 + CH04 + CH05 + CH06
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -165,7 +204,15 @@ def test_there_are_enough_mutants():
     assert len({m.why for m in MUTANTS}) == len(MUTANTS)
 
 
-@pytest.mark.parametrize("exercise", sorted({m.exercise for m in MUTANTS}))
+def _one_exercise_per_solution() -> list[str]:
+    """The exercises with mutants, one per distinct solution (the parts of alloc_extend share one)."""
+    chosen: dict[int, str] = {}
+    for name in sorted({m.exercise for m in MUTANTS}):
+        chosen.setdefault(id(kvlab.solutions.get(name)), name)
+    return sorted(chosen.values())
+
+
+@pytest.mark.parametrize("exercise", _one_exercise_per_solution())
 def test_the_unmutated_solution_passes(exercise, mutant_dir, capsys):
     # the mutant builder itself changes nothing else: a no-op "mutation" still passes
     solution = kvlab.solutions.get(exercise)
