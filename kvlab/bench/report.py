@@ -15,11 +15,15 @@ def _us(entry: dict | None) -> str:
     return "–"
 
 
-def _ratio(row: dict, num: str, den: str) -> str:
+def _ratio(row: dict, num: str, den: str, metric: str = "median_us") -> str:
     a, b = row["paths"].get(num, {}), row["paths"].get(den, {})
-    if "median_us" in a and "median_us" in b and b["median_us"] > 0:
-        return f"{a['median_us'] / b['median_us']:.2f}"
+    if metric in a and metric in b and b[metric] > 0:
+        return f"{a[metric] / b[metric]:.2f}"
     return "–"
+
+
+def _loop(entry: dict | None) -> str:
+    return f"{entry['loop_us']:.1f}" if entry and "loop_us" in entry else "–"
 
 
 def markdown(res: dict) -> str:
@@ -36,14 +40,19 @@ def markdown(res: dict) -> str:
         verdict = "n/a (smoke)" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
         lines.append(f"| {t['name']} | {t['rule']} | {t['measured']} | **{verdict}** |")
 
-    lines += ["", "## alloc_extend (median µs per call)", "",
+    lines += ["", "## alloc_extend (µs per call: CUDA-event median / host-loop wall)", "",
               "| case | P | tokens | teaching | fast | fast/teaching | fast (host lens) | fast (1 sync) | torch | agree |",
               "|---|---|---|---|---|---|---|---|---|---|"]
+
+    def both(e):
+        return f"{_us(e)} / {_loop(e)}"
+
     for r in res["extend"]:
         p = r["paths"]
-        lines.append(f"| {r['case']} | {r['page_size']} | {r['tokens']} | {_us(p.get('teaching'))} | "
-                     f"{_us(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} | {_us(p.get('fast_host_lens'))} | "
-                     f"{_us(p.get('fast_sync'))} | {_us(p.get('torch'))} | {'yes' if r.get('agree') else 'NO'} |")
+        lines.append(f"| {r['case']} | {r['page_size']} | {r['tokens']} | {both(p.get('teaching'))} | "
+                     f"{both(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} / {_ratio(r, 'fast', 'teaching', 'loop_us')} | "
+                     f"{both(p.get('fast_host_lens'))} | {both(p.get('fast_sync'))} | {both(p.get('torch'))} | "
+                     f"{'yes' if r.get('agree') else 'NO'} |")
     skipped = {r["paths"]["teaching"]["skipped"] for r in res["extend"]
                if "skipped" in r["paths"].get("teaching", {})}
     for s in sorted(skipped):
@@ -58,29 +67,30 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['case']} | {r['page_size']} | {r['tokens']} | {r['teaching_lanes']} | {tt} | "
                      f"{r['fast_first_call_ms']:.2f} | {'yes' if r['fast_compiled_before'] else 'no (compiles)'} |")
 
-    lines += ["", "## alloc_decode (median µs per step)", "",
+    lines += ["", "## alloc_decode (µs per step: CUDA-event median / host-loop wall)", "",
               "| bs | P | new pages | teaching | fast | fast/teaching | fast (1 sync) | torch | agree |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in res["decode"]:
         p = r["paths"]
-        lines.append(f"| {r['bs']} | {r['page_size']} | {r['new_pages']} | {_us(p.get('teaching'))} | "
-                     f"{_us(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} | {_us(p.get('fast_sync'))} | "
-                     f"{_us(p.get('torch'))} | {'yes' if r.get('agree') else 'NO'} |")
+        lines.append(f"| {r['bs']} | {r['page_size']} | {r['new_pages']} | {both(p.get('teaching'))} | "
+                     f"{both(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} / {_ratio(r, 'fast', 'teaching', 'loop_us')} | "
+                     f"{both(p.get('fast_sync'))} | {both(p.get('torch'))} | {'yes' if r.get('agree') else 'NO'} |")
 
-    lines += ["", "## Page-table write (median µs per write)", ""]
+    lines += ["", "## Page-table write (µs per write: CUDA-event median / host-loop wall)", ""]
     if res["page_table"] and "error" in res["page_table"][0]:
         lines.append(res["page_table"][0]["error"])
     else:
         lines += ["| case | P | slots | host loop | Triton | host loop / Triton | agree |", "|---|---|---|---|---|---|---|"]
         for r in res["page_table"]:
-            lines.append(f"| {r['case']} | {r['page_size']} | {r['slots']} | {_us(r['paths']['host_loop'])} | "
-                         f"{_us(r['paths']['triton'])} | {_ratio(r, 'host_loop', 'triton')} | "
+            lines.append(f"| {r['case']} | {r['page_size']} | {r['slots']} | {both(r['paths']['host_loop'])} | "
+                         f"{both(r['paths']['triton'])} | {_ratio(r, 'host_loop', 'triton')} / "
+                         f"{_ratio(r, 'host_loop', 'triton', 'loop_us')} | "
                          f"{'yes' if r.get('agree') else 'NO'} |")
 
     lines += ["", f"## Prefix sums: fixed {res['config']['scaling_tokens']} tokens, growing batch (median µs)", "",
               "| bs | teaching | fast |", "|---|---|---|"]
     for r in res["scaling"]:
-        lines.append(f"| {r['bs']} | {_us(r['paths']['teaching'])} | {_us(r['paths']['fast'])} |")
+        lines.append(f"| {r['bs']} | {both(r['paths']['teaching'])} | {both(r['paths']['fast'])} |")
     return "\n".join(lines) + "\n"
 
 

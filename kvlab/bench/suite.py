@@ -66,6 +66,23 @@ def median_us(fn: Callable[[], object], smoke: bool) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
 
 
+def loop_us(fn: Callable[[], object], smoke: bool, calls: int = 50, rounds: int = 7) -> float:
+    """Host wall time per call of ``calls`` back-to-back calls, synchronised once at the end
+    (median of ``rounds``): what a serving loop pays, host launch overhead included."""
+    if smoke:
+        return median_us(fn, smoke)
+    fn()
+    samples = []
+    for _ in range(rounds):
+        _sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        _sync()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
@@ -76,10 +93,12 @@ def _meta(smoke: bool) -> dict:
         "mode": info.mode, "device": info.device_name, "torch": info.torch_version,
         "triton": info.triton_version, "python": platform.python_version(),
         "timer": "perf_counter, one call (smoke: no timing claims)" if smoke
-        else "triton.testing.do_bench, median, warmup 25 ms, rep 100 ms (CUDA events)",
+        else ("median_us: triton.testing.do_bench median (CUDA events; warmup 25 ms, rep 100 ms, L2 "
+              "flushed between calls); loop_us: host wall time per call over 50 back-to-back calls, "
+              "synchronised at the end, median of 7 rounds (includes host launch overhead)"),
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR", "(default)"),
         "note": ("SMOKE RUN in the Triton interpreter: tiny cases, harness only; the numbers are "
-                 "not timings of anything and make no claim.") if smoke else
+                 "not timings of anything and make no claim") if smoke else
         "medians of many calls on the same batches, one process, one GPU",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
@@ -113,6 +132,7 @@ def bench_extend(case_list, page_sizes, smoke: bool, log=print) -> list[dict]:
             for name, path in X.EXTEND_PATHS.items():
                 if name in outs:
                     row["paths"][name]["median_us"] = median_us(lambda: path(b), smoke)
+                    row["paths"][name]["loop_us"] = loop_us(lambda: path(b), smoke)
             ref_out, ref_pages = outs["fast"]
             for name, (o, n) in outs.items():
                 if not (_same(o, ref_out) and n == ref_pages):
@@ -176,6 +196,7 @@ def bench_decode(batches, page_sizes, smoke: bool, log=print) -> list[dict]:
                 row["paths"][name] = {"first_call_ms": first_call_ms(lambda: path(b))}
                 outs[name] = path(b)
                 row["paths"][name]["median_us"] = median_us(lambda: path(b), smoke)
+                row["paths"][name]["loop_us"] = loop_us(lambda: path(b), smoke)
             ref_out, ref_pages = outs["fast"]
             for name, (o, n) in outs.items():
                 if not (_same(o, ref_out) and n == ref_pages):
@@ -222,7 +243,8 @@ def bench_scaling(batches, tokens: int, page_size: int, smoke: bool, log=print) 
         for name in ("teaching", "fast"):
             path = X.EXTEND_PATHS[name]
             path(b)
-            row["paths"][name] = {"median_us": median_us(lambda: path(b), smoke)}
+            row["paths"][name] = {"median_us": median_us(lambda: path(b), smoke),
+                                  "loop_us": loop_us(lambda: path(b), smoke)}
         log(f"scale  bs={bs:<5} T={b.extend_num_tokens} " + "  ".join(
             f"{k}={v['median_us']:.1f}us" for k, v in row["paths"].items()))
         rows.append(row)
@@ -232,24 +254,30 @@ def bench_scaling(batches, tokens: int, page_size: int, smoke: bool, log=print) 
 # --- targets ------------------------------------------------------------------------------
 
 
-def _ratio(row: dict, num: str, den: str) -> float | None:
+def _ratio(row: dict, num: str, den: str, metric: str = "median_us") -> float | None:
     a, b = row["paths"].get(num, {}), row["paths"].get(den, {})
-    if "median_us" in a and "median_us" in b and b["median_us"] > 0:
-        return a["median_us"] / b["median_us"]
+    if metric in a and metric in b and b[metric] > 0:
+        return a[metric] / b[metric]
     return None
+
+
+def _worst_ratio(row: dict, num: str, den: str) -> float | None:
+    """The larger of the two ratios: CUDA-event median and host-loop wall time per call."""
+    r = [x for x in (_ratio(row, num, den, "median_us"), _ratio(row, num, den, "loop_us")) if x is not None]
+    return max(r) if r else None
 
 
 def evaluate_targets(res: dict) -> list[dict]:
     targets = []
     ext = res["extend"]
-    ratios = [(r["case"], r["page_size"], _ratio(r, "fast", "teaching")) for r in ext]
+    ratios = [(r["case"], r["page_size"], _worst_ratio(r, "fast", "teaching")) for r in ext]
     ran = [x for x in ratios if x[2] is not None]
     worst = max(ran, key=lambda x: x[2]) if ran else None
     fast_all = all("median_us" in r["paths"].get("fast", {}) for r in ext)
     agree = all(r.get("agree", False) for r in ext)
     targets.append({
         "name": "fast alloc_extend vs teaching",
-        "rule": "fast/teaching <= 0.8 on every case the teaching path runs; fast runs every case; outputs equal",
+        "rule": "fast/teaching <= 0.8 on every case the teaching path runs, by CUDA-event median AND by host-loop wall time; fast runs every case; outputs equal",
         "measured": (f"worst {worst[2]:.2f} ({worst[0]}, P={worst[1]}); fast ran {sum(1 for r in ext if 'median_us' in r['paths'].get('fast', {}))}"
                      f"/{len(ext)} cases; outputs agree: {agree}") if worst else "no case ran",
         "passed": bool(worst) and worst[2] <= 0.8 and fast_all and agree,
@@ -263,23 +291,23 @@ def evaluate_targets(res: dict) -> list[dict]:
         "passed": worst_cold is not None and worst_cold <= 20.0,
     })
     dec = res["decode"]
-    dratios = [(r["bs"], r["page_size"], _ratio(r, "fast", "teaching")) for r in dec]
+    dratios = [(r["bs"], r["page_size"], _worst_ratio(r, "fast", "teaching")) for r in dec]
     dran = [x for x in dratios if x[2] is not None]
     dworst = max(dran, key=lambda x: x[2]) if dran else None
     dagree = all(r.get("agree", False) for r in dec)
     targets.append({
         "name": "fast decode vs teaching",
-        "rule": "fast/teaching <= 0.8 at every batch size; outputs equal",
+        "rule": "fast/teaching <= 0.8 at every batch size, by CUDA-event median AND host-loop wall time; outputs equal",
         "measured": f"worst {dworst[2]:.2f} (bs={dworst[0]}, P={dworst[1]}); outputs agree: {dagree}" if dworst else "none",
         "passed": bool(dworst) and dworst[2] <= 0.8 and dagree,
     })
     pt = [r for r in res["page_table"] if r.get("bs") == 256 and "paths" in r]
-    speedups = [(r["case"], r["page_size"], 1 / x) for r in pt if (x := _ratio(r, "triton", "host_loop"))]
+    speedups = [(r["case"], r["page_size"], 1 / x) for r in pt if (x := _worst_ratio(r, "triton", "host_loop"))]
     pworst = min(speedups, key=lambda x: x[2]) if speedups else None
     pagree = all(r.get("agree", False) for r in pt)
     targets.append({
         "name": "Triton page-table write vs host loop at bs 256",
-        "rule": "host_loop/triton >= 10; tables equal",
+        "rule": "host_loop/triton >= 10 (CUDA-event median and host-loop wall time); tables equal",
         "measured": f"worst {pworst[2]:.1f}x ({pworst[0]}, P={pworst[1]}); tables agree: {pagree}" if pworst else
         (res["page_table"][0].get("error", "none") if res["page_table"] else "none"),
         "passed": bool(pworst) and pworst[2] >= 10 and pagree,

@@ -51,6 +51,9 @@ from ..errors import InvalidArgument, OutOfPages
 EXTEND_BLOCK = 1024
 #: Requests one scan step (or one decode step) handles at once; bigger batches loop.
 BATCH_BLOCK = 1024
+#: Up to this many new tokens (and BATCH_BLOCK requests), with the counts known on the host,
+#: scan and fill run in one program: one launch instead of two.
+SMALL_MAX_TOKENS = 4096
 
 
 def _jit_options(ints: Sequence[str], pointers: Sequence[str]) -> dict:
@@ -65,18 +68,18 @@ def _jit_options(ints: Sequence[str], pointers: Sequence[str]) -> dict:
 # --- scan: output offsets and first pages, computed once ------------------------------------
 
 
-@triton.jit(**_jit_options(["bs"], ["prefix_lens_ptr", "seq_lens_ptr", "token_start_ptr",
-                                    "page_start_ptr", "totals_ptr"]))
-def extend_scan_kernel(
-    prefix_lens_ptr,     # [bs]  tokens already cached per request
-    seq_lens_ptr,        # [bs]  tokens wanted after this batch
-    token_start_ptr,     # [bs]  out: where request r's slots begin in out_indices (int64)
-    page_start_ptr,      # [bs]  out: position in free_pages of request r's first new page (int64)
-    totals_ptr,          # [2]   out: total new tokens, total new pages (int64)
-    bs,                  # runtime batch size: no recompile per batch size
-    page_size: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
+@triton.jit
+def _scan_batch(prefix_lens_ptr, seq_lens_ptr, scratch_ptr, bs,
+                page_size: tl.constexpr, BLOCK: tl.constexpr):
+    """Exclusive prefix sums of extend lengths and new-page counts, into ``scratch``::
+
+        scratch = [ token_start (bs) | page_start (bs) | total tokens | total pages ]
+        token_start[r]: where request r's slots begin in out_indices
+        page_start[r]:  position in free_pages of request r's first new page
+    """
+    token_start_ptr = scratch_ptr
+    page_start_ptr = scratch_ptr + bs
+    totals_ptr = scratch_ptr + 2 * bs
     # One program walks the batch in blocks of BLOCK requests; `carry_*` holds the sums of
     # all earlier blocks, so each length is read once: O(bs) in all.
     #   extend_lens: [ 5 | 0 | 3 | 7 ]  ->  token_start: [ 0 | 5 | 5 | 8 ],  total 15
@@ -100,29 +103,28 @@ def extend_scan_kernel(
     tl.store(totals_ptr + 1, carry_pages)
 
 
-# --- fill: one slot per output token, one formula for all three parts ------------------------
-
-
-@triton.jit(**_jit_options(["bs", "num_tokens", "num_free", "search_steps"],
-                           ["prefix_lens_ptr", "seq_lens_ptr", "last_loc_ptr", "free_pages_ptr",
-                            "token_start_ptr", "page_start_ptr", "out_ptr"]))
-def extend_fill_kernel(
-    prefix_lens_ptr,     # [bs]
-    seq_lens_ptr,        # [bs]
-    last_loc_ptr,        # [bs]  slot of each request's last prefix token
-    free_pages_ptr,      # [num_free] free page ids; new pages come from the front
-    token_start_ptr,     # [bs]  from extend_scan_kernel
-    page_start_ptr,      # [bs]  from extend_scan_kernel
-    out_ptr,             # [num_tokens] out: one slot per new token (int64)
-    bs,
-    num_tokens,
-    num_free,
-    search_steps,        # ceil(log2(bs)): binary-search rounds to find a token's request
+@triton.jit(**_jit_options(["bs"], ["prefix_lens_ptr", "seq_lens_ptr", "scratch_ptr"]))
+def extend_scan_kernel(
+    prefix_lens_ptr,     # [bs]  tokens already cached per request
+    seq_lens_ptr,        # [bs]  tokens wanted after this batch
+    scratch_ptr,         # [2*bs + 2] int64 out: token_start | page_start | totals
+    bs,                  # runtime batch size: no recompile per batch size
     page_size: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # This program writes out_indices[t] for t in [pid*BLOCK, pid*BLOCK + BLOCK).
-    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _scan_batch(prefix_lens_ptr, seq_lens_ptr, scratch_ptr, bs, page_size, BLOCK)
+
+
+# --- fill: one slot per output token, one formula for all three parts ------------------------
+
+
+@triton.jit
+def _fill_tokens(t, prefix_lens_ptr, last_loc_ptr, free_pages_ptr, scratch_ptr, out_ptr,
+                 bs, num_tokens, num_free, search_steps,
+                 page_size: tl.constexpr, BLOCK: tl.constexpr):
+    """Write ``out[t]`` for a vector ``t`` of output positions (masked past ``num_tokens``)."""
+    token_start_ptr = scratch_ptr
+    page_start_ptr = scratch_ptr + bs
     live = t < num_tokens
 
     # Which request owns output position t? The last r with token_start[r] <= t.
@@ -152,6 +154,51 @@ def extend_fill_kernel(
                    mask=wants_page & (free_idx >= 0) & (free_idx < num_free), other=0)
     slot = tl.where(on_old_page, last + 1 + k, page.to(tl.int64) * page_size + pos % page_size)
     tl.store(out_ptr + t, slot, mask=live)
+
+
+@triton.jit(**_jit_options(["bs", "num_tokens", "num_free", "search_steps"],
+                           ["prefix_lens_ptr", "last_loc_ptr", "free_pages_ptr", "scratch_ptr",
+                            "out_ptr"]))
+def extend_fill_kernel(
+    prefix_lens_ptr,     # [bs]
+    last_loc_ptr,        # [bs]  slot of each request's last prefix token
+    free_pages_ptr,      # [num_free] free page ids; new pages come from the front
+    scratch_ptr,         # [2*bs + 2] from extend_scan_kernel: token_start | page_start | totals
+    out_ptr,             # [num_tokens] out: one slot per new token (int64)
+    bs,
+    num_tokens,
+    num_free,
+    search_steps,        # ceil(log2(bs)): binary-search rounds to find a token's request
+    page_size: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # This program writes out_indices[t] for t in [pid*BLOCK, pid*BLOCK + BLOCK).
+    t = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _fill_tokens(t, prefix_lens_ptr, last_loc_ptr, free_pages_ptr, scratch_ptr, out_ptr,
+                 bs, num_tokens, num_free, search_steps, page_size, BLOCK)
+
+
+# --- small batches: scan and fill in one launch -----------------------------------------------
+
+
+@triton.jit(**_jit_options(["bs", "num_tokens", "num_free", "search_steps"],
+                           ["prefix_lens_ptr", "seq_lens_ptr", "last_loc_ptr", "free_pages_ptr",
+                            "scratch_ptr", "out_ptr"]))
+def extend_small_kernel(
+    prefix_lens_ptr, seq_lens_ptr, last_loc_ptr, free_pages_ptr, scratch_ptr, out_ptr,
+    bs, num_tokens, num_free, search_steps,
+    page_size: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    # A small batch costs more to launch than to compute (a launch is ~10 us of host time),
+    # so one program does both steps: the scan, a barrier (its writes to scratch become
+    # visible to all of its threads), then the fill, block after block.
+    _scan_batch(prefix_lens_ptr, seq_lens_ptr, scratch_ptr, bs, page_size, BLOCK)
+    tl.debug_barrier()
+    for block_start in range(0, num_tokens, BLOCK):
+        t = block_start + tl.arange(0, BLOCK).to(tl.int64)
+        _fill_tokens(t, prefix_lens_ptr, last_loc_ptr, free_pages_ptr, scratch_ptr, out_ptr,
+                     bs, num_tokens, num_free, search_steps, page_size, BLOCK)
 
 
 # --- decode: one program, a vector of requests, one scan -------------------------------------
@@ -210,6 +257,8 @@ def _as_int_list(name: str, values) -> list[int]:
         if values.dim() != 1:
             raise InvalidArgument(name, "a 1-D tensor or list", f"got shape {tuple(values.shape)}")
         return values.tolist()
+    if isinstance(values, list) and all(type(v) is int for v in values):
+        return values  # already what we need: no copy
     return [int(v) for v in values]
 
 
@@ -240,15 +289,18 @@ def extend_needs_from_host(prefix_lens_cpu, seq_lens_cpu, page_size: int) -> tup
     if len(pre) != len(seq):
         raise InvalidArgument("seq_lens_cpu", "same length as prefix_lens_cpu",
                               f"got {len(seq)} and {len(pre)}")
-    tokens = pages = 0
+    if pre and min(pre) < 0:
+        r = next(i for i, p in enumerate(pre) if p < 0)
+        raise InvalidArgument(f"prefix_lens[{r}]", "prefix_lens >= 0", f"got {pre[r]}")
+    if any(s < p for p, s in zip(pre, seq)):
+        r = next(i for i, (p, s) in enumerate(zip(pre, seq)) if s < p)
+        raise InvalidArgument(f"seq_lens[{r}]", "seq_lens >= prefix_lens",
+                              f"got seq {seq[r]} < pre {pre[r]}")
+    tokens = sum(seq) - sum(pre)
+    if page_size == 1:
+        return tokens, tokens
     P = page_size
-    for r, (p, s) in enumerate(zip(pre, seq)):
-        if p < 0:
-            raise InvalidArgument(f"prefix_lens[{r}]", "prefix_lens >= 0", f"got {p}")
-        if s < p:
-            raise InvalidArgument(f"seq_lens[{r}]", "seq_lens >= prefix_lens", f"got seq {s} < pre {p}")
-        tokens += s - p
-        pages += (s + P - 1) // P - (p + P - 1) // P
+    pages = sum([(s + P - 1) // P for s in seq]) - sum([(p + P - 1) // P for p in pre])
     return tokens, pages
 
 
@@ -288,7 +340,7 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
         raise InvalidArgument("prefix_lens_cpu/seq_lens_cpu", "give both or neither")
     if prefix_lens_cpu is not None:
         host_tokens, host_pages = extend_needs_from_host(prefix_lens_cpu, seq_lens_cpu, page_size)
-        if len(_as_int_list("prefix_lens_cpu", prefix_lens_cpu)) != bs:
+        if len(prefix_lens_cpu) != bs:
             raise InvalidArgument("prefix_lens_cpu", "one entry per request",
                                   f"got {len(prefix_lens_cpu)}, expected {bs}")
         if extend_num_tokens is not None and extend_num_tokens != host_tokens:
@@ -310,15 +362,25 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
             raise InvalidArgument("extend_num_tokens", "0 for an empty batch", f"got {extend_num_tokens}")
         return FastExtend(torch.empty(0, dtype=torch.int64, device=device), 0)
 
-    # scan: offsets [bs] and first pages [bs], plus totals [2], in one int64 buffer
+    # scan: offsets and first pages, plus the totals, in one int64 buffer (no slicing: every
+    # torch call costs microseconds of host time, which is what this path saves)
     #   scratch = [ token_start (bs) | page_start (bs) | total tokens | total pages ]
     scratch = torch.empty(2 * bs + 2, dtype=torch.int64, device=device)
-    token_start, page_start, totals = scratch[:bs], scratch[bs:2 * bs], scratch[2 * bs:]
-    extend_scan_kernel[(1,)](prefix_lens, seq_lens, token_start, page_start, totals, bs,
+    search_steps = max(1, (bs - 1).bit_length())
+    if extend_num_tokens is not None and num_new_pages is not None and \
+            extend_num_tokens <= SMALL_MAX_TOKENS and bs <= BATCH_BLOCK:
+        # counts known and the batch small: one launch does scan and fill
+        out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
+        if extend_num_tokens > 0:
+            extend_small_kernel[(1,)](prefix_lens, seq_lens, last_loc, free_pages, scratch, out,
+                                      bs, extend_num_tokens, num_free, search_steps,
+                                      page_size=page_size, BLOCK=BATCH_BLOCK)
+        return FastExtend(out, num_new_pages)
+    extend_scan_kernel[(1,)](prefix_lens, seq_lens, scratch, bs,
                              page_size=page_size, BLOCK=BATCH_BLOCK)
 
     if extend_num_tokens is None or num_new_pages is None:
-        device_tokens, device_pages = totals.tolist()  # the one host sync of this mode
+        device_tokens, device_pages = scratch[2 * bs:].tolist()  # the one host sync of this mode
         if extend_num_tokens is not None and extend_num_tokens != device_tokens:
             raise InvalidArgument("extend_num_tokens", "== sum(seq_lens - prefix_lens)",
                                   f"got {extend_num_tokens}, the lengths sum to {device_tokens}")
@@ -335,9 +397,8 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
     out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
     if extend_num_tokens > 0:
         grid = (triton.cdiv(extend_num_tokens, EXTEND_BLOCK),)
-        extend_fill_kernel[grid](prefix_lens, seq_lens, last_loc, free_pages, token_start,
-                                 page_start, out, bs, extend_num_tokens, num_free,
-                                 max(1, (bs - 1).bit_length()),
+        extend_fill_kernel[grid](prefix_lens, last_loc, free_pages, scratch, out,
+                                 bs, extend_num_tokens, num_free, search_steps,
                                  page_size=page_size, BLOCK=EXTEND_BLOCK)
     return FastExtend(out, num_new_pages)
 
