@@ -40,6 +40,13 @@ _PAGE_TO_TOKEN_BLOCK = 256
 _WRITE_BLOCK = 128
 
 
+def _check_kernel_device(name: str, tensor: torch.Tensor) -> None:
+    """Compiled Triton kernels need CUDA tensors; the interpreter runs on CPU tensors."""
+    if not runtime.INTERPRET and tensor.device.type != "cuda":
+        raise InvalidArgument(name, "must be a CUDA tensor for the compiled Triton kernel",
+                              f"got a tensor on {tensor.device}; use the torch version for CPU tensors")
+
+
 def div_ceil(a, b):
     """``ceil(a / b)`` for non-negative integers (ints, or integer tensors elementwise).
 
@@ -128,6 +135,7 @@ def page_to_token_triton(page_starts: torch.Tensor, page_size: int) -> torch.Ten
     if page_starts.dtype not in _KERNEL_DTYPES:
         raise InvalidArgument("page_starts", "must be int32 or int64 for the Triton kernel",
                               f"got {page_starts.dtype}")
+    _check_kernel_device("page_starts", page_starts)
     if page_size == 1:
         return page_starts
     page_starts = page_starts.contiguous()
@@ -273,6 +281,7 @@ def write_page_table_triton(page_table: torch.Tensor, allocated: torch.Tensor,
     if allocated.dtype not in _KERNEL_DTYPES:
         raise InvalidArgument("allocated", "must be int32 or int64 for the Triton kernel",
                               f"got {allocated.dtype}")
+    _check_kernel_device("page_table", page_table)
     runs = [run for run in runs if run.last_page > run.first_page]
     if not runs:
         return

@@ -241,3 +241,13 @@ def test_validation_returns_offsets():
     table = new_page_table(3, 16, 4)
     runs = check_write_page_table(table, torch.zeros(20, dtype=torch.int32), [(0, 0, 2), (2, 1, 4)], 4)
     assert [(r.table_idx, r.first_page, r.last_page, r.offset) for r in runs] == [(0, 0, 2, 0), (2, 1, 4, 8)]
+
+
+@pytest.mark.gpu
+def test_triton_paths_reject_cpu_tensors_when_compiled():
+    table = new_page_table(1, 8, 4, device="cpu")
+    with pytest.raises(InvalidArgument, match="CUDA"):
+        write_page_table_triton(table, torch.arange(4, dtype=torch.int32), [(0, 0, 1)], 4)
+    assert (table == UNMAPPED).all()
+    with pytest.raises(InvalidArgument, match="CUDA"):
+        page_to_token_triton(torch.tensor([0, 4]), 4)

@@ -71,7 +71,8 @@ def _inputs(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
     table = new_page_table(a["max_req"], a["max_len"], page_size)
     # pages already mapped before this batch, so a write in the wrong place shows
     for row, first, _ in a["info"]:
-        table[row, : first * page_size] = torch.arange(first * page_size, dtype=table.dtype) + 900
+        table[row, : first * page_size] = 900 + torch.arange(first * page_size, dtype=table.dtype,
+                                                              device=table.device)
     needed = sum((last - first) for _, first, last in a["info"])
     gen = torch.Generator().manual_seed(a["seed"])
     page_ids = torch.randperm(max(needed, 1) * 3, generator=gen)[:needed]
