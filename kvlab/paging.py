@@ -90,11 +90,12 @@ def new_page_table(max_running_req: int, max_seq_len: int, page_size: int,
 # --- chapter 01: page starts -> token slots ---------------------------------------------
 
 
-def check_page_starts(page_starts, page_size) -> int:
+def check_page_starts(page_starts, page_size, *, check_values: bool = True) -> int:
     """Validate ``page_to_token``'s input; returns ``page_size`` as an int.
 
     Rules: 1-D integer tensor; ``page_size >= 1``; every start a non-negative multiple of
-    ``page_size`` (reads the values: one device->host sync on a GPU).
+    ``page_size``. The last rule reads the values (one device->host sync on a GPU); callers
+    whose starts come straight from a free list they own may skip it with ``check_values=False``.
     """
     page_size = _check_page_size(page_size)
     if not isinstance(page_starts, torch.Tensor):
@@ -103,7 +104,7 @@ def check_page_starts(page_starts, page_size) -> int:
         raise InvalidArgument("page_starts", "must be 1-D", f"got shape {tuple(page_starts.shape)}")
     if page_starts.dtype.is_floating_point or page_starts.dtype.is_complex or page_starts.dtype == torch.bool:
         raise InvalidArgument("page_starts", "must have an integer dtype", f"got {page_starts.dtype}")
-    if page_starts.numel():
+    if check_values and page_starts.numel():
         bad = ((page_starts < 0) | (page_starts % page_size != 0)).nonzero().flatten()
         if bad.numel():
             i = int(bad[0])
@@ -113,13 +114,14 @@ def check_page_starts(page_starts, page_size) -> int:
     return page_size
 
 
-def page_to_token(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
+def page_to_token(page_starts: torch.Tensor, page_size: int, *, check_values: bool = True) -> torch.Tensor:
     """Every token slot of the pages that start at ``page_starts``, in order (chapter 01).
 
     ``page_to_token(tensor([4, 8]), 4) -> tensor([4, 5, 6, 7, 8, 9, 10, 11])``. Same dtype
     and device as the input; the input itself when ``page_size == 1``.
+    ``check_values=False`` skips the (syncing) check that starts are multiples of page_size.
     """
-    page_size = check_page_starts(page_starts, page_size)
+    page_size = check_page_starts(page_starts, page_size, check_values=check_values)
     if page_size == 1:
         return page_starts  # a page is one slot: nothing to expand
     # [num_pages, 1] + [page_size] broadcasts to [num_pages, page_size]; rows are pages.
@@ -127,11 +129,12 @@ def page_to_token(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
     return (page_starts.unsqueeze(1) + offsets).flatten()
 
 
-def page_to_token_triton(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
+def page_to_token_triton(page_starts: torch.Tensor, page_size: int, *,
+                         check_values: bool = True) -> torch.Tensor:
     """:func:`page_to_token` as one Triton launch (chapter 01). int32 or int64 input."""
     from .kernels.paging import page_to_token_kernel
 
-    page_size = check_page_starts(page_starts, page_size)
+    page_size = check_page_starts(page_starts, page_size, check_values=check_values)
     if page_starts.dtype not in _KERNEL_DTYPES:
         raise InvalidArgument("page_starts", "must be int32 or int64 for the Triton kernel",
                               f"got {page_starts.dtype}")

@@ -251,3 +251,11 @@ def test_triton_paths_reject_cpu_tensors_when_compiled():
     assert (table == UNMAPPED).all()
     with pytest.raises(InvalidArgument, match="CUDA"):
         page_to_token_triton(torch.tensor([0, 4]), 4)
+
+
+@pytest.mark.parametrize("fn", PAGE_TO_TOKEN, ids=lambda f: f.__name__)
+def test_page_to_token_value_check_can_be_skipped_but_shape_checks_cannot(fn, device):
+    odd = torch.tensor([4, 6], device=device)
+    assert fn(odd, 4, check_values=False).tolist() == [4, 5, 6, 7, 6, 7, 8, 9]  # no sync, no check
+    with pytest.raises(InvalidArgument):
+        fn(odd.view(1, 2), 4, check_values=False)
