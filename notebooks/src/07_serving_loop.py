@@ -1,0 +1,416 @@
+# %% [markdown]
+# # 07 · A serving loop you can scrub through
+#
+# **Goal.** Put every piece of chapters 01-06 to work at once: a small, deterministic server
+# loop that admits requests, matches their prefixes, allocates pages for prefill and decode,
+# caches finished requests, evicts when memory runs short, and checks after *every* step that
+# no page was lost, leaked or handed to two owners. Then watch it run: memory over time, the
+# prefix hit rate, evictions, the same traffic at page sizes 1, 16 and 64, and a slider that
+# takes you through the run step by step.
+#
+# There is no model here. The simulator moves memory exactly as a server would, but the token
+# a request "generates" is read from its workload. Chapter 08 puts a real (tiny) model on top.
+
+# %%
+import random
+
+import matplotlib.pyplot as plt
+import torch
+
+import kvlab
+from kvlab import CacheManager, Req
+from kvlab.gallery.ch07_serving_loop import page_size_runs, pressured_run, step_views_figure
+from kvlab.paging import div_ceil, new_page_table
+from kvlab.sim import (RequestSpec, SimConfig, SimIntegrityError, Simulator, Workload,
+                       make_workload, multi_turn_chat, shared_system_prompt, simulate)
+from kvlab.viz.sim import compare_page_sizes, describe_step, timeline_dashboard
+
+torch.manual_seed(0)
+random.seed(0)
+
+# %% [markdown]
+# ## Intuition: one step of a server
+#
+# A server runs in **steps**. Each step is one forward pass over a batch: requests that are
+# already generating each compute one more token (*decode*), and newly admitted requests
+# compute their whole prompt (*prefill*). Between steps, the memory manager does its work:
+#
+# ```
+#             arrivals ──► waiting queue ──admit──► running ──finish──► prefix cache
+#                           (FIFO)        │          │  ▲                (pages stay,
+#                                         │          │  └─ decode: +1 token per step
+#   admit  = match_req + lock the hit     │          │     (a new page at each page boundary)
+#            + map the hit into its row   │          └─ preempted when a decode needs a page
+#   prefill = allocate_paged(batch)       │             and none is left: back to the queue
+#            then cache_req(finished=False)
+# ```
+#
+# Here is what that looks like for a mixed workload squeezed into 24 pages of 4 slots. Every
+# page is always in exactly one of four places: free (grey), cached and evictable (blue),
+# cached and locked by a running request (orange), or private to one running request (purple).
+
+# %%
+fig = timeline_dashboard(pressured_run())
+plt.show()
+
+# %% [markdown]
+# Read it from left to right: the purple and orange bands are requests at work; blue is the
+# prefix cache filling up with finished prompts; when the grey runs out, the red bars below
+# show the cache giving pages back (eviction), and a ▼ marks a running request pushed back
+# into the queue (preemption). Green bars in the middle are prompt tokens that did **not**
+# have to be computed because the cache had them.
+#
+# ## Build-up 1: workloads a server sees
+#
+# A workload is a list of requests: a prompt, the answer the "model" will give, an arrival
+# step. The generators are seeded, so the same call always gives the same traffic.
+
+# %%
+w = shared_system_prompt(seed=0, n_requests=5, system_len=12, user_len=(3, 6), output_len=(5, 8))
+for r in w.requests:
+    print(f"request {r.rid}: arrives at step {r.arrival}, prompt {len(r.prompt):2d} tokens "
+          f"{list(r.prompt[:14])}..., answers {len(r.output)} tokens")
+assert all(r.prompt[:12] == w.requests[0].prompt[:12] for r in w.requests)  # the shared system prompt
+
+chat = multi_turn_chat(seed=0, n_conversations=1, turns=3)
+for r in chat.requests:
+    print(f"{r.tag}: prompt {len(r.prompt)} tokens, after request {r.after}")
+# each turn's prompt is the whole conversation so far: the previous prompt + its answer + more
+for prev, nxt in zip(chat.requests, chat.requests[1:]):
+    assert nxt.prompt[:prev.total_len] == prev.prompt + prev.output
+
+# %% [markdown]
+# ## Build-up 2: one request through the CacheManager, by hand
+#
+# The lengths of chapter 06 drive everything: `cached_len` = tokens whose KV is computed,
+# `device_len` = tokens that will be on the device after the coming step.
+#
+# 1. **admit**: `match_req` (the prompt minus its last token), lock the hit, map it into the row;
+# 2. **prefill**: `allocate_paged([req])` maps pages `[div_ceil(cached_len, P), div_ceil(device_len, P))`;
+#    the forward pass computes the prompt; the sampled token is appended and `complete_one()`
+#    moves `cached_len` up to `device_len` and `device_len` one further;
+# 3. **cache the prompt**: `cache_req(req, finished=False)` puts its whole pages in the prefix
+#    cache (so a request arriving *while this one still runs* can already share them);
+# 4. **decode**: each step `allocate_paged` again — a new page only when `cached_len` sits on a
+#    page boundary — then append + `complete_one()`;
+# 5. **finish**: `cache_req(req, finished=True)` caches what was computed and frees the tail.
+
+# %%
+P = 4
+table = new_page_table(max_running_req=2, max_seq_len=32, page_size=P)
+manager = CacheManager(num_pages=8, page_size=P, page_table=table, page_table_writer="host")
+spec = w.requests[0]
+req = Req(list(spec.prompt), table_idx=0)
+
+manager.admit(req)
+print(f"admitted: cached_len={req.cached_len} (cache is empty), device_len={req.device_len}")
+manager.allocate_paged([req])
+req.append_token(spec.output[0])
+req.complete_one()
+regions = manager.cache_req(req, finished=False)
+print(f"after prefill: cached_len={req.cached_len}, device_len={req.device_len}, {regions}")
+manager.check_integrity()
+
+for token in spec.output[1:]:
+    pages_before = manager.num_free_pages
+    manager.allocate_paged([req])  # a new page only when cached_len % P == 0
+    print(f"decode position {req.device_len - 1} (cached_len={req.cached_len:2d}): "
+          f"{pages_before - manager.num_free_pages} new page(s), row {table[0, :req.device_len].tolist()}")
+    req.append_token(token)
+    req.complete_one()
+    manager.check_integrity()
+regions = manager.cache_req(req, finished=True)
+print("finished:", regions)
+manager.check_integrity()
+assert manager.running == [] and (table[0] == -1).all()
+
+# %% [markdown]
+# ## Build-up 3: the next request finds the system prompt
+#
+# The second request shares the 12-token system prompt. `admit` finds it in the cache: whole
+# pages only (12 is 3 pages of 4), and those pages are now mapped into row 1 *and* kept in the
+# tree. The request computes only the rest of its prompt.
+
+# %%
+spec2 = w.requests[1]
+req2 = Req(list(spec2.prompt), table_idx=1)
+manager.admit(req2)
+print(f"request 1: prompt {len(spec2.prompt)} tokens, hit {req2.cached_len} -> computes "
+      f"{req2.device_len - req2.cached_len}")
+print("its row starts with the cached slots:", table[1, :req2.cached_len].tolist())
+assert req2.cached_len == 12
+assert table[1, :12].tolist() == regions.row_before[:12].tolist()  # the very slots request 0 wrote
+manager.release_req(req2)  # (abort it: we only wanted to see the hit)
+manager.check_integrity()
+
+# %% [markdown]
+# ## The loop, by hand
+#
+# Now the whole loop, written out. Each step: arrivals join the queue; every running request
+# decodes one token (your exercise below writes `decode_step`); then waiting requests are
+# admitted while a page-table row is free, and prefilled in **one** `allocate_paged` call.
+# (This version has memory to spare; the kvlab version below adds the token budget, aborts,
+# eviction-aware admission and preemption.)
+
+# %%
+def decode_step(manager, reqs, next_tokens, done):
+    manager.allocate_paged(reqs)
+    for req, token in zip(reqs, next_tokens):
+        req.append_token(token)
+        req.complete_one()
+    for req, finished in zip(reqs, done):
+        if finished:
+            manager.cache_req(req, finished=True)
+
+
+def run_by_hand(workload, page_size, num_pages, max_running):
+    """The serving loop with plenty of memory; returns (page table, free list) after each step."""
+    table = new_page_table(max_running, workload.max_total_len, page_size)
+    manager = CacheManager(num_pages, page_size, table, page_table_writer="host")
+    pending, waiting, running = list(workload.requests), [], {}   # running: rid -> [spec, req, generated]
+    free_rows, finished_at, snapshots, step = list(range(max_running)), {}, [], 0
+    while pending or waiting or running:
+        # 1. arrivals (a chat turn arrives some steps after the previous turn finished)
+        for spec in list(pending):
+            ready = (spec.arrival <= step if spec.after is None
+                     else spec.after in finished_at and finished_at[spec.after] + spec.arrival <= step)
+            if ready:
+                pending.remove(spec)
+                waiting.append([spec, None, 0])
+        # 2. decode every running request
+        live = list(running.values())
+        if live:
+            done = [g + 1 == len(s.output) for s, _, g in live]
+            decode_step(manager, [r for _, r, _ in live], [s.output[g] for s, _, g in live], done)
+            for entry, finished in zip(live, done):
+                entry[2] += 1
+                if finished:
+                    spec, req, _ = entry
+                    del running[spec.rid]
+                    free_rows.append(req.table_idx)
+                    free_rows.sort()
+                    finished_at[spec.rid] = step
+        # 3. admit and prefill (one allocate_paged for the batch)
+        batch = []
+        while waiting and free_rows:
+            entry = waiting.pop(0)
+            entry[1] = Req(list(entry[0].prompt), table_idx=free_rows.pop(0))
+            manager.admit(entry[1])
+            batch.append(entry)
+        if batch:
+            manager.allocate_paged([r for _, r, _ in batch])
+            for entry in batch:
+                spec, req, _ = entry
+                req.append_token(spec.output[0])
+                req.complete_one()
+                entry[2] = 1
+                if len(spec.output) == 1:
+                    manager.cache_req(req, finished=True)
+                    free_rows.append(req.table_idx)
+                    free_rows.sort()
+                    finished_at[spec.rid] = step
+                else:
+                    manager.cache_req(req, finished=False)
+                    running[spec.rid] = entry
+        manager.check_integrity()
+        snapshots.append((table[:max_running].clone(), manager.free_slots.clone()))
+        step += 1
+    return snapshots
+
+
+steps = run_by_hand(w, page_size=4, num_pages=64, max_running=4)
+print(f"{len(steps)} steps; free pages at the end: {len(steps[-1][1])} of 64 "
+      f"(the rest hold the prefix cache)")
+
+# %% [markdown]
+# ## The simulator: `kvlab.sim`
+#
+# `kvlab.sim.Simulator` is that loop, lifted into the package and made to survive memory
+# pressure. Its rules (see `kvlab/sim/scheduler.py`):
+#
+# * **a waiting request waits** until a row is free, the step's prefill **token budget** allows
+#   it (the first request of a step always goes: there is no chunked prefill), and its pages fit
+#   in *free + evictable* pages — counted *after* `admit` locked its own hit;
+# * **a running request that needs a page and finds none** (even after eviction) preempts the
+#   *youngest* running request: its pages go back, its prompt and everything it generated go to
+#   the front of the queue; its prompt pages stay in the prefix cache, so its re-prefill is
+#   mostly a hit — unless they were evicted meanwhile;
+# * **a client that gives up** (`abort_after`) is released: nothing of it is cached;
+# * **after every step** it runs `check_integrity()` and checks that no running row maps a free
+#   page; a broken invariant stops the run with an error naming the step and the request.
+#
+# Let us step through the pressured run for a few steps, then run it to the end.
+
+# %%
+sim = Simulator(make_workload("mixed", seed=0), SimConfig(page_size=4, num_pages=24, max_running=4))
+for _ in range(6):
+    print(describe_step(sim.step()))
+timeline = sim.run()
+summary = timeline.summary()
+print(summary)
+print(f"hit rate {summary.hit_rate:.0%}")
+
+# %% [markdown]
+# ## Validate: the invariants, checked again from the recorded timeline
+#
+# The simulator already checked every step while running. Here we check the *recording*
+# independently: at every step the four kinds of page add up to all pages, no page is both
+# free and cached, no running row maps a free page, a free row maps nothing; at the end
+# nothing is running, every page is free or evictable, and every request ended exactly once.
+
+# %%
+def check_timeline(tl, workload):
+    for s in tl.steps:
+        assert s.memory.total == tl.num_pages, f"step {s.step}"
+        free = set(s.free_pages)
+        cached = [p for node in s.tree.nodes for p in node.page_ids]
+        assert len(cached) == len(set(cached)) and not free & set(cached), f"step {s.step}"
+        for row, rid in enumerate(s.row_rids):
+            mapped = s.page_table[row][s.page_table[row] >= 0]
+            if rid < 0:
+                assert mapped.numel() == 0, f"step {s.step}: free row {row} maps slots"
+            else:
+                assert not free & set((mapped // tl.page_size).tolist()), f"step {s.step}: req {rid}"
+    last = tl[-1]
+    assert last.memory.in_use == 0 and last.memory.free + last.memory.cached_evictable == tl.num_pages
+    ended = sorted(r for s in tl.steps for r in s.finished + s.aborted)
+    assert ended == list(range(len(workload)))
+
+
+check_timeline(timeline, make_workload("mixed", seed=0))
+for seed in range(3):
+    for name in ["shared_system_prompt", "multi_turn_chat", "few_shot", "random_prompts", "mixed"]:
+        for P in (1, 16, 64):
+            wl = make_workload(name, seed=seed)
+            tight = div_ceil(wl.max_total_len, P) + 2           # barely room for two requests
+            check_timeline(simulate(wl, page_size=P, num_pages=tight), wl)
+print("invariants hold on 45 runs (5 workloads x 3 page sizes x 3 seeds), all under memory pressure")
+
+# %% [markdown]
+# What does it look like when an invariant breaks? The source design's hazard from chapter 06:
+# two requests with the *same* prompt are prefilled in one batch; the second one's pages
+# duplicate the first one's, `cache_req(finished=False)` frees them — and, without kvlab's fix
+# (`remap_duplicates=False`), leaves the request's row pointing at the freed pages. The very
+# next check stops the run and says where:
+
+# %%
+prompt = tuple(range(100, 120))
+twins = Workload("twins", "the same prompt twice, at once",
+                 (RequestSpec(0, prompt, (1, 2, 3), 0), RequestSpec(1, prompt, (4, 5, 6), 0)))
+check_timeline(simulate(twins, page_size=4, num_pages=20), twins)  # kvlab remaps the row: fine
+try:
+    simulate(twins, page_size=4, num_pages=20, remap_duplicates=False)
+    raise AssertionError("the stale row should have been caught")
+except SimIntegrityError as err:
+    print(err)
+    assert err.step == 0 and err.rid == 1
+
+# %% [markdown]
+# ## Pictures: page sizes 1, 16 and 64
+#
+# The same shared-system-prompt traffic, with the same memory in *slots* (512), at three page
+# sizes. Small pages match more of a shared prefix (the cache only keeps whole pages: with a
+# 40-token system prompt, P=16 keeps 32 of it and P=64 none) and leave no slot empty; big
+# pages waste the unused end of every request's last page and hit less. (Real servers still
+# like big pages: fewer page-table entries and larger contiguous reads — chapter 09.)
+
+# %%
+runs = page_size_runs()
+compare_page_sizes(runs)
+plt.show()
+for P, tl in runs.items():
+    s = tl.summary()
+    print(f"P={P:2d}: hit rate {s.hit_rate:4.0%}, prompt tokens computed {s.prefill_tokens}, "
+          f"mean empty slots in part-filled pages {s.mean_wasted_slots:.1f}")
+assert runs[1].summary().hit_rate > runs[16].summary().hit_rate > runs[64].summary().hit_rate
+assert runs[1].summary().mean_wasted_slots == 0 < runs[16].summary().mean_wasted_slots
+
+# %% [markdown]
+# ## Scrub through the run
+#
+# Move the slider (or press ▶) and pick a view: the **page table** (rows = requests, colour =
+# physical page), the **free list** (every page by owner; free ones numbered in the order the
+# allocator will hand them out), the **cache tree** (orange = locked by a running request,
+# blue = evictable, green border = new this step, faded = just evicted), and the **regions** of
+# the latest `cache_req`. Without a widget front end (a notebook viewer, CI) you see a picture
+# of the current view instead.
+
+# %%
+explorer = kvlab.widgets.explore(timeline, "page table", step=12)
+
+# %% [markdown]
+# The same four views of one busy step, side by side:
+
+# %%
+step_views_figure()
+plt.show()
+
+# %% [markdown]
+# ## Your turn: one decode step
+#
+# Write `my_decode_step(manager, reqs, next_tokens, done)`: for running requests `reqs`
+# (each with `cached_len == device_len - 1`), map new pages where needed, record each
+# request's token and advance it, and hand the requests marked `done` back to the cache.
+# `kvlab.check.decode_step` runs it against the reference on named scenarios (page size 1,
+# page boundaries, requests finishing, exactly enough memory) and random ones, and compares
+# the page table, the free list, every request's lengths, and the integrity check.
+#
+# The cell below is pre-filled with a correct answer so that the notebook runs end to end;
+# replace the body with your own. Hints: `kvlab.check.hint("decode_step", 1)` (up to 3);
+# the reference: `kvlab.solutions.show("decode_step")`.
+
+# %%
+def my_decode_step(manager, reqs, next_tokens, done):
+    manager.allocate_paged(reqs)              # pages first: decided from the lengths before the step
+    for req, token in zip(reqs, next_tokens):
+        req.append_token(token)
+        req.complete_one()
+    for req, finished in zip(reqs, done):
+        if finished:
+            manager.cache_req(req, finished=True)
+
+
+kvlab.check.decode_step(my_decode_step)
+
+# %%
+kvlab.check.hint("decode_step", 1)
+# kvlab.solutions.show("decode_step")   # uncomment to read the reference solution
+
+# %% [markdown]
+# ## Lift: the loop by hand vs `kvlab.sim`
+#
+# With memory to spare (no eviction, no preemption, no budget limit), the simulator must make
+# exactly the same decisions as `run_by_hand`: the same page table and the same free list,
+# in the same order, after every step — on every workload without aborts, for random seeds.
+
+# %%
+rng = random.Random(7)
+for trial in range(6):
+    name = rng.choice(["shared_system_prompt", "multi_turn_chat", "few_shot", "random_prompts"])
+    wl = make_workload(name, seed=rng.randrange(1000))
+    P = rng.choice([1, 4, 16])
+    pages = 8 * div_ceil(wl.max_total_len, P) * 4
+    by_hand = run_by_hand(wl, P, pages, max_running=4)
+    lifted = simulate(wl, page_size=P, num_pages=pages, max_running=4, prefill_budget=10**6)
+    assert len(by_hand) == len(lifted), (name, len(by_hand), len(lifted))
+    for (table_h, free_h), rec in zip(by_hand, lifted.steps):
+        assert torch.equal(table_h.cpu(), rec.page_table), (name, rec.step)
+        assert (free_h // P).tolist() == list(rec.free_pages), (name, rec.step)
+    print(f"{name:22s} P={P:2d}: {len(lifted)} steps identical")
+
+# %% [markdown]
+# ## Summary
+#
+# * A server step = decode for the running requests + prefill for newly admitted ones; the
+#   memory manager's calls come in a fixed order: `admit` (match + lock + map),
+#   `allocate_paged` (one per batch), `append_token` + `complete_one`, `cache_req`.
+# * Under memory pressure a waiting request waits; a running one that needs a page evicts
+#   unlocked cache pages first, then preempts the youngest request (whose prompt stays cached).
+# * Every page is always in exactly one place: free, cached (evictable or locked), or private
+#   to one running request. Checking that after every step catches bugs at the step they
+#   happen, naming the request — the stale-row hazard of chapter 06 among them.
+# * Page size trades hit granularity and empty slots (small pages win both here) against the
+#   cost of managing more pages.
+#
+# Next, chapter 08 puts a tiny transformer on top and proves the whole manager correct: the
+# tokens it generates through the page table equal those of a plain contiguous KV cache.
