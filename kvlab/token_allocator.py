@@ -19,7 +19,8 @@ Choices (documented because SGLang differs in places):
   instead, so no page has to be sacrificed.)
 * **Empty prefix**: ``last_loc`` is ``-1`` by convention when ``prefix_len == 0`` (as in SGLang).
   The rule ``(last_loc + 1) % P == prefix_len % P`` is checked for every request; ``-1`` passes
-  it because ``(-1 + 1) % P == 0``.
+  it because ``(-1 + 1) % P == 0``. A non-empty prefix's ``last_loc`` must be a slot of this
+  pool on a page that is not free (else part 1 could write into a page handed to someone else).
 * **Decode lengths**: ``alloc_decode`` takes ``seq_lens`` AFTER the new token (``seq = pre + 1``).
 * **Safe order**: the number of new pages is computed on the host and checked *before* any
   kernel reads ``free_pages``. Short of pages -> :class:`kvlab.OutOfPages`, nothing changed.
@@ -156,6 +157,16 @@ class PagedTokenAllocator:
             raise InvalidArgument(
                 f"last_loc[{bad}]", f"0 <= last_loc < num_pages * page_size = {self.num_pages * P} "
                 "when the prefix is not empty", f"got {int(last[bad])}")
+        # ... and on a page the request holds: a free page could be handed to someone else
+        # in this very batch, and part 1 would then write into it
+        is_free = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
+        is_free[self.free_pages] = True
+        on_page = torch.where(pre > 0, last, 0) // P
+        bad = _first_bad((pre > 0) & is_free[on_page])
+        if bad is not None:
+            raise InvalidArgument(
+                f"last_loc[{bad}]", "last_loc lies on an allocated page (not in free_pages)",
+                f"got {int(last[bad])}, on page {int(last[bad]) // P}, which is free")
 
     def _validate_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens):
         pre = self._check_tensor(prefix_lens, "prefix_lens")

@@ -226,6 +226,23 @@ def test_bad_extend_arguments_are_refused_before_launch(args, argument, rule):
     assert isinstance(err, ValueError)
 
 
+def test_last_loc_on_a_free_page_is_refused():
+    alloc = PagedTokenAllocator(8, 4)
+    alloc.alloc_extend(t([0]), t([3]), t([-1]), 3)  # page 0 is allocated, slots 0..2
+    err = _refused(alloc, lambda: alloc.alloc_extend(t([3]), t([6]), t([4 * 5 + 2]), 3), InvalidArgument)
+    assert err.argument == "last_loc[0]" and "allocated page" in err.rule
+    err = _refused(alloc, lambda: alloc.alloc_decode(t([4]), t([4 * 5 + 2])), InvalidArgument)
+    assert err.argument == "last_loc[0]" and "allocated page" in err.rule
+    assert alloc.alloc_decode(t([4]), t([2])).tolist() == [3]  # on its own page: fine
+
+
+def test_empty_batches():
+    alloc = PagedTokenAllocator(4, 4)
+    assert alloc.alloc_extend(t([]), t([]), t([]), 0).numel() == 0
+    assert alloc.alloc_decode(t([]), t([])).numel() == 0
+    assert alloc.num_free_pages == 4
+
+
 def test_wrong_device_is_refused():
     # on a GPU: allocator on cuda, inputs on the cpu; without one, an allocator on "meta"
     other = "cuda" if torch.cuda.is_available() else "meta"
