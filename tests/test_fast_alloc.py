@@ -57,16 +57,16 @@ def extend_batches(draw, max_bs=12):
 
 
 @given(extend_batches(), st.sampled_from(EXTEND_MODES), st.sampled_from([torch.int32, torch.int64]),
-       st.sampled_from([0, fast_alloc.SMALL_MAX_TOKENS]))
-def test_extend_equals_reference(batch, mode, dtype, small_max):
+       st.sampled_from([0, fast_alloc.FUSED_MAX_BATCH]))
+def test_extend_equals_reference(batch, mode, dtype, fused_max):
     pre, seq, last, free, P = batch
     ref = alloc_extend_ref(pre, seq, last, free, P)
-    saved = fast_alloc.SMALL_MAX_TOKENS
-    fast_alloc.SMALL_MAX_TOKENS = small_max  # 0: always the two-launch path (scan, then fill)
+    saved = fast_alloc.FUSED_MAX_BATCH
+    fast_alloc.FUSED_MAX_BATCH = fused_max  # 0: always the two-launch path (scan, then fill)
     try:
         got = _extend(pre, seq, last, free, P, mode, dtype)
     finally:
-        fast_alloc.SMALL_MAX_TOKENS = saved
+        fast_alloc.FUSED_MAX_BATCH = saved
     assert got.out_indices.dtype == torch.int64
     assert got.out_indices.tolist() == ref.out_indices
     assert got.num_new_pages == ref.num_new_pages
@@ -124,6 +124,15 @@ def test_extend_many_requests_many_blocks():
         assert pages == ref.num_new_pages
 
 
+def test_extend_one_launch_path_with_several_programs():
+    # bs <= FUSED_MAX_BATCH with counts known: each program scans the batch into its own row
+    P = 16
+    b = make_extend_batch(5, 1, P, extend_lens=[1500, 0, 700, 1, 900], seed=4)
+    ref = alloc_extend_ref(b.prefix_cpu, b.seq_cpu, b.last_loc.tolist(), b.free_pages.tolist(), P)
+    out, pages = X.fast_extend(b)
+    assert out.tolist() == ref.out_indices and pages == ref.num_new_pages
+
+
 def test_worked_example_from_the_source_design():
     # P = 64: A 70 -> 190, B 128 -> 260; out = [A 58 | A 62 | B 128 | B 4], 4 new pages
     P, free = 64, [7, 3, 9, 5, 11]
@@ -151,7 +160,7 @@ def test_extend_out_of_pages_raises_before_any_launch(mode, monkeypatch):
             launched.append(grid)
             raise AssertionError("no kernel that reads free_pages may run when pages are short")
 
-    for kernel in ("extend_fill_kernel", "extend_small_kernel"):
+    for kernel in ("extend_fill_kernel", "extend_fused_kernel"):
         monkeypatch.setattr(fast_alloc, kernel, Spy())
     kw = {"counts": dict(extend_num_tokens=84, num_new_pages=need),
           "host_lens": dict(prefix_lens_cpu=pre, seq_lens_cpu=seq), "sync": {}}[mode]

@@ -28,7 +28,7 @@ EXTEND_CASES: list[tuple[int, int]] = [(1, 4096), (8, 2048), (64, 512), (256, 12
 DECODE_BATCHES: list[int] = [1, 64, 256, 1024]
 PAGE_SIZES: list[int] = [1, 16, 64]
 #: batch sizes at a fixed total of tokens: shows the teaching kernel's O(bs^2) prefix sums
-SCALING_BATCHES: list[int] = [1, 16, 128, 512, 1024, 2048]
+SCALING_BATCHES: list[int] = [1, 64, 512, 2048, 8192, 16384]
 SCALING_TOKENS = 16384
 
 

@@ -20,16 +20,21 @@ def _title(res: dict, what: str) -> str:
     return f"{what}\n{where}, torch {m['torch']}, triton {m['triton']}"
 
 
-def _grouped_bars(ax, rows, names, key_label, value="median_us"):
+def _value(entry: dict):
+    """Per call in a loop (what the targets use) when measured, else do_bench's median."""
+    return entry.get("loop_us", entry.get("median_us"))
+
+
+def _grouped_bars(ax, rows, names, key_label):
     width = 0.8 / len(names)
     for j, name in enumerate(names):
         xs, ys = [], []
         for i, row in enumerate(rows):
             entry = row["paths"].get(name, {})
             x = i - 0.4 + width * (j + 0.5)
-            if value in entry:
+            if _value(entry) is not None:
                 xs.append(x)
-                ys.append(entry[value])
+                ys.append(_value(entry))
             elif "skipped" in entry:
                 ax.text(x, 1, "skipped:\nrecompile", rotation=90, ha="center", va="bottom",
                         fontsize=7, color=COLORS.get(name, "gray"))
@@ -49,7 +54,7 @@ def plot_extend(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
         _grouped_bars(ax, rows, names, lambda r: f"{r['bs']}x{r['mean_extend']}\nT={r['tokens']}")
         ax.set_title(f"page size {P}")
         ax.set_xlabel("batch x mean extend")
-    axes[0].set_ylabel("median µs per call (log)")
+    axes[0].set_ylabel("µs per call in a loop (log)")
     axes[-1].legend(fontsize=8, loc="upper left")
     fig.suptitle(_title(res, "alloc_extend, steady state"), fontsize=10)
     fig.tight_layout()
@@ -90,12 +95,12 @@ def plot_scaling(res: dict):
     fig, ax = plt.subplots(figsize=(6, 4))
     bss = [r["bs"] for r in rows]
     for name in ("teaching", "fast"):
-        ax.plot(bss, [r["paths"][name]["median_us"] for r in rows], "o-", color=COLORS[name],
+        ax.plot(bss, [_value(r["paths"][name]) for r in rows], "o-", color=COLORS[name],
                 label=LABELS[name])
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel(f"batch size (total tokens fixed at {rows[0]['tokens']})" if rows else "batch size")
-    ax.set_ylabel("median µs per call (log)")
+    ax.set_ylabel("µs per call in a loop (log)")
     ax.legend(fontsize=8)
     ax.set_title(_title(res, "Prefix sums: every program re-sums (teaching) vs one scan (fast)"),
                  fontsize=9)
@@ -111,7 +116,7 @@ def plot_decode(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
         rows = [r for r in res["decode"] if r["page_size"] == P]
         _grouped_bars(ax, rows, names, lambda r: f"bs={r['bs']}")
         ax.set_title(f"page size {P}")
-    axes[0].set_ylabel("median µs per step (log)")
+    axes[0].set_ylabel("µs per step in a loop (log)")
     axes[-1].legend(fontsize=7, loc="upper left")
     fig.suptitle(_title(res, "alloc_decode, one step"), fontsize=10)
     fig.tight_layout()
@@ -127,7 +132,7 @@ def plot_page_table(res: dict):
         sub = [r for r in rows if r["page_size"] == P]
         _grouped_bars(ax, sub, ("host_loop", "triton"), lambda r: f"bs={r['bs']}\n{r['slots']} slots")
         ax.set_title(f"page size {P}")
-    axes[0].set_ylabel("median µs per write (log)")
+    axes[0].set_ylabel("µs per write in a loop (log)")
     axes[-1].legend(fontsize=8, loc="upper left")
     fig.suptitle(_title(res, "Page-table write: host loop + scatter vs one Triton launch"), fontsize=10)
     fig.tight_layout()

@@ -40,7 +40,7 @@ def markdown(res: dict) -> str:
         verdict = "n/a (smoke)" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
         lines.append(f"| {t['name']} | {t['rule']} | {t['measured']} | **{verdict}** |")
 
-    lines += ["", "## alloc_extend (µs per call: CUDA-event median / host-loop wall)", "",
+    lines += ["", "## alloc_extend (µs per call: do_bench median / per call in a loop)", "",
               "| case | P | tokens | teaching | fast | fast/teaching | fast (host lens) | fast (1 sync) | torch | agree |",
               "|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -58,6 +58,15 @@ def markdown(res: dict) -> str:
     for s in sorted(skipped):
         lines.append(f"\nteaching skipped: {s}.")
 
+    lines += ["", "**do_bench median**: `triton.testing.do_bench`, L2 flushed (a 256 MB memset) before each call; "
+              "for a path without a host sync it can hide host time behind that memset. **per call in a loop**: "
+              "50 back-to-back calls between two CUDA events, median of 9 rounds: host launch overhead and syncs "
+              "included. The targets use the loop numbers."]
+    if res.get("fast_compiles"):
+        lines += ["", "## The fast path's compilations (once per page size and kernel variant)", "",
+                  "| P | bs | tokens | first call, ms |", "|---|---|---|---|"]
+        for c in res["fast_compiles"]:
+            lines.append(f"| {c['page_size']} | {c['bs']} | {c['tokens']} | {c['fast_first_call_ms']:.0f} |")
     lines += ["", "## First call on a shape not seen before (ms, fresh process)", "",
               "| case | P | tokens | teaching lanes | teaching | fast | fast compiled before? |",
               "|---|---|---|---|---|---|---|"]
@@ -67,7 +76,7 @@ def markdown(res: dict) -> str:
         lines.append(f"| {r['case']} | {r['page_size']} | {r['tokens']} | {r['teaching_lanes']} | {tt} | "
                      f"{r['fast_first_call_ms']:.2f} | {'yes' if r['fast_compiled_before'] else 'no (compiles)'} |")
 
-    lines += ["", "## alloc_decode (µs per step: CUDA-event median / host-loop wall)", "",
+    lines += ["", "## alloc_decode (µs per step: do_bench median / per call in a loop)", "",
               "| bs | P | new pages | teaching | fast | fast/teaching | fast (1 sync) | torch | agree |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in res["decode"]:
@@ -76,7 +85,7 @@ def markdown(res: dict) -> str:
                      f"{both(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} / {_ratio(r, 'fast', 'teaching', 'loop_us')} | "
                      f"{both(p.get('fast_sync'))} | {both(p.get('torch'))} | {'yes' if r.get('agree') else 'NO'} |")
 
-    lines += ["", "## Page-table write (µs per write: CUDA-event median / host-loop wall)", ""]
+    lines += ["", "## Page-table write (µs per write: do_bench median / per call in a loop)", ""]
     if res["page_table"] and "error" in res["page_table"][0]:
         lines.append(res["page_table"][0]["error"])
     else:

@@ -51,9 +51,9 @@ from ..errors import InvalidArgument, OutOfPages
 EXTEND_BLOCK = 1024
 #: Requests one scan step (or one decode step) handles at once; bigger batches loop.
 BATCH_BLOCK = 1024
-#: Up to this many new tokens (and BATCH_BLOCK requests), with the counts known on the host,
-#: scan and fill run in one program: one launch instead of two.
-SMALL_MAX_TOKENS = 4096
+#: Batches of up to this many requests, with the counts known on the host, take one launch
+#: (extend_fused_kernel); larger ones, or calls without host counts, take scan + fill.
+FUSED_MAX_BATCH = BATCH_BLOCK
 
 
 def _jit_options(ints: Sequence[str], pointers: Sequence[str]) -> dict:
@@ -178,27 +178,33 @@ def extend_fill_kernel(
                  bs, num_tokens, num_free, search_steps, page_size, BLOCK)
 
 
-# --- small batches: scan and fill in one launch -----------------------------------------------
+# --- batches of up to BATCH_BLOCK requests: scan and fill in one launch -----------------------
 
 
 @triton.jit(**_jit_options(["bs", "num_tokens", "num_free", "search_steps"],
                            ["prefix_lens_ptr", "seq_lens_ptr", "last_loc_ptr", "free_pages_ptr",
                             "scratch_ptr", "out_ptr"]))
-def extend_small_kernel(
-    prefix_lens_ptr, seq_lens_ptr, last_loc_ptr, free_pages_ptr, scratch_ptr, out_ptr,
+def extend_fused_kernel(
+    prefix_lens_ptr, seq_lens_ptr, last_loc_ptr, free_pages_ptr,
+    scratch_ptr,         # [num_programs, 2*bs + 2] int64: one private row per program
+    out_ptr,
     bs, num_tokens, num_free, search_steps,
     page_size: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr,        # output tokens per program
+    BATCH: tl.constexpr,        # >= bs: the whole batch is one vector
 ):
-    # A small batch costs more to launch than to compute (a launch is ~10 us of host time),
-    # so one program does both steps: the scan, a barrier (its writes to scratch become
-    # visible to all of its threads), then the fill, block after block.
-    _scan_batch(prefix_lens_ptr, seq_lens_ptr, scratch_ptr, bs, page_size, BLOCK)
+    # A launch costs ~10-25 us of host time, more than the whole scan, so for a batch that
+    # fits one vector (bs <= BATCH) each program scans it itself -- one vector cumsum, O(bs)
+    # per BLOCK output tokens, never O(bs^2) -- into its own scratch row, then fills its block.
+    #   scratch row p: [ token_start (bs) | page_start (bs) | totals (2) ]
+    #   a barrier makes the row's stores visible to all of the program's threads
+    pid = tl.program_id(0)
+    row = scratch_ptr + pid.to(tl.int64) * (2 * bs + 2)
+    _scan_batch(prefix_lens_ptr, seq_lens_ptr, row, bs, page_size, BATCH)
     tl.debug_barrier()
-    for block_start in range(0, num_tokens, BLOCK):
-        t = block_start + tl.arange(0, BLOCK).to(tl.int64)
-        _fill_tokens(t, prefix_lens_ptr, last_loc_ptr, free_pages_ptr, scratch_ptr, out_ptr,
-                     bs, num_tokens, num_free, search_steps, page_size, BLOCK)
+    t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    _fill_tokens(t, prefix_lens_ptr, last_loc_ptr, free_pages_ptr, row, out_ptr,
+                 bs, num_tokens, num_free, search_steps, page_size, BLOCK)
 
 
 # --- decode: one program, a vector of requests, one scan -------------------------------------
@@ -362,20 +368,23 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
             raise InvalidArgument("extend_num_tokens", "0 for an empty batch", f"got {extend_num_tokens}")
         return FastExtend(torch.empty(0, dtype=torch.int64, device=device), 0)
 
+    search_steps = max(1, (bs - 1).bit_length())
+    if extend_num_tokens is not None and num_new_pages is not None and bs <= FUSED_MAX_BATCH:
+        # counts known and the batch fits one vector: one launch does scan and fill
+        out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
+        if extend_num_tokens > 0:
+            n_programs = triton.cdiv(extend_num_tokens, EXTEND_BLOCK)
+            rows = torch.empty((n_programs, 2 * bs + 2), dtype=torch.int64, device=device)
+            extend_fused_kernel[(n_programs,)](prefix_lens, seq_lens, last_loc, free_pages, rows, out,
+                                               bs, extend_num_tokens, num_free, search_steps,
+                                               page_size=page_size, BLOCK=EXTEND_BLOCK,
+                                               BATCH=BATCH_BLOCK)
+        return FastExtend(out, num_new_pages)
+
     # scan: offsets and first pages, plus the totals, in one int64 buffer (no slicing: every
     # torch call costs microseconds of host time, which is what this path saves)
     #   scratch = [ token_start (bs) | page_start (bs) | total tokens | total pages ]
     scratch = torch.empty(2 * bs + 2, dtype=torch.int64, device=device)
-    search_steps = max(1, (bs - 1).bit_length())
-    if extend_num_tokens is not None and num_new_pages is not None and \
-            extend_num_tokens <= SMALL_MAX_TOKENS and bs <= BATCH_BLOCK:
-        # counts known and the batch small: one launch does scan and fill
-        out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
-        if extend_num_tokens > 0:
-            extend_small_kernel[(1,)](prefix_lens, seq_lens, last_loc, free_pages, scratch, out,
-                                      bs, extend_num_tokens, num_free, search_steps,
-                                      page_size=page_size, BLOCK=BATCH_BLOCK)
-        return FastExtend(out, num_new_pages)
     extend_scan_kernel[(1,)](prefix_lens, seq_lens, scratch, bs,
                              page_size=page_size, BLOCK=BATCH_BLOCK)
 
