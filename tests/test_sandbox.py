@@ -355,3 +355,55 @@ def test_run_cases_names_the_case_of_a_safety_net_failure(device):
         core.run_cases("copy", [core.Case("five values", {})], run_one, quiet=True)
     assert str(info.value).startswith("[five values] the safety net caught")
     assert info.value.case == "five values"
+
+
+# --- one child for a whole checker run ------------------------------------------------------
+
+
+@needs_fork
+def test_one_child_serves_every_case_of_a_checker_run_and_ends_with_it():
+    pids = []
+
+    def learner(whole, tail, n):
+        tail.fill_(n)  # written through one view, seen through the other (sent over the pipe)
+        return os.getpid(), int(whole.sum())
+
+    def run_one(case):
+        whole = torch.zeros(6, dtype=torch.int64)
+        pid, total = call_learner(learner, whole, whole[3:], case.args["n"])
+        assert total == 3 * case.args["n"] and whole.tolist() == [0, 0, 0] + [case.args["n"]] * 3
+        pids.append(pid)
+
+    cases = [core.Case(f"n={n}", {"n": n}) for n in (1, 2, 3)]
+    assert core.run_cases("reuse", cases, run_one, quiet=True) == 3
+    assert len(set(pids)) == 1 and pids[0] != os.getpid()
+    assert sandbox._WORKER is None  # the child ended with the checker run
+
+
+@needs_fork
+def test_a_crash_in_a_later_case_is_reported_and_the_next_run_starts_afresh():
+    def learner(x, crash):
+        if crash:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        return int(x.sum())
+
+    def run_one(case):
+        call_learner(learner, torch.ones(3), case.args["crash"])
+
+    cases = [core.Case("fine", {"crash": False}), core.Case("boom", {"crash": True})]
+    with pytest.raises(CheckFailed, match=r"^\[boom\] the kernel crashed the interpreter"):
+        core.run_cases("crash later", cases, run_one, quiet=True)
+    assert sandbox._WORKER is None
+    assert call_learner(learner, torch.ones(3), False) == 3
+
+
+@needs_fork
+def test_a_kernel_with_a_grid_function_runs_in_a_checker(device):
+    def run_one(case):
+        src, dst = _pair(device, n=case.args["n"])
+        call_learner(copy_kernel, src, dst, case.args["n"], BLOCK=8,
+                     grid=lambda meta: (1,))  # a lambda cannot be sent: a fresh child inherits it
+        assert dst.tolist() == list(range(1, case.args["n"] + 1))
+
+    assert core.run_cases("grid fn", [core.Case("3", {"n": 3}), core.Case("5", {"n": 5})],
+                          run_one, quiet=True) == 2

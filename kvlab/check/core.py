@@ -134,6 +134,26 @@ def _explain_value(value: int) -> str | None:
 def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case], None],
               *, quiet: bool = False) -> int:
     """Run every case; stop at the first failure (re-raised with the case name). Returns the count."""
+    outermost = _PENDING is None
+    try:
+        return _run_cases(exercise_name, cases, run_one, quiet=quiet)
+    finally:
+        if outermost:
+            _end_checker_run()
+
+
+def _end_checker_run() -> None:
+    """Let the safety net end the child process it kept for this checker's cases."""
+    try:
+        from . import sandbox
+
+        sandbox.close_worker()
+    except Exception:  # noqa: BLE001 - cleanup only
+        pass
+
+
+def _run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case], None],
+               *, quiet: bool = False) -> int:
     global _PENDING
     n_edge = n_random = 0
     for case in cases:

@@ -487,6 +487,7 @@ def guarded_call(fn: Callable[..., Any], *args, grid=None, **kwargs):
     returned = [(n, t) for n, t in returned if id(t) not in {id(o) for _, o in named}]
     problems += wild_reads(guards, returned)
     if problems:
+        close_worker()  # a stray store may have hit the child's own memory: start afresh
         advice = ("Mask every tl.load / tl.store whose offsets can reach past the data "
                   "(mask=offs < n), and check the index you compute for each program.")
         from . import core
@@ -502,67 +503,158 @@ class _ArgRef(NamedTuple):
     index: int
 
 
-def _run_in_child(fn, g_args, g_kwargs, grid, guards: Guards):
-    read_fd, write_fd = os.pipe()
-    crash_log = tempfile.TemporaryFile()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:  # ---- child: never returns ----
-        code = 1
+# --- the child process ------------------------------------------------------------------------
+#
+#   parent (notebook)                              child (a fork of the notebook)
+#   guard buffers + views  --- 1st call: inherited by fork --->  runs fn, sends the answer back
+#   checker compares       <-- answer: buffers, return, lists --
+#   next case (same fn)    --- request over a pipe ---------->  runs fn again (warm interpreter)
+#   end of the checker     --- pipe closed ------------------>  exits
+#
+# Inside one checker run (run_cases) the child is kept for the next call of the same function:
+# forking and warming up Triton's interpreter cost more than most calls. Outside a checker, or
+# after a crash or a memory finding, every call gets a fresh child.
+
+
+class _Worker:
+    """A child process running one learner function, call after call."""
+
+    def __init__(self, fn, first_request: dict):
+        self.fn = fn
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        self.crash_log = tempfile.TemporaryFile()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # ---- child: never returns ----
+            code = 1
+            try:
+                os.close(to_child_w)
+                os.close(from_child_r)
+                code = _worker_main(fn, first_request, to_child_r, from_child_w, self.crash_log)
+            finally:
+                os._exit(code)
+        os.close(to_child_r)
+        os.close(from_child_w)
+        self.pid, self.to_child, self.from_child = pid, to_child_w, from_child_r
+        self.alive = True
+
+    def call(self, request_blob: bytes | None) -> dict:
+        """Send a request (None: the first one, inherited at fork) and wait for the answer."""
         try:
-            os.close(read_fd)
-            code = _child_main(fn, g_args, g_kwargs, grid, guards, write_fd, crash_log)
-        finally:
-            os._exit(code)
-    # ---- parent ----
-    os.close(write_fd)
-    try:
-        data, timed_out = _read_all(read_fd, TIMEOUT_S)
+            if request_blob is not None:
+                _send_msg(self.to_child, request_blob)
+            data, timed_out = _recv_msg(self.from_child, TIMEOUT_S)
+        except BrokenPipeError:
+            data, timed_out = None, False
+        except BaseException:  # e.g. KeyboardInterrupt in the notebook: do not leave the child
+            self.kill()
+            raise
+        answer = None
+        if data is not None:
+            try:
+                answer = pickle.loads(data)
+            except Exception:  # noqa: BLE001 - a truncated message from a dying child
+                answer = None
+        if answer is None:
+            self.fail(timed_out)
+        return answer
+
+    def fail(self, timed_out: bool):
         if timed_out:
-            os.kill(pid, signal.SIGKILL)
-    except BaseException:  # e.g. KeyboardInterrupt in the notebook: do not leave the child
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        raise
-    finally:
-        os.close(read_fd)
-    payload = None
-    if data and not timed_out:
-        try:
-            payload = pickle.loads(data)
-        except Exception:  # noqa: BLE001 - a truncated message from a dying child
-            payload = None
-    if payload is not None:
-        # the answer is complete: let the child finish exiting (tearing down a copy of a
-        # large address space takes tens of ms) while we go on; it is reaped later
-        crash_log.close()
-        _ZOMBIES.append(pid)
-        _reap()
-    else:
-        _, status = os.waitpid(pid, 0)
-        crash_log.seek(0)
-        crash_text = crash_log.read().decode(errors="replace")
-        crash_log.close()
+            os.kill(self.pid, signal.SIGKILL)
+        _, status = os.waitpid(self.pid, 0)
+        self.crash_log.seek(0)
+        crash_text = self.crash_log.read().decode(errors="replace")
+        self._close_fds()
         if timed_out:
             raise CheckFailed(
                 f"your code did not finish within {TIMEOUT_S:.0f} s and was stopped. Look for a "
                 "loop that never ends, or a grid far larger than intended.", label="timeout")
         raise CheckFailed(_crash_message(status, crash_text), label="crash")
-    if payload["stdout"]:
-        sys.stdout.write(payload["stdout"])
-    if payload["stderr"]:
-        sys.stderr.write(payload["stderr"])
-    if payload["status"] == "raised":
-        original = payload.get("exception")
+
+    def kill(self):
+        if self.alive:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+            self._close_fds()
+
+    def close(self):
+        """Close the pipe: the child exits; it is reaped later (exiting takes tens of ms)."""
+        if self.alive:
+            self._close_fds()
+            _ZOMBIES.append(self.pid)
+            _reap()
+
+    def _close_fds(self):
+        self.alive = False
+        for fd in (self.to_child, self.from_child):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.crash_log.close()
+
+
+_WORKER: _Worker | None = None  # the child kept for the current checker run
+
+
+def close_worker() -> None:
+    """End the child kept for the current checker run (``run_cases`` calls this at its end)."""
+    global _WORKER
+    if _WORKER is not None:
+        _WORKER.close()
+        _WORKER = None
+
+
+def _in_checker() -> bool:
+    from . import core
+
+    return core._PENDING is not None
+
+
+def _run_in_child(fn, g_args, g_kwargs, grid, guards: Guards):
+    global _WORKER
+    request = {"args": g_args, "kwargs": g_kwargs, "grid": grid,
+               "buffers": [g.buffer for g in guards.storages],
+               "views": [a.view for a in guards.args]}
+    keep = _in_checker()
+    worker, blob = None, None
+    if keep and _WORKER is not None and _WORKER.fn is fn and _WORKER.alive:
+        try:
+            buf = io.BytesIO()
+            torch.save(request, buf)  # one save: views keep sharing their buffers' memory
+            worker, blob = _WORKER, buf.getvalue()
+        except Exception:  # noqa: BLE001 - e.g. a lambda grid: start a child that inherits it
+            worker = None
+    if worker is None:
+        close_worker()
+        worker = _Worker(fn, request)
+        if keep:
+            _WORKER = worker
+    try:
+        answer = worker.call(blob)
+    except BaseException:
+        if _WORKER is worker:
+            _WORKER = None
+        raise
+    finally:
+        if not keep:
+            worker.close()
+
+    if answer["stdout"]:
+        sys.stdout.write(answer["stdout"])
+    if answer["stderr"]:
+        sys.stderr.write(answer["stderr"])
+    if answer["status"] == "raised":
         raise LearnerRaised(
-            f"your code raised {payload['summary']}\n{payload['traceback']}",
-            original=original, traceback_text=payload["traceback"])
-    for g, contents in zip(guards.storages, payload["buffers"]):
+            f"your code raised {answer['summary']}\n{answer['traceback']}",
+            original=answer.get("exception"), traceback_text=answer["traceback"])
+    for g, contents in zip(guards.storages, answer["buffers"]):
         g.buffer.copy_(contents)
-    _update_containers(g_args, g_kwargs, payload["containers"])
-    ret = payload["ret"]
-    return _resolve_refs(ret, {i: a.view for i, a in enumerate(guards.args)})
+    _update_containers(g_args, g_kwargs, answer["containers"])
+    return _resolve_refs(answer["ret"], {i: a.view for i, a in enumerate(guards.args)})
 
 
 _ZOMBIES: list[int] = []  # finished children not yet reaped
@@ -590,20 +682,20 @@ def _resolve_refs(obj, views: dict[int, torch.Tensor]):
     return obj
 
 
-def _make_refs(obj, guards: Guards):
+def _make_refs(obj, views: list[torch.Tensor]):
     """Returned tensors that are argument views travel as references, not copies."""
     if isinstance(obj, torch.Tensor):
-        for i, a in enumerate(guards.args):
-            if obj is a.view or (obj.data_ptr() == a.view.data_ptr() and obj.shape == a.view.shape
-                                 and obj.stride() == a.view.stride() and obj.dtype == a.view.dtype):
+        for i, v in enumerate(views):
+            if obj is v or (obj.data_ptr() == v.data_ptr() and obj.shape == v.shape
+                            and obj.stride() == v.stride() and obj.dtype == v.dtype):
                 return _ArgRef(i)
         return obj
     if type(obj) in (list, tuple):
-        return type(obj)(_make_refs(x, guards) for x in obj)
+        return type(obj)(_make_refs(x, views) for x in obj)
     if type(obj) is dict:
-        return {k: _make_refs(x, guards) for k, x in obj.items()}
+        return {k: _make_refs(x, views) for k, x in obj.items()}
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_make_refs(x, guards) for x in obj))
+        return type(obj)(*(_make_refs(x, views) for x in obj))
     return obj
 
 
@@ -634,7 +726,7 @@ def _update_containers(g_args, g_kwargs, after: dict) -> None:
             target.update(value)
 
 
-def _child_main(fn, g_args, g_kwargs, grid, guards: Guards, write_fd: int, crash_log) -> int:
+def _worker_main(fn, request, in_fd: int, out_fd: int, crash_log) -> int:
     try:
         import resource
 
@@ -643,15 +735,28 @@ def _child_main(fn, g_args, g_kwargs, grid, guards: Guards, write_fd: int, crash
         pass
     faulthandler.enable(file=crash_log, all_threads=False)
     torch.set_num_threads(1)  # the parent's OpenMP pool did not survive the fork
+    while True:
+        if request is None:
+            data, _ = _recv_msg(in_fd, None)
+            if data is None:  # the parent closed the pipe: done
+                return 0
+            request = torch.load(io.BytesIO(data), weights_only=False)
+        _send_msg(out_fd, _serve(fn, request))
+        request = None
+
+
+def _serve(fn, request: dict) -> bytes:
+    """Run one call in the child; the pickled answer for the parent."""
+    g_args, g_kwargs = request["args"], request["kwargs"]
     out, err = io.StringIO(), io.StringIO()
     sys.stdout, sys.stderr = out, err
     try:
-        ret = _invoke(fn, g_args, g_kwargs, grid)
-        payload = {"status": "ok", "ret": _make_refs(ret, guards),
-                   "buffers": [g.buffer for g in guards.storages],
-                   "containers": _mutable_containers(g_args, g_kwargs)}
+        ret = _invoke(fn, g_args, g_kwargs, request["grid"])
+        answer = {"status": "ok", "ret": _make_refs(ret, request["views"]),
+                  "buffers": request["buffers"],
+                  "containers": _mutable_containers(g_args, g_kwargs)}
         try:
-            data = pickle.dumps({**payload, "stdout": out.getvalue(), "stderr": err.getvalue()})
+            return pickle.dumps({**answer, "stdout": out.getvalue(), "stderr": err.getvalue()})
         except Exception as e:  # noqa: BLE001 - e.g. a lambda in the return value
             raise TypeError(f"the return value could not be sent back from the child process "
                             f"({e}); return tensors, numbers or lists of them") from e
@@ -663,31 +768,45 @@ def _child_main(fn, g_args, g_kwargs, grid, guards: Guards, write_fd: int, crash
             exc = e
         except Exception:  # noqa: BLE001
             exc = None
-        data = pickle.dumps({"status": "raised", "summary": summary, "traceback": tb,
+        return pickle.dumps({"status": "raised", "summary": summary, "traceback": tb,
                              "exception": exc, "stdout": out.getvalue(),
                              "stderr": err.getvalue()})
-    view = memoryview(data)
+    finally:
+        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+
+
+def _send_msg(fd: int, data: bytes) -> None:
+    view = memoryview(len(data).to_bytes(8, "little") + data)
     while view:
-        n = os.write(write_fd, view)
+        n = os.write(fd, view)
         view = view[n:]
-    os.close(write_fd)
-    return 0
 
 
-def _read_all(fd: int, timeout: float) -> tuple[bytes, bool]:
-    chunks = []
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return b"".join(chunks), True
-        ready, _, _ = select.select([fd], [], [], left)
-        if not ready:
-            continue
-        chunk = os.read(fd, 1 << 20)
+def _recv_exact(fd: int, n: int, deadline: float | None) -> tuple[bytes | None, bool]:
+    chunks, got = [], 0
+    while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None, True
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                continue
+        chunk = os.read(fd, min(n - got, 1 << 20))
         if not chunk:
-            return b"".join(chunks), False
+            return None, False  # the other side is gone
         chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks), False
+
+
+def _recv_msg(fd: int, timeout: float | None) -> tuple[bytes | None, bool]:
+    """One length-prefixed message: (data, timed_out); data None when the other side is gone."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    head, timed_out = _recv_exact(fd, 8, deadline)
+    if head is None:
+        return None, timed_out
+    return _recv_exact(fd, int.from_bytes(head, "little"), deadline)
 
 
 # --- messages ---------------------------------------------------------------------------------
