@@ -400,7 +400,13 @@ class PagedEngine:
         fn = paged_decode_attention if self.decode_attention == "triton" else paged_decode_attention_reference
         return fn(q, self.pool.k[layer], self.pool.v[layer], self.page_table, rows, seq_lens)
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> Generation:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                 on_step: Callable[[str, list], None] | None = None) -> Generation:
+        """Greedy-generate ``max_new_tokens`` for each prompt (one batch).
+
+        ``on_step(phase, reqs)`` is called after the prefill (``"prefill"``) and after every
+        decode step (``"decode"``), e.g. to take a picture of the page table.
+        """
         from .cache_manager import Req
 
         c = self.model.config
@@ -456,6 +462,8 @@ class PagedEngine:
         take(logits_now)
         for req in reqs:
             self.manager.cache_req(req, finished=False)
+        if on_step is not None:
+            on_step("prefill", reqs)
 
         rows = torch.tensor([req.table_idx for req in reqs], device=dev)
         for _ in range(max_new_tokens - 1):
@@ -470,6 +478,8 @@ class PagedEngine:
                 return self._attend_decode(q, rows, seq_lens, layer)
 
             take(self.model.forward(ids, positions, attend))
+            if on_step is not None:
+                on_step("decode", reqs)
         for req in reqs:
             self.manager.cache_req(req, finished=True)
         self.manager.check_integrity()

@@ -1,0 +1,409 @@
+# %% [markdown]
+# # 08 · Capstone: attention through the page table
+#
+# **Goal.** Close the loop. Chapters 01-07 hand out KV *slots*; here a model finally writes
+# its keys and values into those slots and reads them back through the page table. You will
+# build a KV pool, a paged decode-attention kernel in Triton (one program per request and
+# head, an online softmax over the request's tokens in blocks), and then serve a tiny
+# transformer through kvlab's `CacheManager`. The proof that the whole memory manager is
+# right: the tokens it generates are **identical** to those of a plain contiguous KV cache,
+# the logits agree to `1e-4`, and a batch that shares a cached prefix computes **fewer**
+# prefill tokens for the same answers.
+
+# %%
+import math
+import random
+
+import matplotlib.pyplot as plt
+import torch
+import triton
+import triton.language as tl
+
+import kvlab
+from kvlab import CacheManager, InvalidArgument, Req
+from kvlab.attention import (KVPool, PagedEngine, TinyConfig, TinyTransformer, causal_attention,
+                             check_paged_attention_inputs, generate_contiguous,
+                             paged_decode_attention, paged_decode_attention_reference)
+from kvlab.gallery.ch08_attention import gather_figure, prefill_bars, shared_prompt_batches
+from kvlab.paging import new_page_table
+from kvlab.viz import page_table_heatmap
+
+torch.manual_seed(0)
+random.seed(0)
+DEVICE = kvlab.DEVICE
+# sizes: small in the interpreter (each Triton program runs on the CPU), larger on a GPU
+N_REQ = kvlab.runtime.pick(cpu=3, gpu=8)
+NEW_TOKENS = kvlab.runtime.pick(cpu=4, gpu=24)
+N_RANDOM = kvlab.runtime.pick(cpu=4, gpu=40)
+
+# %% [markdown]
+# ## Intuition: a request's K/V are scattered over the pool in pages
+#
+# The attention of one new token needs the keys and values of *every earlier token* of its
+# request. In a contiguous cache those sit side by side. In a paged cache they sit wherever
+# the allocator found free pages, and the request's **page-table row** says where: position
+# `t` lives at slot `page_table[row, t]`. Attention "gathers" K and V through the row.
+
+# %%
+gather_figure()
+plt.show()
+
+# %% [markdown]
+# ## Build-up 1: a KV pool, written at the allocator's slots
+#
+# A `KVPool` holds, per layer, a K and a V tensor of shape `[num_slots, heads, head_dim]` —
+# one row per token slot, `num_slots = num_pages * page_size`. The allocator hands out slots,
+# and `store_kv(k, v, out_loc, layer)` writes row `i` of `k`/`v` at slot `out_loc[i]`.
+# Two requests go through the real `CacheManager` here; their prompts' K/V are random.
+
+# %%
+P, HEADS, HEAD_DIM = 4, 2, 16
+table = new_page_table(max_running_req=2, max_seq_len=32, page_size=P)
+manager = CacheManager(num_pages=12, page_size=P, page_table=table)
+pool = KVPool(num_slots=12 * P, num_layers=1, num_heads=HEADS, head_dim=HEAD_DIM)
+print("pool.k:", tuple(pool.k.shape), "= [layers, slots, heads, head_dim]")
+
+reqs = [Req(list(range(10)), table_idx=0), Req(list(range(50, 56)), table_idx=1)]
+for req in reqs:
+    manager.admit(req)
+manager.allocate_paged(reqs)
+g = torch.Generator().manual_seed(0)
+contiguous_kv = []  # the same K/V kept side by side, to compare against
+for req in reqs:
+    n = req.device_len
+    k = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(DEVICE)
+    v = torch.randn(n, HEADS, HEAD_DIM, generator=g).to(DEVICE)
+    out_loc = table[req.table_idx, :n]                 # slot of every position
+    pool.store_kv(k, v, out_loc, layer=0)
+    contiguous_kv.append((k, v))
+    print(f"request in row {req.table_idx}: {n} tokens at slots {out_loc.tolist()}")
+    assert torch.equal(pool.k[0][out_loc.long()], k)  # written where the row says
+
+# %% [markdown]
+# ## Build-up 2: gather through the row, then plain attention
+#
+# For one new query `q` (`[heads, head_dim]`) of a request with `n` tokens: take the row's
+# first `n` slots, gather `K = k_pool[slots]` (`[n, heads, head_dim]`), and do ordinary
+# attention. It must equal attention over the contiguous copy.
+
+# %%
+def gathered_attention(q, k_pool, v_pool, row_slots):
+    k, v = k_pool[row_slots.long()], v_pool[row_slots.long()]
+    scores = torch.einsum("hd,nhd->hn", q, k) / math.sqrt(q.shape[-1])
+    return torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+
+
+q = torch.randn(HEADS, HEAD_DIM, generator=g).to(DEVICE)
+for req, (k, v) in zip(reqs, contiguous_kv):
+    n = req.device_len
+    paged = gathered_attention(q, pool.k[0], pool.v[0], table[req.table_idx, :n])
+    plain = causal_attention(q[None], k, v, q_offset=n - 1)[0]   # the query sits at the last position
+    torch.testing.assert_close(paged, plain)
+print("attention through the page table == attention over the contiguous K/V")
+
+# %% [markdown]
+# ## Build-up 3: the same softmax, one block at a time
+#
+# A GPU program cannot hold the scores of an arbitrarily long request at once. It walks the
+# request's tokens in blocks of `BLOCK_N` and keeps three running values: the largest score
+# so far `m`, the sum of `exp(score - m)` so far `l`, and the `exp`-weighted sum of V rows so
+# far `acc`. When a block brings a larger maximum `m_new`, everything summed so far is scaled
+# by `exp(m - m_new)` — the **online softmax**. At the end, `out = acc / l`.
+
+# %%
+def online_softmax_attention(q, k_pool, v_pool, row_slots, block_n=4):
+    m, l, acc = -float("inf"), 0.0, torch.zeros(q.shape[-1], device=q.device)
+    for start in range(0, len(row_slots), block_n):
+        slots = row_slots[start:start + block_n].long()
+        scores = (k_pool[slots] @ q) / math.sqrt(q.shape[-1])       # [block]
+        m_new = max(m, float(scores.max()))
+        alpha = math.exp(m - m_new)                                 # rescale what came before
+        p = torch.exp(scores - m_new)
+        acc = acc * alpha + p @ v_pool[slots]
+        l = l * alpha + float(p.sum())
+        m = m_new
+    return acc / l
+
+
+head = 1
+row = table[0, :reqs[0].device_len]
+blocked = online_softmax_attention(q[head], pool.k[0][:, head], pool.v[0][:, head], row, block_n=4)
+whole = gathered_attention(q, pool.k[0], pool.v[0], row)[head]
+print("block by block:", blocked[:4].tolist())
+print("all at once:   ", whole[:4].tolist())
+torch.testing.assert_close(blocked, whole)
+
+# %% [markdown]
+# ## The kernel
+#
+# One program per `(request, head)`. It reads its row index and length, loads its query,
+# and loops over the request's tokens in blocks — `range(0, seq_len, BLOCK_N)` with a
+# **runtime** bound, so a new length never recompiles. Every load is masked (`mask_n`
+# beyond the request's length, `mask_d` beyond `head_dim` when it is not a power of two), and
+# the host checks before launch that every slot the row names for `[0, seq_len)` is inside the
+# pool (`check_paged_attention_inputs`): an unmapped `-1` would otherwise be read as a slot.
+
+# %%
+@triton.jit
+def my_paged_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, table_idx_ptr,
+                              seq_lens_ptr, out_ptr, scale, stride_q_b, stride_q_h,
+                              stride_kv_s, stride_kv_h, stride_pt_row, stride_o_b, stride_o_h,
+                              head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d, mask=mask_d, other=0.0)
+    m_i = -float("inf")
+    l_i = 0.0
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for start in range(0, seq_len, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < seq_len
+        slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        kv_offs = slots[:, None] * stride_kv_s + h * stride_kv_h + offs_d[None, :]
+        kv_mask = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(k_pool_ptr + kv_offs, mask=kv_mask, other=0.0)
+        scores = tl.where(mask_n, tl.sum(q[None, :] * k, 1) * scale, -float("inf"))
+        m_new = tl.maximum(tl.max(scores, 0), m_i)
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(scores - m_new)
+        v = tl.load(v_pool_ptr + kv_offs, mask=kv_mask, other=0.0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, 0)
+        l_i = l_i * alpha + tl.sum(p, 0)
+        m_i = m_new
+    tl.store(out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h + offs_d, acc / l_i, mask=mask_d)
+
+
+def my_paged_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens, block_n=16):
+    check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)  # before launch
+    batch, heads, head_dim = q.shape
+    dev = q.device
+    out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=dev)
+    table_idx = torch.as_tensor(table_idx).to(dev, torch.int64)
+    seq_lens = torch.as_tensor(seq_lens).to(dev, torch.int64)
+    my_paged_attention_kernel[(batch, heads)](
+        q, k_pool, v_pool, page_table, table_idx, seq_lens, out, 1.0 / math.sqrt(head_dim),
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
+        out.stride(0), out.stride(1), head_dim,
+        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+    return out
+
+
+qs = torch.randn(2, HEADS, HEAD_DIM, generator=g).to(DEVICE)
+rows, lens = torch.tensor([0, 1]), torch.tensor([r.device_len for r in reqs])
+out = my_paged_attention(qs, pool.k[0], pool.v[0], table, rows, lens, block_n=4)
+print("out:", tuple(out.shape))
+
+# %% [markdown]
+# ## Validate against `kvlab.reference`
+#
+# The reference (`paged_decode_attention_reference`) loops over requests in plain torch. We
+# compare on the named edge cases — page size 1, page-aligned and unaligned lengths, a single
+# one-token request, many requests with rows out of order, a `head_dim` that is not a power
+# of two, blocks smaller than a page and larger than a request — and on seeded random layouts.
+
+# %%
+def random_layout(seed, page_size, seq_lens, heads=2, head_dim=16):
+    """Random K/V; each request's tokens on shuffled, disjoint pages; rows in shuffled order."""
+    rng = random.Random(seed)
+    per_req = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(per_req) + 2
+    pages = list(range(num_pages))
+    rng.shuffle(pages)
+    row_of = list(range(len(seq_lens) + 1))
+    rng.shuffle(row_of)
+    table = torch.full((len(seq_lens) + 1, max(per_req) * page_size), -1, dtype=torch.int32)
+    taken = 0
+    for b, n in enumerate(seq_lens):
+        mine = pages[taken:taken + per_req[b]]
+        taken += per_req[b]
+        table[row_of[b], :n] = torch.tensor([p * page_size + o for p in mine for o in range(page_size)][:n],
+                                            dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_pages * page_size, heads, head_dim, generator=gen)
+    v = torch.randn(num_pages * page_size, heads, head_dim, generator=gen)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
+    return (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), table.to(DEVICE),
+            torch.tensor(row_of[:len(seq_lens)]), torch.tensor(seq_lens))
+
+
+edge_cases = {
+    "page_size 1": (1, [5, 3], 16, 4),
+    "page-aligned lengths": (4, [8, 4], 16, 4),
+    "unaligned lengths": (4, [7, 2, 13], 16, 4),
+    "one request, one token": (16, [1], 16, 16),
+    "many requests, rows shuffled": (2, [3, 9, 1, 6, 4, 11], 16, 4),
+    "head_dim 12 (masked lanes)": (4, [9, 5], 12, 4),
+    "block larger than every request": (4, [6, 3], 16, 64),
+}
+for name, (page_size, seq_lens, head_dim, block_n) in edge_cases.items():
+    args = random_layout(0, page_size, seq_lens, head_dim=head_dim)
+    torch.testing.assert_close(my_paged_attention(*args, block_n=block_n),
+                               paged_decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
+    print(f"✓ {name}")
+rng = random.Random(1)
+for i in range(N_RANDOM):
+    page_size = rng.choice([1, 2, 4, 16])
+    seq_lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 4))]
+    args = random_layout(100 + i, page_size, seq_lens)
+    torch.testing.assert_close(my_paged_attention(*args, block_n=rng.choice([4, 16])),
+                               paged_decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
+print(f"✓ {N_RANDOM} random layouts")
+
+# %% [markdown]
+# Bad input never reaches the kernel. A length that runs past what the row maps (here,
+# position 7 of a 7-token request is still unmapped, `-1`) is refused on the host, with the
+# argument and the rule in the message:
+
+# %%
+q_, k_, v_, table_, rows_, lens_ = random_layout(0, 4, [7, 2])
+try:
+    my_paged_attention(q_, k_, v_, table_, rows_, torch.tensor([8, 2]))
+    raise AssertionError("should have been refused")
+except InvalidArgument as err:
+    print("InvalidArgument:", err)
+
+# %% [markdown]
+# ## A tiny model, served through the page table
+#
+# `kvlab.attention.TinyTransformer` has seeded random weights (no download): 2 layers, 2
+# heads of 16 dims, a vocabulary of 96, learned absolute positions. Its `forward` takes an
+# `attend(layer, q, k, v)` callback, so the same weights run two ways:
+#
+# * `generate_contiguous`: each request keeps its own K/V tensors, side by side — the baseline;
+# * `PagedEngine.generate`: the memory manager of this course. `admit` (match + lock the hit),
+#   one `allocate_paged` for the batch, prefill of only the *uncached* positions with
+#   `store_kv` at the row's slots (prefill attention gathers through the row in torch), then
+#   `cache_req(finished=False)`; each decode step `allocate_paged` + `store_kv` + **the Triton
+#   paged decode attention**; finally `cache_req(finished=True)`, so the prompt and answer
+#   stay in the prefix cache for the next batch.
+#
+# Two batches share a 14-token system prompt. We serve both through one engine and compare
+# with the baseline. The page table is photographed after the second batch's prefill.
+
+# %%
+model = TinyTransformer(TinyConfig(vocab_size=96, num_layers=2, num_heads=2, head_dim=16, seed=0))
+first, second = shared_prompt_batches(n=N_REQ)
+engine = PagedEngine(model, page_size=4, num_pages=16 * N_REQ, max_running=N_REQ,
+                     max_seq_len=64)
+photos = {}
+paged = [engine.generate(first, NEW_TOKENS),
+         engine.generate(second, NEW_TOKENS,
+                         on_step=lambda phase, reqs: photos.setdefault(phase, engine.page_table.clone()))]
+contiguous = [generate_contiguous(model, first, NEW_TOKENS), generate_contiguous(model, second, NEW_TOKENS)]
+
+for i, (c, p) in enumerate(zip(contiguous, paged)):
+    print(f"batch {i + 1}: tokens contiguous {c.tokens}")
+    print(f"         tokens paged      {p.tokens}")
+    print(f"         prompt tokens computed: contiguous {c.prefill_tokens}, paged {p.prefill_tokens} "
+          f"(cache hits per request: {p.hit_tokens})")
+
+# %% [markdown]
+# ## Validate: the whole memory manager, end to end
+#
+# Same tokens; logits within `atol = 1e-4` (float32: the two paths add the same numbers in a
+# different order, so they differ in the last bits, ~1e-6); and the second batch computed
+# fewer prompt tokens because the system prompt's whole pages (12 of its 14 tokens, P=4) came
+# from the cache. After both batches the manager's integrity check passes: every page is free
+# or cached, none lost.
+
+# %%
+worst = 0.0
+for c, p in zip(contiguous, paged):
+    assert p.tokens == c.tokens
+    for a, b in zip(p.logits, c.logits):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+        worst = max(worst, float((a - b).abs().max()))
+print(f"tokens identical; largest logit difference {worst:.2e} (tolerance 1e-4)")
+assert paged[0].hit_tokens == [0] * N_REQ
+assert all(h == 12 for h in paged[1].hit_tokens)
+assert paged[1].prefill_tokens < contiguous[1].prefill_tokens
+assert paged[1].prefill_tokens == contiguous[1].prefill_tokens - 12 * N_REQ
+engine.manager.check_integrity()
+assert engine.manager.running == []
+
+# %% [markdown]
+# ## Picture: shared pages in the page table
+#
+# The second batch's page table right after its prefill: the first three pages of every row
+# are the **same physical pages** (same colour, same slot numbers) — the system prompt the
+# first batch left in the cache — and each request's own question and answer follow on pages
+# of its own.
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 2.8), gridspec_kw=dict(width_ratios=[1.6, 1]))
+cols = max(len(p) for p in second) + NEW_TOKENS
+cols = -(-cols // 4) * 4
+page_table_heatmap(photos["prefill"][:N_REQ].cpu(), 4, cols=slice(0, cols), ax=ax1, colorbar=False,
+                   title="batch 2 after prefill: three shared pages, then each request's own")
+prefill_bars(contiguous, paged, ax2)
+fig.tight_layout()
+plt.show()
+shared = photos["prefill"][:N_REQ, :12]
+assert (shared == shared[0]).all()   # every row maps the same 12 cached slots
+
+# %% [markdown]
+# ## Your turn: paged attention in plain torch
+#
+# Write `my_paged_attention_torch(q, k_pool, v_pool, page_table, table_idx, seq_lens)` that
+# returns `[batch, heads, head_dim]`: for request `b`, attend to positions `[0, seq_lens[b])`
+# of row `table_idx[b]`. `kvlab.check.paged_attention` compares it with the reference on edge
+# cases and random layouts and, when it recognises a mistake (reading the pool without the
+# row, using row `b` instead of `table_idx[b]`, forgetting the scale), says so.
+#
+# The cell is pre-filled with a correct answer so the notebook runs end to end; replace it
+# with your own. Hints: `kvlab.check.hint("paged_attention", 1)` (up to 3); the reference:
+# `kvlab.solutions.show("paged_attention")`.
+
+# %%
+def my_paged_attention_torch(q, k_pool, v_pool, page_table, table_idx, seq_lens):
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        slots = page_table[int(table_idx[b]), :int(seq_lens[b])].long()
+        k, v = k_pool[slots], v_pool[slots]
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) / math.sqrt(q.shape[-1]), dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", weights, v)
+    return out
+
+
+kvlab.check.paged_attention(my_paged_attention_torch)
+
+# %%
+kvlab.check.hint("paged_attention", 1)
+# kvlab.solutions.show("paged_attention")   # uncomment to read the reference solution
+
+# %% [markdown]
+# ## Lift: the notebook's kernel vs `kvlab.attention.paged_decode_attention`
+#
+# The kernel above lives on as `kvlab.kernels.attention.paged_decode_attention_kernel`, with
+# its checked wrapper `kvlab.attention.paged_decode_attention` (which picks `BLOCK_N` by
+# runtime). On random layouts both must agree with each other and with the reference.
+
+# %%
+rng = random.Random(2)
+for i in range(N_RANDOM):
+    page_size = rng.choice([1, 4, 16])
+    args = random_layout(500 + i, page_size, [rng.randint(1, 48) for _ in range(rng.randint(1, 3))])
+    ours = my_paged_attention(*args, block_n=16)
+    lifted = paged_decode_attention(*args)
+    torch.testing.assert_close(ours, lifted, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(my_paged_attention_torch(*args), paged_decode_attention_reference(*args),
+                               atol=1e-5, rtol=1e-5)
+print(f"✓ notebook kernel == kvlab kernel, notebook torch == kvlab reference, on {N_RANDOM} random layouts")
+
+# %% [markdown]
+# ## Summary
+#
+# * A KV pool is one tensor per layer indexed by **token slot**; the allocator's `out_loc` says
+#   where a step's new K/V go, and the page-table row says where every earlier token's went.
+# * Paged decode attention = gather through the row + softmax + weighted sum. The Triton
+#   kernel does it per `(request, head)` with an online softmax over blocks of the row, a
+#   runtime loop bound, masked loads, and host-side checks that every slot it will read exists.
+# * Served through `CacheManager` — prefix matching, locking, page allocation at boundaries,
+#   `cache_req` with the duplicate-row fix — a tiny model produces exactly the tokens of a
+#   contiguous cache, while a shared prefix is computed once.
+#
+# Chapter 09 makes the allocation kernels fast.
