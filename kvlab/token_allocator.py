@@ -41,12 +41,15 @@ import torch
 
 from . import runtime  # first: decides compiled Triton vs the interpreter
 import triton  # noqa: E402,I001
+import triton.language as tl  # noqa: E402
 from .errors import IntegrityError, InvalidArgument, OutOfPages
 
 #: the implementations of the launch step this module knows
 IMPLS: tuple[str, ...] = ("teaching",)
 
 _INT_DTYPES = (torch.int32, torch.int64)
+#: the largest block ``tl.arange`` may build (Triton's TRITON_MAX_TENSOR_NUMEL)
+_MAX_BLOCK: int = getattr(tl, "TRITON_MAX_TENSOR_NUMEL", 1 << 20)
 
 
 @dataclass(frozen=True)
@@ -96,9 +99,10 @@ class PagedTokenAllocator:
         page_size = _as_int(page_size, "page_size")
         if num_pages < 1:
             raise InvalidArgument("num_pages", "num_pages >= 1", f"got {num_pages}")
-        if page_size < 1 or page_size & (page_size - 1):
-            # the kernels use tl.arange(0, page_size), a compile-time power of two
-            raise InvalidArgument("page_size", "a power of two >= 1", f"got {page_size}")
+        if page_size < 1 or page_size & (page_size - 1) or page_size > _MAX_BLOCK:
+            # the kernels use tl.arange(0, page_size): a compile-time power of two, capped by Triton
+            raise InvalidArgument("page_size", f"a power of two, 1 <= page_size <= {_MAX_BLOCK}",
+                                  f"got {page_size}")
         if impl not in IMPLS:
             raise InvalidArgument("impl", f"one of {IMPLS}", f"got {impl!r}")
         self.num_pages = num_pages
@@ -235,6 +239,12 @@ class PagedTokenAllocator:
         from .kernels.alloc import alloc_extend_kernel
 
         bs = pre.numel()
+        # the teaching kernel's tl.arange(0, next_power_of_2(n)) is one block: Triton caps its size
+        limit = _MAX_BLOCK
+        if _next_pow2(n_tokens) > limit or _next_pow2(bs) > limit:
+            raise InvalidArgument("extend_num_tokens", f"next_power_of_2(extend_num_tokens) and "
+                                  f"next_power_of_2(bs) <= {limit} for the teaching kernel",
+                                  f"got {n_tokens} tokens, {bs} requests")
         alloc_extend_kernel[(bs,)](
             pre, seq, last, self.free_pages, out, self.ret_values,
             _next_pow2(bs), self.page_size, _next_pow2(n_tokens),
@@ -250,6 +260,9 @@ class PagedTokenAllocator:
         from .kernels.alloc import alloc_decode_kernel
 
         bs = seq.numel()
+        if _next_pow2(bs) > _MAX_BLOCK:
+            raise InvalidArgument("seq_lens", f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
+                                  f"got {bs} requests")
         alloc_decode_kernel[(bs,)](seq, last, self.free_pages, out, self.ret_values,
                                    _next_pow2(bs), self.page_size)
         got = int(self.ret_values.item())

@@ -265,7 +265,7 @@ def test_bad_decode_arguments_are_refused(args, argument):
     assert err.argument == argument
 
 
-@pytest.mark.parametrize("num_pages,page_size", [(0, 4), (4, 0), (4, 3), (4, 48)])
+@pytest.mark.parametrize("num_pages,page_size", [(0, 4), (4, 0), (4, 3), (4, 48), (1, 1 << 21)])
 def test_bad_constructor_arguments(num_pages, page_size):
     with pytest.raises(InvalidArgument):
         PagedTokenAllocator(num_pages, page_size)
@@ -352,3 +352,12 @@ def test_decode_checker_passes_the_teaching_kernel():
     from kvlab.kernels import alloc_decode_kernel
 
     assert check.alloc_decode(alloc_decode_kernel, n_random=1) == 7
+
+
+def test_teaching_kernel_block_limit_is_refused_before_launch():
+    from kvlab.token_allocator import _MAX_BLOCK
+
+    alloc = PagedTokenAllocator(2, _MAX_BLOCK)  # two huge pages: the page count is no obstacle
+    n = _MAX_BLOCK + 1  # next_power_of_2 -> 2 * _MAX_BLOCK lanes: more than Triton allows
+    err = _refused(alloc, lambda: alloc.alloc_extend(t([0]), t([n]), t([-1]), n), InvalidArgument)
+    assert err.argument == "extend_num_tokens"
