@@ -279,6 +279,18 @@ def _check_device_tensor(name: str, t, bs: int | None = None) -> None:
         raise InvalidArgument(name, "one entry per request", f"got {t.numel()}, expected {bs}")
 
 
+def _output(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
+    """The caller's ``out`` after checking it fits, else a new int64 tensor of ``n``."""
+    if out is None:
+        return torch.empty(n, dtype=torch.int64, device=device)
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.int64 or out.dim() != 1 \
+            or out.numel() != n or out.device != device or not out.is_contiguous():
+        raise InvalidArgument("out", f"a contiguous 1-D int64 tensor of {n} on {device}",
+                              f"got {getattr(out, 'dtype', type(out).__name__)}, "
+                              f"shape {tuple(getattr(out, 'shape', ()))}")
+    return out
+
+
 def _check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or page_size < 1:
         raise InvalidArgument("page_size", "an int >= 1", f"got {page_size!r}")
@@ -314,7 +326,8 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
                       free_pages: torch.Tensor, page_size: int, *,
                       extend_num_tokens: int | None = None,
                       num_new_pages: int | None = None,
-                      prefix_lens_cpu=None, seq_lens_cpu=None) -> FastExtend:
+                      prefix_lens_cpu=None, seq_lens_cpu=None,
+                      out: torch.Tensor | None = None) -> FastExtend:
     """Slots for a batched extend, same result as :func:`kvlab.reference.alloc_extend_ref`.
 
     Three ways to call it, from most to least host work avoided:
@@ -329,6 +342,7 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
     In every mode the out-of-pages decision is made before the fill kernel (the only one that
     reads ``free_pages``) is launched; on :class:`OutOfPages` nothing has been written.
     ``free_pages`` is not modified: the caller drops ``num_new_pages`` pages from its front.
+    ``out``, if given, receives the slots (a 1-D int64 tensor of ``extend_num_tokens``).
     """
     _check_page_size(page_size)
     _check_device_tensor("prefix_lens", prefix_lens)
@@ -360,6 +374,8 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
         if v is not None and (not isinstance(v, int) or v < 0):
             raise InvalidArgument(name, "an int >= 0", f"got {v!r}")
 
+    if out is not None and extend_num_tokens is not None:
+        _output(out, extend_num_tokens, device)  # refuse a wrong `out` before any launch
     num_free = free_pages.numel()
     if num_new_pages is not None and num_new_pages > num_free:
         raise OutOfPages(num_new_pages, num_free, "extend")  # before any launch
@@ -371,7 +387,7 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
     search_steps = max(1, (bs - 1).bit_length())
     if extend_num_tokens is not None and num_new_pages is not None and bs <= FUSED_MAX_BATCH:
         # counts known and the batch fits one vector: one launch does scan and fill
-        out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
+        out = _output(out, extend_num_tokens, device)
         if extend_num_tokens > 0:
             n_programs = triton.cdiv(extend_num_tokens, EXTEND_BLOCK)
             rows = torch.empty((n_programs, 2 * bs + 2), dtype=torch.int64, device=device)
@@ -403,7 +419,7 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
         if num_new_pages > num_free:
             raise OutOfPages(num_new_pages, num_free, "extend")  # before the fill reads free_pages
 
-    out = torch.empty(extend_num_tokens, dtype=torch.int64, device=device)
+    out = _output(out, extend_num_tokens, device)
     if extend_num_tokens > 0:
         grid = (triton.cdiv(extend_num_tokens, EXTEND_BLOCK),)
         extend_fill_kernel[grid](prefix_lens, last_loc, free_pages, scratch, out,
@@ -426,7 +442,7 @@ def decode_needs_from_host(seq_lens_cpu, page_size: int) -> int:
 
 def alloc_decode_fast(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor,
                       page_size: int, *, num_new_pages: int | None = None,
-                      seq_lens_cpu=None) -> FastDecode:
+                      seq_lens_cpu=None, out: torch.Tensor | None = None) -> FastDecode:
     """One slot per request for one decode step; same result as :func:`kvlab.reference.alloc_decode_ref`.
 
     With ``seq_lens_cpu`` (or ``num_new_pages``) there is no host sync and one launch; with
@@ -468,7 +484,7 @@ def alloc_decode_fast(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages
     num_free = free_pages.numel()
     if num_new_pages > num_free:
         raise OutOfPages(num_new_pages, num_free, "decode step")  # before any launch
-    out = torch.empty(bs, dtype=torch.int64, device=device)
+    out = _output(out, bs, device)
     if bs > 0:
         decode_fast_kernel[(1,)](seq_lens, last_loc, free_pages, out, bs, num_free,
                                  page_size=page_size, BLOCK=BATCH_BLOCK)
