@@ -24,7 +24,6 @@ Memory picture (page_size P = 2; each box is one node, ``|`` separates pages)::
 from __future__ import annotations
 
 import heapq
-import itertools
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
 
@@ -158,8 +157,8 @@ class RadixPrefixCache:
             raise InvalidArgument("page_size", "must be a positive int", f"got {page_size!r}")
         self.page_size = page_size
         self.device = default_device(device)
-        self._uids = itertools.count()
-        self._clock = itertools.count(1)  # monotonic, deterministic "time" for LRU
+        self._next_uid = 0
+        self._now = 0  # monotonic, deterministic "time" for LRU: one tick per walk or insert
         self.reset()
 
     # --- bookkeeping ------------------------------------------------------------------
@@ -170,7 +169,7 @@ class RadixPrefixCache:
             raise CacheMisuse(f"reset: {self.protected_size} cached tokens are still locked "
                               "by running requests; unlock them first")
         freed = self.all_cached_indices() if getattr(self, "root", None) is not None else None
-        self.root = RadixNode((), self._empty(), next(self._uids), 0)
+        self.root = RadixNode((), self._empty(), self._uid(), 0)
         self.root.ref_count = 1  # the root is always protected
         self.evictable_size = 0
         self.protected_size = 0
@@ -189,10 +188,12 @@ class RadixPrefixCache:
         return self._now
 
     def _tick(self) -> int:
-        self._now = next(self._clock)
+        self._now += 1
         return self._now
 
-    _now = 0
+    def _uid(self) -> int:
+        self._next_uid += 1
+        return self._next_uid - 1
 
     def nodes(self) -> list[RadixNode]:
         """Every node except the root, parents before children (depth-first, keys sorted)."""
@@ -225,7 +226,7 @@ class RadixPrefixCache:
         """Cut ``node`` at ``pos`` (a page boundary); return the new upper half."""
         assert 0 < pos < node.length and pos % self.page_size == 0
         parent = node.parent
-        upper = RadixNode(node.key[:pos], node.value[:pos], next(self._uids), node.last_access)
+        upper = RadixNode(node.key[:pos], node.value[:pos], self._uid(), node.last_access)
         upper.ref_count = node.ref_count  # every lock through node also runs through upper
         del parent.children[node.key[:self.page_size]]
         parent.children[upper.key[:self.page_size]] = upper
@@ -284,7 +285,7 @@ class RadixPrefixCache:
         if prefix_len < insert_len:
             new_value = indices[prefix_len:insert_len].to(device=self.device, dtype=torch.int32)
             self._check_whole_pages(new_value)
-            new_node = RadixNode(tuple(ids[prefix_len:]), new_value.clone(), next(self._uids),
+            new_node = RadixNode(tuple(ids[prefix_len:]), new_value.clone(), self._uid(),
                                  self._tick())
             new_node.parent = node
             node.children[new_node.key[:self.page_size]] = new_node

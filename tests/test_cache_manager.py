@@ -17,7 +17,7 @@ from kvlab.reference import cache_req_regions_ref
 
 
 def manager(num_pages=8, page_size=4, rows=4, max_len=64, writer="host", **kw) -> CacheManager:
-    table = new_page_table(rows, max_len, page_size, device="cpu")
+    table = new_page_table(rows, max_len, page_size)  # the runtime's device: the Triton writer needs it
     return CacheManager(num_pages, page_size, table, page_table_writer=writer, **kw)
 
 

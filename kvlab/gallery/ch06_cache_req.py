@@ -15,7 +15,7 @@ SYSTEM = list(range(100, 108))  # two pages of shared system prompt
 def new_manager(num_pages: int = 12, rows: int = 4, *, remap_duplicates: bool = True,
                 page_table_writer: str = "triton") -> CacheManager:
     """The chapter's small manager: page_size 4, ``rows`` request rows of 32 positions."""
-    return CacheManager(num_pages, P, new_page_table(rows, 32, P, device="cpu"),
+    return CacheManager(num_pages, P, new_page_table(rows, 32, P),  # on the runtime's device
                         page_table_writer=page_table_writer, remap_duplicates=remap_duplicates)
 
 

@@ -166,7 +166,7 @@ assert m.cached_len == 6
 
 # %%
 cm = CacheManager(num_pages=16, page_size=2,
-                  page_table=kvlab.paging.new_page_table(2, 16, 2, device="cpu"))
+                  page_table=kvlab.paging.new_page_table(2, 16, 2))
 cm.prefix_cache.insert_prefix([1, 2, 3, 4, 5, 6], torch.arange(6, dtype=torch.int32))
 for prompt in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]):
     hit = cm.match_req(Req(prompt, table_idx=0)).cached_len
@@ -279,7 +279,7 @@ for page_size in (1, 2, 4):
 # %%
 P4 = 4
 cm = CacheManager(num_pages=24, page_size=P4,
-                  page_table=kvlab.paging.new_page_table(4, 24, P4, device="cpu"))
+                  page_table=kvlab.paging.new_page_table(4, 24, P4))
 system_a, system_b = list(range(100, 110)), list(range(200, 206))
 prompts = [system_a + [1, 2, 3], system_b + [4, 5, 6, 7, 8], system_a + [9, 9, 9, 9, 9, 9], system_b + [4, 5, 6, 7, 1]]
 for row, prompt in enumerate(prompts):

@@ -304,7 +304,7 @@ plt.show()
 def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
     rng = random.Random(seed)
     cm = CacheManager(4 * 16 // page_size, page_size,
-                      kvlab.paging.new_page_table(4, 64, page_size, device="cpu"),
+                      kvlab.paging.new_page_table(4, 64, page_size),
                       remap_duplicates=remap)
     prompts = [[rng.randrange(3) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
     kv, calls, evictions = {}, 0, 0
@@ -428,7 +428,7 @@ kvlab.check.hint("cache_req_regions", 1)
 rng = random.Random(21)
 checked = 0
 for page_size in (1, 2, 4, 16):
-    cm = CacheManager(64 // page_size * 4, page_size, kvlab.paging.new_page_table(4, 96, page_size, device="cpu"))
+    cm = CacheManager(64 // page_size * 4, page_size, kvlab.paging.new_page_table(4, 96, page_size))
     prompts = [[rng.randrange(2) for _ in range(rng.randrange(2, 40))] for _ in range(2)]
     for _ in range(8):
         batch = [Req(rng.choice(prompts)[: rng.randrange(1, 40)] + [7], row) for row in range(rng.randrange(1, 5))]
