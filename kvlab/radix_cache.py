@@ -102,6 +102,9 @@ class RadixCacheHandle:
 
     def get_matched_indices(self) -> torch.Tensor:
         """The KV slots of the prefix, root first (a 1-D int32 tensor of ``cached_len`` slots)."""
+        if self.node.detached:
+            raise CacheMisuse("get_matched_indices: the handle's prefix was evicted; lock a handle "
+                              "to keep its prefix in the cache")
         parts = [n.value for n in self.node.path_to_root()]
         parts.reverse()
         if not parts:

@@ -422,3 +422,33 @@ def test_random_traces_keep_every_invariant(page_size, data):
 @given(data=st.data())
 def test_random_traces_with_the_triton_page_table_writer(data):
     run_trace(data, data.draw(st.sampled_from([1, 4]), label="page_size"), "triton", steps_max=8)
+
+
+# --- the drawings -------------------------------------------------------------------------
+
+
+def test_region_bar_draws_one_cell_per_position_and_hatches_what_is_freed():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    from kvlab.viz import page_owner_strip, region_bar
+
+    cm = manager(num_pages=10, page_size=4)
+    prompt = list(range(10))
+    a, b = Req(prompt, 0), Req(list(prompt), 1)
+    prefill(cm, [a, b])
+    cm.cache_req(a, finished=False)
+    regions = cm.cache_req(b, finished=True)  # duplicate [0, 8) and tail [8, 10) both freed
+    ax = region_bar(regions)
+    cells = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert len(cells) == 10
+    assert sum(bool(p.get_hatch()) for p in cells) == 10
+    plt.close("all")
+    cm.free_slots = torch.cat([cm.free_slots, cm.free_slots[:1]])  # break it: a page twice
+    ax = page_owner_strip(cm)
+    red = [p for p in ax.patches if matplotlib.colors.to_hex(p.get_edgecolor()) == "#d62728"]
+    assert len(red) == 1
+    plt.close("all")

@@ -252,3 +252,40 @@ def test_random_inserts_match_the_oracle(data):
 def _path_ids(node) -> tuple:
     parts = [n.key for n in node.path_to_root()]
     return tuple(t for key in reversed(parts) for t in key)
+
+
+def test_matched_indices_of_an_evicted_handle_raise():
+    cache = RadixPrefixCache(2)
+    _, h = cache.insert_prefix([1, 2], slots(0, 2))
+    cache.evict(2)
+    with pytest.raises(CacheMisuse, match="evicted"):
+        h.get_matched_indices()
+
+
+# --- the drawing --------------------------------------------------------------------------
+
+
+def test_tree_drawing_marks_locked_new_and_evicted_nodes():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.viz.tree import LOCKED, NEW_EDGE, draw_tree, snapshot
+
+    cache = RadixPrefixCache(2)
+    _, keep = cache.insert_prefix([1, 2, 3, 4], slots(0, 4))
+    cache.insert_prefix([9, 9], slots(8, 2))
+    cache.lock_handle(keep)
+    before = snapshot(cache)
+    cache.evict(2)  # the unlocked [9 9] goes
+    cache.insert_prefix([1, 2, 3, 4, 5, 6], slots(0, 6))  # a new child under the locked node
+    ax = draw_tree(cache, previous=before)
+    texts = {t.get_text(): t for t in ax.texts}
+    assert "[9 9]\nevicted" in texts
+    locked = [t for k, t in texts.items() if k.startswith("[1 2|3 4]")]
+    assert len(locked) == 1 and matplotlib.colors.to_hex(locked[0].get_bbox_patch().get_facecolor()) == LOCKED
+    new = [t for k, t in texts.items() if k.startswith("[5 6]")]
+    assert matplotlib.colors.to_hex(new[0].get_bbox_patch().get_edgecolor()) == NEW_EDGE
+    assert "ref 1 · t" in locked[0].get_text()
+    plt.close("all")
