@@ -269,7 +269,7 @@ def random_batch(rng, P, bs):
 
 
 rng = random.Random(0)
-n_trials = kvlab.runtime.pick(cpu=12, gpu=200)
+n_trials = kvlab.runtime.pick(cpu=9, gpu=200)
 seen = {"aligned": 0, "unaligned": 0, "empty prefix": 0, "empty extend": 0}
 for trial in range(n_trials):
     P = [1, 16, 64][trial % 3]
@@ -533,7 +533,7 @@ def my_alloc_extend(free_pages, pre, seq, last, P):
 
 
 rng = random.Random(7)
-for trial in range(kvlab.runtime.pick(cpu=6, gpu=100)):
+for trial in range(kvlab.runtime.pick(cpu=4, gpu=100)):
     P = rng.choice([1, 4, 16, 64])
     pre, seq, last, free = random_batch(rng, P, rng.randint(1, 5))
     got_kernel, _ = launch_extend(my_alloc_extend_kernel, pre, seq, last, free, P)
