@@ -93,8 +93,8 @@ class KVPool:
             raise InvalidArgument("out_loc", f"0 <= slot < num_slots={self.num_slots}",
                                   f"got min {lo}, max {hi}")
         idx = out_loc.to(device=self.device, dtype=torch.int64)
-        self.k[layer].index_copy_(0, idx, k.to(self.k.dtype))
-        self.v[layer].index_copy_(0, idx, v.to(self.v.dtype))
+        self.k[layer].index_copy_(0, idx, k.to(device=self.device, dtype=self.k.dtype))
+        self.v[layer].index_copy_(0, idx, v.to(device=self.device, dtype=self.v.dtype))
 
     def nbytes(self) -> int:
         return self.k.numel() * self.k.element_size() * 2

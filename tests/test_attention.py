@@ -112,7 +112,7 @@ def test_store_kv_writes_rows_and_rejects_bad_slots_without_change():
     pool = KVPool(10, 2, 2, 4)
     k = torch.arange(3 * 2 * 4, dtype=torch.float32).view(3, 2, 4)
     pool.store_kv(k, -k, torch.tensor([7, 0, 3]), layer=1)
-    assert torch.equal(pool.k[1][[7, 0, 3]], k) and torch.equal(pool.v[1][[7, 0, 3]], -k)
+    assert torch.equal(pool.k[1][[7, 0, 3]].cpu(), k) and torch.equal(pool.v[1][[7, 0, 3]].cpu(), -k)
     assert pool.k[0].abs().sum() == 0  # the other layer is untouched
     before = pool.k.clone(), pool.v.clone()
     with pytest.raises(InvalidArgument, match="out_loc"):
