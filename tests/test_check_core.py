@@ -167,6 +167,20 @@ def test_table_picture_outlines_wrong_cells_on_both_sides(page_size):
     plt.close(fig)
 
 
+def test_band_picture_marks_each_overwritten_guard_cell():
+    from kvlab.check.sandbox import BandWrite
+
+    err = CheckFailed("the safety net caught ...")
+    err.band_writes = [BandWrite("out_indices", "after", [1, 2, 5], 8),
+                       BandWrite("free_pages", "before", [3], 4)]
+    fig = picture.failure_figure(err)
+    red = [p for ax in fig.axes for p in ax.patches
+           if p.get_fill() and tuple(round(c, 2) for c in p.get_facecolor()[:3]) == (0.84, 0.15, 0.16)]
+    assert len(red) == 4
+    assert "`out_indices` (8 elements): 3 write(s) past the end, up to 5 out" in fig.axes[0].get_title(loc="left")
+    plt.close(fig)
+
+
 def test_no_picture_without_data_or_without_a_front_end():
     assert picture.failure_figure(CheckFailed("crashed")) is None
     assert picture.front_end_present() is False  # plain pytest: no Jupyter kernel

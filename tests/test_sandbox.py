@@ -182,6 +182,7 @@ def test_store_before_the_start_is_named(device):
         call_learner(copy_store_before, src, dst, 5, 2, BLOCK=8, grid=(1,))
     assert "`dst`: 2 value(s) written before its start, up to 2 element(s) before it" in str(
         info.value)
+    assert info.value.band_writes == [sandbox.BandWrite("dst", "before", [2, 1], 5)]
 
 
 @triton.jit

@@ -50,7 +50,8 @@ def show_failure(err) -> bool:
 def failure_figure(err):
     """A matplotlib Figure of expected vs got for a :class:`CheckFailed`, or None if it has no data."""
     if not isinstance(err.expected, torch.Tensor) or not isinstance(err.got, torch.Tensor):
-        return None
+        writes = getattr(err, "band_writes", None)
+        return band_figure(writes) if writes else None
     exp = err.expected.detach().flatten().cpu().to(torch.int64)
     got = err.got.detach().flatten().cpu().to(torch.int64)
     shape = tuple(err.shape or ())
@@ -183,5 +184,44 @@ def _page_table_pair(expected: torch.Tensor, got: torch.Tensor, page_size: int, 
                            colorbar=False)
     fig.suptitle(textwrap.fill(f"{title}  ({n_wrong} wrong cells, outlined in red)",
                                int(fig.get_figwidth() * 13)), fontsize=9, x=0.01, ha="left")
+    fig.tight_layout()
+    return fig
+
+
+def band_figure(writes, *, shown_data: int = 6, shown_band: int = 12):
+    """Each argument written outside: its last (or first) data cells, then the guard band,
+    with the overwritten band cells in red. ``writes``: :class:`kvlab.check.sandbox.BandWrite`s."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
+    fig, axes = plt.subplots(len(writes), 1, figsize=(9, 0.3 + 1.1 * len(writes)), squeeze=False)
+    for ax, w in zip(axes[:, 0], writes):
+        far = max(w.distances)
+        n_band = min(max(shown_band, far + 1), 40)
+        n_data = min(shown_data, w.length)
+        hit = set(w.distances)
+        # x positions: data cells at 0..n_data-1 then band at n_data..; mirrored for "before"
+        for k in range(n_data):
+            x = k if w.side == "after" else n_band + k
+            ax.add_patch(Rectangle((x, 0), 1, 1, facecolor="#4c72b0", edgecolor="white"))
+        for d in range(1, n_band + 1):
+            x = n_data + d - 1 if w.side == "after" else n_band - d
+            color = "#d62728" if d in hit else "#dddddd"
+            ax.add_patch(Rectangle((x, 0), 1, 1, facecolor=color, edgecolor="white"))
+        edge = n_data if w.side == "after" else n_band
+        ax.axvline(edge, color="black", lw=2)
+        ax.text(edge, 1.15, " end of the data" if w.side == "after" else "start of the data ",
+                ha="left" if w.side == "after" else "right", fontsize=8)
+        ax.set_xlim(-0.2, n_data + n_band + 0.2)
+        ax.set_ylim(-0.1, 1.6)
+        ax.set_yticks([])
+        ax.set_xticks([])
+        for side in ("top", "right", "left", "bottom"):
+            ax.spines[side].set_visible(False)
+        where = "past the end" if w.side == "after" else "before the start"
+        ax.set_title(f"`{w.argument}` ({w.length} elements): {len(w.distances)} write(s) {where}, "
+                     f"up to {far} out" + (" (more not shown)" if far > n_band else "")
+                     + "  —  blue: data, grey: guard band, red: overwritten",
+                     fontsize=9, loc="left")
     fig.tight_layout()
     return fig

@@ -245,6 +245,31 @@ def copy_back(guards: Guards) -> None:
             g.original_flat.copy_(g.buffer[BAND:BAND + g.span])
 
 
+class BandWrite(NamedTuple):
+    """Writes into one side of one argument's guard band (for the failure picture)."""
+
+    argument: str
+    side: str  # "before" or "after"
+    distances: list[int]  # how far outside, 1 = the element right next to the data
+    length: int  # elements of real data
+
+
+def band_writes(guards: Guards) -> list[BandWrite]:
+    """Every side of every guard band that changed, with the distances of the changed elements."""
+    found = []
+    for g in guards.storages:
+        if g.int_dtype is None:
+            continue
+        before, after = g.bands()
+        changed_before = (before != g.before.bits).nonzero().flatten().tolist()
+        changed_after = (after != g.after.bits).nonzero().flatten().tolist()
+        if changed_before:
+            found.append(BandWrite(g.names[0], "before", [BAND - i for i in changed_before], g.span))
+        if changed_after:
+            found.append(BandWrite(g.names[0], "after", [i + 1 for i in changed_after], g.span))
+    return found
+
+
 def band_violations(guards: Guards) -> list[str]:
     """One line per argument whose guard band changed: which side, how many, how far out."""
     lines = []
@@ -493,9 +518,11 @@ def guarded_call(fn: Callable[..., Any], *args, grid=None, **kwargs):
         from . import core
 
         # inside a checker this is raised after the comparison, which names the part
-        core.report_or_defer(CheckFailed(
-            "the safety net caught memory accesses outside the tensors:\n  "
-            + "\n  ".join(problems) + "\n  " + advice, label="memory outside a tensor"))
+        err = CheckFailed("the safety net caught memory accesses outside the tensors:\n  "
+                          + "\n  ".join(problems) + "\n  " + advice,
+                          label="memory outside a tensor")
+        err.band_writes = band_writes(guards)  # drawn by kvlab.check.picture
+        core.report_or_defer(err)
     return ret
 
 
