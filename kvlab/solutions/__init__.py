@@ -22,13 +22,27 @@ def get(name: str):
     return sol
 
 
+def where(name: str) -> str:
+    """Where the solution of ``name`` lives, e.g. ``kvlab.kernels.alloc.alloc_extend_kernel``."""
+    target = getattr(get(name), "fn", get(name))
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+
+
 def show(name: str) -> str:
-    """Print the source of the reference solution of ``name`` and return it."""
+    """Print the source of the reference solution of ``name`` and return it.
+
+    Several exercises can share one solution (the three parts of ``alloc_extend`` are one
+    kernel): the header says so, and says where the code lives in the package.
+    """
     sol = get(name)
     target = getattr(sol, "fn", sol)  # a @triton.jit kernel keeps the Python function in .fn
     try:
         src = inspect.getsource(target)
     except (OSError, TypeError):
         src = repr(sol)
-    print(f"# Reference solution for {name!r}\n{src}")
+    shared = sorted(n for n, ex in EXERCISES.items() if ex.solution is sol and n != name)
+    header = f"# Reference solution for {name!r}: {where(name)}"
+    if shared:
+        header += f"\n# (the same code is the solution of {', '.join(shared)})"
+    print(f"{header}\n{src}")
     return src
