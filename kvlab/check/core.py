@@ -8,6 +8,17 @@ prints one line and returns.
 
 Checkers register themselves with :func:`exercise`, which also stores their step-by-step
 hints; :func:`hint` shows them and :mod:`kvlab.solutions` shows reference solutions.
+
+Writing a checker (``kvlab/check/chNN_*.py``):
+
+* run the learner's code only through :func:`call_learner` (``grid=`` for a kernel): that is
+  where :mod:`kvlab.check.sandbox` adds the safety net (child process, guard bands);
+* run the cases through :func:`run_cases`: it names the case, merges what the safety net saw
+  with the comparison, keeps one child process for all cases, and draws the failure;
+* compare with :func:`compare_flat` and :class:`Segment` labels ("request 1, part 3"), or raise
+  :class:`CheckFailed` yourself with ``expected=``/``got=`` (flat), ``wrong=``, ``label=``, and
+  for the picture ``shape=`` (a table), ``segments=``, ``what=`` and ``page_size=``
+  (a page table is then drawn by :func:`kvlab.viz.page_table_heatmap`).
 """
 from __future__ import annotations
 
