@@ -212,8 +212,17 @@ def test_hint_levels_and_unknown_names(capsys):
 EXERCISE_NAMES = kvlab.check.exercises()
 
 
-def test_exercises_are_registered():
+def test_exercises_are_registered_and_every_checker_module_imports():
     assert EXERCISE_NAMES, "no exercise checkers are registered (kvlab/check/chNN_*.py)"
+    assert kvlab.check.broken_modules() == {}
+
+
+def test_the_course_exercises_exist():
+    names = set(EXERCISE_NAMES)
+    for needed in ["page_to_token", "write_page_table", "alloc_extend_part1", "alloc_extend_part2",
+                   "alloc_extend_part3", "alloc_decode", "match_prefix", "insert_prefix"]:
+        assert needed in names, f"no checker for the exercise {needed!r}"
+    assert any(n.startswith("cache_req") for n in names), "no checker for cache_req"
 
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import warnings
 
 from . import sandbox
 from .core import (EXERCISES, Case, CheckFailed, Segment, call_learner, compare_flat, exercise,
@@ -24,20 +25,37 @@ from .sandbox import LearnerRaised
 sandbox.install()
 
 __all__ = ["CheckFailed", "LearnerRaised", "Case", "Segment", "compare_flat", "exercise", "hint",
-           "run_cases", "call_learner", "EXERCISES", "exercises"]
+           "run_cases", "call_learner", "EXERCISES", "exercises", "broken_modules"]
 
 _loaded = False
+#: chapter checker modules that failed to import: module name -> the error (see broken_modules)
+_BROKEN: dict[str, BaseException] = {}
 
 
 def _load_all() -> None:
-    """Import every chapter's checker module so that all exercises are registered."""
+    """Import every chapter's checker module so that all exercises are registered.
+
+    A module that fails to import is recorded (and warned about) instead of taking every
+    other chapter's checkers down with it.
+    """
     global _loaded
     if _loaded:
         return
+    _loaded = True
     for mod in pkgutil.iter_modules(__path__):
         if mod.name.startswith("ch"):
-            importlib.import_module(f"{__name__}.{mod.name}")
-    _loaded = True
+            try:
+                importlib.import_module(f"{__name__}.{mod.name}")
+            except Exception as e:  # noqa: BLE001 - keep the other chapters usable
+                _BROKEN[mod.name] = e
+                warnings.warn(f"kvlab.check.{mod.name} could not be imported ({type(e).__name__}: "
+                              f"{e}); its exercises are unavailable", RuntimeWarning, stacklevel=2)
+
+
+def broken_modules() -> dict[str, BaseException]:
+    """Chapter checker modules that failed to import, with their errors (empty when all is well)."""
+    _load_all()
+    return dict(_BROKEN)
 
 
 def exercises() -> list[str]:
@@ -50,4 +68,7 @@ def __getattr__(name: str):
     _load_all()
     if name in EXERCISES:
         return EXERCISES[name].checker
-    raise AttributeError(f"kvlab.check has no checker {name!r}; known: {', '.join(exercises())}")
+    broken = "".join(f"; kvlab.check.{m} failed to import: {type(e).__name__}: {e}"
+                     for m, e in _BROKEN.items())
+    raise AttributeError(f"kvlab.check has no checker {name!r}; known: {', '.join(exercises())}"
+                         + broken)
