@@ -214,3 +214,23 @@ def test_every_plot_draws_for_a_run_with_pressure():
         vs.draw_step(runs[1], 0, "nope")
     plt.close("all")
     assert len(figs) == 2 + 2 * len(vs.VIEWS)
+
+
+def test_explore_also_draws_static_steps_when_asked(monkeypatch):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvlab.widgets import explore, static_widgets_wanted
+
+    tl = simulate(make_workload("few_shot", seed=0, n_requests=3), page_size=4, num_pages=40)
+    plt.close("all")
+    monkeypatch.setenv("KVLAB_STATIC_WIDGETS", "0")
+    assert not static_widgets_wanted()
+    explore(tl, "free list")
+    assert plt.get_fignums() == []           # only the widget (with its PNG fallback)
+    monkeypatch.setenv("KVLAB_STATIC_WIDGETS", "1")
+    ex = explore(tl, "free list", static_steps=[0, 1])
+    assert len(plt.get_fignums()) == 1 and len(plt.gcf().axes) == 2
+    assert ex.view.value == "free list"
+    plt.close("all")

@@ -68,7 +68,7 @@ class SimConfig:
     max_seq_len: int | None = None
     cache_after_prefill: bool = True     # cache_req(finished=False) right after prefill
     remap_duplicates: bool = True        # False: the source design's stale row (caught by checks)
-    page_table_writer: str = "host"      # "host" scatter or "triton" kernel
+    page_table_writer: str = "host"      # "host" scatter (no kernel launch: fast in the interpreter) or "triton"
     max_steps: int = 5000
 
 
@@ -248,7 +248,7 @@ class Simulator:
             self.manager.admit(req)                # match_req + lock + map the hit into the row
             extend = req.device_len - req.cached_len
             need = div_ceil(req.device_len, P) - div_ceil(req.cached_len, P)
-            over_budget = batch and tokens + extend > self.config.prefill_budget
+            over_budget = bool(batch) and tokens + extend > self.config.prefill_budget
             # admit() locked the hit, so evictable pages are counted after it
             no_memory = pages + need > self.manager.num_free_pages + self._evictable_pages()
             if over_budget or no_memory:
