@@ -51,8 +51,12 @@ def decode_steps(prefix_lens: Sequence[int], steps: int, page_size: int,
     return history
 
 
-def draw_decode_steps(history: Sequence[DecodeStep], page_size: int, axes, names=None):
-    """One small page table per step; this step's cells coloured by same page / new page."""
+def draw_decode_steps(history: Sequence[DecodeStep], page_size: int, axes, names=None,
+                      first_step: int = 1):
+    """One small page table per step; this step's cells coloured by same page / new page.
+
+    ``first_step`` numbers the titles (a slider that draws one step at a time passes its own).
+    """
     from ..viz import page_table_heatmap
 
     for k, (step, ax) in enumerate(zip(history, axes)):
@@ -62,14 +66,14 @@ def draw_decode_steps(history: Sequence[DecodeStep], page_size: int, axes, names
         new = [r for r, t in enumerate(step.takes_new_page) if t]
         page_table_heatmap(step.table, page_size, categories=cats, category_labels=CATEGORY_LABELS,
                            ax=ax, annotate=True, row_label="request",
-                           title=f"step {k + 1}: seq_lens = {step.seq_lens}; "
+                           title=f"step {k + first_step}: seq_lens = {step.seq_lens}; "
                                  + (f"new page for request(s) {new}" if new else "no new page")
                                  + f"; free_pages -> {step.free_pages[:6]}"
                                  + ("..." if len(step.free_pages) > 6 else ""))
         if names is not None:
             ax.set_yticks(range(len(names)))
             ax.set_yticklabels(names, fontsize=7)
-        if k:
+        if k and ax.get_legend() is not None:
             ax.get_legend().remove()
         if k < len(history) - 1:
             ax.set_xlabel("")

@@ -475,7 +475,7 @@ kvlab.check.alloc_extend_part2(my_alloc_extend_kernel, n_random=n_random)
 kvlab.check.alloc_extend_part3(my_alloc_extend_kernel, n_random=n_random)
 
 # %%
-kvlab.check.hint("alloc_extend_part2", 1)
+_ = kvlab.check.hint("alloc_extend_part2", 1)
 # kvlab.solutions.show("alloc_extend_part1")   # uncomment to read the reference kernel
 
 # %% [markdown]

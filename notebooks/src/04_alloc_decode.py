@@ -210,6 +210,22 @@ for step in hist:
     assert step.takes_new_page == [(s - 1) % 4 == 0 for s in step.seq_lens]
 
 # %% [markdown]
+# Running the notebook live? Scrub through the same steps with a slider (the strip above already shows
+# every step; the slider shows one at a time):
+
+# %%
+import ipywidgets as widgets
+
+
+def show_step(step=1):
+    fig, ax = plt.subplots(figsize=(9, 1.9))
+    draw_decode_steps([hist[step - 1]], 4, [ax], first_step=step)
+    plt.show()
+
+
+widgets.interact(show_step, step=widgets.IntSlider(value=1, min=1, max=len(hist), description="step"));
+
+# %% [markdown]
 # ## When pages run out
 #
 # The decode kernel reads `free_pages[k]` for every crossing request, just like the extend
@@ -268,7 +284,7 @@ def my_alloc_decode_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indice
 kvlab.check.alloc_decode(my_alloc_decode_kernel, n_random=kvlab.runtime.pick(cpu=3, gpu=20))
 
 # %%
-kvlab.check.hint("alloc_decode", 1)
+_ = kvlab.check.hint("alloc_decode", 1)
 # kvlab.solutions.show("alloc_decode")   # uncomment to read the reference kernel
 
 # %% [markdown]
