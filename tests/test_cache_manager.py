@@ -35,9 +35,9 @@ def forward(cm: CacheManager, req: Req, kv: dict | None) -> None:
     Each slot's 'KV' is the token prefix it was computed from, so a slot read by the
     wrong request (or a freed and reused slot) shows up as a different prefix."""
     if kv is not None:
-        row = cm.page_table[req.table_idx]
+        row = cm.page_table[req.table_idx, : req.device_len].tolist()  # one device->host copy
         for pos in range(req.cached_len, req.device_len):
-            kv[int(row[pos])] = tuple(req.input_ids[: pos + 1])
+            kv[row[pos]] = tuple(req.input_ids[: pos + 1])
     req.complete_one()
 
 
@@ -329,17 +329,17 @@ def run_trace(data, page_size: int, writer: str, steps_max: int = 14) -> None:
         free = {int(s) for s in cm.free_slots.tolist()}
         own_sets = []
         for req in cm.running:
-            row = cm.page_table[req.table_idx]
+            row = cm.page_table[req.table_idx].tolist()
             handle_len = req.cache_handle.cached_len if req.cache_handle else 0
             assert req.cache_handle is None or not req.cache_handle.node.detached  # never evicted
             for pos in range(req.cached_len):
-                slot = int(row[pos])
+                slot = row[pos]
                 assert slot - slot % P not in free, f"row {req.table_idx} pos {pos} maps a free slot"
                 who = owners[slot // P]
                 assert who == [f"row {req.table_idx}"] or who[0].startswith("cache node")
                 # the KV there was computed from this request's own tokens
                 assert kv[slot] == tuple(req.input_ids[: pos + 1]), f"row {req.table_idx} pos {pos}"
-            own = {int(s) // P for s in row[handle_len: cm.allocated_pages(req) * P].tolist()}
+            own = {s // P for s in row[handle_len: cm.allocated_pages(req) * P]}
             for other in own_sets:
                 assert not own & other, "two running requests own the same page"
             own_sets.append(own)

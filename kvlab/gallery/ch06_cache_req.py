@@ -33,9 +33,9 @@ def write_kv(cm: CacheManager, req: Req, kv: dict | None) -> None:
     """Pretend to run the model: slot of position p gets 'the KV of tokens [0, p]'."""
     if kv is None:
         return
-    row = cm.page_table[req.table_idx]
+    row = cm.page_table[req.table_idx, : req.device_len].tolist()  # one device->host copy
     for pos in range(req.cached_len, req.device_len):
-        kv[int(row[pos])] = tuple(req.input_ids[: pos + 1])
+        kv[row[pos]] = tuple(req.input_ids[: pos + 1])
 
 
 def scenarios(page_table_writer: str = "triton") -> list[tuple[str, CacheRegions]]:

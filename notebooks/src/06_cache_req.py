@@ -365,8 +365,8 @@ def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
                 cm.release_req(r)
         cm.check_integrity()
         for r in cm.running:  # every running request reads the KV of its own tokens
-            row = cm.page_table[r.table_idx]
-            assert all(kv[int(row[p])] == tuple(r.input_ids[: p + 1]) for p in range(r.cached_len))
+            row = cm.page_table[r.table_idx].tolist()
+            assert all(kv[row[p]] == tuple(r.input_ids[: p + 1]) for p in range(r.cached_len))
     for r in cm.running:
         cache(r, True)
     info = cm.prefix_cache.size_info
