@@ -54,7 +54,8 @@ def region_bar(regions, ax=None, *, label: str | None = None, y: float = 0.0,
             if show_slots and slots is not None:
                 ax.text(pos + 0.5, y + 0.4, str(slots[pos]), ha="center", va="center",
                         fontsize=fontsize - 1)
-        if end > start and (end - start) * 0.42 > 0.5:
+        # a name goes above its region when it fits (cells are ~0.42 inch = ~30 pt wide)
+        if end > start and (end - start) * 30 >= len(name) * fontsize * 0.6:
             ax.text((start + end) / 2, y + 0.95, name, ha="center", va="bottom", fontsize=fontsize)
     for b in range(0, n + 1, P):  # page boundaries
         ax.plot([b, b], [y - 0.05, y + 0.85], color="black", lw=1.2 if P > 1 else 0.4)
