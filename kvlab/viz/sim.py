@@ -238,7 +238,7 @@ def step_page_table(record, num_pages: int, page_size: int, ax=None):
     return ax
 
 
-def step_tree(record, previous=None, ax=None):
+def step_tree(record, previous=None, ax=None, fontsize: float = 6.5):
     """The prefix cache at the end of the step (new nodes green-edged, evicted ones faded)."""
     from .tree import draw_tree
 
@@ -251,7 +251,7 @@ def step_tree(record, previous=None, ax=None):
         return ax
     draw_tree(record.tree, ax, previous=previous.tree if previous is not None else None,
               title=f"step {record.step}: prefix cache — {record.cache_evictable} evictable, "
-                    f"{record.cache_protected} locked tokens", fontsize=6.5)
+                    f"{record.cache_protected} locked tokens", fontsize=fontsize)
     return ax
 
 
@@ -274,7 +274,7 @@ def step_regions(record, ax=None):
     return ax
 
 
-def draw_step(timeline, step: int, view: str = "page table", ax=None):
+def draw_step(timeline, step: int, view: str = "page table", ax=None, fontsize: float = 6.5):
     """One of :data:`VIEWS` for ``timeline[step]``; returns the Axes."""
     if view not in VIEWS:
         raise ValueError(f"view: one of {VIEWS} (got {view!r})")
@@ -286,7 +286,7 @@ def draw_step(timeline, step: int, view: str = "page table", ax=None):
     if view == "free list":
         return step_free_list(record, timeline.num_pages, timeline.page_size, ax)
     if view == "cache tree":
-        return step_tree(record, timeline[step - 1] if step > 0 else None, ax)
+        return step_tree(record, timeline[step - 1] if step > 0 else None, ax, fontsize)
     return step_regions(record, ax)
 
 
@@ -296,7 +296,7 @@ def step_figure(timeline, step: int, view: str = "page table"):
 
     sizes = {"page table": (10, 3.6), "free list": (9, 3.4), "cache tree": (12, 4.2), "regions": (10, 2.6)}
     fig, ax = plt.subplots(figsize=sizes[view])
-    draw_step(timeline, step, view, ax)
+    draw_step(timeline, step, view, ax, fontsize=8)
     fig.text(0.01, 0.005, describe_step(timeline[step]), fontsize=7.5, ha="left", va="bottom",
              color="#333333")
     fig.tight_layout(rect=(0, 0.06, 1, 1))
