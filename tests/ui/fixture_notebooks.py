@@ -2,7 +2,8 @@
 
 ``slider_demo``: an IntSlider (class ``kvlab-timeline-slider``) redraws a matplotlib figure
 into an Image widget (class ``kvlab-view``), the same shape as chapter 07's timeline explorer.
-``error_demo``: a warning on stderr (must *not* count as an error), then a cell that raises.
+``error_demo``: a warning on stderr (must *not* count as an error), a slider whose callback
+raises (the traceback goes to JupyterLab's Log Console), then a cell that raises.
 """
 from __future__ import annotations
 
@@ -29,7 +30,8 @@ _SLIDER_CELLS = [
     "    fig.savefig(buf, format='png')\n"
     "    plt.close(fig)\n"
     "    return buf.getvalue()",
-    "slider = widgets.IntSlider(value=0, min=0, max=9, description='step')\n"
+    "slider = widgets.IntSlider(value=0, min=0, max=9, description='step',\n"
+    "                           continuous_update=False)  # as chapter 07's explorer\n"
     "slider.add_class('kvlab-timeline-slider')\n"
     "view = widgets.Image(value=render(0), format='png')\n"
     "view.add_class('kvlab-view')\n"
@@ -44,6 +46,13 @@ _ERROR_CELLS = [
     "import warnings\n"
     "warnings.warn('only a warning: the harness must not call this an error')\n"
     "print('fine')",
+    "import ipywidgets as widgets\n"
+    "bad = widgets.IntSlider(value=0, min=0, max=9, continuous_update=False)\n"
+    "bad.add_class('kvlab-timeline-slider')\n"
+    "def explode(change):\n"
+    "    raise ValueError(f'callback failed at {change[\"new\"]}')\n"
+    "bad.observe(explode, names='value')\n"
+    "bad",
     "1 / 0",
     "print('never reached')",
 ]

@@ -191,8 +191,12 @@ class LabServer:
         return [k["execution_state"] for k in self.api("GET", "api/kernels")]
 
     def shutdown_sessions(self) -> None:
-        for session in self.api("GET", "api/sessions"):
-            self.api("DELETE", f"api/sessions/{session['id']}")
+        """Stop every kernel (best effort: a failure here must not hide the test's result)."""
+        try:
+            for session in self.api("GET", "api/sessions"):
+                self.api("DELETE", f"api/sessions/{session['id']}")
+        except (urllib.error.URLError, OSError) as exc:
+            print(f"shutting down kernels: {exc}")
 
 
 @dataclass
@@ -228,16 +232,21 @@ class NotebookPage:
     # -- running ------------------------------------------------------------------------
     def run_all(self, timeout_s: float = 300.0) -> RunResult:
         """Run → Run All Cells, then wait until all code cells ran and the kernel is idle."""
-        page = self.page
-        page.locator(".jp-NotebookPanel .jp-Notebook").first.click(position={"x": 5, "y": 5})
-        page.locator(".lm-MenuBar-item").filter(
-            has_text=re.compile(r"^\s*Run\s*$")).first.click()
-        page.locator(".lm-Menu .lm-Menu-item").filter(
-            has=page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^\s*Run All Cells\s*$"))
-        ).first.click()
+        self.page.locator(".jp-NotebookPanel .jp-Notebook").first.click(position={"x": 5, "y": 5})
+        self.menu("Run", "Run All Cells")
         start = time.monotonic()
         n_code = self.wait_until_executed(timeout_s)
         return RunResult(code_cells=n_code, seconds=time.monotonic() - start)
+
+    def menu(self, menu: str, item: str) -> None:
+        """Click ``menu`` in JupyterLab's menu bar, then its entry ``item``."""
+        page = self.page
+        page.locator(".lm-MenuBar-item").filter(
+            has_text=re.compile(rf"^\s*{re.escape(menu)}\s*$")).first.click()
+        page.locator(".lm-Menu .lm-Menu-item").filter(
+            has=page.locator(".lm-Menu-itemLabel",
+                             has_text=re.compile(rf"^\s*{re.escape(item)}\s*$"))
+        ).first.click()
 
     def prompts(self) -> list[str]:
         return self.page.eval_on_selector_all(
@@ -319,14 +328,41 @@ class NotebookPage:
         raise AssertionError(f"{self.name}: cells still running after {timeout_s:.0f} s; "
                              f"prompts={self.prompts()} kernels={self.server.kernel_states()}")
 
-    def _wait_kernel_idle(self, timeout_s: float) -> None:
+    def _wait_kernel_idle(self, timeout_s: float, polls: int = 1) -> None:
         deadline = time.monotonic() + timeout_s
+        in_a_row = 0
         while time.monotonic() < deadline:
             states = self.server.kernel_states()
-            if states and all(s == "idle" for s in states):
+            in_a_row = in_a_row + 1 if states and all(s == "idle" for s in states) else 0
+            if in_a_row >= polls:
                 return
             time.sleep(0.5)
         raise AssertionError(f"{self.name}: kernel not idle after {timeout_s:.0f} s: {states}")
+
+    def wait_kernel_settled(self, timeout_s: float = 120.0) -> None:
+        """Wait until the kernel has been idle for a few polls (widget callbacks finished)."""
+        self._wait_kernel_idle(timeout_s, polls=4)
+
+    def log_console_texts(self) -> list[str]:
+        """Open JupyterLab's Log Console and return the text of every entry.
+
+        Output from widget callbacks (which run outside any cell) lands there, so a callback
+        that raises shows its traceback in the log, not in the notebook.
+        """
+        page = self.page
+        if page.locator(".jp-LogConsole").count() == 0:
+            self.menu("View", "Show Log Console")
+            page.locator(".jp-LogConsole").first.wait_for(state="attached", timeout=30_000)
+            time.sleep(1.0)
+        return page.eval_on_selector_all(".jp-LogConsole .jp-OutputArea-output",
+                                         "els => els.map(e => e.innerText)")
+
+    def raise_on_logged_error(self) -> None:
+        errors = [t for t in self.log_console_texts() if looks_like_an_error(t)]
+        if errors:
+            self.screenshot("logged-error")
+            raise CellError(f"{self.name}: a widget callback raised (Log Console):\n"
+                            f"{errors[0][-3000:]}")
 
     # -- looking at outputs -----------------------------------------------------------
     def output_images(self) -> list[dict]:
