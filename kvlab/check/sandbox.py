@@ -28,6 +28,10 @@ Two things can go wrong with a learner's Triton kernel that a plain comparison n
   tensor means a *read outside* (reported with the name of the tensor it came from, and the
   side: every argument gets its own before/after sentinels).
 
+Inside one checker run (:func:`kvlab.check.core.run_cases`) the same child serves every
+case of the same learner function, so Triton's interpreter stays warm; it ends with the run,
+or at the first crash or memory finding.
+
 Where a child process is not used: on CUDA (forking after CUDA is initialised is unsafe;
 the call runs in-process, with guard bands), on macOS/Windows (no safe ``fork``: in-process
 with guard bands), and for Python functions that are methods of an object or receive
