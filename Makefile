@@ -11,6 +11,8 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
 export MPLBACKEND ?= Agg
 export PYTHONHASHSEED = 0
+# Tests run two pytest workers on small tensors: one BLAS/OpenMP thread each avoids oversubscription.
+export OMP_NUM_THREADS ?= 1
 
 .PHONY: notebooks setup lab test test-unit test-notebooks test-ui figures gpu-check bench clean
 
