@@ -9,7 +9,6 @@ BIN        := $(VENV)/bin
 # torch is installed first and pinned, so the resolver never swaps it for another build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
-export MPLBACKEND ?= Agg
 export PYTHONHASHSEED = 0
 # Tests run two pytest workers on small tensors: one BLAS/OpenMP thread each avoids oversubscription.
 export OMP_NUM_THREADS ?= 1
@@ -33,7 +32,7 @@ lab: setup
 test: setup test-unit test-notebooks
 
 test-unit: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not ui" tests/
+	MPLBACKEND=Agg $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not ui" tests/
 
 test-notebooks: setup
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/
