@@ -44,6 +44,10 @@ def radix_steps(page_size: int = 2):
     steps.append((f"match C: {match_c.cached_len} tokens hit", snapshot(cache)))
     cache.evict(1)
     steps.append(("evict(1): least recently used leaf", snapshot(cache)))
+    cache.lock_handle(handle_b, unlock=True)
+    steps.append(("B finishes: unlock B", snapshot(cache)))
+    cache.evict(4)
+    steps.append(("evict(4): B's leaf is older than [5 6]", snapshot(cache)))
     return steps, cache
 
 
@@ -52,7 +56,7 @@ def radix_steps_figure():
     from ..viz.tree import draw_tree_steps
 
     steps, _ = radix_steps()
-    return draw_tree_steps(steps, ncols=3, panel_width=3.8, panel_height=2.9)
+    return draw_tree_steps(steps, ncols=4, panel_width=3.6, panel_height=2.9)
 
 
 @figure("05_shared_prefix.png")

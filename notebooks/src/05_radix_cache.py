@@ -188,30 +188,39 @@ assert cm.match_req(Req([1, 2, 3, 4, 5, 6], 0)).cached_len == 4
 #
 # The story below (page_size 2) inserts prompts A and D, inserts B (which shares A's system
 # prompt and splits A's node), locks B as if it were running, matches a prompt C (touching A's
-# branch, so it becomes *recently used*), then evicts. Green border: new in that step; orange:
-# locked; faded: evicted.
+# branch, so it becomes *recently used*), evicts, then lets B finish (unlock) and evicts
+# again. Green border: new in that step; orange: locked; faded: evicted.
 
 # %%
 steps, story_cache = radix_steps()
 for title, snap in steps:
     print(f"{title:40s} evictable {snap.evictable_size:2d}  locked {snap.protected_size:2d}  "
           f"nodes {len(snap.nodes)}")
-draw_tree_steps(steps, ncols=3, panel_width=3.8, panel_height=2.9)
+draw_tree_steps(steps, ncols=4, panel_width=3.6, panel_height=2.9)
 plt.show()
 
 # %% [markdown]
-# Read the last two panels: after the match, the unlocked leaves are `[5 6]` (touched at
-# tick 8) and `[20 21|22 23]` (last touched at tick 4). `evict(1)` asks for a single token,
-# but a leaf goes whole, so 4 tokens of D come back. B's branch is locked and stays.
+# Read the panels from "match C" on. After the match, the unlocked leaves are `[5 6]`
+# (touched at tick 8) and `[20 21|22 23]` (last touched at tick 4). `evict(1)` asks for a
+# single token, but a leaf goes whole, so 4 tokens of D come back; B's branch is locked and
+# stays. When B finishes, unlocking takes its ref counts back to 0 all the way up: now
+# `[8 9|10 11]` (tick 7) is older than `[5 6]` (tick 8), so it is the next to go.
+#
+# Finally, lock what is left of the system prompt (as a new request would) and ask for far
+# more than is evictable: `evict` frees every unlocked leaf and returns what it got, and the
+# locked node stays.
 
 # %%
+keep = story_cache.match_prefix([1, 2, 3, 4, 0]).handle
+story_cache.lock_handle(keep)
 info_before = story_cache.size_info
-freed = story_cache.evict(100)  # more than is evictable: evict frees what it can and says so
+freed = story_cache.evict(100)  # more than is evictable: evict frees what it can
 print("freed slots:", freed.tolist())
 print("size before:", info_before, "after:", story_cache.size_info)
-assert story_cache.size_info.protected_size == info_before.protected_size  # locked: untouched
+assert story_cache.size_info.protected_size == info_before.protected_size == 4  # locked: untouched
 assert story_cache.size_info.evictable_size == 0
 assert freed.numel() == info_before.evictable_size
+assert keep.get_matched_indices().tolist() == [6, 7, 8, 9]
 
 # %% [markdown]
 # Two details matter for the cache manager in chapter 06:
