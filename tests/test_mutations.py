@@ -191,7 +191,27 @@ CH06 = [
            "duplicate region starts at 0 (counts the hit twice)"),
 ]
 
-MUTANTS = CH01 + CH02 + CH03 + CH04 + CH05 + CH06
+# --- chapters 07-09: the serving loop, attention through the page table, the scan kernel ----
+
+CH07_09 = [
+    Mutant("decode_step", "manager.cache_req(req, finished=True)",
+           "manager.cache_req(req, finished=False)", ("request 0: finished should be True",),
+           "hands a done request back as unfinished (its pages stay locked)"),
+    Mutant("decode_step", "    manager.allocate_paged(reqs)          # a new page", "    # a new page",
+           ("page_table[", "allocate_paged"), "advances requests without mapping their new pages"),
+    Mutant("paged_attention", "page_table[row, :n]", "page_table[row, :n - 1]",
+           ("request 0, head", "off by"), "attends to one token too few"),
+    Mutant("paged_attention", " * scale, dim=-1", ", dim=-1",
+           ("forgets the 1/sqrt(head_dim) scale",), "attention without the 1/sqrt(d) scale"),
+    Mutant("extend_scan", "carry_tokens + tl.cumsum(extend, axis=0) - extend",
+           "carry_tokens + tl.cumsum(extend, axis=0)", ("token_start differs", "request 0"),
+           "inclusive instead of exclusive prefix sum"),
+    Mutant("extend_scan", "carry_pages + tl.cumsum(pages, axis=0) - pages",
+           "tl.cumsum(pages, axis=0) - pages", ("page_start differs", "block 1"),
+           "drops the carry from earlier blocks"),
+]
+
+MUTANTS = CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH07_09
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
