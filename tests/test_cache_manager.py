@@ -452,3 +452,28 @@ def test_region_bar_draws_one_cell_per_position_and_hatches_what_is_freed():
     red = [p for p in ax.patches if matplotlib.colors.to_hex(p.get_edgecolor()) == "#d62728"]
     assert len(red) == 1
     plt.close("all")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_and_host_writers_build_the_same_tables(seed):
+    """One seeded serving sequence on two managers: identical page tables after every step."""
+    rng = random.Random(seed)
+    P = 4
+    cms = [manager(num_pages=12, page_size=P, writer=w) for w in ("host", "triton")]
+    reqs = [[Req([rng.randrange(3) for _ in range(rng.randrange(1, 14))], row) for row in range(3)]
+            for _ in cms]
+    reqs[1] = [Req(list(r.input_ids), r.table_idx) for r in reqs[0]]
+    for cm, batch in zip(cms, reqs):
+        prefill(cm, batch)
+    assert torch.equal(cms[0].page_table, cms[1].page_table)
+    for _ in range(6):
+        token = rng.randrange(3)
+        for cm, batch in zip(cms, reqs):
+            for r in batch:
+                r.append_token(token)
+            cm.allocate_paged(batch)
+            for r in batch:
+                r.complete_one()
+        assert torch.equal(cms[0].page_table, cms[1].page_table)
+        for cm in cms:
+            cm.check_integrity()
