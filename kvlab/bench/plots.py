@@ -35,13 +35,18 @@ def _grouped_bars(ax, rows, names, key_label):
             if _value(entry) is not None:
                 xs.append(x)
                 ys.append(_value(entry))
-            elif "skipped" in entry:
-                ax.text(x, 1, "skipped:\nrecompile", rotation=90, ha="center", va="bottom",
-                        fontsize=7, color=COLORS.get(name, "gray"))
+            elif "skipped" in entry:  # written just above the axis, whatever the y scale
+                ax.text(x, 0.02, "skipped: would recompile", rotation=90, ha="center", va="bottom",
+                        fontsize=7, color=COLORS.get(name, "gray"), transform=ax.get_xaxis_transform())
         ax.bar(xs, ys, width, label=LABELS.get(name, name), color=COLORS.get(name))
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([key_label(r) for r in rows], fontsize=8)
     ax.set_yscale("log")
+
+
+def _legend_below(fig, ax):
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
 
 
 def plot_extend(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
@@ -55,9 +60,9 @@ def plot_extend(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
         ax.set_title(f"page size {P}")
         ax.set_xlabel("batch x mean extend")
     axes[0].set_ylabel("µs per call in a loop (log)")
-    axes[-1].legend(fontsize=8, loc="upper left")
+    _legend_below(fig, axes[0])
     fig.suptitle(_title(res, "alloc_extend, steady state"), fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 0.93))
     return fig
 
 
@@ -75,8 +80,8 @@ def plot_recompile(res: dict):
            label="fast: first call (compiles once per page size)")
     for x, t in zip(xs, teach):
         if t is None:
-            ax.text(x - 0.2, 0.05, "skipped:\nwould\nrecompile", ha="center", va="bottom", fontsize=6,
-                    color=COLORS["teaching"])
+            ax.text(x - 0.2, 0.02, "skipped: would recompile", rotation=90, ha="center", va="bottom",
+                    fontsize=6, color=COLORS["teaching"], transform=ax.get_xaxis_transform())
     ax.axhline(20, color="gray", ls="--", lw=1)
     ax.text(len(rows) - 0.5, 21, "20 ms target", ha="right", va="bottom", fontsize=8, color="gray")
     ax.set_yscale("log")
@@ -117,9 +122,9 @@ def plot_decode(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
         _grouped_bars(ax, rows, names, lambda r: f"bs={r['bs']}")
         ax.set_title(f"page size {P}")
     axes[0].set_ylabel("µs per step in a loop (log)")
-    axes[-1].legend(fontsize=7, loc="upper left")
+    _legend_below(fig, axes[0])
     fig.suptitle(_title(res, "alloc_decode, one step"), fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 0.92))
     return fig
 
 
@@ -133,9 +138,9 @@ def plot_page_table(res: dict):
         _grouped_bars(ax, sub, ("host_loop", "triton"), lambda r: f"bs={r['bs']}\n{r['slots']} slots")
         ax.set_title(f"page size {P}")
     axes[0].set_ylabel("µs per write in a loop (log)")
-    axes[-1].legend(fontsize=8, loc="upper left")
+    _legend_below(fig, axes[0])
     fig.suptitle(_title(res, "Page-table write: host loop + scatter vs one Triton launch"), fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.08, 1, 0.92))
     return fig
 
 
