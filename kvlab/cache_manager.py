@@ -246,9 +246,14 @@ class CacheManager:
         if req.table_idx in self._running:
             raise InvalidArgument("req.table_idx", "row is already used by a running request",
                                   f"row {req.table_idx}")
+        cols = self.page_table.shape[1]
+        if req.input_len > cols:
+            raise InvalidArgument("req.input_ids", f"the prompt must fit the page table ({cols} positions)",
+                                  f"got {req.input_len} tokens")
         match = self.match_req(req)
         handle = match.handle
         self.lock(handle)
+        req.finished = False
         req.cache_handle = handle
         req.cached_len = handle.cached_len
         req.device_len = max(req.device_len, req.cached_len)

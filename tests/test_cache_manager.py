@@ -246,6 +246,7 @@ def test_misuse_errors_raise_before_changing_anything():
         (lambda: cm.allocate_paged([Req([1, 2], 0)]), InvalidArgument, "another running request"),
         (lambda: cm.cache_req(Req([1, 2], 1), finished=True), CacheMisuse, "not running"),
         (lambda: cm.admit(Req([1, 2], 0)), InvalidArgument, "already used"),
+        (lambda: cm.admit(Req([1] * 17, 1)), InvalidArgument, "fit the page table"),
         (lambda: cm.prefix_cache.insert_prefix([1, 2, 3, 4], torch.arange(3, dtype=torch.int32)),
          InvalidArgument, "len\\(indices\\) == len\\(input_ids\\)"),
         (lambda: CacheManager(4, 4, cm.page_table, page_table_writer="gpu"), InvalidArgument,
