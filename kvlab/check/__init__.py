@@ -15,7 +15,7 @@ import importlib
 import pkgutil
 import warnings
 
-from . import sandbox
+from . import picture, sandbox  # noqa: F401  (kvlab.check.picture, kvlab.check.sandbox)
 from .core import (EXERCISES, Case, CheckFailed, Segment, call_learner, compare_flat, exercise,
                    hint, run_cases)
 from .sandbox import LearnerRaised
