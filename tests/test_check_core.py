@@ -7,6 +7,7 @@ checker, and ``kvlab.solutions.show`` must print its source.
 from __future__ import annotations
 
 import matplotlib
+import matplotlib.figure
 
 matplotlib.use("Agg")
 
@@ -179,6 +180,17 @@ def test_band_picture_marks_each_overwritten_guard_cell():
     assert len(red) == 4
     assert "`out_indices` (8 elements): 3 write(s) past the end, up to 5 out" in fig.axes[0].get_title(loc="left")
     plt.close(fig)
+
+
+def test_in_a_notebook_the_failure_picture_is_displayed(monkeypatch):
+    import IPython.display
+
+    shown = []
+    monkeypatch.setattr(picture, "front_end_present", lambda: True)
+    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
+    assert picture.show_failure(_failure([1, 2, 3], torch.tensor([1, 5, 3]))) is True
+    assert len(shown) == 1 and isinstance(shown[0], matplotlib.figure.Figure)
+    assert picture.show_failure(CheckFailed("no data to draw")) is False
 
 
 def test_no_picture_without_data_or_without_a_front_end():
