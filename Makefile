@@ -29,7 +29,7 @@ $(VENV)/.installed: pyproject.toml
 lab: setup
 	$(BIN)/jupyter lab notebooks/
 
-test: setup test-unit test-notebooks
+test: setup test-unit test-notebooks test-ui
 
 test-unit: setup
 	MPLBACKEND=Agg $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not ui" tests/
