@@ -44,8 +44,9 @@ import triton  # noqa: E402,I001
 import triton.language as tl  # noqa: E402
 from .errors import IntegrityError, InvalidArgument, OutOfPages
 
-#: the implementations of the launch step this module knows
-IMPLS: tuple[str, ...] = ("teaching",)
+#: the implementations of the launch step this module knows: "fast" (chapter 09, the default:
+#: one compilation for every shape, no extra host sync) and "teaching" (chapters 03-04)
+IMPLS: tuple[str, ...] = ("fast", "teaching")
 
 _INT_DTYPES = (torch.int32, torch.int64)
 #: the largest block ``tl.arange`` may build (Triton's TRITON_MAX_TENSOR_NUMEL)
@@ -94,7 +95,7 @@ class PagedTokenAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int, device: "torch.device | str | None" = None,
-                 *, impl: str = "teaching"):
+                 *, impl: str = "fast"):
         num_pages = _as_int(num_pages, "num_pages")
         page_size = _as_int(page_size, "page_size")
         if num_pages < 1:
@@ -224,16 +225,34 @@ class PagedTokenAllocator:
     # --- step 4: launch (dispatched on impl) -----------------------------------------------
 
     def _launch_extend(self, pre, seq, last, out, n_tokens: int, needed: int) -> None:
-        if self.impl == "teaching":
+        if self.impl == "fast":
+            self._launch_extend_fast(pre, seq, last, out, n_tokens, needed)
+        elif self.impl == "teaching":
             self._launch_extend_teaching(pre, seq, last, out, n_tokens, needed)
         else:  # pragma: no cover - __init__ only accepts IMPLS
             raise InvalidArgument("impl", f"one of {IMPLS}", f"got {self.impl!r}")
 
     def _launch_decode(self, seq, last, out, needed: int) -> None:
-        if self.impl == "teaching":
+        if self.impl == "fast":
+            self._launch_decode_fast(seq, last, out, needed)
+        elif self.impl == "teaching":
             self._launch_decode_teaching(seq, last, out, needed)
         else:  # pragma: no cover
             raise InvalidArgument("impl", f"one of {IMPLS}", f"got {self.impl!r}")
+
+    def _launch_extend_fast(self, pre, seq, last, out, n_tokens: int, needed: int) -> None:
+        # chapter 09: the counts are already known on the host (steps 1-3), so no sync here
+        from .kernels.fast_alloc import alloc_extend_fast
+
+        alloc_extend_fast(pre, seq, last, self.free_pages, self.page_size,
+                          extend_num_tokens=n_tokens, num_new_pages=needed, out=out,
+                          report=self.ret_values)
+
+    def _launch_decode_fast(self, seq, last, out, needed: int) -> None:
+        from .kernels.fast_alloc import alloc_decode_fast
+
+        alloc_decode_fast(seq, last, self.free_pages, self.page_size, num_new_pages=needed, out=out,
+                          report=self.ret_values)
 
     def _launch_extend_teaching(self, pre, seq, last, out, n_tokens: int, needed: int) -> None:
         from .kernels.alloc import alloc_extend_kernel

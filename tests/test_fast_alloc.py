@@ -309,3 +309,66 @@ def test_one_compilation_serves_every_shape():
 
 def test_kernels_are_exported():
     assert kvlab.kernels.extend_fill_kernel is fast_alloc.extend_fill_kernel
+
+
+# --- PagedTokenAllocator(impl="fast"), the default --------------------------------------------
+
+
+def test_allocator_defaults_to_the_fast_path():
+    assert kvlab.PagedTokenAllocator(4, 4).impl == "fast"
+
+
+@given(st.sampled_from(PAGE_SIZES), st.integers(0, 2**16))
+def test_allocator_fast_and_teaching_agree_step_by_step(P, seed):
+    """Same batches through both impls: same slots, same free list, same ret_values."""
+    rng = random.Random(seed)
+    allocs = {impl: kvlab.PagedTokenAllocator(48, P, impl=impl) for impl in ("fast", "teaching")}
+    lens: list[int] = []      # tokens per live request
+    slots: list[list[int]] = []
+    for _ in range(4):
+        if lens and rng.random() < 0.4:  # one decode step for every live request
+            seq = [n + 1 for n in lens]
+            last = [s[-1] if s else -1 for s in slots]
+            outs = {}
+            for impl, a in allocs.items():
+                try:
+                    outs[impl] = a.alloc_decode(_t(seq), _t(last)).tolist()
+                except OutOfPages:
+                    outs[impl] = "oom"
+            assert outs["fast"] == outs["teaching"]
+            if outs["fast"] != "oom":
+                lens = seq
+                slots = [s + [o] for s, o in zip(slots, outs["fast"])]
+        else:  # extend the live requests and add new ones
+            pre = lens + [0] * rng.randint(1, 2)
+            seq = [p + rng.choice([0, 1, P, rng.randint(1, 2 * P + 3)]) for p in pre]
+            last = [s[-1] if s else -1 for s in slots] + [-1] * (len(pre) - len(slots))
+            n = sum(s - p for p, s in zip(pre, seq))
+            outs = {}
+            for impl, a in allocs.items():
+                try:
+                    outs[impl] = a.alloc_extend(_t(pre), _t(seq), _t(last), n).tolist()
+                except OutOfPages:
+                    outs[impl] = "oom"
+            assert outs["fast"] == outs["teaching"]
+            if outs["fast"] != "oom":
+                got = outs["fast"]
+                new_slots, at = [], 0
+                for i, (p, s) in enumerate(zip(pre, seq)):
+                    mine = slots[i] if i < len(slots) else []
+                    new_slots.append(mine + got[at:at + s - p])
+                    at += s - p
+                lens, slots = seq, new_slots
+        assert allocs["fast"].free_pages.tolist() == allocs["teaching"].free_pages.tolist()
+        assert allocs["fast"].ret_values.item() == allocs["teaching"].ret_values.item()
+
+
+def test_allocator_fast_out_of_pages_leaves_state_unchanged():
+    a = kvlab.PagedTokenAllocator(3, 16)
+    before = a.state()
+    with pytest.raises(OutOfPages):
+        a.alloc_extend(_t([0, 0]), _t([40, 20]), _t([-1, -1]), 60)
+    assert a.state().equals(before)
+    with pytest.raises(OutOfPages):
+        a.alloc_decode(_t([1, 1, 1, 1]), _t([-1, -1, -1, -1]))
+    assert a.state().equals(before)

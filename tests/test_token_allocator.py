@@ -357,7 +357,7 @@ def test_decode_checker_passes_the_teaching_kernel():
 def test_teaching_kernel_block_limit_is_refused_before_launch():
     from kvlab.token_allocator import _MAX_BLOCK
 
-    alloc = PagedTokenAllocator(2, _MAX_BLOCK)  # two huge pages: the page count is no obstacle
+    alloc = PagedTokenAllocator(2, _MAX_BLOCK, impl="teaching")  # two huge pages: the page count is no obstacle
     n = _MAX_BLOCK + 1  # next_power_of_2 -> 2 * _MAX_BLOCK lanes: more than Triton allows
     err = _refused(alloc, lambda: alloc.alloc_extend(t([0]), t([n]), t([-1]), n), InvalidArgument)
     assert err.argument == "extend_num_tokens"

@@ -101,18 +101,23 @@ def _scan_batch(prefix_lens_ptr, seq_lens_ptr, scratch_ptr, bs,
         carry_pages += tl.sum(new_pages, axis=0)
     tl.store(totals_ptr + 0, carry_tokens)
     tl.store(totals_ptr + 1, carry_pages)
+    return carry_tokens, carry_pages
 
 
-@triton.jit(**_jit_options(["bs"], ["prefix_lens_ptr", "seq_lens_ptr", "scratch_ptr"]))
+@triton.jit(**_jit_options(["bs"], ["prefix_lens_ptr", "seq_lens_ptr", "scratch_ptr", "report_ptr"]))
 def extend_scan_kernel(
     prefix_lens_ptr,     # [bs]  tokens already cached per request
     seq_lens_ptr,        # [bs]  tokens wanted after this batch
     scratch_ptr,         # [2*bs + 2] int64 out: token_start | page_start | totals
+    report_ptr,          # [1] int64 out, if HAS_REPORT: (total pages << 32) | total tokens
     bs,                  # runtime batch size: no recompile per batch size
     page_size: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_REPORT: tl.constexpr,
 ):
-    _scan_batch(prefix_lens_ptr, seq_lens_ptr, scratch_ptr, bs, page_size, BLOCK)
+    tokens, pages = _scan_batch(prefix_lens_ptr, seq_lens_ptr, scratch_ptr, bs, page_size, BLOCK)
+    if HAS_REPORT:  # the teaching kernel's ret_values, for callers that keep reading it
+        tl.store(report_ptr, (pages << 32) | tokens)
 
 
 # --- fill: one slot per output token, one formula for all three parts ------------------------
@@ -183,15 +188,17 @@ def extend_fill_kernel(
 
 @triton.jit(**_jit_options(["bs", "num_tokens", "num_free", "search_steps"],
                            ["prefix_lens_ptr", "seq_lens_ptr", "last_loc_ptr", "free_pages_ptr",
-                            "scratch_ptr", "out_ptr"]))
+                            "scratch_ptr", "out_ptr", "report_ptr"]))
 def extend_fused_kernel(
     prefix_lens_ptr, seq_lens_ptr, last_loc_ptr, free_pages_ptr,
     scratch_ptr,         # [num_programs, 2*bs + 2] int64: one private row per program
     out_ptr,
+    report_ptr,          # [1] int64, if HAS_REPORT: (total pages << 32) | total tokens
     bs, num_tokens, num_free, search_steps,
     page_size: tl.constexpr,
     BLOCK: tl.constexpr,        # output tokens per program
     BATCH: tl.constexpr,        # >= bs: the whole batch is one vector
+    HAS_REPORT: tl.constexpr,
 ):
     # A launch costs ~10-25 us of host time, more than the whole scan, so for a batch that
     # fits one vector (bs <= BATCH) each program scans it itself -- one vector cumsum, O(bs)
@@ -200,7 +207,10 @@ def extend_fused_kernel(
     #   a barrier makes the row's stores visible to all of the program's threads
     pid = tl.program_id(0)
     row = scratch_ptr + pid.to(tl.int64) * (2 * bs + 2)
-    _scan_batch(prefix_lens_ptr, seq_lens_ptr, row, bs, page_size, BATCH)
+    tokens, pages = _scan_batch(prefix_lens_ptr, seq_lens_ptr, row, bs, page_size, BATCH)
+    if HAS_REPORT:
+        if pid == 0:
+            tl.store(report_ptr, (pages << 32) | tokens)
     tl.debug_barrier()
     t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     _fill_tokens(t, prefix_lens_ptr, last_loc_ptr, free_pages_ptr, row, out_ptr,
@@ -211,16 +221,18 @@ def extend_fused_kernel(
 
 
 @triton.jit(**_jit_options(["bs", "num_free"],
-                           ["seq_lens_ptr", "last_loc_ptr", "free_pages_ptr", "out_ptr"]))
+                           ["seq_lens_ptr", "last_loc_ptr", "free_pages_ptr", "out_ptr", "report_ptr"]))
 def decode_fast_kernel(
     seq_lens_ptr,        # [bs]  lengths AFTER the new token (seq = pre + 1)
     last_loc_ptr,        # [bs]
     free_pages_ptr,      # [num_free]
     out_ptr,             # [bs]  out: one slot per request (int64)
+    report_ptr,          # [1]   int64 out, if HAS_REPORT: the number of new pages
     bs,
     num_free,
     page_size: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_REPORT: tl.constexpr,
 ):
     # A request needs a new page when its new token is the first of a page: (seq-1) % P == 0.
     # The k-th such request (counting in batch order) takes free_pages[k]: an exclusive scan.
@@ -239,6 +251,8 @@ def decode_fast_kernel(
         slot = tl.where(needs, page.to(tl.int64) * page_size, last + 1)
         tl.store(out_ptr + offs, slot, mask=mask)
         carry += tl.sum(needs64, axis=0)
+    if HAS_REPORT:
+        tl.store(report_ptr, carry)
 
 
 # --- host side ---------------------------------------------------------------------------------
@@ -291,6 +305,17 @@ def _output(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Ten
     return out
 
 
+def _report(report: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
+    """The report tensor, checked; without one the kernels get ``fallback`` and never write it."""
+    if report is None:
+        return fallback
+    if not isinstance(report, torch.Tensor) or report.dtype != torch.int64 or report.numel() != 1 \
+            or report.device != fallback.device:
+        raise InvalidArgument("report", f"an int64 tensor of one element on {fallback.device}",
+                              f"got {getattr(report, 'dtype', type(report).__name__)}")
+    return report
+
+
 def _check_page_size(page_size: int) -> None:
     if not isinstance(page_size, int) or page_size < 1:
         raise InvalidArgument("page_size", "an int >= 1", f"got {page_size!r}")
@@ -327,7 +352,8 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
                       extend_num_tokens: int | None = None,
                       num_new_pages: int | None = None,
                       prefix_lens_cpu=None, seq_lens_cpu=None,
-                      out: torch.Tensor | None = None) -> FastExtend:
+                      out: torch.Tensor | None = None,
+                      report: torch.Tensor | None = None) -> FastExtend:
     """Slots for a batched extend, same result as :func:`kvlab.reference.alloc_extend_ref`.
 
     Three ways to call it, from most to least host work avoided:
@@ -343,6 +369,8 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
     reads ``free_pages``) is launched; on :class:`OutOfPages` nothing has been written.
     ``free_pages`` is not modified: the caller drops ``num_new_pages`` pages from its front.
     ``out``, if given, receives the slots (a 1-D int64 tensor of ``extend_num_tokens``).
+    ``report``, if given (an int64 tensor of one element), receives the teaching kernel's packed
+    ``ret_values``, ``(num_new_pages << 32) | extend_num_tokens``, written on the device.
     """
     _check_page_size(page_size)
     _check_device_tensor("prefix_lens", prefix_lens)
@@ -392,17 +420,19 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
             n_programs = triton.cdiv(extend_num_tokens, EXTEND_BLOCK)
             rows = torch.empty((n_programs, 2 * bs + 2), dtype=torch.int64, device=device)
             extend_fused_kernel[(n_programs,)](prefix_lens, seq_lens, last_loc, free_pages, rows, out,
-                                               bs, extend_num_tokens, num_free, search_steps,
-                                               page_size=page_size, BLOCK=EXTEND_BLOCK,
-                                               BATCH=BATCH_BLOCK)
+                                               _report(report, rows), bs, extend_num_tokens, num_free,
+                                               search_steps, page_size=page_size, BLOCK=EXTEND_BLOCK,
+                                               BATCH=BATCH_BLOCK, HAS_REPORT=report is not None)
+        elif report is not None:
+            report.fill_(0)  # nothing launched: zero pages, zero tokens
         return FastExtend(out, num_new_pages)
 
     # scan: offsets and first pages, plus the totals, in one int64 buffer (no slicing: every
     # torch call costs microseconds of host time, which is what this path saves)
     #   scratch = [ token_start (bs) | page_start (bs) | total tokens | total pages ]
     scratch = torch.empty(2 * bs + 2, dtype=torch.int64, device=device)
-    extend_scan_kernel[(1,)](prefix_lens, seq_lens, scratch, bs,
-                             page_size=page_size, BLOCK=BATCH_BLOCK)
+    extend_scan_kernel[(1,)](prefix_lens, seq_lens, scratch, _report(report, scratch), bs,
+                             page_size=page_size, BLOCK=BATCH_BLOCK, HAS_REPORT=report is not None)
 
     if extend_num_tokens is None or num_new_pages is None:
         device_tokens, device_pages = scratch[2 * bs:].tolist()  # the one host sync of this mode
@@ -442,7 +472,8 @@ def decode_needs_from_host(seq_lens_cpu, page_size: int) -> int:
 
 def alloc_decode_fast(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages: torch.Tensor,
                       page_size: int, *, num_new_pages: int | None = None,
-                      seq_lens_cpu=None, out: torch.Tensor | None = None) -> FastDecode:
+                      seq_lens_cpu=None, out: torch.Tensor | None = None,
+                      report: torch.Tensor | None = None) -> FastDecode:
     """One slot per request for one decode step; same result as :func:`kvlab.reference.alloc_decode_ref`.
 
     With ``seq_lens_cpu`` (or ``num_new_pages``) there is no host sync and one launch; with
@@ -486,6 +517,6 @@ def alloc_decode_fast(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages
         raise OutOfPages(num_new_pages, num_free, "decode step")  # before any launch
     out = _output(out, bs, device)
     if bs > 0:
-        decode_fast_kernel[(1,)](seq_lens, last_loc, free_pages, out, bs, num_free,
-                                 page_size=page_size, BLOCK=BATCH_BLOCK)
+        decode_fast_kernel[(1,)](seq_lens, last_loc, free_pages, out, _report(report, out), bs, num_free,
+                                 page_size=page_size, BLOCK=BATCH_BLOCK, HAS_REPORT=report is not None)
     return FastDecode(out, num_new_pages)
