@@ -291,7 +291,9 @@ def test_one_compilation_serves_every_shape():
     import time
 
     P = 16
-    X.fast_extend(make_extend_batch(2, 8, P, seed=99))  # compiles both kernels once
+    # compile each variant once: one launch (bs <= FUSED_MAX_BATCH), scan + fill (larger batches)
+    X.fast_extend(make_extend_batch(2, 8, P, seed=99))
+    X.fast_extend(make_extend_batch(fast_alloc.FUSED_MAX_BATCH + 1, 2, P, seed=99))
     shapes = [(1, 5), (3, 1000), (64, 17), (7, 4096), (200, 33), (1, 70000), (1500, 3)]
     for i, (bs, mean) in enumerate(shapes):
         b = make_extend_batch(bs, mean, P, seed=i)
