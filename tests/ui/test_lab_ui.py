@@ -91,6 +91,8 @@ def test_ch07_timeline_slider_changes_the_heatmap(open_notebook):
     # the line of events under the slider follows it too
     info = nb.page.locator(".kvlab-step-info").first.inner_text()
     assert info.strip().startswith(f"step {int(after)}"), info
+    explorer = nb.page.locator(".kvlab-timeline-explorer").first
+    explorer.screenshot(path=str(nb.shots / f"{Path(nb.name).stem}-explorer.png"))
 
 
 def test_ch03_page_table_heatmap_renders(open_notebook):
