@@ -35,8 +35,11 @@ if INTERPRET:
 import torch  # noqa: E402  (after the environment variable, on purpose)
 
 #: Where kvlab puts its tensors: ``"cuda"`` when kernels are compiled, else ``"cpu"``
-#: (the interpreter runs Triton programs on CPU tensors).
-DEVICE: torch.device = torch.device("cpu" if INTERPRET else "cuda")
+#: (the interpreter runs Triton programs on CPU tensors). With an index (``cuda:0``), so that
+#: it compares equal to ``tensor.device``.
+DEVICE: torch.device = (
+    torch.device("cpu") if INTERPRET else torch.device("cuda", torch.cuda.current_device())
+)
 
 
 def default_device(device: "torch.device | str | None" = None) -> torch.device:

@@ -239,7 +239,7 @@ def test_write_page_table_rejects_bad_tensors(writer, device):
 
 def test_validation_returns_offsets():
     table = new_page_table(3, 16, 4)
-    runs = check_write_page_table(table, torch.zeros(20, dtype=torch.int32), [(0, 0, 2), (2, 1, 4)], 4)
+    runs = check_write_page_table(table, torch.zeros(20, dtype=torch.int32, device=table.device), [(0, 0, 2), (2, 1, 4)], 4)
     assert [(r.table_idx, r.first_page, r.last_page, r.offset) for r in runs] == [(0, 0, 2, 0), (2, 1, 4, 8)]
 
 

@@ -165,7 +165,7 @@ print(f"kernel == reference on {n_trials} random batches ({crossings} page cross
 
 # %%
 P = 16
-alloc = kvlab.PagedTokenAllocator(num_pages=kvlab.runtime.pick(cpu=24, gpu=256), page_size=P)
+alloc = kvlab.PagedTokenAllocator(num_pages=kvlab.runtime.pick(cpu=24, gpu=1024), page_size=P)
 rng = random.Random(1)
 bs = kvlab.runtime.pick(cpu=4, gpu=32)
 prompt = [rng.randint(1, 40) for _ in range(bs)]
