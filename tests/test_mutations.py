@@ -281,3 +281,66 @@ def test_a_crashing_exercise_kernel_is_reported_and_the_process_survives(mutant_
     msg = str(info.value)
     assert "crashed the interpreter" in msg and "alloc_extend_kernel" in msg
     assert torch.arange(3).sum() == 3  # still alive
+
+
+# --- chapters 05-06: match_req drops the last token; cache_req remaps the duplicate region ------
+
+CH05_06_REQ = [
+    Mutant("match_req", "input_ids[: len(input_ids) - 1]", "input_ids",
+           ("[whole prompt cached (page_size 4)] matched 16 tokens; expected 12",
+            "the prompt's last token must be recomputed so the prefill produces logits"),
+           "matches all of input_ids instead of dropping the last token"),
+    Mutant("match_req", "input_ids[: len(input_ids) - 1]",
+           "input_ids[: len(input_ids) - prefix_cache.page_size]",
+           ("[cached prompt ends inside a page] matched 8 tokens; expected 12",
+            "dropped more than the last token"),
+           "drops a whole page instead of the last token"),
+    Mutant("cache_req_remap",
+           "    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]\n",
+           "", ("(region: duplicate)", "region 'duplicate'", "the row would point at freed pages"),
+           "frees the duplicate region without remapping the row"),
+    Mutant("cache_req_remap", "= cached_slots[old_cached_len:already_cached_len]",
+           "= cached_slots[0:already_cached_len - old_cached_len]",
+           ("[page_size 1]", "(region: duplicate)", "the cached slot of the same position"),
+           "remaps the duplicate region to the cache's slots of the wrong positions"),
+    Mutant("cache_req_remap", "free = list(row_slots[old_cached_len:already_cached_len:page_size])",
+           "free = list(row_slots[old_cached_len:already_cached_len])",
+           ("free:", "one page start per page"), "frees token slots of the duplicate region, not page starts"),
+]
+
+
+@pytest.mark.parametrize("mutant", CH05_06_REQ, ids=lambda m: f"{m.exercise}: {m.why}")
+def test_match_req_and_remap_mutants_are_rejected(mutant, mutant_dir):
+    _reject(mutant, mutant_dir)
+
+
+@pytest.mark.parametrize("exercise", ["match_req", "cache_req_remap"])
+def test_the_unmutated_match_req_and_remap_solutions_pass(exercise, mutant_dir, capsys):
+    solution = kvlab.solutions.get(exercise)
+    last_line = _source(solution).splitlines()[-1]
+    same = build_mutant(exercise, last_line, last_line + "  ", mutant_dir)
+    assert getattr(kvlab.check, exercise)(same, n_random=1) > 0
+
+
+def test_the_remap_checker_expects_the_row_the_cache_manager_leaves():
+    # the checker's expected row is what kvlab.CacheManager.cache_req(finished=False) leaves
+    from kvlab import CacheManager, Req
+    from kvlab.check.ch06_cache_req import cache_req_remap_solution
+    from kvlab.paging import new_page_table
+
+    for P in (1, 2, 4):
+        cm = CacheManager(32, P, new_page_table(3, 32, P))
+        first, second = Req(list(range(11)), 0), Req(list(range(11)), 1)
+        for r in (first, second):  # both admitted before either is cached: a duplicate region
+            cm.admit(r)
+        cm.allocate_paged([first, second])
+        for r in (first, second):
+            r.complete_one()
+        cm.cache_req(first, finished=False)
+        regions = cm.cache_req(second, finished=False)
+        assert regions.duplicate.length > 0 and regions.remapped
+        cached = second.cache_handle.get_matched_indices().tolist()
+        mine = cache_req_remap_solution(regions.row_before.tolist(), cached, regions.old_cached_len,
+                                        regions.already_cached_len, P)
+        assert mine["row"] == regions.row_after.tolist()
+        assert sorted(mine["free"]) == sorted(regions.freed_pages.tolist())

@@ -1,8 +1,14 @@
-"""Chapter 05's exercises: ``kvlab.check.match_prefix(fn)`` and ``kvlab.check.insert_prefix(fn)``.
+"""Chapter 05's exercises: ``kvlab.check.match_prefix(fn)``, ``kvlab.check.match_req(fn)`` and
+``kvlab.check.insert_prefix(fn)``.
 
 ``match_prefix``: the learner walks a real :class:`~kvlab.radix_cache.RadixPrefixCache`
 (read only: ``cache.root``, ``node.children`` keyed by a node's first page of tokens,
 ``node.key``) and returns the page-aligned matched length of ``input_ids``.
+
+``match_req``: the learner matches a request's prompt the way ``CacheManager.match_req``
+does: ``prefix_cache.match_prefix(input_ids[:len(input_ids) - 1])``. The last prompt token
+is never taken from the cache, so the prefill always computes at least one position and
+gets the logits of the next token from it.
 
 ``insert_prefix``: the learner inserts into the *page store* of the chapter's build-up: a
 dict with one entry per cached page, keyed by the tokens from the start of the prompt to
@@ -130,6 +136,95 @@ def match_prefix(fn, *, seed: int = 0, n_random: int = 12) -> int:
                               case=case.name)
 
     return run_cases("match_prefix", _match_cases(seed, n_random), run_one)
+
+
+# --- match_req: match the prompt without its last token --------------------------------------
+
+
+def match_req_solution(prefix_cache: RadixPrefixCache, input_ids: list[int]):
+    """Match all but the last prompt token: the prefill must compute at least that one."""
+    return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])
+
+
+def _matched_len(got, case: str) -> int:
+    """The learner may return a MatchResult, a handle (both have ``cached_len``) or an int."""
+    if hasattr(got, "cached_len"):
+        got = got.cached_len
+    if isinstance(got, torch.Tensor) and got.numel() == 1:
+        got = int(got)
+    if not isinstance(got, int) or isinstance(got, bool):
+        raise CheckFailed(f"[{case}] return prefix_cache.match_prefix(...)'s MatchResult (or the "
+                          f"matched length as an int), not {type(got).__name__}", case=case)
+    return got
+
+
+def _match_req_cases(seed: int, n_random: int) -> list[Case]:
+    sixteen = list(range(1, 17))
+    cases = [
+        Case("whole prompt cached (page_size 4)", {"P": 4, "cached": [sixteen], "prompt": sixteen}),
+        Case("page_size 1: whole prompt cached", {"P": 1, "cached": [[5, 6, 7, 8]], "prompt": [5, 6, 7, 8]}),
+        Case("one-token prompt", {"P": 1, "cached": [[5, 6]], "prompt": [5]}),
+        Case("prompt one page longer than the cache", {"P": 4, "cached": [sixteen[:8]], "prompt": sixteen[:12]}),
+        Case("cached prompt ends inside a page", {"P": 4, "cached": [sixteen], "prompt": sixteen[:14]}),
+        Case("nothing cached", {"P": 2, "cached": [], "prompt": [1, 2, 3, 4]}),
+        Case("page_size 1, two branches", {"P": 1, "cached": [[5, 6, 7], [5, 8, 9]], "prompt": [5, 8, 9]}),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        P = rng.choice([1, 2, 4])
+        cached = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(rng.randrange(1, 5))]
+        if rng.random() < 0.5:  # often a prompt that is (nearly) all cached: where the last token matters
+            prompt = list(rng.choice(cached))[: rng.randrange(1, 15)] or [rng.randrange(3)]
+        else:
+            prompt = [rng.randrange(3) for _ in range(rng.randrange(1, 14))]
+        cases.append(Case(f"random {i + 1} (page_size {P})", {"P": P, "cached": cached, "prompt": prompt},
+                          "random"))
+    return cases
+
+
+@exercise(
+    "match_req",
+    chapter="05",
+    hints=[
+        "The prefill must produce the logits of the next token, and those come out of the model "
+        "at the last prompt position: that position must be computed, so it cannot come from the cache.",
+        "Match every token except the last one: input_ids[:len(input_ids) - 1]. The cache rounds "
+        "the match down to whole pages itself.",
+        "return prefix_cache.match_prefix(input_ids[:len(input_ids) - 1]) (a one-token prompt "
+        "matches an empty list: nothing).",
+    ],
+    solution=match_req_solution,
+)
+def match_req(fn, *, seed: int = 0, n_random: int = 12) -> int:
+    """Check ``fn(prefix_cache, input_ids) -> MatchResult`` (or the matched length) of a new request."""
+
+    def run_one(case: Case) -> None:
+        P, cached, prompt = case.args["P"], case.args["cached"], case.args["prompt"]
+        cache = _build_cache(P, cached)
+        ref = PrefixStoreRef(P)
+        for seq in cached:
+            ref.insert(seq)
+        expected = ref.match_len(prompt[: len(prompt) - 1])
+        whole = ref.match_len(prompt)
+        got = _matched_len(call_learner(fn, cache, list(prompt)), case.name)
+        if got == expected:
+            return
+        if got > expected and got == whole:
+            why = (f": the prompt's last token must be recomputed so the prefill produces logits "
+                   f"(match input_ids[:len(input_ids) - 1], not all {len(prompt)} tokens)")
+        elif got > expected:
+            why = " (more than the cache holds for the prompt without its last token)"
+        elif got % P:
+            why = f" ({got} is not a whole number of pages of {P}: the cache matches whole pages)"
+        else:
+            why = (" (you dropped more than the last token: only input_ids[-1] must be left "
+                   "for the prefill)")
+        raise CheckFailed(
+            f"[{case.name}] matched {got} tokens; expected {expected}{why}\n"
+            f"  page_size {P}; cached prompts: {cached}\n  prompt ({len(prompt)} tokens): {prompt}",
+            case=case.name, expected=expected, got=got)
+
+    return run_cases("match_req", _match_req_cases(seed, n_random), run_one)
 
 
 # --- insert_prefix on the page store ------------------------------------------------------
