@@ -31,6 +31,12 @@ Pipeline of one extend (``T`` new tokens, ``bs`` requests, ``F`` free pages)::
              pos >= ceil(pre/P)*P  ->  free_pages[page_start[r] + j] * P + pos % P
                                        with j = pos // P - ceil(pre/P)         (new pages)
 
+For batches of up to ``FUSED_MAX_BATCH`` requests with the counts known on the host, scan and
+fill share one launch (``extend_fused_kernel``): a launch costs ~10-25 us of host time, more
+than the scan, so each fill program scans the batch itself (one vector cumsum: O(bs) per BLOCK
+tokens, linear in tokens, never O(bs^2)) into a private scratch row. Each of the two variants
+compiles once per page size (and once more if a caller asks for the packed ``report``).
+
 The three parts of the teaching kernel become one formula per token. Every load and store
 is masked against the tensor's length, so even inconsistent inputs cannot make the kernels
 touch memory out of bounds (the host still validates what it can before launching).
