@@ -312,13 +312,21 @@ assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 
 # (`node.children.get(tuple(...))`), count how far its `node.key` agrees with the prompt, round
 # down to whole pages, and stop when the prompt leaves the tree. Only read the tree (no splits).
 #
+# **Exercise `match_req`.** Write `my_match_req(prefix_cache, input_ids)`: how a server matches
+# a new request's prompt. Return what `prefix_cache.match_prefix` returns (a `MatchResult`; the
+# matched length as an int is accepted too). Remember what the prefill is for: the checker
+# tries a prompt that is cached whole, a one-token prompt, page size 1, and a prompt one page
+# longer than the cache.
+#
 # **Exercise `insert_prefix`.** `page_store_insert` from the build-up is the answer to the
 # second exercise; the checker runs it on edge cases (partial last pages, everything cached,
 # equal page contents after a different first page, page size 1) and random ones.
 #
 # The cells below are pre-filled with working answers so that they pass; clear them and
 # write your own. Stuck? `kvlab.check.hint("match_prefix", 1)` (then 2, 3) gives hints in
-# steps, and `kvlab.solutions.show("match_prefix")` prints a reference solution.
+# steps, and `kvlab.solutions.show("match_prefix")` prints a reference solution (the same for
+# `"match_req"`). A wrong answer is reported with the case it failed on, as below: the
+# whole prompt matched, when the prefill needs its last token.
 
 # %%
 def my_match_prefix(cache, input_ids):
@@ -339,19 +347,36 @@ def my_match_prefix(cache, input_ids):
     return matched
 
 
+def my_match_req(prefix_cache, input_ids):
+    return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])  # the last token is computed
+
+
 kvlab.check.match_prefix(my_match_prefix)
+kvlab.check.match_req(my_match_req)
 kvlab.check.insert_prefix(page_store_insert)
 
 # %%
 kvlab.check.hint("match_prefix", 1)
 # kvlab.solutions.show("match_prefix")   # uncomment to read the reference solution
 
+
+def match_whole_prompt(prefix_cache, input_ids):  # a typical slip: the last token is matched too
+    return prefix_cache.match_prefix(input_ids)
+
+
+try:
+    kvlab.check.match_req(match_whole_prompt)
+except kvlab.check.CheckFailed as e:
+    print("CheckFailed:", str(e).splitlines()[0])
+else:
+    raise AssertionError("matching the whole prompt must be rejected")
+
 # %% [markdown]
 # ## Lift: the notebook's functions vs kvlab
 #
-# Your `my_match_prefix` must agree with `kvlab.RadixPrefixCache.match_prefix`, and the page
-# store's "already cached" length with `insert_prefix`'s, on random prompts with shared
-# beginnings.
+# Your `my_match_prefix` must agree with `kvlab.RadixPrefixCache.match_prefix`, your
+# `my_match_req` with `kvlab.CacheManager.match_req`, and the page store's "already cached"
+# length with `insert_prefix`'s, on random prompts with shared beginnings.
 
 # %%
 rng = random.Random(11)
@@ -361,13 +386,16 @@ for page_size in (1, 2, 4, 16):
     for _ in range(25):
         ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 2 * page_size))]
         assert my_match_prefix(tree, ids) == tree.match_prefix(ids).cached_len == page_store_match(page_store, ids, page_size)
+        if ids:  # a request has at least one token
+            manager = CacheManager(1, page_size, kvlab.paging.new_page_table(1, 8, page_size), prefix_cache=tree)
+            assert my_match_req(tree, ids).cached_len == manager.match_req(Req(ids, 0)).cached_len
         slots = list(range(next_slot, next_slot + len(ids)))
         next_slot += -(-len(ids) // page_size) * page_size
         mine, new_entries = page_store_insert(page_store, ids, slots, page_size)
         page_store.update(new_entries)
         theirs = tree.insert_prefix(ids, torch.tensor(slots, dtype=torch.int32))
         assert mine == theirs.cached_len
-print("my_match_prefix and page_store_insert agree with kvlab.RadixPrefixCache")
+print("my_match_prefix, my_match_req and page_store_insert agree with kvlab")
 
 # %% [markdown]
 # ## Summary

@@ -418,15 +418,58 @@ kvlab.check.hint("cache_req_regions", 1)
 # kvlab.solutions.show("cache_req_regions")   # uncomment to read the reference solution
 
 # %% [markdown]
+# **Exercise `cache_req_remap`.** Now the row of a request that goes on running
+# (`finished=False`). After the insert, the cache holds its own copy of the duplicate
+# region's tokens: `cached_slots` (the new handle's `get_matched_indices()`, one slot per
+# position of `[0, new_cached_len)`). Write
+#
+# ```python
+# fn(row_slots, cached_slots, old_cached_len, already_cached_len, page_size)
+#     -> {"free": [page starts of the duplicate region], "row": [the row afterwards]}
+# ```
+#
+# so that the duplicate pages go back to the free list *and* the row never points at them
+# again (scenario 3's bug). The checker draws the row it expected over the one you returned,
+# region by region. Hints: `kvlab.check.hint("cache_req_remap", 1)`; a solution:
+# `kvlab.solutions.show("cache_req_remap")`.
+
+# %%
+def my_cache_req_remap(row_slots, cached_slots, old_cached_len, already_cached_len, page_size):
+    free = list(row_slots[old_cached_len:already_cached_len:page_size])
+    row = list(row_slots)
+    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]
+    return {"free": free, "row": row}
+
+
+kvlab.check.cache_req_remap(my_cache_req_remap)
+
+# %% [markdown]
+# This is what the source design's row looks like to the checker: the duplicate pages are
+# freed and the row is left as it was.
+
+# %%
+def free_without_remap(row_slots, cached_slots, old_cached_len, already_cached_len, page_size):
+    return {"free": list(row_slots[old_cached_len:already_cached_len:page_size]), "row": list(row_slots)}
+
+
+try:
+    kvlab.check.cache_req_remap(free_without_remap)
+except kvlab.check.CheckFailed as e:
+    print("CheckFailed:", e)
+else:
+    raise AssertionError("a row left pointing at freed pages must be rejected")
+
+# %% [markdown]
 # ## Lift: your accounting vs `kvlab.CacheManager.cache_req`
 #
-# On random traces, every `cache_req` call's `CacheRegions` must match what your function
-# computes from the same row and lengths: the four regions, and, for the duplicate region and
-# the tail, the pages freed.
+# On random traces, every `cache_req` call's `CacheRegions` must match what your functions
+# compute from the same row and lengths: the four regions, and, for the duplicate region and
+# the tail, the pages freed; and for a request that goes on running, the row that
+# `cache_req` leaves (`row_after`) must be the one your `my_cache_req_remap` returns.
 
 # %%
 rng = random.Random(21)
-checked = 0
+checked = remapped = 0
 for page_size in (1, 2, 4, 16):
     cm = CacheManager(64 // page_size * 4, page_size, kvlab.paging.new_page_table(4, 96, page_size))
     prompts = [[rng.randrange(2) for _ in range(rng.randrange(2, 40))] for _ in range(2)]
@@ -437,6 +480,11 @@ for page_size in (1, 2, 4, 16):
             finished = rng.random() < 0.5
             got = cm.cache_req(r, finished=finished)
             if not finished:
+                mine_row = my_cache_req_remap(got.row_before.tolist(), r.cache_handle.get_matched_indices().tolist(),
+                                              got.old_cached_len, got.already_cached_len, page_size)
+                assert mine_row["row"] == got.row_after.tolist()
+                assert sorted(mine_row["free"]) == sorted(got.freed_pages.tolist())
+                remapped += got.remapped
                 cm.cache_req(r, finished=True)
             mine = my_cache_req_regions(got.row_before.tolist(), got.old_cached_len, got.already_cached_len,
                                         got.req_cached_len, page_size, finished)
@@ -446,7 +494,9 @@ for page_size in (1, 2, 4, 16):
             assert set(mine["free"]) <= set(got.freed_pages.tolist())
             checked += 1
         cm.check_integrity()
-print(f"my_cache_req_regions agrees with kvlab.CacheManager.cache_req on {checked} calls")
+print(f"my_cache_req_regions agrees with kvlab.CacheManager.cache_req on {checked} calls; "
+      f"my_cache_req_remap on the rows of the unfinished ones ({remapped} of them remapped)")
+assert remapped > 0
 
 # %% [markdown]
 # ## Summary
@@ -458,7 +508,8 @@ print(f"my_cache_req_regions agrees with kvlab.CacheManager.cache_req on {checke
 #   cached the same tokens first), **newly inserted** and **tail** (freed when finished); the old
 #   handle is unlocked only after the insert, the new one locked when the request goes on.
 # * The source design frees the duplicate pages while the row still maps them; kvlab remaps
-#   that part of the row to the cached slots (`remap_duplicates=True`, the default).
+#   that part of the row to the cached slots (`remap_duplicates=True`, the default), as your
+#   `my_cache_req_remap` does.
 # * `OutOfPages` is decided before anything is evicted; misuse (unlocking twice, caching a
 #   finished request again, bad lengths) raises a clear error and changes nothing.
 # * The conservation law, free + cached + running = all pages, each once, is `check_integrity()`.
