@@ -50,22 +50,15 @@ figures: setup
 # this checkout through PYTHONPATH (nothing installed); the notebooks' kernel inherits it.
 # Offline box without Jupyter: make gpu-check GPU_WHEELS=<dir with nbval, ipykernel... wheels>
 # (one or more folders; unpacked into GPU_SITE). Dry run without CUDA: GPU_REQUIRE=0.
+# Without make: sh tools/gpu_check.sh (same settings, from the environment).
 GPU_WHEELS    ?=
 GPU_SITE      ?= /tmp/kvlab-site
 GPU_REQUIRE   ?= 1
 GPU_TESTS     ?= tests/
 GPU_NOTEBOOKS ?= notebooks/
-GPU_PYTHONPATH = $(CURDIR)$(if $(strip $(GPU_WHEELS)),:$(GPU_SITE))$(if $(PYTHONPATH),:$(PYTHONPATH))
-GPU_ENV = KVLAB_REQUIRE_GPU=$(GPU_REQUIRE) PYTHONPATH=$(GPU_PYTHONPATH)
 gpu-check:
-ifneq ($(strip $(GPU_WHEELS)),)
-	rm -rf $(GPU_SITE) && mkdir -p $(GPU_SITE)
-	$(PYTHON) -m pip install -q --no-index --no-deps --target $(GPU_SITE) $(foreach d,$(GPU_WHEELS),$(d)/*.whl) \
-	  || for w in $(foreach d,$(GPU_WHEELS),$(d)/*.whl); do $(PYTHON) -m zipfile -e $$w $(GPU_SITE) || exit 1; done
-endif
-	$(GPU_ENV) $(PYTHON) tools/gpu_check_env.py $(if $(filter 1,$(GPU_REQUIRE)),--require-gpu)
-	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider -m "not ui" --ignore=tests/ui $(GPU_TESTS)
-	$(GPU_ENV) $(PYTHON) -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env $(GPU_NOTEBOOKS)
+	PYTHON="$(PYTHON)" GPU_WHEELS="$(GPU_WHEELS)" GPU_SITE="$(GPU_SITE)" GPU_REQUIRE="$(GPU_REQUIRE)" \
+	  GPU_TESTS="$(GPU_TESTS)" GPU_NOTEBOOKS="$(GPU_NOTEBOOKS)" sh tools/gpu_check.sh
 
 bench: setup
 	$(BIN)/python -m kvlab.bench

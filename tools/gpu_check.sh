@@ -1,0 +1,50 @@
+#!/bin/sh
+# Everything with compiled Triton on a CUDA machine: the unit tests, then every notebook
+# executed with nbval, in the current Python (no venv). `make gpu-check` runs this; it also
+# runs without make:
+#
+#   sh tools/gpu_check.sh                          # python3 with Jupyter packages installed
+#   GPU_WHEELS=.gpuwheels sh tools/gpu_check.sh    # offline box: unpack these wheels first
+#
+# Settings (environment): PYTHON (python3), GPU_WHEELS (folders of .whl files, space
+# separated; unpacked into GPU_SITE, /tmp/kvlab-site), GPU_REQUIRE (1: fail unless kvlab
+# compiles for CUDA; 0: a dry run in the interpreter), GPU_TESTS (tests/), GPU_NOTEBOOKS
+# (notebooks/). kvlab is used from this checkout through PYTHONPATH, nothing is installed,
+# and the notebooks' kernel (nbval --nbval-current-env) inherits the same PYTHONPATH.
+set -eu
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+GPU_WHEELS=${GPU_WHEELS:-}
+GPU_SITE=${GPU_SITE:-/tmp/kvlab-site}
+GPU_REQUIRE=${GPU_REQUIRE:-1}
+GPU_TESTS=${GPU_TESTS:-tests/}
+GPU_NOTEBOOKS=${GPU_NOTEBOOKS:-notebooks/}
+
+path=$(pwd)
+if [ -n "$GPU_WHEELS" ]; then
+    rm -rf "$GPU_SITE" && mkdir -p "$GPU_SITE"
+    wheels=""
+    for d in $GPU_WHEELS; do wheels="$wheels $(ls "$d"/*.whl)"; done
+    # shellcheck disable=SC2086  # one word per wheel
+    if ! "$PYTHON" -m pip install -q --no-index --no-deps --target "$GPU_SITE" $wheels; then
+        echo "gpu_check.sh: pip could not install the wheels; unpacking them instead" >&2
+        for w in $wheels; do "$PYTHON" -m zipfile -e "$w" "$GPU_SITE"; done
+    fi
+    path="$path:$GPU_SITE"
+fi
+PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}"
+KVLAB_REQUIRE_GPU=$GPU_REQUIRE
+MPLBACKEND=${MPLBACKEND:-Agg}
+PYTHONHASHSEED=0
+export PYTHONPATH KVLAB_REQUIRE_GPU MPLBACKEND PYTHONHASHSEED
+
+if [ "$GPU_REQUIRE" = "1" ]; then
+    "$PYTHON" tools/gpu_check_env.py --require-gpu
+else
+    "$PYTHON" tools/gpu_check_env.py
+fi
+# shellcheck disable=SC2086  # GPU_TESTS / GPU_NOTEBOOKS may name several paths
+"$PYTHON" -m pytest -q -p no:cacheprovider -m "not ui" --ignore=tests/ui $GPU_TESTS
+# shellcheck disable=SC2086
+"$PYTHON" -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env $GPU_NOTEBOOKS
+echo "gpu_check.sh: unit tests and notebooks passed (GPU_REQUIRE=$GPU_REQUIRE)"
