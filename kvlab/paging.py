@@ -23,6 +23,8 @@ Vocabulary
 """
 from __future__ import annotations
 
+import array
+import itertools
 from typing import NamedTuple, Sequence
 
 import torch
@@ -172,6 +174,76 @@ def check_write_page_table(page_table, allocated, allocation_info, page_size) ->
     Shared by :func:`write_page_table` and :func:`write_page_table_triton`. Raises
     :class:`~kvlab.errors.InvalidArgument` naming the argument and the rule.
     """
+    meta = _validated_entries(page_table, allocated, allocation_info, page_size)
+    return [PageRun(*entry) for entry in meta.tolist()]
+
+
+def _validated_entries(page_table, allocated, allocation_info, page_size) -> torch.Tensor:
+    """All rules of a page-table write; returns an ``[n, 4]`` int64 CPU tensor of
+    ``(table_idx, first_page, last_page, offset)``.
+
+    Valid input (the common case) is judged with a handful of vectorised tensor ops, so the
+    cost does not grow with Python work per entry; anything suspicious goes to the
+    entry-by-entry check, which raises with the name of the first bad entry.
+    """
+    meta = _vectorised_entries(page_table, allocated, allocation_info, page_size)
+    if meta is None:
+        runs = _check_write_entry_by_entry(page_table, allocated, allocation_info, page_size)
+        meta = torch.tensor([tuple(r) for r in runs], dtype=torch.int64).reshape(-1, 4)
+    return meta
+
+
+_FAST_CHECK_LIMIT = 2**31  # beyond this, (last_page * page_size) could overflow int64 maths
+
+
+def _vectorised_entries(page_table, allocated, allocation_info, page_size) -> torch.Tensor | None:
+    """The rules of :func:`_check_write_entry_by_entry` as tensor ops; ``None`` if any fails."""
+    if not (isinstance(page_table, torch.Tensor) and page_table.dim() == 2
+            and page_table.dtype in _TABLE_DTYPES and isinstance(allocated, torch.Tensor)
+            and allocated.dim() == 1 and allocated.device == page_table.device
+            and not (allocated.dtype.is_floating_point or allocated.dtype.is_complex
+                     or allocated.dtype == torch.bool)
+            and type(page_size) is int and page_size >= 1):
+        return None
+    if isinstance(allocation_info, torch.Tensor) or len(allocation_info) == 0:
+        return None  # tensors and empty lists: the exact checks are cheap enough
+    try:
+        if set(map(len, allocation_info)) != {3}:
+            return None
+        flat = array.array("q", itertools.chain.from_iterable(allocation_info))  # refuses floats
+        if bool in set(map(type, itertools.chain.from_iterable(allocation_info))):
+            return None  # an int subclass that the array accepts; the exact check refuses it
+    except (TypeError, ValueError, OverflowError):
+        return None
+    info = torch.frombuffer(flat, dtype=torch.int64).view(-1, 3)
+    if bool((info.abs() >= _FAST_CHECK_LIMIT).any()):
+        return None
+    rows, cols = page_table.shape
+    row, first, last = info.unbind(1)
+    if not bool(((row >= 0) & (row < rows) & (first >= 0) & (first <= last)
+                 & (last * page_size <= cols)).all()):
+        return None
+    lengths = (last - first) * page_size
+    ends = torch.cumsum(lengths, 0)
+    if int(ends[-1]) != allocated.numel():
+        return None
+    # Overlap: sort the non-empty ranges by (row, first_page); a range may not start before
+    # the previous one (same row) ends.
+    used = lengths > 0
+    r, f, l = row[used], first[used], last[used]
+    order = torch.argsort(r * (cols + 1) + f)
+    r, f, l = r[order], f[order], l[order]
+    if bool(((r[1:] == r[:-1]) & (f[1:] < l[:-1])).any()):
+        return None
+    return torch.stack([row, first, last, ends - lengths], 1)
+
+
+def _check_write_entry_by_entry(page_table, allocated, allocation_info, page_size) -> list[PageRun]:
+    """The rules of a page-table write, checked entry by entry in Python.
+
+    Slow but precise: it names the first entry that breaks a rule. :func:`check_write_page_table`
+    runs it only when the vectorised check below finds a problem (or cannot judge the input).
+    """
     page_size = _check_page_size(page_size)
     if not isinstance(page_table, torch.Tensor):
         raise InvalidArgument("page_table", "must be a torch.Tensor", f"got {type(page_table).__name__}")
@@ -280,24 +352,22 @@ def write_page_table_triton(page_table: torch.Tensor, allocated: torch.Tensor,
     """
     from .kernels.paging import write_page_table_kernel
 
-    runs = check_write_page_table(page_table, allocated, allocation_info, page_size)
+    meta = _validated_entries(page_table, allocated, allocation_info, page_size)
     if allocated.dtype not in _KERNEL_DTYPES:
         raise InvalidArgument("allocated", "must be int32 or int64 for the Triton kernel",
                               f"got {allocated.dtype}")
     _check_kernel_device("page_table", page_table)
-    runs = [run for run in runs if run.last_page > run.first_page]
-    if not runs:
+    meta = meta[meta[:, 2] > meta[:, 1]]  # entries that write nothing need no program
+    num_runs = meta.shape[0]
+    if num_runs == 0:
         return
     if page_table.stride(1) != 1:
         raise InvalidArgument("page_table", "rows must be contiguous (stride(1) == 1)",
                               f"got strides {page_table.stride()}")
-    meta_host = torch.tensor([[r.table_idx for r in runs], [r.first_page for r in runs],
-                              [r.last_page for r in runs], [r.offset for r in runs]],
-                             dtype=torch.int64)
-    if runtime.can_pin_memory():
-        meta_host = meta_host.pin_memory()
-    meta = meta_host.to(page_table.device, non_blocking=True)
-    write_page_table_kernel[(len(runs),)](
-        page_table, page_table.stride(0), allocated.contiguous(), meta, len(runs),
+    # [4, R]: rows, first pages, last pages, offsets. A few KB: a plain copy costs less than
+    # pinning a fresh buffer on every call.
+    meta = meta.T.contiguous().to(page_table.device)
+    write_page_table_kernel[(num_runs,)](
+        page_table, page_table.stride(0), allocated.contiguous(), meta, num_runs,
         int(page_size), BLOCK=_WRITE_BLOCK)
 
