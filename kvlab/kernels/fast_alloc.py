@@ -44,6 +44,7 @@ touch memory out of bounds (the host still validates what it can before launchin
 from __future__ import annotations
 
 import inspect
+import operator
 from typing import NamedTuple, Sequence
 
 import torch
@@ -278,13 +279,20 @@ class FastDecode(NamedTuple):
     num_new_pages: int
 
 
+# Host-side checks. Every fast call runs them, so they are written for a few microseconds in
+# all: one pass per argument, plain int arithmetic, no tensors built unless one is returned,
+# and the slow work (finding *which* entry breaks a rule) only once a rule is known broken.
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
 def _as_int_list(name: str, values) -> list[int]:
     if isinstance(values, torch.Tensor):
         if values.dim() != 1:
             raise InvalidArgument(name, "a 1-D tensor or list", f"got shape {tuple(values.shape)}")
         return values.tolist()
-    if isinstance(values, list) and all(type(v) is int for v in values):
-        return values  # already what we need: no copy
+    if isinstance(values, list) and list(map(type, values)).count(int) == len(values):
+        return values  # already plain ints (the type test runs in C): no copy
     return [int(v) for v in values]
 
 
@@ -293,10 +301,22 @@ def _check_device_tensor(name: str, t, bs: int | None = None) -> None:
         raise InvalidArgument(name, "a torch.Tensor", f"got {type(t).__name__}")
     if t.dim() != 1:
         raise InvalidArgument(name, "1-D", f"got shape {tuple(t.shape)}")
-    if t.dtype not in (torch.int32, torch.int64):
+    if t.dtype not in _INDEX_DTYPES:
         raise InvalidArgument(name, "dtype int32 or int64", f"got {t.dtype}")
     if bs is not None and t.numel() != bs:
         raise InvalidArgument(name, "one entry per request", f"got {t.numel()}, expected {bs}")
+
+
+def _raise_device_mismatch(owner: str, device: torch.device, **tensors: torch.Tensor) -> None:
+    """Name the first of ``tensors`` that is not on ``device`` (called once a mismatch is known)."""
+    for name, t in tensors.items():
+        if t.device != device:
+            raise InvalidArgument(name, f"on the same device as {owner}", f"got {t.device} and {device}")
+
+
+def _check_count(name: str, value) -> None:
+    if not isinstance(value, int) or value < 0:
+        raise InvalidArgument(name, "an int >= 0", f"got {value!r}")
 
 
 def _output(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Tensor:
@@ -311,15 +331,15 @@ def _output(out: torch.Tensor | None, n: int, device: torch.device) -> torch.Ten
     return out
 
 
-def _report(report: torch.Tensor | None, fallback: torch.Tensor) -> torch.Tensor:
-    """The report tensor, checked; without one the kernels get ``fallback`` and never write it."""
+def _check_report(report: torch.Tensor | None, device: torch.device) -> None:
+    """A caller's ``report`` must be one int64 element on ``device``. Without one, the kernels
+    get some other int64 tensor as a placeholder pointer and never write it (HAS_REPORT=False)."""
     if report is None:
-        return fallback
+        return
     if not isinstance(report, torch.Tensor) or report.dtype != torch.int64 or report.numel() != 1 \
-            or report.device != fallback.device:
-        raise InvalidArgument("report", f"an int64 tensor of one element on {fallback.device}",
+            or report.device != device:
+        raise InvalidArgument("report", f"an int64 tensor of one element on {device}",
                               f"got {getattr(report, 'dtype', type(report).__name__)}")
-    return report
 
 
 def _check_page_size(page_size: int) -> None:
@@ -341,7 +361,7 @@ def extend_needs_from_host(prefix_lens_cpu, seq_lens_cpu, page_size: int) -> tup
     if pre and min(pre) < 0:
         r = next(i for i, p in enumerate(pre) if p < 0)
         raise InvalidArgument(f"prefix_lens[{r}]", "prefix_lens >= 0", f"got {pre[r]}")
-    if any(s < p for p, s in zip(pre, seq)):
+    if any(map(operator.lt, seq, pre)):  # some seq < pre (compared in C; found below)
         r = next(i for i, (p, s) in enumerate(zip(pre, seq)) if s < p)
         raise InvalidArgument(f"seq_lens[{r}]", "seq_lens >= prefix_lens",
                               f"got seq {seq[r]} < pre {pre[r]}")
@@ -365,7 +385,8 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
     Three ways to call it, from most to least host work avoided:
 
     * ``extend_num_tokens`` and ``num_new_pages`` given (the scheduler knows both): no host
-      sync, no host loop; two launches (scan, fill).
+      sync, no host loop; one launch (scan and fill fused) for up to ``FUSED_MAX_BATCH``
+      requests, two (scan, fill) above.
     * ``prefix_lens_cpu`` and ``seq_lens_cpu`` given: both counts are computed on the host
       (and the lengths validated there); no device sync.
     * neither: the scan kernel computes the totals on the device and the host reads them
@@ -385,10 +406,10 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
     _check_device_tensor("last_loc", last_loc, bs)
     _check_device_tensor("free_pages", free_pages)
     device = prefix_lens.device
-    for name, t in (("seq_lens", seq_lens), ("last_loc", last_loc), ("free_pages", free_pages)):
-        if t.device != device:
-            raise InvalidArgument(name, "on the same device as prefix_lens",
-                                  f"got {t.device} and {device}")
+    if seq_lens.device != device or last_loc.device != device or free_pages.device != device:
+        _raise_device_mismatch("prefix_lens", device, seq_lens=seq_lens, last_loc=last_loc,
+                               free_pages=free_pages)
+    _check_report(report, device)
 
     if (prefix_lens_cpu is None) != (seq_lens_cpu is None):
         raise InvalidArgument("prefix_lens_cpu/seq_lens_cpu", "give both or neither")
@@ -404,9 +425,10 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
             raise InvalidArgument("num_new_pages", "== sum(ceil(seq/P) - ceil(pre/P))",
                                   f"got {num_new_pages}, the lengths need {host_pages}")
         extend_num_tokens, num_new_pages = host_tokens, host_pages
-    for name, v in (("extend_num_tokens", extend_num_tokens), ("num_new_pages", num_new_pages)):
-        if v is not None and (not isinstance(v, int) or v < 0):
-            raise InvalidArgument(name, "an int >= 0", f"got {v!r}")
+    if extend_num_tokens is not None:
+        _check_count("extend_num_tokens", extend_num_tokens)
+    if num_new_pages is not None:
+        _check_count("num_new_pages", num_new_pages)
 
     if out is not None and extend_num_tokens is not None:
         _output(out, extend_num_tokens, device)  # refuse a wrong `out` before any launch
@@ -419,17 +441,20 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
         return FastExtend(torch.empty(0, dtype=torch.int64, device=device), 0)
 
     search_steps = max(1, (bs - 1).bit_length())
+    has_report = report is not None
     if extend_num_tokens is not None and num_new_pages is not None and bs <= FUSED_MAX_BATCH:
         # counts known and the batch fits one vector: one launch does scan and fill
         out = _output(out, extend_num_tokens, device)
         if extend_num_tokens > 0:
-            n_programs = triton.cdiv(extend_num_tokens, EXTEND_BLOCK)
+            # ceil division in plain ints (triton.cdiv is a wrapped function: microseconds a call)
+            n_programs = -(-extend_num_tokens // EXTEND_BLOCK)
             rows = torch.empty((n_programs, 2 * bs + 2), dtype=torch.int64, device=device)
             extend_fused_kernel[(n_programs,)](prefix_lens, seq_lens, last_loc, free_pages, rows, out,
-                                               _report(report, rows), bs, extend_num_tokens, num_free,
-                                               search_steps, page_size=page_size, BLOCK=EXTEND_BLOCK,
-                                               BATCH=BATCH_BLOCK, HAS_REPORT=report is not None)
-        elif report is not None:
+                                               report if has_report else rows, bs, extend_num_tokens,
+                                               num_free, search_steps, page_size=page_size,
+                                               BLOCK=EXTEND_BLOCK, BATCH=BATCH_BLOCK,
+                                               HAS_REPORT=has_report)
+        elif has_report:
             report.fill_(0)  # nothing launched: zero pages, zero tokens
         return FastExtend(out, num_new_pages)
 
@@ -437,8 +462,8 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
     # torch call costs microseconds of host time, which is what this path saves)
     #   scratch = [ token_start (bs) | page_start (bs) | total tokens | total pages ]
     scratch = torch.empty(2 * bs + 2, dtype=torch.int64, device=device)
-    extend_scan_kernel[(1,)](prefix_lens, seq_lens, scratch, _report(report, scratch), bs,
-                             page_size=page_size, BLOCK=BATCH_BLOCK, HAS_REPORT=report is not None)
+    extend_scan_kernel[(1,)](prefix_lens, seq_lens, scratch, report if has_report else scratch, bs,
+                             page_size=page_size, BLOCK=BATCH_BLOCK, HAS_REPORT=has_report)
 
     if extend_num_tokens is None or num_new_pages is None:
         device_tokens, device_pages = scratch[2 * bs:].tolist()  # the one host sync of this mode
@@ -457,20 +482,25 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
 
     out = _output(out, extend_num_tokens, device)
     if extend_num_tokens > 0:
-        grid = (triton.cdiv(extend_num_tokens, EXTEND_BLOCK),)
-        extend_fill_kernel[grid](prefix_lens, last_loc, free_pages, scratch, out,
-                                 bs, extend_num_tokens, num_free, search_steps,
-                                 page_size=page_size, BLOCK=EXTEND_BLOCK)
+        n_programs = -(-extend_num_tokens // EXTEND_BLOCK)  # ceil division, plain ints
+        extend_fill_kernel[(n_programs,)](prefix_lens, last_loc, free_pages, scratch, out,
+                                          bs, extend_num_tokens, num_free, search_steps,
+                                          page_size=page_size, BLOCK=EXTEND_BLOCK)
     return FastExtend(out, num_new_pages)
 
 
-def decode_needs_from_host(seq_lens_cpu, page_size: int) -> int:
-    """New pages one decode step takes, from host lengths: ``#{r : (seq_r - 1) % P == 0}``."""
+def decode_needs_from_host(seq_lens_cpu, page_size: int, bs: int | None = None) -> int:
+    """New pages one decode step takes, from host lengths: ``#{r : (seq_r - 1) % P == 0}``.
+
+    Checks ``seq_r >= 1`` and, when ``bs`` is given, that there is one length per request.
+    """
     seq = _as_int_list("seq_lens_cpu", seq_lens_cpu)
-    for r, s in enumerate(seq):
-        if s < 1:
-            raise InvalidArgument(f"seq_lens[{r}]", "seq_lens >= 1 (the length after the new token)",
-                                  f"got {s}")
+    if bs is not None and len(seq) != bs:
+        raise InvalidArgument("seq_lens_cpu", "one entry per request", f"got {len(seq)}, expected {bs}")
+    if seq and min(seq) < 1:  # rare: find the first offender only now
+        r = next(i for i, s in enumerate(seq) if s < 1)
+        raise InvalidArgument(f"seq_lens[{r}]", "seq_lens >= 1 (the length after the new token)",
+                              f"got {seq[r]}")
     if page_size == 1:
         return len(seq)
     return sum(1 for s in seq if (s - 1) % page_size == 0)
@@ -492,14 +522,11 @@ def alloc_decode_fast(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages
     _check_device_tensor("last_loc", last_loc, bs)
     _check_device_tensor("free_pages", free_pages)
     device = seq_lens.device
-    for name, t in (("last_loc", last_loc), ("free_pages", free_pages)):
-        if t.device != device:
-            raise InvalidArgument(name, "on the same device as seq_lens", f"got {t.device} and {device}")
+    if last_loc.device != device or free_pages.device != device:
+        _raise_device_mismatch("seq_lens", device, last_loc=last_loc, free_pages=free_pages)
+    _check_report(report, device)
     if seq_lens_cpu is not None:
-        if len(_as_int_list("seq_lens_cpu", seq_lens_cpu)) != bs:
-            raise InvalidArgument("seq_lens_cpu", "one entry per request",
-                                  f"got {len(seq_lens_cpu)}, expected {bs}")
-        host_pages = decode_needs_from_host(seq_lens_cpu, page_size)
+        host_pages = decode_needs_from_host(seq_lens_cpu, page_size, bs)
         if num_new_pages is not None and num_new_pages != host_pages:
             raise InvalidArgument("num_new_pages", "== #{r : (seq_lens[r] - 1) % P == 0}",
                                   f"got {num_new_pages}, the lengths need {host_pages}")
@@ -516,13 +543,14 @@ def alloc_decode_fast(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages
                 raise InvalidArgument("seq_lens", "seq_lens >= 1 (the length after the new token)",
                                       f"got a minimum of {seq_min}")
             num_new_pages = need
-    if not isinstance(num_new_pages, int) or num_new_pages < 0:
-        raise InvalidArgument("num_new_pages", "an int >= 0", f"got {num_new_pages!r}")
+    _check_count("num_new_pages", num_new_pages)
     num_free = free_pages.numel()
     if num_new_pages > num_free:
         raise OutOfPages(num_new_pages, num_free, "decode step")  # before any launch
     out = _output(out, bs, device)
     if bs > 0:
-        decode_fast_kernel[(1,)](seq_lens, last_loc, free_pages, out, _report(report, out), bs, num_free,
-                                 page_size=page_size, BLOCK=BATCH_BLOCK, HAS_REPORT=report is not None)
+        has_report = report is not None
+        decode_fast_kernel[(1,)](seq_lens, last_loc, free_pages, out, report if has_report else out,
+                                 bs, num_free, page_size=page_size, BLOCK=BATCH_BLOCK,
+                                 HAS_REPORT=has_report)
     return FastDecode(out, num_new_pages)
