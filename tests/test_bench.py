@@ -96,3 +96,63 @@ def test_cli_smoke_does_not_touch_figures(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert main([]) == 0
     assert not (tmp_path / "figures").exists()
+
+
+# --- side-by-side timing: the rounds of a case's paths are interleaved ------------------------
+
+
+def test_interleaved_rounds_rotate_and_time_every_path_each_round():
+    calls: list[str] = []
+    fns = {name: (lambda name=name: calls.append(name)) for name in ("teaching", "fast", "fast_sync", "torch")}
+    got = suite.interleaved_loop_us(fns, smoke=True, calls=2, rounds=5,
+                                    time_block=lambda fn, n, smoke: [fn() for _ in range(n)] and 1.0)
+    names = list(fns)
+    assert calls[:4] == names  # one untimed warm call each, first
+    blocks = [calls[i:i + 2] for i in range(4, len(calls), 2)]
+    assert all(b[0] == b[1] for b in blocks)  # each block: `calls` back-to-back calls of one path
+    order = [b[0] for b in blocks]
+    assert order == [n for i in range(5) for n in names[i % 4:] + names[:i % 4]]
+    assert all(len(e["loop_rounds_us"]) == 5 and e["loop_us"] == 1.0 for e in got.values())
+
+
+def test_interleaving_cancels_drift_that_timing_one_path_after_the_other_does_not():
+    """A host that slows down steadily while the case is measured: 3% more per timed block."""
+    true_us = {"teaching": 50.0, "fast": 35.0}  # true ratio 0.70
+    rounds = 9
+
+    def drifting_clock():
+        blocks = [0]
+
+        def time_block(fn, calls, smoke):
+            blocks[0] += 1
+            return true_us[fn()] * (1 + 0.03 * blocks[0])
+        return time_block
+
+    fns = {name: (lambda name=name: name) for name in true_us}
+    side_by_side = suite.interleaved_loop_us(fns, smoke=True, calls=1, rounds=rounds,
+                                             time_block=drifting_clock())
+    ratio = side_by_side["fast"]["loop_us"] / side_by_side["teaching"]["loop_us"]
+    assert abs(ratio - 0.70) < 0.02
+    # the old way, each path in its own block of rounds: the drift lands on the second path only
+    clock = drifting_clock()
+    one_after_other = {name: suite._median([clock(fn, 1, True) for _ in range(rounds)])
+                       for name, fn in fns.items()}
+    assert one_after_other["fast"] / one_after_other["teaching"] > 0.80
+
+
+def test_smoke_rows_carry_side_by_side_rounds(smoke):
+    res, out = smoke
+    for row in res["extend"] + res["decode"] + res["page_table"] + res["scaling"]:
+        for name, entry in row["paths"].items():
+            if "skipped" in entry:
+                continue
+            assert len(entry["loop_rounds_us"]) == suite.SMOKE_LOOP_ROUNDS, (row, name)
+            assert entry["loop_us"] == suite._median(entry["loop_rounds_us"])
+    md = (out / "bench.md").read_text()
+    assert "quotient of those two medians" in md
+
+
+def test_loop_us_of_one_path_still_works():
+    n = []
+    assert suite.loop_us(lambda: n.append(1), smoke=True, calls=3, rounds=2) >= 0
+    assert len(n) == 1 + 3 * 2

@@ -22,6 +22,17 @@ def _ratio(row: dict, num: str, den: str, metric: str = "median_us") -> str:
     return "–"
 
 
+def _round_ratios(row: dict, num: str, den: str) -> str:
+    """Range of the per-round ratios: round i of ``num`` over round i of ``den``, timed next to
+    each other (see ``interleaved_loop_us``), so a wide range means the host was noisy."""
+    a = row["paths"].get(num, {}).get("loop_rounds_us")
+    b = row["paths"].get(den, {}).get("loop_rounds_us")
+    if not a or not b or len(a) != len(b) or min(b) <= 0:
+        return ""
+    ratios = [x / y for x, y in zip(a, b)]
+    return f" ({min(ratios):.2f}–{max(ratios):.2f})"
+
+
 def _loop(entry: dict | None) -> str:
     return f"{entry['loop_us']:.1f}" if entry and "loop_us" in entry else "–"
 
@@ -34,6 +45,10 @@ def markdown(res: dict) -> str:
              f"{m['date']}; {m.get('seconds', '?')} s.", ""]
     if res.get("smoke"):
         lines += ["**Smoke run: these numbers are not timings and make no claim.**", ""]
+    lines += ["Paths of one case are timed side by side: the per-call-in-a-loop rounds of all its paths "
+              "are interleaved in a rotating order, and each path's number is its median over the rounds. "
+              "**A ratio x/y is the quotient of those two medians**; in brackets, the range of the per-round "
+              "ratios (round i of x over round i of y, timed next to each other).", ""]
 
     lines += ["## Targets", "", "| target | rule | measured | result |", "|---|---|---|---|"]
     for t in res["targets"]:
@@ -50,7 +65,8 @@ def markdown(res: dict) -> str:
     for r in res["extend"]:
         p = r["paths"]
         lines.append(f"| {r['case']} | {r['page_size']} | {r['tokens']} | {both(p.get('teaching'))} | "
-                     f"{both(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} / {_ratio(r, 'fast', 'teaching', 'loop_us')} | "
+                     f"{both(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} / {_ratio(r, 'fast', 'teaching', 'loop_us')}"
+                     f"{_round_ratios(r, 'fast', 'teaching')} | "
                      f"{both(p.get('fast_host_lens'))} | {both(p.get('fast_sync'))} | {both(p.get('torch'))} | "
                      f"{'yes' if r.get('agree') else 'NO'} |")
     skipped = {r["paths"]["teaching"]["skipped"] for r in res["extend"]
@@ -60,8 +76,9 @@ def markdown(res: dict) -> str:
 
     lines += ["", "**do_bench median**: `triton.testing.do_bench`, L2 flushed (a 256 MB memset) before each call; "
               "for a path without a host sync it can hide host time behind that memset. **per call in a loop**: "
-              "50 back-to-back calls between two CUDA events, median of 9 rounds: host launch overhead and syncs "
-              "included. The targets use the loop numbers."]
+              "back-to-back calls between two CUDA events (host launch overhead and syncs included), the paths "
+              "of the case interleaved round by round, each path's median over its rounds. The targets use "
+              "the loop numbers."]
     if res.get("fast_compiles"):
         lines += ["", "## The fast path's compilations (once per page size and kernel variant)", "",
                   "| P | bs | tokens | first call, ms |", "|---|---|---|---|"]
@@ -82,7 +99,8 @@ def markdown(res: dict) -> str:
     for r in res["decode"]:
         p = r["paths"]
         lines.append(f"| {r['bs']} | {r['page_size']} | {r['new_pages']} | {both(p.get('teaching'))} | "
-                     f"{both(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} / {_ratio(r, 'fast', 'teaching', 'loop_us')} | "
+                     f"{both(p.get('fast'))} | {_ratio(r, 'fast', 'teaching')} / {_ratio(r, 'fast', 'teaching', 'loop_us')}"
+                     f"{_round_ratios(r, 'fast', 'teaching')} | "
                      f"{both(p.get('fast_sync'))} | {both(p.get('torch'))} | {'yes' if r.get('agree') else 'NO'} |")
 
     lines += ["", "## Page-table write (µs per write: do_bench median / per call in a loop)", ""]
@@ -93,7 +111,7 @@ def markdown(res: dict) -> str:
         for r in res["page_table"]:
             lines.append(f"| {r['case']} | {r['page_size']} | {r['slots']} | {both(r['paths']['host_loop'])} | "
                          f"{both(r['paths']['triton'])} | {_ratio(r, 'host_loop', 'triton')} / "
-                         f"{_ratio(r, 'host_loop', 'triton', 'loop_us')} | "
+                         f"{_ratio(r, 'host_loop', 'triton', 'loop_us')}{_round_ratios(r, 'host_loop', 'triton')} | "
                          f"{'yes' if r.get('agree') else 'NO'} |")
 
     lines += ["", f"## Prefix sums: fixed {res['config']['scaling_tokens']} tokens, growing batch (median µs)", "",

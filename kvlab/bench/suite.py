@@ -14,7 +14,8 @@ nothing, and the output says so).
 Result layout (``bench.json``)::
 
     {"meta": {...}, "smoke": bool,
-     "extend":     [{case, bs, mean_extend, tokens, page_size, paths: {name: {median_us | skipped, first_call_ms}}}],
+     "extend":     [{case, bs, mean_extend, tokens, page_size,
+                     paths: {name: {median_us, loop_us, loop_rounds_us} | {skipped}}}],
      "decode":     [{bs, page_size, paths: {...}}],
      "page_table": [{case, bs, page_size, paths: {"host_loop": ..., "triton": ...}}],
      "scaling":    [{bs, tokens, page_size, paths: {"teaching": ..., "fast": ...}}],
@@ -69,24 +70,76 @@ def median_us(fn: Callable[[], object], smoke: bool) -> float:
     return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")) * 1e3
 
 
-def loop_us(fn: Callable[[], object], smoke: bool, calls: int = 50, rounds: int = 9) -> float:
-    """Time per call of ``calls`` back-to-back calls, between two CUDA events recorded on an
-    idle GPU (median of ``rounds``): what a serving loop pays per batch, host launch overhead
-    and any host syncs included. On the CPU (smoke) one timed call."""
+#: per-call-in-a-loop timing: back-to-back calls per timed block, and rounds per path
+LOOP_CALLS, LOOP_ROUNDS = 50, 9
+#: smoke run: enough rounds to exercise the rotation, one call each (no timing claims)
+SMOKE_LOOP_CALLS, SMOKE_LOOP_ROUNDS = 1, 3
+
+
+def time_block_us(fn: Callable[[], object], calls: int, smoke: bool) -> float:
+    """Time per call of ``calls`` back-to-back calls of ``fn``: between two CUDA events recorded
+    on an idle GPU (host launch overhead and any host syncs included), or ``perf_counter`` on
+    the CPU (smoke)."""
     if smoke:
-        return median_us(fn, smoke)
-    fn()
-    samples = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        t0 = time.perf_counter()
         for _ in range(calls):
             fn()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(samples)[len(samples) // 2]
+        return (time.perf_counter() - t0) * 1e6 / calls
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / calls
+
+
+def rotation(names: list[str], round_index: int) -> list[str]:
+    """The order of round ``round_index``: ``names`` rotated left by it (a b c, b c a, c a b, ...)."""
+    k = round_index % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def _median(samples: list[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2]
+
+
+def interleaved_loop_us(fns: dict[str, Callable[[], object]], smoke: bool, *,
+                        calls: int | None = None, rounds: int | None = None,
+                        time_block: Callable[[Callable[[], object], int, bool], float] = time_block_us,
+                        ) -> dict[str, dict]:
+    """Per-call time in a loop of every path of one case, measured side by side.
+
+    The paths take turns, round by round, in a rotating order, so drift during the
+    measurement (clocks, CPU scheduling, a neighbour on the host) lands on all of them alike
+    instead of on whichever path happened to be timed last::
+
+        round 0: teaching fast fast_sync torch
+        round 1: fast fast_sync torch teaching
+        round 2: fast_sync torch teaching fast      ... each block: `calls` back-to-back calls
+
+    Returns ``{name: {"loop_us": median over rounds, "loop_rounds_us": [per round]}}``; the
+    suite's ratios are quotients of these medians. One untimed call of each path comes first.
+    """
+    calls = calls or (SMOKE_LOOP_CALLS if smoke else LOOP_CALLS)
+    rounds = rounds or (SMOKE_LOOP_ROUNDS if smoke else LOOP_ROUNDS)
+    names = list(fns)
+    for name in names:
+        fns[name]()  # warm: nothing compiles or allocates for the first time inside a block
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(rounds):
+        for name in rotation(names, i):
+            samples[name].append(time_block(fns[name], calls, smoke))
+    return {name: {"loop_us": _median(s), "loop_rounds_us": s} for name, s in samples.items()}
+
+
+def loop_us(fn: Callable[[], object], smoke: bool, calls: int | None = None,
+            rounds: int | None = None) -> float:
+    """Per-call time in a loop of one path alone (median of ``rounds`` blocks of ``calls``
+    back-to-back calls). To compare paths use :func:`interleaved_loop_us`."""
+    return interleaved_loop_us({"path": fn}, smoke, calls=calls, rounds=rounds)["path"]["loop_us"]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -98,11 +151,14 @@ def _meta(smoke: bool) -> dict:
     return {
         "mode": info.mode, "device": info.device_name, "torch": info.torch_version,
         "triton": info.triton_version, "python": platform.python_version(),
-        "timer": "perf_counter, one call (smoke: no timing claims)" if smoke
+        "timer": (f"perf_counter; median_us: one call; loop_us: {SMOKE_LOOP_ROUNDS} interleaved rounds of "
+                  f"{SMOKE_LOOP_CALLS} call (smoke: no timing claims)") if smoke
         else ("median_us: triton.testing.do_bench median (CUDA events; warmup 25 ms, rep 100 ms, L2 "
-              "flushed between calls); loop_us: time per call of 50 back-to-back calls between two CUDA "
-              "events on an idle GPU, median of 9 rounds (includes host launch overhead and syncs; "
-              "the targets use this one)"),
+              f"flushed between calls); loop_us: time per call of {LOOP_CALLS} back-to-back calls between "
+              "two CUDA events on an idle GPU (includes host launch overhead and syncs), the paths of a "
+              f"case side by side: {LOOP_ROUNDS} rounds, each timing every path once in a rotating order, "
+              "each path's median over its rounds; ratios are quotients of those medians (the targets "
+              "use loop_us)"),
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR", "(default)"),
         "note": ("SMOKE RUN in the Triton interpreter: tiny cases, harness only; the numbers are "
                  "not timings of anything and make no claim") if smoke else
@@ -117,6 +173,12 @@ def _time_path(fn, smoke: bool, *, first: bool = True) -> dict:
         entry["first_call_ms"] = first_call_ms(fn)
     entry["median_us"] = median_us(fn, smoke)
     return entry
+
+
+def _record_loops(row: dict, timed: dict[str, Callable[[], object]], smoke: bool) -> None:
+    """Per-call-in-a-loop times of all of a case's paths, side by side, into ``row["paths"]``."""
+    for name, entry in interleaved_loop_us(timed, smoke).items():
+        row["paths"][name].update(entry)
 
 
 def bench_extend(case_list, page_sizes, smoke: bool, log=print) -> list[dict]:
@@ -136,10 +198,11 @@ def bench_extend(case_list, page_sizes, smoke: bool, log=print) -> list[dict]:
                 outs[name] = path(b)  # also the first call: timed separately below
                 row["paths"][name] = {}
             # first calls were made above, untimed, in path order; time steady state now
-            for name, path in X.EXTEND_PATHS.items():
-                if name in outs:
-                    row["paths"][name]["median_us"] = median_us(lambda: path(b), smoke)
-                    row["paths"][name]["loop_us"] = loop_us(lambda: path(b), smoke)
+            timed = {name: (lambda path=path: path(b)) for name, path in X.EXTEND_PATHS.items()
+                     if name in outs}
+            for name, fn in timed.items():
+                row["paths"][name]["median_us"] = median_us(fn, smoke)
+            _record_loops(row, timed, smoke)
             ref_out, ref_pages = outs["fast"]
             for name, (o, n) in outs.items():
                 if not (_same(o, ref_out) and n == ref_pages):
@@ -209,11 +272,12 @@ def bench_decode(batches, page_sizes, smoke: bool, log=print) -> list[dict]:
             b = C.make_decode_batch(bs, P)
             row = {"bs": bs, "page_size": P, "new_pages": b.num_new_pages, "paths": {}, "agree": True}
             outs = {}
-            for name, path in X.DECODE_PATHS.items():
-                row["paths"][name] = {"first_call_ms": first_call_ms(lambda: path(b))}
-                outs[name] = path(b)
-                row["paths"][name]["median_us"] = median_us(lambda: path(b), smoke)
-                row["paths"][name]["loop_us"] = loop_us(lambda: path(b), smoke)
+            timed = {name: (lambda path=path: path(b)) for name, path in X.DECODE_PATHS.items()}
+            for name, fn in timed.items():
+                row["paths"][name] = {"first_call_ms": first_call_ms(fn)}
+                outs[name] = fn()
+                row["paths"][name]["median_us"] = median_us(fn, smoke)
+            _record_loops(row, timed, smoke)
             ref_out, ref_pages = outs["fast"]
             for name, (o, n) in outs.items():
                 if not (_same(o, ref_out) and n == ref_pages):
@@ -238,13 +302,13 @@ def bench_page_table(case_list, page_sizes, smoke: bool, log=print) -> list[dict
             table, allocated, info = C.page_table_job(b)
             row = {"case": f"{bs}x{mean}", "bs": bs, "page_size": P, "slots": allocated.numel(),
                    "paths": {}, "agree": True}
-            results = {}
-            for name, write in writers.items():
-                t = table.clone()
-                row["paths"][name] = {"first_call_ms": first_call_ms(lambda: write(t, allocated, info, P))}
-                results[name] = t
-                row["paths"][name]["median_us"] = median_us(lambda: write(t, allocated, info, P), smoke)
-                row["paths"][name]["loop_us"] = loop_us(lambda: write(t, allocated, info, P), smoke)
+            results = {name: table.clone() for name in writers}  # each writer fills its own copy
+            timed = {name: (lambda write=write, t=results[name]: write(t, allocated, info, P))
+                     for name, write in writers.items()}
+            for name, fn in timed.items():
+                row["paths"][name] = {"first_call_ms": first_call_ms(fn)}
+                row["paths"][name]["median_us"] = median_us(fn, smoke)
+            _record_loops(row, timed, smoke)
             row["agree"] = _same(results["host_loop"], results["triton"])
             log(f"ptable {row['case']:>10} P={P:<3} " + "  ".join(
                 f"{k}={v['median_us']:.1f}us" for k, v in row["paths"].items()))
@@ -258,11 +322,11 @@ def bench_scaling(batches, tokens: int, page_size: int, smoke: bool, log=print) 
     for bs in batches:
         b = C.make_extend_batch(bs, tokens // bs, page_size, extend_lens=[tokens // bs] * bs)
         row = {"bs": bs, "tokens": b.extend_num_tokens, "page_size": page_size, "paths": {}}
-        for name in ("teaching", "fast"):
-            path = X.EXTEND_PATHS[name]
-            path(b)
-            row["paths"][name] = {"median_us": median_us(lambda: path(b), smoke),
-                                  "loop_us": loop_us(lambda: path(b), smoke)}
+        timed = {name: (lambda path=X.EXTEND_PATHS[name]: path(b)) for name in ("teaching", "fast")}
+        for name, fn in timed.items():
+            fn()
+            row["paths"][name] = {"median_us": median_us(fn, smoke)}
+        _record_loops(row, timed, smoke)
         log(f"scale  bs={bs:<5} T={b.extend_num_tokens} " + "  ".join(
             f"{k}={v['median_us']:.1f}us" for k, v in row["paths"].items()))
         rows.append(row)
@@ -280,10 +344,11 @@ def _ratio(row: dict, num: str, den: str, metric: str = "median_us") -> float | 
 
 
 def _worst_ratio(row: dict, num: str, den: str) -> float | None:
-    """The ratio the targets use: per-call time in a loop (CUDA events around 50 back-to-back
-    calls), which counts host launch overhead and host syncs. do_bench's median is reported
-    beside it, but it flushes L2 between calls with a 256 MB memset, which hides up to that
-    memset's duration of host time for paths that do not sync -- it flatters them."""
+    """The ratio the targets use: per-call time in a loop (CUDA events around back-to-back
+    calls; the paths of a case interleaved round by round, the quotient of their medians),
+    which counts host launch overhead and host syncs. do_bench's median is reported beside
+    it, but it flushes L2 between calls with a 256 MB memset, which hides up to that memset's
+    duration of host time for paths that do not sync -- it flatters them."""
     return _ratio(row, num, den, "loop_us")
 
 
@@ -297,7 +362,7 @@ def evaluate_targets(res: dict) -> list[dict]:
     agree = all(r.get("agree", False) for r in ext)
     targets.append({
         "name": "fast alloc_extend vs teaching",
-        "rule": "fast/teaching <= 0.8 on every case the teaching path runs, per call in a loop of back-to-back calls (CUDA events); fast runs every case; outputs equal",
+        "rule": "fast/teaching <= 0.8 on every case the teaching path runs, per call in a loop of back-to-back calls (CUDA events; paths interleaved, ratio of medians); fast runs every case; outputs equal",
         "measured": (f"worst {worst[2]:.2f} ({worst[0]}, P={worst[1]}); fast ran {sum(1 for r in ext if 'median_us' in r['paths'].get('fast', {}))}"
                      f"/{len(ext)} cases; outputs agree: {agree}") if worst else "no case ran",
         "passed": bool(worst) and worst[2] <= 0.8 and fast_all and agree,
@@ -317,7 +382,7 @@ def evaluate_targets(res: dict) -> list[dict]:
     dagree = all(r.get("agree", False) for r in dec)
     targets.append({
         "name": "fast decode vs teaching",
-        "rule": "fast/teaching <= 0.8 at every batch size, per call in a loop (CUDA events); outputs equal",
+        "rule": "fast/teaching <= 0.8 at every batch size, per call in a loop (CUDA events; paths interleaved, ratio of medians); outputs equal",
         "measured": f"worst {dworst[2]:.2f} (bs={dworst[0]}, P={dworst[1]}); outputs agree: {dagree}" if dworst else "none",
         "passed": bool(dworst) and dworst[2] <= 0.8 and dagree,
     })
@@ -327,7 +392,7 @@ def evaluate_targets(res: dict) -> list[dict]:
     pagree = all(r.get("agree", False) for r in pt)
     targets.append({
         "name": "Triton page-table write vs host loop at bs 256",
-        "rule": "host_loop/triton >= 10 per call in a loop (CUDA events); tables equal",
+        "rule": "host_loop/triton >= 10 per call in a loop (CUDA events; paths interleaved, ratio of medians); tables equal",
         "measured": f"worst {pworst[2]:.1f}x ({pworst[0]}, P={pworst[1]}); tables agree: {pagree}" if pworst else
         (res["page_table"][0].get("error", "none") if res["page_table"] else "none"),
         "passed": bool(pworst) and pworst[2] >= 10 and pagree,
