@@ -374,3 +374,78 @@ def test_allocator_fast_out_of_pages_leaves_state_unchanged():
     with pytest.raises(OutOfPages):
         a.alloc_decode(_t([1, 1, 1, 1]), _t([-1, -1, -1, -1]))
     assert a.state().equals(before)
+
+
+# --- the host wrappers: every rule checked before any launch, with little host work ------------
+
+
+class _NoLaunch:
+    """Stands in for a kernel: any launch fails the test."""
+
+    def __getitem__(self, grid):
+        raise AssertionError("a kernel was launched although the input breaks a rule")
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    for kernel in ("decode_fast_kernel", "extend_scan_kernel", "extend_fill_kernel", "extend_fused_kernel"):
+        monkeypatch.setattr(fast_alloc, kernel, _NoLaunch())
+
+
+def test_tensor_on_another_device_is_named(no_launch):
+    meta = torch.zeros(2, dtype=torch.int64, device="meta")  # a device the checks must notice
+    with pytest.raises(InvalidArgument, match="last_loc.*same device as seq_lens"):
+        alloc_decode_fast(_t([1, 5]), meta, _t([0, 1]), 4, num_new_pages=1)
+    with pytest.raises(InvalidArgument, match="free_pages.*same device as seq_lens"):
+        alloc_decode_fast(_t([1, 5]), _t([-1, 3]), meta, 4, num_new_pages=1)
+    with pytest.raises(InvalidArgument, match="seq_lens.*same device as prefix_lens"):
+        alloc_extend_fast(_t([0, 0]), meta, _t([-1, -1]), _t([0, 1]), 4, extend_num_tokens=2, num_new_pages=2)
+    with pytest.raises(InvalidArgument, match="free_pages.*same device as prefix_lens"):
+        alloc_extend_fast(_t([0, 0]), _t([1, 1]), _t([-1, -1]), meta, 4, extend_num_tokens=2, num_new_pages=2)
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), [0]])
+def test_bad_report_is_refused_before_any_launch(bad, no_launch):
+    if isinstance(bad, torch.Tensor):
+        bad = bad.to(runtime.DEVICE)
+    with pytest.raises(InvalidArgument, match="report"):
+        alloc_decode_fast(_t([1, 5]), _t([-1, 3]), _t([0, 1]), 4, num_new_pages=1, report=bad)
+    for kw in (dict(extend_num_tokens=3, num_new_pages=1), {}):  # one-launch and scan+fill modes
+        with pytest.raises(InvalidArgument, match="report"):
+            alloc_extend_fast(_t([0]), _t([3]), _t([-1]), _t([0, 1]), 4, report=bad, **kw)
+
+
+def test_seq_lens_cpu_is_checked_once_and_fully(no_launch):
+    with pytest.raises(InvalidArgument, match="seq_lens_cpu.*one entry per request"):
+        alloc_decode_fast(_t([1, 5]), _t([-1, 3]), _t([0, 1]), 4, seq_lens_cpu=[1])
+    with pytest.raises(InvalidArgument, match="seq_lens\\[2\\]"):
+        alloc_decode_fast(_t([1, 5, 0]), _t([-1, 3, 4]), _t([0, 1]), 4, seq_lens_cpu=[1, 5, 0])
+    with pytest.raises(InvalidArgument, match="prefix_lens\\[1\\]"):
+        alloc_extend_fast(_t([0, -2]), _t([3, 4]), _t([-1, 0]), _t([0, 1]), 4,
+                          prefix_lens_cpu=[0, -2], seq_lens_cpu=[3, 4])
+
+
+@pytest.mark.parametrize("lens", [lambda v: v, lambda v: torch.tensor(v), lambda v: [float(x) for x in v],
+                                  lambda v: tuple(v)])
+def test_host_lengths_in_any_int_container(lens):
+    """Lists of ints are used as they are; tensors, floats that are whole, tuples are converted."""
+    pre, seq, P = [0, 5, 17], [3, 5, 40], 16
+    assert fast_alloc.extend_needs_from_host(lens(pre), lens(seq), P) == (3 + 0 + 23, 1 + 0 + (3 - 2))
+    assert fast_alloc.decode_needs_from_host(lens([1, 17, 18, 33]), P) == 3
+
+
+def test_host_path_uses_plain_int_arithmetic(monkeypatch):
+    """triton.cdiv on the host costs microseconds per call; the wrappers use integer division."""
+    import triton
+
+    def boom(*args):
+        raise AssertionError("triton.cdiv called on the host path")
+
+    monkeypatch.setattr(triton, "cdiv", boom)
+    P = 4
+    pre, seq, last = [0, 3], [2500, 9], [-1, 2]
+    need = alloc_extend_ref(pre, seq, last, list(range(2000)), P)
+    free = list(range(10, 10 + need.num_new_pages))
+    for kw in (dict(extend_num_tokens=need.num_extend_tokens, num_new_pages=need.num_new_pages), {}):
+        got = alloc_extend_fast(_t(pre), _t(seq), _t(last), _t(free), P, **kw)
+        assert got.out_indices.tolist() == alloc_extend_ref(pre, seq, last, free, P).out_indices
