@@ -156,3 +156,10 @@ def test_loop_us_of_one_path_still_works():
     n = []
     assert suite.loop_us(lambda: n.append(1), smoke=True, calls=3, rounds=2) >= 0
     assert len(n) == 1 + 3 * 2
+
+
+def test_round_ratios_pair_rounds_timed_together():
+    row = {"paths": {"fast": {"loop_rounds_us": [10.0, 30.0, 12.0]},
+                     "teaching": {"loop_rounds_us": [20.0, 40.0, 24.0]}}}
+    assert suite.round_ratios(row, "fast", "teaching") == [0.5, 0.75, 0.5]
+    assert suite.round_ratios(row, "fast", "torch") is None  # not measured: no ratio

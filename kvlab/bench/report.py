@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import os
 
+from .suite import round_ratios
+
 
 def _us(entry: dict | None) -> str:
     if not entry:
@@ -23,14 +25,9 @@ def _ratio(row: dict, num: str, den: str, metric: str = "median_us") -> str:
 
 
 def _round_ratios(row: dict, num: str, den: str) -> str:
-    """Range of the per-round ratios: round i of ``num`` over round i of ``den``, timed next to
-    each other (see ``interleaved_loop_us``), so a wide range means the host was noisy."""
-    a = row["paths"].get(num, {}).get("loop_rounds_us")
-    b = row["paths"].get(den, {}).get("loop_rounds_us")
-    if not a or not b or len(a) != len(b) or min(b) <= 0:
-        return ""
-    ratios = [x / y for x, y in zip(a, b)]
-    return f" ({min(ratios):.2f}–{max(ratios):.2f})"
+    """`` (0.55–0.70)``: the range of the per-round ratios; a wide one means a noisy host."""
+    ratios = round_ratios(row, num, den)
+    return f" ({min(ratios):.2f}–{max(ratios):.2f})" if ratios else ""
 
 
 def _loop(entry: dict | None) -> str:
