@@ -449,3 +449,22 @@ def test_host_path_uses_plain_int_arithmetic(monkeypatch):
     for kw in (dict(extend_num_tokens=need.num_extend_tokens, num_new_pages=need.num_new_pages), {}):
         got = alloc_extend_fast(_t(pre), _t(seq), _t(last), _t(free), P, **kw)
         assert got.out_indices.tolist() == alloc_extend_ref(pre, seq, last, free, P).out_indices
+
+
+@pytest.mark.parametrize("name,bad", [
+    ("seq_lens", [1, 5]), ("seq_lens", _t([[1, 5]])), ("seq_lens", _t([1.0, 5.0], torch.float32)),
+    ("last_loc", _t([-1])), ("last_loc", _t([-1, 3], torch.float64)), ("last_loc", (-1, 3)),
+    ("free_pages", _t([[0, 1]])), ("free_pages", _t([0, 1], torch.int16)),
+    ("page_size", 0), ("page_size", 4.0), ("page_size", "4"),
+])
+def test_every_broken_rule_is_named_not_waved_through(name, bad, no_launch):
+    """The wrappers accept good input with one combined test; anything it rejects must be
+    explained by the check for that argument (and never reach a kernel)."""
+    dec = dict(seq_lens=_t([1, 5]), last_loc=_t([-1, 3]), free_pages=_t([0, 1]), page_size=4)
+    ext = dict(prefix_lens=_t([0, 4]), seq_lens=_t([1, 6]), last_loc=_t([-1, 3]), free_pages=_t([0, 1]),
+               page_size=4)
+    dec[name] = ext[name] = bad
+    with pytest.raises(InvalidArgument, match=name):
+        alloc_decode_fast(**dec, num_new_pages=1)
+    with pytest.raises(InvalidArgument, match=name):
+        alloc_extend_fast(**ext, extend_num_tokens=3, num_new_pages=1)

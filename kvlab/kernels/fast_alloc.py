@@ -50,6 +50,7 @@ from typing import NamedTuple, Sequence
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
 from .. import runtime  # noqa: F401  (decides compiled vs interpreter before @triton.jit)
 from ..errors import InvalidArgument, OutOfPages
@@ -399,16 +400,24 @@ def alloc_extend_fast(prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_lo
     ``report``, if given (an int64 tensor of one element), receives the teaching kernel's packed
     ``ret_values``, ``(num_new_pages << 32) | extend_num_tokens``, written on the device.
     """
-    _check_page_size(page_size)
-    _check_device_tensor("prefix_lens", prefix_lens)
+    # fast accept: every tensor rule in one expression; if it fails, the named checks say which
+    if not (isinstance(page_size, int) and page_size >= 1
+            and isinstance(prefix_lens, Tensor) and isinstance(seq_lens, Tensor)
+            and isinstance(last_loc, Tensor) and isinstance(free_pages, Tensor)
+            and prefix_lens.dim() == 1 and free_pages.dim() == 1
+            and seq_lens.shape == prefix_lens.shape and last_loc.shape == prefix_lens.shape
+            and prefix_lens.dtype in _INDEX_DTYPES and seq_lens.dtype in _INDEX_DTYPES
+            and last_loc.dtype in _INDEX_DTYPES and free_pages.dtype in _INDEX_DTYPES
+            and seq_lens.device == prefix_lens.device == last_loc.device == free_pages.device):
+        _check_page_size(page_size)
+        _check_device_tensor("prefix_lens", prefix_lens)
+        _check_device_tensor("seq_lens", seq_lens, prefix_lens.numel())
+        _check_device_tensor("last_loc", last_loc, prefix_lens.numel())
+        _check_device_tensor("free_pages", free_pages)
+        _raise_device_mismatch("prefix_lens", prefix_lens.device, seq_lens=seq_lens,
+                               last_loc=last_loc, free_pages=free_pages)
     bs = prefix_lens.numel()
-    _check_device_tensor("seq_lens", seq_lens, bs)
-    _check_device_tensor("last_loc", last_loc, bs)
-    _check_device_tensor("free_pages", free_pages)
     device = prefix_lens.device
-    if seq_lens.device != device or last_loc.device != device or free_pages.device != device:
-        _raise_device_mismatch("prefix_lens", device, seq_lens=seq_lens, last_loc=last_loc,
-                               free_pages=free_pages)
     _check_report(report, device)
 
     if (prefix_lens_cpu is None) != (seq_lens_cpu is None):
@@ -516,14 +525,21 @@ def alloc_decode_fast(seq_lens: torch.Tensor, last_loc: torch.Tensor, free_pages
     neither, the page count is read from the device once (one sync) before the launch. With
     ``page_size == 1`` every request takes a page and nothing needs to be read at all.
     """
-    _check_page_size(page_size)
-    _check_device_tensor("seq_lens", seq_lens)
+    # fast accept: every tensor rule in one expression; if it fails, the named checks say which
+    if not (isinstance(page_size, int) and page_size >= 1
+            and isinstance(seq_lens, Tensor) and isinstance(last_loc, Tensor)
+            and isinstance(free_pages, Tensor)
+            and seq_lens.dim() == 1 and free_pages.dim() == 1 and last_loc.shape == seq_lens.shape
+            and seq_lens.dtype in _INDEX_DTYPES and last_loc.dtype in _INDEX_DTYPES
+            and free_pages.dtype in _INDEX_DTYPES
+            and seq_lens.device == last_loc.device == free_pages.device):
+        _check_page_size(page_size)
+        _check_device_tensor("seq_lens", seq_lens)
+        _check_device_tensor("last_loc", last_loc, seq_lens.numel())
+        _check_device_tensor("free_pages", free_pages)
+        _raise_device_mismatch("seq_lens", seq_lens.device, last_loc=last_loc, free_pages=free_pages)
     bs = seq_lens.numel()
-    _check_device_tensor("last_loc", last_loc, bs)
-    _check_device_tensor("free_pages", free_pages)
     device = seq_lens.device
-    if last_loc.device != device or free_pages.device != device:
-        _raise_device_mismatch("seq_lens", device, last_loc=last_loc, free_pages=free_pages)
     _check_report(report, device)
     if seq_lens_cpu is not None:
         host_pages = decode_needs_from_host(seq_lens_cpu, page_size, bs)
