@@ -2,7 +2,9 @@
 
 On CUDA it times, in one process and on the same batches: the teaching path, the fast path
 (three modes), a vectorised-torch version, the host-loop page-table write and the Triton one;
-medians of many runs with ``triton.testing.do_bench`` (CUDA events). It also records the
+medians of many runs with ``triton.testing.do_bench`` (CUDA events), and the per-call time in
+a loop of back-to-back calls with the paths of each case timed side by side (rounds interleaved,
+:func:`interleaved_loop_us`), which the targets use. It also records the
 *first call* of every path on every case, in order, in a process that starts with an empty
 Triton cache: for the teaching kernel that is a recompile whenever ``next_power_of_2`` of the
 batch or of its token count is new; for the fast kernels it is a plain launch once each page
