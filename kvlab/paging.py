@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import operator
 from typing import NamedTuple, Sequence
 
 import torch
@@ -175,12 +176,12 @@ def check_write_page_table(page_table, allocated, allocation_info, page_size) ->
     :class:`~kvlab.errors.InvalidArgument` naming the argument and the rule.
     """
     meta = _validated_entries(page_table, allocated, allocation_info, page_size)
-    return [PageRun(*entry) for entry in meta.tolist()]
+    return [PageRun(*entry) for entry in zip(*meta.tolist())]
 
 
 def _validated_entries(page_table, allocated, allocation_info, page_size) -> torch.Tensor:
-    """All rules of a page-table write; returns an ``[n, 4]`` int64 CPU tensor of
-    ``(table_idx, first_page, last_page, offset)``.
+    """All rules of a page-table write; returns a ``[4, n]`` int64 CPU tensor whose rows are
+    ``table_idx``, ``first_page``, ``last_page`` and ``offset`` (the kernel's metadata layout).
 
     Valid input (the common case) is judged with a handful of vectorised tensor ops, so the
     cost does not grow with Python work per entry; anything suspicious goes to the
@@ -189,15 +190,17 @@ def _validated_entries(page_table, allocated, allocation_info, page_size) -> tor
     meta = _vectorised_entries(page_table, allocated, allocation_info, page_size)
     if meta is None:
         runs = _check_write_entry_by_entry(page_table, allocated, allocation_info, page_size)
-        meta = torch.tensor([tuple(r) for r in runs], dtype=torch.int64).reshape(-1, 4)
+        meta = torch.tensor([tuple(r) for r in runs], dtype=torch.int64).reshape(-1, 4).T
     return meta
 
 
-_FAST_CHECK_LIMIT = 2**31  # beyond this, (last_page * page_size) could overflow int64 maths
-
-
 def _vectorised_entries(page_table, allocated, allocation_info, page_size) -> torch.Tensor | None:
-    """The rules of :func:`_check_write_entry_by_entry` as tensor ops; ``None`` if any fails."""
+    """The rules of :func:`_check_write_entry_by_entry` in bulk; ``None`` if any fails.
+
+    Each rule is one C-speed builtin over a whole column (``min``, ``max``, ``sum``,
+    ``sorted``), not Python work per entry, and not a torch op per rule either: on a busy
+    host a small CPU tensor op costs several microseconds, more than these builtins.
+    """
     if not (isinstance(page_table, torch.Tensor) and page_table.dim() == 2
             and page_table.dtype in _TABLE_DTYPES and isinstance(allocated, torch.Tensor)
             and allocated.dim() == 1 and allocated.device == page_table.device
@@ -205,37 +208,35 @@ def _vectorised_entries(page_table, allocated, allocation_info, page_size) -> to
                      or allocated.dtype == torch.bool)
             and type(page_size) is int and page_size >= 1):
         return None
-    if isinstance(allocation_info, torch.Tensor) or len(allocation_info) == 0:
-        return None  # tensors and empty lists: the exact checks are cheap enough
+    if not isinstance(allocation_info, (list, tuple)) or not allocation_info:
+        return None  # tensors, generators and empty lists: the exact checks are cheap enough
     try:
         if set(map(len, allocation_info)) != {3}:
             return None
-        flat = array.array("q", itertools.chain.from_iterable(allocation_info))  # refuses floats
-        if bool in set(map(type, itertools.chain.from_iterable(allocation_info))):
-            return None  # an int subclass that the array accepts; the exact check refuses it
-    except (TypeError, ValueError, OverflowError):
+        rows_, firsts, lasts = zip(*allocation_info)
+    except TypeError:
         return None
-    info = torch.frombuffer(flat, dtype=torch.int64).view(-1, 3)
-    if bool((info.abs() >= _FAST_CHECK_LIMIT).any()):
-        return None
+    if set(map(type, rows_ + firsts + lasts)) != {int}:
+        return None  # bools, floats, numpy ints...: let the exact check judge them
     rows, cols = page_table.shape
-    row, first, last = info.unbind(1)
-    if not bool(((row >= 0) & (row < rows) & (first >= 0) & (first <= last)
-                 & (last * page_size <= cols)).all()):
+    if not (min(rows_) >= 0 and max(rows_) < rows and min(firsts) >= 0
+            and all(map(operator.le, firsts, lasts)) and max(lasts) * page_size <= cols):
         return None
-    lengths = (last - first) * page_size
-    ends = torch.cumsum(lengths, 0)
-    if int(ends[-1]) != allocated.numel():
+    page_counts = list(map(operator.sub, lasts, firsts))
+    page_ends = list(itertools.accumulate(page_counts))
+    if page_ends[-1] * page_size != allocated.numel():
         return None
-    # Overlap: sort the non-empty ranges by (row, first_page); a range may not start before
-    # the previous one (same row) ends.
-    used = lengths > 0
-    r, f, l = row[used], first[used], last[used]
-    order = torch.argsort(r * (cols + 1) + f)
-    r, f, l = r[order], f[order], l[order]
-    if bool(((r[1:] == r[:-1]) & (f[1:] < l[:-1])).any()):
-        return None
-    return torch.stack([row, first, last, ends - lengths], 1)
+    # Overlap needs two entries in one row (the usual batch has one entry per row): sort the
+    # non-empty ranges by (row, first_page); none may start before the previous one ends.
+    if len(set(rows_)) < len(rows_):
+        ranges = sorted(entry for entry in allocation_info if entry[1] < entry[2])
+        if any(a[0] == b[0] and b[1] < a[2] for a, b in zip(ranges, ranges[1:])):
+            return None
+    flat = array.array("q", rows_ + firsts + lasts)
+    flat.extend(map(operator.sub, page_ends, page_counts))  # pages before each entry
+    meta = torch.frombuffer(flat, dtype=torch.int64).view(4, -1)
+    meta[3] *= page_size  # offsets into ``allocated``: pages before this entry, in slots
+    return meta
 
 
 def _check_write_entry_by_entry(page_table, allocated, allocation_info, page_size) -> list[PageRun]:
@@ -357,16 +358,15 @@ def write_page_table_triton(page_table: torch.Tensor, allocated: torch.Tensor,
         raise InvalidArgument("allocated", "must be int32 or int64 for the Triton kernel",
                               f"got {allocated.dtype}")
     _check_kernel_device("page_table", page_table)
-    meta = meta[meta[:, 2] > meta[:, 1]]  # entries that write nothing need no program
-    num_runs = meta.shape[0]
-    if num_runs == 0:
+    num_runs = meta.shape[1]
+    if allocated.numel() == 0:
         return
     if page_table.stride(1) != 1:
         raise InvalidArgument("page_table", "rows must be contiguous (stride(1) == 1)",
                               f"got strides {page_table.stride()}")
-    # [4, R]: rows, first pages, last pages, offsets. A few KB: a plain copy costs less than
-    # pinning a fresh buffer on every call.
-    meta = meta.T.contiguous().to(page_table.device)
+    # [4, R]: rows, first pages, last pages, offsets (an empty entry's program loops zero
+    # times). A few KB: a plain copy costs less than pinning a fresh buffer on every call.
+    meta = meta.contiguous().to(page_table.device)
     write_page_table_kernel[(num_runs,)](
         page_table, page_table.stride(0), allocated.contiguous(), meta, num_runs,
         int(page_size), BLOCK=_WRITE_BLOCK)
