@@ -1,6 +1,7 @@
 # kvlab — two commands do everything on a fresh Linux machine with Python 3.11:
 #   make lab    set up .venv and open the course in JupyterLab
-#   make test   set up .venv, run the unit tests, execute every notebook (nbval)
+#   make test   set up .venv, run the unit tests, execute every notebook (nbval), drive
+#               JupyterLab in headless Chromium (installs Debian's chromium if missing)
 # Others: make figures | make gpu-check | make bench | make test-ui | make clean
 
 PYTHON     ?= python3

@@ -85,10 +85,13 @@ class TimelineExplorer:
         view = self.view.value if view is None else view
         key = (step, view)
         if key not in self._png_cache:
-            fig = step_figure(self.timeline, step, view)
-            buf = io.BytesIO()
-            fig.savefig(buf, format="png", dpi=self.dpi, metadata={"Software": None})
-            plt.close(fig)
+            # Drawn with interactive mode off: a figure made inside a widget callback must go
+            # only into the PNG, never to the front end's log as a displayed output.
+            with plt.ioff():
+                fig = step_figure(self.timeline, step, view)
+                buf = io.BytesIO()
+                fig.savefig(buf, format="png", dpi=self.dpi, metadata={"Software": None})
+                plt.close(fig)
             self._png_cache[key] = buf.getvalue()
         return self._png_cache[key]
 
