@@ -148,6 +148,15 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and bool(torch.equal(a, b))
 
 
+def _mark_disagreements(row: dict, outs: dict) -> None:
+    """Compare every path's (out, pages) with the fast path's; flag the row and each mismatch."""
+    ref_out, ref_pages = outs["fast"]
+    for name, (o, n) in outs.items():
+        if not (_same(o, ref_out) and n == ref_pages):
+            row["agree"] = False
+            row["paths"][name]["disagrees_with_fast"] = True
+
+
 def _meta(smoke: bool) -> dict:
     info = runtime.runtime_info()
     return {
@@ -205,11 +214,7 @@ def bench_extend(case_list, page_sizes, smoke: bool, log=print) -> list[dict]:
             for name, fn in timed.items():
                 row["paths"][name]["median_us"] = median_us(fn, smoke)
             _record_loops(row, timed, smoke)
-            ref_out, ref_pages = outs["fast"]
-            for name, (o, n) in outs.items():
-                if not (_same(o, ref_out) and n == ref_pages):
-                    row["agree"] = False
-                    row["paths"][name]["disagrees_with_fast"] = True
+            _mark_disagreements(row, outs)
             log(f"extend {row['case']:>10} P={P:<3} T={b.extend_num_tokens:<8} " + "  ".join(
                 f"{k}={v.get('median_us', float('nan')):.1f}us" for k, v in row["paths"].items()))
             rows.append(row)
@@ -280,11 +285,7 @@ def bench_decode(batches, page_sizes, smoke: bool, log=print) -> list[dict]:
                 outs[name] = fn()
                 row["paths"][name]["median_us"] = median_us(fn, smoke)
             _record_loops(row, timed, smoke)
-            ref_out, ref_pages = outs["fast"]
-            for name, (o, n) in outs.items():
-                if not (_same(o, ref_out) and n == ref_pages):
-                    row["agree"] = False
-                    row["paths"][name]["disagrees_with_fast"] = True
+            _mark_disagreements(row, outs)
             log(f"decode bs={bs:<5} P={P:<3} " + "  ".join(
                 f"{k}={v['median_us']:.1f}us" for k, v in row["paths"].items()))
             rows.append(row)
