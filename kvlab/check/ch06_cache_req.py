@@ -70,6 +70,17 @@ def _row(rng: random.Random, n: int, P: int) -> list[int]:
     return [pages[i // P] * P + i % P for i in range(n)]
 
 
+def _random_geometry(rng: random.Random) -> tuple[int, int, int, int]:
+    """A random (page_size, old, already, req) with old <= already <= req rounded up to a page,
+    both cached lengths page-aligned: the shapes cache_req meets."""
+    P = rng.choice([1, 2, 4, 16])
+    req = rng.randrange(1, 5 * P + 3)
+    new = page_aligned_len(req, P)
+    already = rng.randrange(0, new // P + 1) * P
+    old = rng.randrange(0, already // P + 1) * P
+    return P, old, already, req
+
+
 def _cases(seed: int, n_random: int) -> list[Case]:
     def case(name, P, old, already, req, finished, kind="edge", seed=0):
         return Case(name, {"P": P, "old": old, "already": already, "req": req, "finished": finished,
@@ -88,11 +99,7 @@ def _cases(seed: int, n_random: int) -> list[Case]:
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        P = rng.choice([1, 2, 4, 16])
-        req = rng.randrange(1, 5 * P + 3)
-        new = page_aligned_len(req, P)
-        already = rng.randrange(0, new // P + 1) * P
-        old = rng.randrange(0, already // P + 1) * P
+        P, old, already, req = _random_geometry(rng)
         cases.append(case(f"random {i + 1} (page_size {P})", P, old, already, req,
                           rng.random() < 0.5, "random", rng.randrange(1000)))
     return cases
@@ -210,11 +217,7 @@ def _remap_cases(seed: int, n_random: int) -> list[Case]:
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        P = rng.choice([1, 2, 4, 16])
-        req = rng.randrange(1, 5 * P + 3)
-        new = page_aligned_len(req, P)
-        already = rng.randrange(0, new // P + 1) * P
-        old = rng.randrange(0, already // P + 1) * P
+        P, old, already, req = _random_geometry(rng)
         cases.append(case(f"random {i + 1} (page_size {P})", P, old, already, req, "random",
                           rng.randrange(1000)))
     return cases
