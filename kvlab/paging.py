@@ -73,6 +73,16 @@ def _check_page_size(page_size) -> int:
     return page_size
 
 
+def _check_int_vector(name: str, value) -> None:
+    """``value`` must be a 1-D integer tensor; the error names ``name``."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgument(name, "must be a torch.Tensor", f"got {type(value).__name__}")
+    if value.dim() != 1:
+        raise InvalidArgument(name, "must be 1-D", f"got shape {tuple(value.shape)}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise InvalidArgument(name, "must have an integer dtype", f"got {value.dtype}")
+
+
 def new_page_table(max_running_req: int, max_seq_len: int, page_size: int,
                    device: "torch.device | str | None" = None) -> torch.Tensor:
     """An empty page table: ``(max_running_req + 1, aligned_max_seq_len)`` int32 of ``UNMAPPED``.
@@ -101,12 +111,7 @@ def check_page_starts(page_starts, page_size, *, check_values: bool = True) -> i
     whose starts come straight from a free list they own may skip it with ``check_values=False``.
     """
     page_size = _check_page_size(page_size)
-    if not isinstance(page_starts, torch.Tensor):
-        raise InvalidArgument("page_starts", "must be a torch.Tensor", f"got {type(page_starts).__name__}")
-    if page_starts.dim() != 1:
-        raise InvalidArgument("page_starts", "must be 1-D", f"got shape {tuple(page_starts.shape)}")
-    if page_starts.dtype.is_floating_point or page_starts.dtype.is_complex or page_starts.dtype == torch.bool:
-        raise InvalidArgument("page_starts", "must have an integer dtype", f"got {page_starts.dtype}")
+    _check_int_vector("page_starts", page_starts)
     if check_values and page_starts.numel():
         bad = ((page_starts < 0) | (page_starts % page_size != 0)).nonzero().flatten()
         if bad.numel():
@@ -253,12 +258,7 @@ def _check_write_entry_by_entry(page_table, allocated, allocation_info, page_siz
                               f"got shape {tuple(page_table.shape)}")
     if page_table.dtype not in _TABLE_DTYPES:
         raise InvalidArgument("page_table", "must be int32 or int64", f"got {page_table.dtype}")
-    if not isinstance(allocated, torch.Tensor):
-        raise InvalidArgument("allocated", "must be a torch.Tensor", f"got {type(allocated).__name__}")
-    if allocated.dim() != 1:
-        raise InvalidArgument("allocated", "must be 1-D", f"got shape {tuple(allocated.shape)}")
-    if allocated.dtype.is_floating_point or allocated.dtype.is_complex or allocated.dtype == torch.bool:
-        raise InvalidArgument("allocated", "must have an integer dtype", f"got {allocated.dtype}")
+    _check_int_vector("allocated", allocated)
     if allocated.device != page_table.device:
         raise InvalidArgument("allocated", "must be on the page table's device",
                               f"allocated on {allocated.device}, page_table on {page_table.device}")
