@@ -239,10 +239,13 @@ class RadixPrefixCache:
         node.parent = upper
         return upper
 
-    def _walk(self, ids: Sequence[int]) -> tuple[RadixNode, int]:
-        """Follow ``ids`` down the tree; split the last node if it matches only partly."""
+    def _walk(self, ids: Sequence[int], *, touch: bool = True) -> tuple[RadixNode, int]:
+        """Follow ``ids`` down the tree; split the last node if it matches only partly.
+
+        ``touch=False`` only measures the match: no split, no LRU update (the node returned is
+        then the last one matched whole)."""
         node, prefix_len = self.root, 0
-        now = self._tick()
+        now = self._tick() if touch else 0
         while True:
             key = self._child_key(ids, prefix_len)
             child = node.children.get(key) if key is not None else None
@@ -254,10 +257,11 @@ class RadixPrefixCache:
             while n < limit and child.key[n] == ids[prefix_len + n]:
                 n += 1
             n = self._align(n)  # a partly matched page does not count
-            child.last_access = now
             prefix_len += n
+            if touch:
+                child.last_access = now
             if n < child.length:
-                return self._split(child, n), prefix_len
+                return (self._split(child, n) if touch else node), prefix_len
             node = child
 
     def match_prefix(self, input_ids) -> MatchResult:
@@ -284,10 +288,13 @@ class RadixPrefixCache:
                                   f"got {indices.numel()} slots for {len(ids)} tokens")
         insert_len = self._align(len(ids))
         ids = ids[:insert_len]
+        # check the slots to insert before the walk that splits a node and touches the LRU
+        # order: a refused insert leaves the tree exactly as it was
+        _, prefix_len = self._walk(ids, touch=False)
+        new_value = indices[prefix_len:insert_len].to(device=self.device, dtype=torch.int32)
+        self._check_whole_pages(new_value)
         node, prefix_len = self._walk(ids)
         if prefix_len < insert_len:
-            new_value = indices[prefix_len:insert_len].to(device=self.device, dtype=torch.int32)
-            self._check_whole_pages(new_value)
             new_node = RadixNode(tuple(ids[prefix_len:]), new_value.clone(), self._uid(),
                                  self._tick())
             new_node.parent = node

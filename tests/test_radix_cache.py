@@ -85,6 +85,22 @@ def test_insert_rejects_mismatched_lengths_and_split_pages():
         RadixPrefixCache(0)
 
 
+def test_refused_insert_does_not_split_or_touch_the_tree():
+    # the new part [2, 4) diverges inside node [1 2 3 4]: a walk would split it; the slots
+    # are refused first, so the node, the clock and the LRU order stay as they were
+    cache = RadixPrefixCache(2)
+    cache.insert_prefix([1, 2, 3, 4], slots(0, 4))
+    before = ([(n.uid, n.key, n.last_access) for n in cache.nodes()], cache.clock)
+    with pytest.raises(InvalidArgument, match="whole physical page"):
+        cache.insert_prefix([1, 2, 5, 6], torch.tensor([0, 1, 5, 4], dtype=torch.int32))
+    assert ([(n.uid, n.key, n.last_access) for n in cache.nodes()], cache.clock) == before
+    cache.check_integrity()
+    # the same insert with good slots does split, and inserts after the cached page
+    already, handle = cache.insert_prefix([1, 2, 5, 6], slots(4, 4))
+    assert already == 2 and handle.get_matched_indices().tolist() == [0, 1, 6, 7]
+    assert sorted(keys(cache)) == [[1, 2], [3, 4], [5, 6]]
+
+
 # --- locking ----------------------------------------------------------------------------
 
 
