@@ -35,7 +35,8 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
-from .paging import UNMAPPED, div_ceil, page_to_token, write_page_table, write_page_table_triton
+from .paging import (UNMAPPED, check_triton_page_table, div_ceil, page_to_token, write_page_table,
+                     write_page_table_triton)
 from .radix_cache import MatchResult, RadixCacheHandle, RadixPrefixCache, as_token_list
 
 __all__ = ["Req", "CacheManager", "CacheRegions", "Region"]
@@ -339,6 +340,8 @@ class CacheManager:
             allocation_info.append((req.table_idx, first_page, last_page))
 
         if needed_pages > 0:
+            if self.page_table_writer == "triton":
+                check_triton_page_table(self.page_table)  # the writer's rules, before pages are taken
             allocated = page_to_token(self._allocate(needed_pages), P)
             writer = write_page_table_triton if self.page_table_writer == "triton" else write_page_table
             writer(self.page_table, allocated, allocation_info, P)

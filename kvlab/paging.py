@@ -344,6 +344,19 @@ def write_page_table(page_table: torch.Tensor, allocated: torch.Tensor,
     page_table[rows, cols] = allocated.to(page_table.dtype)
 
 
+def _check_rows_contiguous(page_table: torch.Tensor) -> None:
+    if page_table.stride(1) != 1:
+        raise InvalidArgument("page_table", "rows must be contiguous (stride(1) == 1)",
+                              f"got strides {page_table.stride()}")
+
+
+def check_triton_page_table(page_table: torch.Tensor) -> None:
+    """The rules :func:`write_page_table_triton` sets for a non-empty write to the table itself
+    (on the kernel's device, rows contiguous), for callers that must check before they act."""
+    _check_kernel_device("page_table", page_table)
+    _check_rows_contiguous(page_table)
+
+
 def write_page_table_triton(page_table: torch.Tensor, allocated: torch.Tensor,
                             allocation_info: Sequence[tuple[int, int, int]], page_size: int) -> None:
     """:func:`write_page_table` as one Triton launch over per-request metadata (chapter 02).
@@ -361,9 +374,7 @@ def write_page_table_triton(page_table: torch.Tensor, allocated: torch.Tensor,
     num_runs = meta.shape[1]
     if allocated.numel() == 0:
         return
-    if page_table.stride(1) != 1:
-        raise InvalidArgument("page_table", "rows must be contiguous (stride(1) == 1)",
-                              f"got strides {page_table.stride()}")
+    _check_rows_contiguous(page_table)
     # [4, R]: rows, first pages, last pages, offsets (an empty entry's program loops zero
     # times). A few KB: a plain copy costs less than pinning a fresh buffer on every call.
     meta = meta.contiguous().to(page_table.device)

@@ -230,6 +230,24 @@ def test_out_of_pages_changes_nothing_and_does_not_evict():
     cm.check_integrity()
 
 
+def test_triton_writer_refuses_a_strided_table_before_taking_or_evicting_pages():
+    # rows that are not contiguous: the Triton writer cannot write them. The refusal must come
+    # before any page is taken, and before the prefix cache is evicted to make room
+    table = new_page_table(64, 4, 4).T  # 4 rows x 65 positions, stride(1) == 4
+    cm = CacheManager(3, 4, table, page_table_writer="host")
+    a = Req(list(range(8)), 0)
+    prefill(cm, [a])
+    cm.cache_req(a, finished=True)  # 2 pages cached, 1 free
+    cm.page_table_writer = "triton"
+    b = Req([70 + i for i in range(9)], 1)  # needs 3 pages: 1 free + 2 to evict
+    cm.admit(b)
+    before = snapshot(cm)
+    with pytest.raises(InvalidArgument, match=r"stride\(1\) == 1"):
+        cm.allocate_paged([b])
+    assert_same(before, snapshot(cm))
+    cm.check_integrity()
+
+
 def test_misuse_errors_raise_before_changing_anything():
     cm = manager(num_pages=8, page_size=4, rows=2, max_len=16)
     a = Req(list(range(6)), 0)
