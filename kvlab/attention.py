@@ -489,7 +489,8 @@ class PagedEngine:
 def generate_paged(model: TinyTransformer, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                    *, page_size: int = 4, num_pages: int | None = None, **engine_kwargs) -> Generation:
     """One batch through a fresh :class:`PagedEngine` (no cache hits: a new cache)."""
-    longest = max(len(p) for p in prompts) + max_new_tokens
+    # an empty batch gets through to PagedEngine.generate, which names the rule it breaks
+    longest = max((len(p) for p in prompts), default=0) + max_new_tokens
     if num_pages is None:
         num_pages = len(prompts) * (-(-longest // page_size)) + 1
     engine_kwargs.setdefault("max_seq_len", max(longest, page_size))

@@ -213,3 +213,5 @@ def test_engine_refuses_a_batch_that_cannot_fit_and_changes_nothing():
     engine.manager.check_integrity()
     with pytest.raises(InvalidArgument, match="prompts\\[0\\]"):
         engine.generate([[SMALL.vocab_size]], 2)
+    with pytest.raises(InvalidArgument, match="1 to max_running"):
+        generate_paged(model, [], 2)  # an empty batch: the rule, not a bare max() error
