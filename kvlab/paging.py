@@ -248,7 +248,7 @@ def _check_write_entry_by_entry(page_table, allocated, allocation_info, page_siz
     """The rules of a page-table write, checked entry by entry in Python.
 
     Slow but precise: it names the first entry that breaks a rule. :func:`check_write_page_table`
-    runs it only when the vectorised check below finds a problem (or cannot judge the input).
+    runs it only when the vectorised check above finds a problem (or cannot judge the input).
     """
     page_size = _check_page_size(page_size)
     if not isinstance(page_table, torch.Tensor):
