@@ -178,14 +178,6 @@ def _meta(smoke: bool) -> dict:
     }
 
 
-def _time_path(fn, smoke: bool, *, first: bool = True) -> dict:
-    entry: dict = {}
-    if first:
-        entry["first_call_ms"] = first_call_ms(fn)
-    entry["median_us"] = median_us(fn, smoke)
-    return entry
-
-
 def _record_loops(row: dict, timed: dict[str, Callable[[], object]], smoke: bool) -> None:
     """Per-call-in-a-loop times of all of a case's paths, side by side, into ``row["paths"]``."""
     for name, entry in interleaved_loop_us(timed, smoke).items():
