@@ -50,7 +50,8 @@ def _legend_below(fig, ax):
 
 
 def plot_extend(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
-    """Median time of one alloc_extend per case, one panel per page size."""
+    """Time per alloc_extend call in a loop (do_bench's median where no loop was timed) per
+    case, one panel per page size."""
     sizes = sorted({r["page_size"] for r in res["extend"]})
     fig, axes = plt.subplots(1, len(sizes), figsize=(5.2 * len(sizes), 4.2), sharey=True)
     axes = [axes] if len(sizes) == 1 else list(axes)
