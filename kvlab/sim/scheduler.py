@@ -186,7 +186,7 @@ class Simulator:
         live.generated += 1
         self.timeline.requests[live.spec.rid].generated = live.generated
 
-    # --- the six phases ---------------------------------------------------------------
+    # --- the phases (finish runs inside decode and prefill) ----------------------------
 
     def _arrivals(self, log: _StepLog) -> None:
         still = []
