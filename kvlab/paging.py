@@ -188,18 +188,18 @@ def _validated_entries(page_table, allocated, allocation_info, page_size) -> tor
     """All rules of a page-table write; returns a ``[4, n]`` int64 CPU tensor whose rows are
     ``table_idx``, ``first_page``, ``last_page`` and ``offset`` (the kernel's metadata layout).
 
-    Valid input (the common case) is judged with a handful of vectorised tensor ops, so the
-    cost does not grow with Python work per entry; anything suspicious goes to the
-    entry-by-entry check, which raises with the name of the first bad entry.
+    Valid input (the common case) is judged in bulk, with a few C-speed builtins over whole
+    columns; anything suspicious goes to the entry-by-entry check, which raises with the
+    name of the first bad entry.
     """
-    meta = _vectorised_entries(page_table, allocated, allocation_info, page_size)
+    meta = _bulk_checked_entries(page_table, allocated, allocation_info, page_size)
     if meta is None:
         runs = _check_write_entry_by_entry(page_table, allocated, allocation_info, page_size)
         meta = torch.tensor([tuple(r) for r in runs], dtype=torch.int64).reshape(-1, 4).T
     return meta
 
 
-def _vectorised_entries(page_table, allocated, allocation_info, page_size) -> torch.Tensor | None:
+def _bulk_checked_entries(page_table, allocated, allocation_info, page_size) -> torch.Tensor | None:
     """The rules of :func:`_check_write_entry_by_entry` in bulk; ``None`` if any fails.
 
     Each rule is one C-speed builtin over a whole column (``min``, ``max``, ``sum``,
@@ -248,7 +248,7 @@ def _check_write_entry_by_entry(page_table, allocated, allocation_info, page_siz
     """The rules of a page-table write, checked entry by entry in Python.
 
     Slow but precise: it names the first entry that breaks a rule. :func:`check_write_page_table`
-    runs it only when the vectorised check above finds a problem (or cannot judge the input).
+    runs it only when the bulk check above finds a problem (or cannot judge the input).
     """
     page_size = _check_page_size(page_size)
     if not isinstance(page_table, torch.Tensor):

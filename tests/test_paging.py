@@ -264,9 +264,9 @@ def test_page_to_token_value_check_can_be_skipped_but_shape_checks_cannot(fn, de
 @given(st.integers(1, 4), st.integers(1, 6), st.sampled_from([1, 2, 4]),
        st.lists(st.tuples(st.integers(-1, 5), st.integers(-1, 5), st.integers(-1, 6)), min_size=1, max_size=6),
        st.integers(0, 1))
-def test_vectorised_check_agrees_with_the_entry_by_entry_rules(max_req, pages, P, entries, extra):
-    """The fast vectorised gate accepts exactly the writes the precise rules accept, with the same runs."""
-    from kvlab.paging import _check_write_entry_by_entry, _vectorised_entries
+def test_bulk_check_agrees_with_the_entry_by_entry_rules(max_req, pages, P, entries, extra):
+    """The fast bulk check accepts exactly the writes the precise rules accept, with the same runs."""
+    from kvlab.paging import _check_write_entry_by_entry, _bulk_checked_entries
 
     table = new_page_table(max_req, pages * P, P)
     total = sum(max(0, last - first) * P for _, first, last in entries) + extra
@@ -275,7 +275,7 @@ def test_vectorised_check_agrees_with_the_entry_by_entry_rules(max_req, pages, P
         exact = [tuple(r) for r in _check_write_entry_by_entry(table, allocated, entries, P)]
     except InvalidArgument:
         exact = None
-    fast = _vectorised_entries(table, allocated, entries, P)
+    fast = _bulk_checked_entries(table, allocated, entries, P)
     if fast is None:
         assert exact is None
     else:
