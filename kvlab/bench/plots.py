@@ -49,19 +49,28 @@ def _legend_below(fig, ax):
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
 
 
+def _bars_per_page_size(rows, names, key_label, *, panel_size, ylabel):
+    """One panel of grouped bars per page size (shared y axis), legend below; returns (fig, axes)."""
+    sizes = sorted({r["page_size"] for r in rows})
+    width, height = panel_size
+    fig, axes = plt.subplots(1, len(sizes), figsize=(width * len(sizes), height), sharey=True)
+    axes = [axes] if len(sizes) == 1 else list(axes)
+    for ax, P in zip(axes, sizes):
+        _grouped_bars(ax, [r for r in rows if r["page_size"] == P], names, key_label)
+        ax.set_title(f"page size {P}")
+    axes[0].set_ylabel(ylabel)
+    _legend_below(fig, axes[0])
+    return fig, axes
+
+
 def plot_extend(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
     """Time per alloc_extend call in a loop (do_bench's median where no loop was timed) per
     case, one panel per page size."""
-    sizes = sorted({r["page_size"] for r in res["extend"]})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5.2 * len(sizes), 4.2), sharey=True)
-    axes = [axes] if len(sizes) == 1 else list(axes)
-    for ax, P in zip(axes, sizes):
-        rows = [r for r in res["extend"] if r["page_size"] == P]
-        _grouped_bars(ax, rows, names, lambda r: f"{r['bs']}x{r['mean_extend']}\nT={r['tokens']}")
-        ax.set_title(f"page size {P}")
+    fig, axes = _bars_per_page_size(
+        res["extend"], names, lambda r: f"{r['bs']}x{r['mean_extend']}\nT={r['tokens']}",
+        panel_size=(5.2, 4.2), ylabel="µs per call in a loop (log)")
+    for ax in axes:
         ax.set_xlabel("batch x mean extend")
-    axes[0].set_ylabel("µs per call in a loop (log)")
-    _legend_below(fig, axes[0])
     fig.suptitle(_title(res, "alloc_extend, steady state"), fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 0.93))
     return fig
@@ -115,15 +124,8 @@ def plot_scaling(res: dict):
 
 
 def plot_decode(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
-    sizes = sorted({r["page_size"] for r in res["decode"]})
-    fig, axes = plt.subplots(1, len(sizes), figsize=(4.4 * len(sizes), 3.8), sharey=True)
-    axes = [axes] if len(sizes) == 1 else list(axes)
-    for ax, P in zip(axes, sizes):
-        rows = [r for r in res["decode"] if r["page_size"] == P]
-        _grouped_bars(ax, rows, names, lambda r: f"bs={r['bs']}")
-        ax.set_title(f"page size {P}")
-    axes[0].set_ylabel("µs per step in a loop (log)")
-    _legend_below(fig, axes[0])
+    fig, _ = _bars_per_page_size(res["decode"], names, lambda r: f"bs={r['bs']}",
+                                 panel_size=(4.4, 3.8), ylabel="µs per step in a loop (log)")
     fig.suptitle(_title(res, "alloc_decode, one step"), fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 0.92))
     return fig
