@@ -34,6 +34,12 @@ if INTERPRET:
 
 import torch  # noqa: E402  (after the environment variable, on purpose)
 
+from . import triton_compat  # noqa: E402
+
+if INTERPRET:
+    # known Triton/NumPy breakages of the interpreter, mended for the versions that need it
+    triton_compat.apply_fixes()
+
 #: Where kvlab puts its tensors: ``"cuda"`` when kernels are compiled, else ``"cpu"``
 #: (the interpreter runs Triton programs on CPU tensors). With an index (``cuda:0``), so that
 #: it compares equal to ``tensor.device``.
@@ -65,22 +71,25 @@ class RuntimeInfo(NamedTuple):
     triton_version: str
     python_version: str
     advice: str
+    numpy_version: str = "?"
+    fixes: tuple[str, ...] = ()  # known Triton/NumPy issues kvlab mended (kvlab.triton_compat)
+    warnings: tuple[str, ...] = ()  # version problems, each with its fix
 
     def __str__(self) -> str:
-        return (
+        text = (
             f"kvlab runtime: {self.mode} ({self.device_name})\n"
             f"  torch {self.torch_version}, triton {self.triton_version}, "
-            f"python {self.python_version}\n  {self.advice}"
+            f"numpy {self.numpy_version}, python {self.python_version}\n  {self.advice}"
         )
+        for key in self.fixes:
+            text += f"\n  (applied kvlab's fix for a known Triton/NumPy issue: {key})"
+        for warning in self.warnings:
+            text += f"\n  WARNING: {warning}"
+        return text
 
 
 def runtime_info() -> RuntimeInfo:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:  # pragma: no cover - triton is a hard dependency
-        triton_version = "not installed"
+    triton_version, numpy_version = triton_compat.versions()
     if INTERPRET:
         mode, name = "interpreter", f"CPU: {platform.processor() or platform.machine()}"
         advice = (
@@ -107,6 +116,9 @@ def runtime_info() -> RuntimeInfo:
         triton_version=triton_version,
         python_version=platform.python_version(),
         advice=advice,
+        numpy_version=numpy_version,
+        fixes=tuple(triton_compat.applied_fixes()),
+        warnings=tuple(triton_compat.problems(INTERPRET)),
     )
 
 
