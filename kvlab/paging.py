@@ -32,6 +32,7 @@ import torch
 
 from . import runtime  # first: decides compiled Triton vs the interpreter
 import triton  # noqa: E402,I001
+from .args import check_int, check_int_vector, check_page_size, div_ceil
 from .errors import InvalidArgument
 
 #: The value of a page-table entry that maps to no slot.
@@ -50,39 +51,6 @@ def _check_kernel_device(name: str, tensor: torch.Tensor) -> None:
                               f"got a tensor on {tensor.device}; use the torch version for CPU tensors")
 
 
-def div_ceil(a, b):
-    """``ceil(a / b)`` for non-negative integers (ints, or integer tensors elementwise).
-
-    ``div_ceil(9, 4) == 3``: nine tokens need three pages of four.
-    """
-    return (a + b - 1) // b
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _check_page_size(page_size) -> int:
-    if hasattr(page_size, "__index__") and not isinstance(page_size, bool) and not isinstance(
-            page_size, torch.Tensor):
-        page_size = int(page_size)
-    if not _is_int(page_size):
-        raise InvalidArgument("page_size", "must be an int", f"got {type(page_size).__name__}")
-    if page_size < 1:
-        raise InvalidArgument("page_size", "must be >= 1", f"got {page_size}")
-    return page_size
-
-
-def _check_int_vector(name: str, value) -> None:
-    """``value`` must be a 1-D integer tensor; the error names ``name``."""
-    if not isinstance(value, torch.Tensor):
-        raise InvalidArgument(name, "must be a torch.Tensor", f"got {type(value).__name__}")
-    if value.dim() != 1:
-        raise InvalidArgument(name, "must be 1-D", f"got shape {tuple(value.shape)}")
-    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
-        raise InvalidArgument(name, "must have an integer dtype", f"got {value.dtype}")
-
-
 def new_page_table(max_running_req: int, max_seq_len: int, page_size: int,
                    device: "torch.device | str | None" = None) -> torch.Tensor:
     """An empty page table: ``(max_running_req + 1, aligned_max_seq_len)`` int32 of ``UNMAPPED``.
@@ -90,11 +58,9 @@ def new_page_table(max_running_req: int, max_seq_len: int, page_size: int,
     The extra last row is the dummy request that pads CUDA-graph batches; columns are
     rounded up to a whole number of pages so that a full last page always fits (chapter 02).
     """
-    page_size = _check_page_size(page_size)
-    if not _is_int(max_running_req) or max_running_req < 1:
-        raise InvalidArgument("max_running_req", "must be an int >= 1", f"got {max_running_req!r}")
-    if not _is_int(max_seq_len) or max_seq_len < 1:
-        raise InvalidArgument("max_seq_len", "must be an int >= 1", f"got {max_seq_len!r}")
+    page_size = check_page_size(page_size)
+    max_running_req = check_int("max_running_req", max_running_req, minimum=1)
+    max_seq_len = check_int("max_seq_len", max_seq_len, minimum=1)
     aligned = div_ceil(max_seq_len, page_size) * page_size
     return torch.full((max_running_req + 1, aligned), UNMAPPED, dtype=torch.int32,
                       device=runtime.default_device(device))
@@ -110,8 +76,8 @@ def check_page_starts(page_starts, page_size, *, check_values: bool = True) -> i
     ``page_size``. The last rule reads the values (one device->host sync on a GPU); callers
     whose starts come straight from a free list they own may skip it with ``check_values=False``.
     """
-    page_size = _check_page_size(page_size)
-    _check_int_vector("page_starts", page_starts)
+    page_size = check_page_size(page_size)
+    check_int_vector("page_starts", page_starts)
     if check_values and page_starts.numel():
         bad = ((page_starts < 0) | (page_starts % page_size != 0)).nonzero().flatten()
         if bad.numel():
@@ -250,7 +216,7 @@ def _check_write_entry_by_entry(page_table, allocated, allocation_info, page_siz
     Slow but precise: it names the first entry that breaks a rule. :func:`check_write_page_table`
     runs it only when the bulk check above finds a problem (or cannot judge the input).
     """
-    page_size = _check_page_size(page_size)
+    page_size = check_page_size(page_size)
     if not isinstance(page_table, torch.Tensor):
         raise InvalidArgument("page_table", "must be a torch.Tensor", f"got {type(page_table).__name__}")
     if page_table.dim() != 2:
@@ -258,7 +224,7 @@ def _check_write_entry_by_entry(page_table, allocated, allocation_info, page_siz
                               f"got shape {tuple(page_table.shape)}")
     if page_table.dtype not in _TABLE_DTYPES:
         raise InvalidArgument("page_table", "must be int32 or int64", f"got {page_table.dtype}")
-    _check_int_vector("allocated", allocated)
+    check_int_vector("allocated", allocated)
     if allocated.device != page_table.device:
         raise InvalidArgument("allocated", "must be on the page table's device",
                               f"allocated on {allocated.device}, page_table on {page_table.device}")

@@ -1,0 +1,94 @@
+"""Argument checks and integer helpers shared by every public door of kvlab.
+
+One set of rules, one wording: an integer argument is an ``int`` (or anything with
+``__index__``, such as a NumPy integer or a 0-d integer tensor) that is **not** a ``bool``;
+token ids are a sequence of such integers or a 1-D integer tensor. Every check raises
+:class:`~kvlab.errors.InvalidArgument` naming the argument and the rule, and changes nothing.
+
+The plain-Python oracles in :mod:`kvlab.reference` keep their own copies of the small
+helpers on purpose: an oracle must never share a bug with the code it checks.
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import InvalidArgument
+
+__all__ = ["div_ceil", "next_pow2", "is_int", "check_int", "check_page_size", "check_token_ids",
+           "check_int_vector"]
+
+
+def div_ceil(a, b):
+    """``ceil(a / b)`` for non-negative integers (ints, or integer tensors elementwise).
+
+    ``div_ceil(9, 4) == 3``: nine tokens need three pages of four.
+    """
+    return (a + b - 1) // b
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``): a Triton block size for ``n``."""
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def is_int(value) -> bool:
+    """An integer that is not a bool: ``int``, a NumPy integer, a 0-d integer tensor."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.dtype.is_floating_point or value.dtype.is_complex
+                                         or value.dtype == torch.bool)
+    if type(value).__name__ == "bool_":  # numpy.bool_ has __index__ too
+        return False
+    return hasattr(type(value), "__index__")
+
+
+def check_int(argument: str, value, *, minimum: int | None = None) -> int:
+    """``value`` as a Python int, or :class:`InvalidArgument` (bools and floats are refused)."""
+    if not is_int(value):
+        raise InvalidArgument(argument, "must be an int (not a bool or a float)",
+                              f"got {type(value).__name__} {value!r}")
+    value = int(value.__index__()) if not isinstance(value, torch.Tensor) else int(value.item())
+    if minimum is not None and value < minimum:
+        raise InvalidArgument(argument, f"must be >= {minimum}", f"got {value}")
+    return value
+
+
+def check_page_size(page_size, argument: str = "page_size") -> int:
+    """A page size: an int >= 1 (not a bool)."""
+    return check_int(argument, page_size, minimum=1)
+
+
+def check_int_vector(argument: str, value) -> torch.Tensor:
+    """``value`` must be a 1-D integer tensor (any integer dtype); returns it."""
+    if not isinstance(value, torch.Tensor):
+        raise InvalidArgument(argument, "must be a torch.Tensor", f"got {type(value).__name__}")
+    if value.dim() != 1:
+        raise InvalidArgument(argument, "must be 1-D", f"got shape {tuple(value.shape)}")
+    if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+        raise InvalidArgument(argument, "must have an integer dtype", f"got {value.dtype}")
+    return value
+
+
+def check_token_ids(argument: str, token_ids) -> list[int]:
+    """Token ids as a list of Python ints.
+
+    Accepted: a list or tuple of integers (not bools), or a 1-D integer tensor. Refused with
+    the argument's name: strings (``"123"`` is not three tokens), floats, bools, nested lists.
+    """
+    if isinstance(token_ids, torch.Tensor):
+        check_int_vector(argument, token_ids)
+        return [int(t) for t in token_ids.tolist()]
+    if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, (list, tuple)):
+        raise InvalidArgument(argument, "must be a list or tuple of int token ids, or a 1-D "
+                              "integer tensor", f"got {type(token_ids).__name__}")
+    if list(map(type, token_ids)).count(int) == len(token_ids):
+        return list(token_ids)  # plain ints (the type test runs in C)
+    for i, t in enumerate(token_ids):
+        if not is_int(t):
+            raise InvalidArgument(f"{argument}[{i}]", "must be an int token id (not a bool or "
+                                  "a float)", f"got {type(t).__name__} {t!r}")
+    return [int(t.__index__()) if not isinstance(t, torch.Tensor) else int(t.item())
+            for t in token_ids]
