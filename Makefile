@@ -44,7 +44,7 @@ test-ui: setup
 	$(BIN)/python -m pytest -q -m ui -p no:cacheprovider tests/ui/
 
 figures: setup
-	$(BIN)/python -m kvlab.gallery figures/
+	$(BIN)/python -m kvlab.scenes figures/
 
 # On a machine with CUDA: unit tests and every notebook with compiled Triton, in the
 # current Python (no venv; the GPU image already has torch and triton). kvlab is used from

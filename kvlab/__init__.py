@@ -45,7 +45,7 @@ _EXPORTS = {
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
     "attention", "bench", "paging", "token_allocator", "radix_cache", "cache_manager",
-    "gallery", "runtime", "errors",
+    "scenes", "runtime", "errors",
 }
 
 __all__ = [

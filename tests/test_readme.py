@@ -86,7 +86,7 @@ def test_kvlab_names_in_readme_exist():
     assert not missing, f"README cites kvlab names that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("module", ["kvlab.bench", "kvlab.gallery"])
+@pytest.mark.parametrize("module", ["kvlab.bench", "kvlab.scenes"])
 def test_readme_modules_run_with_python_m(module):
     assert f"python -m {module}" in README
     assert (ROOT / module.replace(".", "/") / "__main__.py").exists()

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 import torch
 
 import kvlab
-from kvlab.gallery.ch00_tour import first_page_table, fragmentation_figure, sharing_table
+from kvlab.scenes.ch00_tour import first_page_table, fragmentation_figure, sharing_table
 from kvlab.viz import page_table_heatmap
 
 torch.manual_seed(0)

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 import kvlab
-from kvlab.gallery.ch01_page_to_token import pages_to_slots_figure
+from kvlab.scenes.ch01_page_to_token import pages_to_slots_figure
 from kvlab.reference import page_to_token_ref
 
 torch.manual_seed(0)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 import kvlab
 from kvlab import div_ceil
-from kvlab.gallery.ch02_page_table import DEMO_REQUESTS, before_after_figure
+from kvlab.scenes.ch02_page_table import DEMO_REQUESTS, before_after_figure
 from kvlab.reference import write_page_table_ref
 from kvlab.viz import page_table_heatmap
 

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 import kvlab
-from kvlab.gallery.ch03_alloc_extend import (draw_logical, draw_page_reads, draw_pool,
+from kvlab.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, draw_pool,
                                             prefill_then_extend, small_example, worked_example)
 from kvlab.kernels import alloc_extend_kernel
 from kvlab.reference.alloc import (alloc_extend_ref, kernel_page_reads_extend, pages_needed_extend,

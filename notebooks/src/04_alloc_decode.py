@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 import kvlab
-from kvlab.gallery.ch04_alloc_decode import decode_steps, draw_decode_steps, example_history
+from kvlab.scenes.ch04_alloc_decode import decode_steps, draw_decode_steps, example_history
 from kvlab.kernels import alloc_decode_kernel
 from kvlab.reference.alloc import alloc_decode_ref
 

@@ -17,7 +17,7 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, Req
-from kvlab.gallery.ch06_cache_req import (P, SYSTEM, new_manager, prefill, scenarios, stale_row_demo,
+from kvlab.scenes.ch06_cache_req import (P, SYSTEM, new_manager, prefill, scenarios, stale_row_demo,
                                           wrong_reads, write_kv)
 from kvlab.reference import cache_req_regions_ref
 from kvlab.viz import page_owner_strip, page_table_heatmap, region_bar, region_bars

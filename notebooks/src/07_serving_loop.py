@@ -19,7 +19,7 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, Req
-from kvlab.gallery.ch07_serving_loop import page_size_runs, pressured_run, step_views_figure
+from kvlab.scenes.ch07_serving_loop import page_size_runs, pressured_run, step_views_figure
 from kvlab.paging import div_ceil, new_page_table
 from kvlab.sim import (RequestSpec, SimConfig, SimIntegrityError, Simulator, Workload,
                        make_workload, multi_turn_chat, shared_system_prompt, simulate)

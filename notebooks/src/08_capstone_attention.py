@@ -24,7 +24,7 @@ from kvlab import CacheManager, InvalidArgument, Req
 from kvlab.attention import (KVPool, PagedEngine, TinyConfig, TinyTransformer, causal_attention,
                              check_paged_attention_inputs, generate_contiguous,
                              paged_decode_attention, paged_decode_attention_reference)
-from kvlab.gallery.ch08_attention import gather_figure, prefill_bars, shared_prompt_batches
+from kvlab.scenes.ch08_attention import gather_figure, prefill_bars, shared_prompt_batches
 from kvlab.paging import new_page_table
 from kvlab.viz import page_table_heatmap
 

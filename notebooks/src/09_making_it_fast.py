@@ -29,7 +29,7 @@ import kvlab
 from kvlab.bench import paths as bench_paths
 from kvlab.bench import plots as bench_plots
 from kvlab.bench.cases import make_extend_batch
-from kvlab.gallery.ch09_making_it_fast import fill_mapping_figure, load_bench
+from kvlab.scenes.ch09_making_it_fast import fill_mapping_figure, load_bench
 from kvlab.kernels import fast_alloc
 from kvlab.kernels.fast_alloc import alloc_decode_fast, alloc_extend_fast
 from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref, pages_for

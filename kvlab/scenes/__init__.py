@@ -1,8 +1,10 @@
-"""The figures in ``figures/`` (what README shows), one module per chapter.
+"""Each chapter's scenes: the small scenarios it builds on, and the figures drawn from them.
 
-Each ``kvlab/gallery/chNN_*.py`` decorates functions that build a matplotlib figure with
-``@figure("NN_name.png")``. ``make figures`` (``python -m kvlab.gallery figures/``) renders
-them all, deterministically (seeded inputs).
+One module per chapter, ``kvlab/scenes/chNN_*.py``. A module holds the chapter's seeded
+scenarios (small managers, batches and step histories that its notebook, its checker and its
+figures share) and the functions that draw them. A function decorated with
+``@figure("NN_name.png")`` builds one of the pictures in ``figures/`` (what README shows);
+``make figures`` (``python -m kvlab.scenes figures/``) renders them all, deterministically.
 """
 from __future__ import annotations
 

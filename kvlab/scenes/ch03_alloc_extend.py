@@ -1,6 +1,6 @@
 """Chapter 03's pictures: the three parts of a batched extend, and the out-of-memory hazard.
 
-The notebook imports these helpers too (``from kvlab.gallery.ch03_alloc_extend import ...``)
+The notebook imports these helpers too (``from kvlab.scenes.ch03_alloc_extend import ...``)
 so the figures in ``figures/`` and the chapter's pictures are the same drawings.
 """
 from __future__ import annotations
