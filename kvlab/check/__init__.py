@@ -16,8 +16,8 @@ import pkgutil
 import warnings
 
 from . import picture, sandbox  # noqa: F401  (kvlab.check.picture, kvlab.check.sandbox)
-from .core import (EXERCISES, Case, CheckFailed, Segment, call_learner, compare_flat, exercise,
-                   hint, run_cases)
+from .core import (EXERCISES, STARTER_MARKER, Case, CheckFailed, Segment, call_learner, choose,
+                   compare_flat, exercise, hint, not_attempted, run_cases, status)
 from .sandbox import LearnerRaised
 
 # Every checker runs learner code through call_learner: give it the safety net
@@ -25,7 +25,8 @@ from .sandbox import LearnerRaised
 sandbox.install()
 
 __all__ = ["CheckFailed", "LearnerRaised", "Case", "Segment", "compare_flat", "exercise", "hint",
-           "run_cases", "call_learner", "EXERCISES", "exercises", "broken_modules"]
+           "run_cases", "call_learner", "EXERCISES", "exercises", "broken_modules", "status",
+           "choose", "not_attempted", "STARTER_MARKER"]
 
 _loaded = False
 #: chapter checker modules that failed to import: module name -> the error (see broken_modules)

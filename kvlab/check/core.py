@@ -22,6 +22,8 @@ Writing a checker (``kvlab/check/chNN_*.py``):
 """
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -272,15 +274,115 @@ EXERCISES: dict[str, Exercise] = {}
 
 def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
              solution: Callable[..., Any] | None = None):
-    """Decorator: register a checker under ``name`` with its hints and reference solution."""
+    """Decorator: register a checker under ``name`` with its hints and reference solution.
+
+    The registered checker first asks whether the learner has started (see
+    :func:`not_attempted`): an untouched starter is reported in one ``not attempted yet:``
+    line and the checker returns 0 without raising, so a learner can run a whole chapter
+    before writing anything. Every outcome is remembered for :func:`status` and :func:`choose`.
+    """
 
     def register(checker):
-        EXERCISES[name] = Exercise(name, chapter, checker, list(hints), solution)
-        checker.exercise_name = name
-        checker.hint = lambda level=1: hint(name, level)
-        return checker
+        @functools.wraps(checker)
+        def check(fn, *args, **kwargs):
+            why = not_attempted(fn, name)
+            if why is None:
+                try:
+                    result = checker(fn, *args, **kwargs)
+                except CheckFailed as err:
+                    if not _raised_not_implemented(err):
+                        _STATUS[name] = "failed"
+                        raise
+                    why = "it raises NotImplementedError"
+                else:
+                    _STATUS[name] = "passed"
+                    return result
+            _STATUS[name] = "not attempted"
+            print(f"not attempted yet: {name} ({why}). Write your answer, then run this cell "
+                  f"again; kvlab.check.hint({name!r}, 1) gives a first hint.")
+            return 0
+
+        EXERCISES[name] = Exercise(name, chapter, check, list(hints), solution)
+        check.exercise_name = name
+        check.hint = lambda level=1: hint(name, level)
+        return check
 
     return register
+
+
+# --- the learner's progress: not attempted, failed, passed -----------------------------
+
+#: The line a starter carries in each region the learner writes: ``# YOUR CODE HERE: <exercise>``.
+STARTER_MARKER = "YOUR CODE HERE"
+
+#: exercise name -> "passed", "failed" or "not attempted" (the last check of it in this process)
+_STATUS: dict[str, str] = {}
+
+
+def _source_of(fn) -> str:
+    target = getattr(fn, "fn", fn)  # a @triton.jit kernel keeps the Python function in .fn
+    try:
+        return inspect.getsource(target)
+    except (OSError, TypeError):
+        return ""
+
+
+def not_attempted(fn, name: str) -> str | None:
+    """Why ``fn`` is still the untouched starter of exercise ``name``, or None when it is not.
+
+    A starter carries the line ``# YOUR CODE HERE: <name>`` where the answer goes (a Triton
+    kernel cannot raise, so for kernels the marker is the only sign); a plain function's
+    starter also raises ``NotImplementedError``, which the checker notices when it runs.
+    """
+    for line in _source_of(fn).splitlines():
+        text = line.strip()
+        if text.startswith("#") and text.lstrip("# ").startswith(f"{STARTER_MARKER}: {name}"):
+            rest = text.lstrip("# ")[len(f"{STARTER_MARKER}: {name}"):]
+            if rest == "" or not (rest[0].isalnum() or rest[0] == "_"):
+                return (f"the line '# {STARTER_MARKER}: {name}' is still there: replace it "
+                        "with your code")
+    return None
+
+
+def _raised_not_implemented(err: BaseException | None) -> bool:
+    """Whether a checker failure is the learner's code raising NotImplementedError (directly,
+    or in the safety net's child process, which sends the original exception back)."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, NotImplementedError) or isinstance(getattr(err, "original", None),
+                                                                NotImplementedError):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _qualified_name(obj) -> str:
+    target = getattr(obj, "fn", obj)  # a @triton.jit kernel keeps the Python function in .fn
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def status(name: str) -> str:
+    """``"passed"``, ``"failed"``, ``"not attempted"`` or ``"not checked"``: the last check of
+    exercise ``name`` in this process."""
+    _lookup(name)
+    return _STATUS.get(name, "not checked")
+
+
+def choose(name: str, yours: Callable[..., Any], package: Callable[..., Any]):
+    """``yours`` once it has passed ``kvlab.check.<name>``, else ``package``; says which.
+
+    Cells after an exercise call this, so that a chapter runs top to bottom before the learner
+    has written anything, and uses the learner's code from the moment it passes.
+    """
+    state = status(name)
+    mine = getattr(getattr(yours, "fn", yours), "__name__", repr(yours))
+    theirs = _qualified_name(package)
+    if state == "passed":
+        print(f"using your {mine} (it passed kvlab.check.{name})")
+        return yours
+    print(f"using {theirs} (your {mine} has not passed kvlab.check.{name} yet: {state})")
+    return package
 
 
 def _lookup(name: str) -> Exercise:
