@@ -1,8 +1,10 @@
 # kvlab — two commands do everything on a fresh Linux machine with Python 3.11:
 #   make lab    set up .venv and open the course in JupyterLab
 #   make test   set up .venv, run the unit tests, execute every notebook (nbval), drive
-#               JupyterLab in headless Chromium (installs Debian's chromium if missing)
-# Others: make figures | make gpu-check | make bench | make test-ui | make clean
+#               JupyterLab in headless Chromium (installs Debian's chromium if missing), then
+#               run the unit tests and chapters 03, 06, 08, 09 again with the oldest supported
+#               Triton and the newest NumPy (.venv-oldest)
+# Others: make figures | make gpu-check | make bench | make test-ui | make test-oldest | make clean
 
 PYTHON     ?= python3
 VENV       ?= .venv
@@ -10,11 +12,16 @@ BIN        := $(VENV)/bin
 # torch is installed first and pinned, so the resolver never swaps it for another build.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_WORKERS ?= 2
+# The oldest Triton kvlab supports (kvlab/triton_compat.py: OLDEST_TRITON; what torch 2.11 pins),
+# tested with whatever NumPy pip resolves for it today.
+TRITON_OLDEST ?= triton==3.6.0
+VENV_OLDEST   ?= .venv-oldest
+OLDEST_CHAPTERS ?= 03 06 08 09
 export PYTHONHASHSEED = 0
 # Tests run two pytest workers on small tensors: one BLAS/OpenMP thread each avoids oversubscription.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: notebooks setup lab test test-unit test-notebooks test-ui figures gpu-check bench clean
+.PHONY: notebooks setup setup-oldest lab test test-unit test-notebooks test-ui test-oldest figures gpu-check bench clean
 
 setup: $(VENV)/.installed
 
@@ -30,7 +37,7 @@ $(VENV)/.installed: pyproject.toml
 lab: setup
 	$(BIN)/jupyter lab notebooks/
 
-test: setup test-unit test-notebooks test-ui
+test: setup test-unit test-notebooks test-ui test-oldest
 
 test-unit: setup
 	MPLBACKEND=Agg $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not ui" tests/
@@ -42,6 +49,22 @@ test-notebooks: setup
 test-ui: setup
 	@sh tools/install_chromium.sh
 	$(BIN)/python -m pytest -q -m ui -p no:cacheprovider tests/ui/
+
+# The same checks on the oldest supported Triton: its own venv, newest NumPy.
+setup-oldest: $(VENV_OLDEST)/.installed
+
+$(VENV_OLDEST)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_OLDEST)
+	$(VENV_OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	$(VENV_OLDEST)/bin/python -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
+	$(VENV_OLDEST)/bin/python -m pip install --quiet -e ".[test]" "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
+	$(VENV_OLDEST)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	@touch $@
+
+test-oldest: setup-oldest
+	@$(VENV_OLDEST)/bin/python -c 'import triton, numpy; print(f"oldest supported: triton {triton.__version__}, numpy {numpy.__version__}")'
+	MPLBACKEND=Agg $(VENV_OLDEST)/bin/python -m pytest -q -n $(PYTEST_WORKERS) -m "not ui" -p no:cacheprovider tests/
+	$(VENV_OLDEST)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider $(foreach n,$(OLDEST_CHAPTERS),$(wildcard notebooks/$(n)_*.ipynb))
 
 figures: setup
 	$(BIN)/python -m kvlab.scenes figures/
@@ -65,7 +88,7 @@ bench: setup
 	$(BIN)/python -m kvlab.bench
 
 clean:
-	rm -rf $(VENV) test-output .pytest_cache
+	rm -rf $(VENV) $(VENV_OLDEST) test-output .pytest_cache
 
 # Rebuild notebooks/*.ipynb from their percent-format sources in notebooks/src/.
 notebooks: setup

@@ -45,8 +45,34 @@ def test_environment_yml_matches_pyproject():
 def test_pyproject_names_the_course_dependencies():
     names = {_name(r) for r in _pyproject_requirements()}
     for needed in ["torch", "triton", "jupyterlab", "matplotlib", "ipywidgets", "nbval",
-                   "pytest", "hypothesis"]:
+                   "pytest", "hypothesis", "jupytext"]:
         assert needed in names
+
+
+def test_the_package_requires_only_what_import_kvlab_needs():
+    """Colab has torch, triton, numpy, matplotlib and ipywidgets: installing the course there
+    must not pull a second Jupyter stack or test tools (they are extras)."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert {_name(r) for r in meta["dependencies"]} == {
+        "torch", "triton", "numpy", "matplotlib", "ipywidgets"}
+
+
+def test_the_dev_extra_holds_every_other_extra():
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    dev = set(extras["dev"])
+    for name, reqs in extras.items():
+        assert set(reqs) <= dev, f"extra {name!r} has requirements missing from dev"
+
+
+def test_the_oldest_tested_triton_is_the_declared_floor():
+    from kvlab.triton_compat import OLDEST_TRITON
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (triton_req,) = [r for r in meta["dependencies"] if _name(r) == "triton"]
+    floor = ".".join(map(str, OLDEST_TRITON[:2]))
+    assert triton_req == f"triton>={floor}"
+    assert f"TRITON_OLDEST ?= triton=={'.'.join(map(str, OLDEST_TRITON))}" in (
+        ROOT / "Makefile").read_text()
 
 
 def test_there_are_notebooks():
