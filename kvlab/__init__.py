@@ -46,6 +46,7 @@ _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
     "attention", "bench", "paging", "token_allocator", "radix_cache", "cache_manager",
     "scenes", "runtime", "errors",
+    "hf",  # chapter 10 (needs the optional transformers: pip install 'kvlab[hf]')
 }
 
 __all__ = [
