@@ -1,7 +1,7 @@
 """The setup cell that opens every chapter, and the one place the course's URL is set.
 
 In Colab the cell clones :data:`REPO_URL` and installs kvlab from it (Colab already has
-torch and triton); on a local checkout it only reports the runtime. ``tools/py2nb.py``
+torch and triton); on a local checkout it only reports the runtime. ``tools/build_notebooks.py``
 puts :data:`SETUP_CELL` first in every notebook, and a test checks they all match.
 """
 
