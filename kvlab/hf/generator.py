@@ -204,8 +204,8 @@ class PagedGenerator:
                     new = self._admit(waiting, running, free_rows, max_new, stats)
                     live += new
                     batch = new + running
-                    if not batch:  # cannot happen after _check; never spin
-                        raise RuntimeError("no request could be admitted")
+                    if not batch:  # _check made sure each request fits an idle pool: never spin
+                        raise AssertionError("kvlab.hf: no request could be admitted to an idle pool")
                     logits = self._step(batch)
                     for seq, row_logits, token in zip(batch, logits, logits.argmax(-1).tolist()):
                         seq.tokens.append(token)
@@ -292,20 +292,19 @@ class PagedGenerator:
         for seq in list(waiting):
             if not free_rows:
                 break
-            hit = self.manager.prefix_cache.match_prefix(seq.prompt[:-1]).handle.cached_len
+            req = Req(list(seq.prompt), table_idx=free_rows[0])
+            hit = self.manager.match_req(req).handle.cached_len   # prompt[:-1] in the radix cache
             # whole pages it shares with a prompt admitted in this step: wait, then hit them
             shared = max((_common_prefix(seq.prompt[:-1], a.prompt) // P * P for a in admitted),
                          default=0)
             if shared > hit:
                 stats["deferred"] += 1
                 continue
-            seq.req = Req(list(seq.prompt), table_idx=free_rows[0])
-            self.manager.admit(seq.req)       # match + lock + map the cached prefix into the row
+            seq.req = req
+            self.manager.admit(req)           # match + lock the hit + map it into the row
             reserved = sum(self._pages_to_come(s, max_new) for s in running + admitted + [seq])
-            available = (self.manager.num_free_pages
-                         + self.manager.prefix_cache.size_info.evictable_size // P)
-            if reserved > available:          # not now: undo (the rows, pages, locks as before)
-                self.manager.release_req(seq.req)
+            if reserved > self.manager.available_size // P:   # free + evictable pages
+                self.manager.release_req(req)   # not now: rows, pages and locks as before
                 seq.req = None
                 break
             free_rows.pop(0)
