@@ -329,11 +329,13 @@ assert all(v > 0 for v in seen.values())
 # `kvlab.PagedTokenAllocator` owns `free_pages` (every page id `0..num_pages-1` is usable) and
 # wraps the launch in five steps: (1) check the arguments, (2) count the new pages on the host,
 # (3) refuse with `OutOfPages` if there are too few, (4) launch, (5) drop the used pages from the
-# front of `free_pages`. Here it gives three requests their prefixes, then extends them (its free
-# list is shuffled first, as it would be after a while of serving):
+# front of `free_pages`. With `impl="teaching"` step 4 launches this chapter's kernel (the
+# default, `"fast"`, launches chapter 09's kernels, which hand out the same slots). Here it gives
+# three requests their prefixes, then extends them (its free list is shuffled first, as it would
+# be after a while of serving):
 
 # %%
-alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4)
+alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4, impl="teaching")
 alloc.free_pages = torch.tensor([5, 2, 9, 0, 7, 3, 10, 1, 8, 6, 4, 11], device=device)
 prefix = alloc.alloc_extend(torch.tensor([0, 0, 0], device=device), torch.tensor([3, 4, 0], device=device),
                             torch.tensor([-1, -1, -1], device=device), extend_num_tokens=7)
