@@ -463,3 +463,24 @@ print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as
 # 2. The admission rule reserves pages for `max_new_tokens` that a request may never use
 #    (it can stop at EOS much earlier). What would you need to admit more aggressively --
 #    and what must happen when a running request then finds no page for its next token?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# 1. A conversation's next turn arrives seconds later and re-sends everything, so its deepest
+#    node is worth more than its age says. Plain LRU (what kvlab's radix cache does) evicts the
+#    leaves touched longest ago -- often a paused conversation's latest answer, forcing the
+#    whole tail to be recomputed. Protecting nodes many conversations share (a system prompt)
+#    by reference count or hit count, and evicting from the leaves of idle conversations
+#    first, keeps the expensive long prefixes; a deployment can also give a conversation a
+#    short grace period after each turn. Whatever the order, only whole leaves can go (an
+#    inner node is a prefix of its children), which is why eviction walks up from the leaves.
+# 2. Admitting against expected rather than maximal length (for example, counting
+#    `min(max_new_tokens, a typical answer length)`) lets more requests run at once, but then a
+#    decode step can find no free page. A server then needs a way out: evict more of the cache
+#    first, and when that is not enough, **preempt** a running request -- free its pages (or
+#    keep its computed prefix in the cache), put it back in the waiting queue, and recompute
+#    or reload it later. SGLang retracts decode requests this way when memory runs out, and
+#    steers how aggressive admission may be with one number, `new_token_ratio` (the share of
+#    `max_new_tokens` it reserves): raised after a retraction, lowered a little at every step
+#    without one.
