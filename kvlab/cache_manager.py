@@ -37,7 +37,8 @@ import torch
 from .errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
 from .paging import (UNMAPPED, check_triton_page_table, div_ceil, page_to_token, write_page_table,
                      write_page_table_triton)
-from .radix_cache import MatchResult, RadixCacheHandle, RadixPrefixCache, as_token_list
+from .args import check_token_ids
+from .radix_cache import MatchResult, RadixCacheHandle, RadixPrefixCache
 
 __all__ = ["Req", "CacheManager", "CacheRegions", "Region"]
 
@@ -64,7 +65,7 @@ class Req:
     prompt_len: int = field(default=-1)
 
     def __post_init__(self):
-        self.input_ids = as_token_list(self.input_ids, "req.input_ids")
+        self.input_ids = check_token_ids("req.input_ids", self.input_ids)
         if self.device_len < 0:
             self.device_len = len(self.input_ids)
         if self.prompt_len < 0:

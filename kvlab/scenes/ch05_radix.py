@@ -18,8 +18,6 @@ def radix_steps(page_size: int = 2):
 
     Slots come from a small pool handed out page by page, as a cache manager would.
     """
-    from ..viz.tree import snapshot
-
     cache = RadixPrefixCache(page_size, device="cpu")
     next_page = [3]
 
@@ -31,23 +29,23 @@ def radix_steps(page_size: int = 2):
 
     steps = []
     cache.insert_prefix(PROMPT_A, fresh(len(PROMPT_A)))
-    steps.append(("insert A (7 tokens): 3 whole pages", snapshot(cache)))
+    steps.append(("insert A (7 tokens): 3 whole pages", cache.snapshot()))
     cache.insert_prefix(PROMPT_D, fresh(len(PROMPT_D)))
-    steps.append(("insert D: a second branch", snapshot(cache)))
+    steps.append(("insert D: a second branch", cache.snapshot()))
     _, handle_b = cache.insert_prefix(PROMPT_B, torch.cat([cache.match_prefix(PROMPT_B).handle
                                                            .get_matched_indices(),
                                                            fresh(len(PROMPT_B) - 4)]))
-    steps.append(("insert B: split after [1 2|3 4]", snapshot(cache)))
+    steps.append(("insert B: split after [1 2|3 4]", cache.snapshot()))
     cache.lock_handle(handle_b)
-    steps.append(("lock B (B is running)", snapshot(cache)))
+    steps.append(("lock B (B is running)", cache.snapshot()))
     match_c = cache.match_prefix(PROMPT_C[:-1])
-    steps.append((f"match C: {match_c.cached_len} tokens hit", snapshot(cache)))
+    steps.append((f"match C: {match_c.cached_len} tokens hit", cache.snapshot()))
     cache.evict(1)
-    steps.append(("evict(1): least recently used leaf", snapshot(cache)))
+    steps.append(("evict(1): least recently used leaf", cache.snapshot()))
     cache.lock_handle(handle_b, unlock=True)
-    steps.append(("B finishes: unlock B", snapshot(cache)))
+    steps.append(("B finishes: unlock B", cache.snapshot()))
     cache.evict(4)
-    steps.append(("evict(4): B's leaf is older than [5 6]", snapshot(cache)))
+    steps.append(("evict(4): B's leaf is older than [5 6]", cache.snapshot()))
     return steps, cache
 
 

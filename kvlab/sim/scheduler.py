@@ -34,13 +34,11 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
 
 from ..cache_manager import CacheManager, Req
 from ..errors import IntegrityError, InvalidArgument
 from ..paging import div_ceil, new_page_table
-from ..radix_cache import RadixPrefixCache
-from ..viz.tree import snapshot as tree_snapshot
+from ..radix_cache import RadixNode, RadixPrefixCache
 from .timeline import MemorySplit, RequestStats, StepRecord, Timeline
 from .workloads import RequestSpec, Workload
 
@@ -77,10 +75,10 @@ class _CountingCache(RadixPrefixCache):
 
     evicted_tokens = 0
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        freed = super().evict(num_tokens)
-        self.evicted_tokens += int(freed.numel())
-        return freed
+    def evict_leaves(self, num_tokens: int) -> list[RadixNode]:
+        evicted = super().evict_leaves(num_tokens)
+        self.evicted_tokens += sum(node.length for node in evicted)
+        return evicted
 
 
 @dataclass
@@ -333,7 +331,7 @@ class Simulator:
             memory=memory, wasted_slots=wasted,
             page_table=self.page_table[: self.config.max_running].clone().cpu(),
             row_rids=tuple(row_rids), free_pages=tuple((self.manager.free_slots // P).tolist()),
-            tree=tree_snapshot(self.cache), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
+            tree=self.cache.snapshot(), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
             last_regions=self._last_regions[0], last_regions_rid=self._last_regions[1],
             last_regions_step=self._last_regions[2])
 
