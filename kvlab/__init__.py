@@ -29,7 +29,8 @@ _EXPORTS = {
     "RadixPrefixCache": "radix_cache",
     "MatchResult": "radix_cache",
     "InsertResult": "radix_cache",
-    "Req": "cache_manager",
+    "Req": "req",
+    "ForwardBatch": "req",
     "CacheManager": "cache_manager",
     "CacheRegions": "cache_manager",
     "KVPool": "attention",  # chapter 08

@@ -70,13 +70,10 @@ def shared_prefix_figure():
     system = list(range(100, 112))  # 12 tokens: 3 pages of system prompt
     cm = CacheManager(16, P, new_page_table(3, 24, P, device="cpu"), page_table_writer="host")
     first = Req(system + [1, 2, 3], 0)
-    cm.admit(first)
-    cm.allocate_paged([first])
-    first.complete_one()
-    cm.cache_req(first, finished=False)
+    batch = cm.prefill([first])            # admit + map its pages
+    cm.complete_step(batch, [4])           # the forward pass produced 4; the prompt is cached
     second = Req(system + [7, 8, 9, 10, 11], 1)
-    cm.admit(second)
-    cm.allocate_paged([second])
+    cm.prefill([second])                   # hits the 3 cached pages of the system prompt
     fig, ax = plt.subplots(figsize=(9, 2.2))
     page_table_heatmap(cm.page_table[:2, :20], P, ax=ax,
                        title="two requests, one system prompt: the first 3 pages are shared")
