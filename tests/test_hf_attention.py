@@ -49,7 +49,7 @@ def layout(seed, page_size, seq_lens, heads=4, kv_heads=2, head_dim=16, spare_pa
 def repeated_heads_reference(q, k, v, table, rows, lens):
     """GQA = multi-head attention with each K/V head repeated for its group (chapter 08's
     reference, which knows nothing of groups)."""
-    from kvlab.attention import paged_decode_attention_reference
+    from kvlab.reference.attention import paged_decode_attention_reference
 
     group = q.shape[1] // k.shape[1]
     return paged_decode_attention_reference(q, k.repeat_interleave(group, 1),

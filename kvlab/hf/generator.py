@@ -32,9 +32,12 @@ never fit raises :class:`~kvlab.OutOfPages` before anything changes. A request w
 shares whole pages with a request admitted in the same step waits one step, then reads those
 pages from the cache instead of computing them again (SGLang's in-batch prefix caching).
 
-(Where a ``CacheManager`` offers a prefill/decode-step vocabulary -- pages needed, available
-pages -- :meth:`PagedGenerator._admit` and :meth:`PagedGenerator._step` are the two places
-that would call it.)
+The loop speaks to :class:`~kvlab.CacheManager` in its basic words (``match_req``, ``admit``,
+``available_pages``, ``allocate_paged``, ``cache_req``, ``release_req``) because a step here
+mixes a prefill of new requests with a decode of running ones in one forward pass, and new
+requests are admitted one by one (in-batch sharing, page reservations); the manager's
+``prefill`` / ``decode_step`` / ``complete_step`` describe the same moves for a step that is
+one or the other (chapter 08's engine).
 """
 from __future__ import annotations
 
@@ -146,8 +149,8 @@ class PagedGenerator:
 
     def __init__(self, model, page_size: int = 16, num_pages: int = 256, *, max_running: int = 16,
                  max_seq_len: int | None = None, decode_step: Callable | None = None):
-        from .. import KVPool
         from ..cache_manager import CacheManager
+        from ..kvcache import KVPool
         from ..paging import new_page_table
 
         check_model(model)
@@ -285,7 +288,7 @@ class PagedGenerator:
     def _admit(self, waiting: deque, running: list, free_rows: list, max_new: int,
                stats: dict) -> list[_Seq]:
         """Admit waiting requests (in order) while rows and pages last."""
-        from ..cache_manager import Req
+        from ..req import Req
 
         P = self.page_size
         admitted: list[_Seq] = []
@@ -303,7 +306,7 @@ class PagedGenerator:
             seq.req = req
             self.manager.admit(req)           # match + lock the hit + map it into the row
             reserved = sum(self._pages_to_come(s, max_new) for s in running + admitted + [seq])
-            if reserved > self.manager.available_size // P:   # free + evictable pages
+            if reserved > self.manager.available_pages:   # free + evictable pages
                 self.manager.release_req(req)   # not now: rows, pages and locks as before
                 seq.req = None
                 break
