@@ -31,7 +31,7 @@ from kvlab.bench import plots as bench_plots
 from kvlab.bench.cases import make_extend_batch
 from kvlab.scenes.ch09_making_it_fast import fill_mapping_figure, load_bench
 from kvlab.kernels import fast_alloc
-from kvlab.kernels.fast_alloc import alloc_decode_fast, alloc_extend_fast
+from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast
 from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref, pages_for
 
 torch.manual_seed(0)
@@ -255,8 +255,8 @@ print(inspect.getsource(fast_alloc._fill_tokens.fn))
 # And the host side decides everything that can fail *before* it launches anything:
 
 # %%
-src = inspect.getsource(fast_alloc.alloc_extend_fast)
-print(src[src.index("    num_free = free_pages.numel()"):src.index("    search_steps")])
+src = inspect.getsource(alloc_extend_fast)
+print(src[src.index("    if extend_num_tokens is not None:"):src.index("    if bs == 0:")])
 
 # %% [markdown]
 # ## Validate against the reference
