@@ -342,7 +342,8 @@ class CacheManager:
         if needed_pages > 0:
             if self.page_table_writer == "triton":
                 check_triton_page_table(self.page_table)  # the writer's rules, before pages are taken
-            allocated = page_to_token(self._allocate(needed_pages), P)
+            # the page starts come from our own free list: skip the value check (a device sync)
+            allocated = page_to_token(self._allocate(needed_pages), P, check_values=False)
             writer = write_page_table_triton if self.page_table_writer == "triton" else write_page_table
             writer(self.page_table, allocated, allocation_info, P)
         for row, req in new_records.items():
