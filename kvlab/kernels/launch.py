@@ -67,7 +67,7 @@ class Launcher:
                 compiled = compiled.result()
             self._compiled[full_key] = compiled
         else:
-            compiled[grid](*args)
+            compiled[grid + (1,) * (3 - len(grid))](*args)  # a compiled kernel takes a 3-D grid
 
     def warmup(self, grid: tuple, args: tuple, key: tuple = ()) -> float:
         """Compile (or load from Triton's cache) without launching; returns the seconds it took."""
