@@ -63,6 +63,8 @@ from .kernels.alloc_checks import STATUS_WORDS
 
 #: the implementations of the launch step: "fast" (chapter 09, the default) and "teaching"
 IMPLS: tuple[str, ...] = ("fast", "teaching")
+_EXTEND_NAMES = ("prefix_lens", "seq_lens", "last_loc")
+_DECODE_NAMES = ("seq_lens", "last_loc")
 #: the largest block ``tl.arange`` may build (Triton's TRITON_MAX_TENSOR_NUMEL)
 _MAX_BLOCK: int = getattr(tl, "TRITON_MAX_TENSOR_NUMEL", 1 << 20)
 
@@ -110,14 +112,18 @@ class PagedTokenAllocator:
         self.page_size = page_size
         self.impl = impl
         self.device = _pinned_device(device)
+        if not runtime.INTERPRET and self.device.type != "cuda":
+            raise InvalidArgument("device", "must be a CUDA device: the kernels are compiled for the GPU",
+                                  f"got {self.device}")
         self.eager_errors = self.device.type == "cpu" if eager_errors is None else bool(eager_errors)
         i64 = dict(dtype=torch.int64, device=self.device)
         self._free_list = torch.arange(num_pages, **i64)    # free pages: _free_list[_head:]
         self._head = 0
         self._page_free = torch.ones(num_pages, dtype=torch.int8, device=self.device)
         self._status = torch.zeros(STATUS_WORDS, **i64)   # refusals, for the host
-        self._scratch = torch.empty(0, **i64)
+        self._scratch, self._scratch_words = torch.empty(0, **i64), 0
         self._calls = 0
+        self._extend_key, self._decode_key = K.int64_key(page_size, 4), K.int64_key(page_size, 3)
         # the kernels' packed report: (new pages << 32) | new tokens; decode: new pages
         self.ret_values = torch.zeros(1, **i64)
         #: seconds each kernel took to compile here (0.0: it came from Triton's cache, or the
@@ -168,33 +174,31 @@ class PagedTokenAllocator:
 
     # --- step 1: the arguments the host can judge ----------------------------------------------
 
-    def _device_lengths(self, **tensors) -> list[Tensor]:
+    def _device_lengths(self, names: tuple, tensors: tuple) -> tuple:
         """1-D integer tensors on this device, one entry per request, as contiguous int64."""
-        ts = list(tensors.values())
-        bs = ts[0].numel() if isinstance(ts[0], Tensor) else -1
+        bs = tensors[0].numel() if isinstance(tensors[0], Tensor) else -1
         dev = self.device
-        if all(isinstance(t, Tensor) and t.dtype is torch.int64 and t.dim() == 1 and t.numel() == bs
-               and t.device == dev and t.is_contiguous() for t in ts):
-            return ts  # the common case, judged in one pass
-        for name, t in tensors.items():
+        for t in tensors:  # the common case, judged in one pass
+            if not (isinstance(t, Tensor) and t.dtype is torch.int64 and t.dim() == 1 and t.numel() == bs
+                    and t.device == dev and t.is_contiguous()):
+                break
+        else:
+            return tensors
+        for name, t in zip(names, tensors):
             check_index_tensor(name, t)
             if not same_device(t.device, dev):
                 raise InvalidArgument(name, f"must be on the allocator's device {dev}", f"got {t.device}")
-        if len({t.numel() for t in ts}) != 1:
-            raise InvalidArgument("/".join(tensors), "same length", f"got {[t.numel() for t in ts]}")
-        return [t.to(torch.int64).contiguous() for t in ts]
+        if len({t.numel() for t in tensors}) != 1:
+            raise InvalidArgument("/".join(names), "same length", f"got {[t.numel() for t in tensors]}")
+        return tuple(t.to(torch.int64).contiguous() for t in tensors)
 
     def _scratch_for(self, words: int) -> Tensor:
-        if self._scratch.numel() < words:  # grows, never shrinks: one allocation for many calls
-            self._scratch = torch.empty(max(words, 2 * self._scratch.numel()), dtype=torch.int64,
-                                        device=self.device)
+        if self._scratch_words < words:  # grows, never shrinks: one allocation for many calls
+            self._scratch_words = max(words, 2 * self._scratch_words)
+            self._scratch = torch.empty(self._scratch_words, dtype=torch.int64, device=self.device)
         return self._scratch
 
     # --- steps 2-3: the device's verdict, and refusals ---------------------------------------
-
-    def _next_call(self, decode: bool) -> int:
-        self._calls += 1
-        return 2 * self._calls + int(decode)  # the kind of call rides in the lowest bit
 
     def _read_status(self) -> DeviceReport:
         return DeviceReport.from_words(self._status.tolist())  # a device -> host sync
@@ -218,11 +222,12 @@ class PagedTokenAllocator:
             self._raise_refusal(rep, None)
 
     def _settle(self, call_id: int) -> int:
-        """The verdict of the call just launched (one sync): its new pages, or its error."""
-        rep = self._read_status()
-        if rep.code:
-            self._raise_refusal(rep, call_id)
-        return rep.last_pages
+        """The verdict of the call just launched: one word, one sync. The kernels write
+        ``ret_values`` = ``(pages << 32) | tokens`` (decode: ``pages``), or -1 if refused."""
+        word = self.ret_values.item()
+        if word < 0:
+            self._raise_refusal(self._read_status(), call_id)
+        return word if call_id & 1 else word >> 32
 
     # --- the public API ---------------------------------------------------------------------
 
@@ -235,9 +240,10 @@ class PagedTokenAllocator:
         :class:`InvalidArgument` on broken rules and :class:`OutOfPages` when too few pages are
         free, with the allocator unchanged (see the module docstring for when).
         """
-        pre, seq, last = self._device_lengths(prefix_lens=prefix_lens, seq_lens=seq_lens, last_loc=last_loc)
+        pre, seq, last = self._device_lengths(_EXTEND_NAMES, (prefix_lens, seq_lens, last_loc))
         bs, P = pre.numel(), self.page_size
         n_tokens = check_count("extend_num_tokens", extend_num_tokens)
+        num_free = self._free_list.numel() - self._head
         host = None
         if prefix_lens_cpu is not None or seq_lens_cpu is not None:
             if prefix_lens_cpu is None or seq_lens_cpu is None:
@@ -246,8 +252,8 @@ class PagedTokenAllocator:
             if host.tokens != n_tokens:
                 raise InvalidArgument("extend_num_tokens", "extend_num_tokens == sum(seq_lens - prefix_lens)",
                                       f"got {n_tokens}, the lengths sum to {host.tokens}")
-            if host.pages > self.num_free_pages:
-                raise OutOfPages(host.pages, self.num_free_pages, "extend")  # before any launch
+            if host.pages > num_free:
+                raise OutOfPages(host.pages, num_free, "extend")  # before any launch
         if bs == 0:
             if n_tokens:
                 raise InvalidArgument("extend_num_tokens", "0 for an empty batch", f"got {n_tokens}")
@@ -258,13 +264,14 @@ class PagedTokenAllocator:
                                   f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
                                   f"got {n_tokens} tokens, {bs} requests")
         out = torch.empty(n_tokens, dtype=torch.int64, device=self.device)
-        call = self._next_call(decode=False)
-        checks = (bs, n_tokens, self._head, self.num_free_pages, self.num_pages,
-                  host.pages if host else -1, int(host is not None), host.sum_pre if host else 0,
-                  host.sum_seq if host else 0, call, 1)
+        self._calls += 1
+        call = 2 * self._calls  # even: an extend (the kind of call rides in the lowest bit)
+        checks = (bs, n_tokens, self._head, num_free, self.num_pages) + (
+            (host.pages, 1, host.sum_pre, host.sum_seq) if host else (-1, 0, 0, 0)) + (call, 1)
         if self.impl == "fast":
             K.launch_extend(pre, seq, last, self._free_list, self._page_free, self._status, self.ret_values,
-                            self._scratch_for(K.extend_scratch_words(bs, n_tokens)), out, *checks, P)
+                            self._scratch_for(K.extend_scratch_words(bs, n_tokens)), out, *checks, P,
+                            self._extend_key)
             pages = self._settle(call) if host is None else host.pages
         else:
             pages = self._extend_teaching(pre, seq, last, out, checks, call)
@@ -278,29 +285,31 @@ class PagedTokenAllocator:
 
         ``seq_lens_cpu``: a host copy of ``seq_lens``; with it the call makes no sync.
         """
-        seq, last = self._device_lengths(seq_lens=seq_lens, last_loc=last_loc)
+        seq, last = self._device_lengths(_DECODE_NAMES, (seq_lens, last_loc))
         bs, P = seq.numel(), self.page_size
+        num_free = self._free_list.numel() - self._head
         host = None
         if seq_lens_cpu is not None:
             host = decode_counts(seq_lens_cpu, P, bs)
-            if host.pages > self.num_free_pages:
-                raise OutOfPages(host.pages, self.num_free_pages, "decode step")  # before any launch
+            if host.pages > num_free:
+                raise OutOfPages(host.pages, num_free, "decode step")  # before any launch
         out = torch.empty(bs, dtype=torch.int64, device=self.device)
         if bs == 0:
             return out
         if self.impl == "teaching" and next_pow2(bs) > _MAX_BLOCK:
             raise InvalidArgument("seq_lens", f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
                                   f"got {bs} requests")
-        call = self._next_call(decode=True)
-        checks = (bs, self._head, self.num_free_pages, self.num_pages, host.pages if host else -1,
-                  int(host is not None), host.sum_seq if host else 0, call, 1)
+        self._calls += 1
+        call = 2 * self._calls + 1  # odd: a decode step
+        checks = (bs, self._head, num_free, self.num_pages) + (
+            (host.pages, 1, host.sum_seq) if host else (-1, 0, 0)) + (call, 1)
         if self.impl == "fast":
             K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
-                            *checks, 1, P)
+                            *checks, 1, P, self._decode_key)
             pages = self._settle(call) if host is None else host.pages
         else:
             K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
-                            *checks, 0, P)
+                            *checks, 0, P, self._decode_key)
             pages = self._settle(call)  # the teaching kernel reads free_pages unmasked: verdict first
             from .kernels.alloc import alloc_decode_kernel
 

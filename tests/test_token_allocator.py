@@ -467,13 +467,14 @@ def test_the_next_reading_call_raises_a_pending_refusal_first(reader):
 
 
 def test_eager_errors_raise_at_the_call_itself():
-    """Where reading the device costs nothing (a CPU) the call itself raises."""
-    alloc = PagedTokenAllocator(8, 4, device="cpu")
-    assert alloc.eager_errors
-    alloc.alloc_extend(t([0], "cpu"), t([3], "cpu"), t([-1], "cpu"), 3, prefix_lens_cpu=[0], seq_lens_cpu=[3])
+    """Where reading the device costs nothing (a CPU, the default there) the call itself raises;
+    on a GPU ``eager_errors=True`` buys the same for one sync per call."""
+    alloc = PagedTokenAllocator(8, 4, eager_errors=True)
+    assert PagedTokenAllocator(8, 4).eager_errors == (kvlab.DEVICE.type == "cpu")
+    alloc.alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu=[3])
     before = alloc.state()
     with pytest.raises(InvalidArgument, match="allocated page"):
-        alloc.alloc_extend(t([3], "cpu"), t([6], "cpu"), t([22], "cpu"), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])
+        alloc.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])
     assert alloc.state().equals(before)
 
 

@@ -134,12 +134,13 @@ def bench_public_extend(case_list, page_sizes, smoke: bool, log=print) -> list[d
                    "new_pages": b.num_new_pages, "paths": {}, "agree": True}
             fns, resets, outs = {}, {}, {}
             lanes = next_pow2(b.extend_num_tokens)
+            full = None
             for impl in ("fast", "teaching"):
                 if impl == "teaching" and lanes > SEED_MAX_LANES:
                     row["paths"]["teaching"] = row["paths"]["teaching_host_lens"] = {
                         "skipped": f"its kernel would compile for {lanes} lanes"}
                     continue
-                alloc, _, reset = _pool(b.free_pages, b.num_new_pages, P, impl)
+                alloc, full, reset = _pool(b.free_pages, b.num_new_pages, P, impl)
                 fns[impl] = lambda a=alloc: a.alloc_extend(b.prefix_lens, b.seq_lens, b.last_loc,
                                                            b.extend_num_tokens)
                 fns[f"{impl}_host_lens"] = lambda a=alloc: a.alloc_extend(
@@ -147,8 +148,7 @@ def bench_public_extend(case_list, page_sizes, smoke: bool, log=print) -> list[d
                     seq_lens_cpu=seq_cpu)
                 resets[impl] = resets[f"{impl}_host_lens"] = reset
             if lanes <= SEED_MAX_LANES:
-                seed = SeedAllocator(b.free_pages, P)
-                full = b.free_pages
+                seed = SeedAllocator(full, P)  # the same free list as the allocators: room for a block
 
                 def seed_reset(s=seed, f=full):
                     s.free_pages = f
@@ -178,14 +178,14 @@ def bench_public_decode(batches, page_sizes, smoke: bool, log=print) -> list[dic
             row = {"bs": bs, "page_size": P, "new_pages": d.num_new_pages, "paths": {}, "agree": True}
             fns, resets, outs = {}, {}, {}
             for impl in ("fast", "teaching"):
-                alloc, _, reset = _pool(d.free_pages, d.num_new_pages, P, impl)
+                alloc, full, reset = _pool(d.free_pages, d.num_new_pages, P, impl)
                 fns[impl] = lambda a=alloc: a.alloc_decode(d.seq_lens, d.last_loc)
                 fns[f"{impl}_host_lens"] = lambda a=alloc: a.alloc_decode(d.seq_lens, d.last_loc,
                                                                           seq_lens_cpu=seq_cpu)
                 resets[impl] = resets[f"{impl}_host_lens"] = reset
-            seed = SeedAllocator(d.free_pages, P)
+            seed = SeedAllocator(full, P)
 
-            def seed_reset(s=seed, f=d.free_pages):
+            def seed_reset(s=seed, f=full):
                 s.free_pages = f
 
             fns["seed_wrapper"] = lambda s=seed: s.alloc_decode(d.seq_lens, d.last_loc)

@@ -165,7 +165,8 @@ def verdict(first_bad, tokens, pages, sum_pre, sum_seq, num_tokens, host_pages, 
 def record(status_ptr, report_ptr, report_value, code, prior, sticky, first_bad, pre, seq, last,
             tokens, pages, num_tokens, host_pages, num_free, call_id, free_head):
     """Program 0's report. A refusal is recorded unless an earlier one still waits for the
-    host (``sticky``: an allocator keeps the first; a bare call overwrites every time)."""
+    host (``sticky``: an allocator keeps the first; a bare call overwrites every time).
+    ``report`` gets ``report_value`` (the teaching kernels' ``ret_values``), or -1 if refused."""
     if (prior == 0) & ((code != 0) | (sticky == 0)):
         tl.store(status_ptr + 0, code.to(tl.int64))
         tl.store(status_ptr + 1, tl.where(first_bad != NONE_BAD, first_bad // 16, -1))
@@ -181,8 +182,8 @@ def record(status_ptr, report_ptr, report_value, code, prior, sticky, first_bad,
         tl.store(status_ptr + 11, free_head)
     tl.store(status_ptr + 12, tokens)
     tl.store(status_ptr + 13, pages)
-    if (code == 0) & (prior == 0):  # the teaching kernels' ret_values
-        tl.store(report_ptr, report_value)
+    # the teaching kernels' ret_values, or -1: refused (the one word a syncing caller reads)
+    tl.store(report_ptr, tl.where((code == 0) & (prior == 0), report_value, -1))
 
 
 @triton.jit

@@ -278,6 +278,11 @@ def _key(page_size: int, *tensors: torch.Tensor) -> tuple:
     return (page_size,) + tuple(t.dtype for t in tensors)
 
 
+def int64_key(page_size: int, n: int) -> tuple:
+    """The key of a launch whose ``n`` length / free-list tensors are all int64."""
+    return (page_size,) + (torch.int64,) * n
+
+
 def fill_programs(num_tokens: int) -> int:
     """Fill programs of an extend of ``num_tokens`` (at least one: the checks always run)."""
     return max(1, -(-num_tokens // EXTEND_BLOCK))  # ceil division in plain ints
@@ -298,11 +303,13 @@ def extend_scratch_words(bs: int, num_tokens: int) -> int:
 def launch_extend(prefix_lens, seq_lens, last_loc, free_pages, page_free, status, report, scratch, out,
                   bs: int, num_tokens: int, free_head: int, num_free: int, pool_pages: int,
                   host_pages: int, host_copies: int, host_sum_pre: int, host_sum_seq: int,
-                  call_id: int, sticky: int, page_size: int) -> None:
-    """Check, scan and fill one extend: one launch up to FUSED_MAX_BATCH requests, else two."""
+                  call_id: int, sticky: int, page_size: int, key: tuple | None = None) -> None:
+    """Check, scan and fill one extend: one launch up to FUSED_MAX_BATCH requests, else two.
+    ``key``: :func:`int64_key` when the caller knows every tensor is int64 (saves looking)."""
     search_steps = max(1, (bs - 1).bit_length())
     grid = (fill_programs(num_tokens),)
-    key = _key(page_size, prefix_lens, seq_lens, last_loc, free_pages)
+    if key is None:
+        key = _key(page_size, prefix_lens, seq_lens, last_loc, free_pages)
     if fused(bs, num_tokens):
         _FUSED(grid, (prefix_lens, seq_lens, last_loc, free_pages, page_free, status, report, scratch, out,
                       bs, num_tokens, free_head, num_free, pool_pages, host_pages, host_copies,
@@ -341,12 +348,13 @@ def launch_extend_fill(prefix_lens, last_loc, free_pages, page_free, scratch, ou
 
 def launch_decode(seq_lens, last_loc, free_pages, page_free, status, report, out, bs: int,
                   free_head: int, num_free: int, pool_pages: int, host_pages: int, host_copies: int,
-                  host_sum_seq: int, call_id: int, sticky: int, write_out: int, page_size: int) -> None:
+                  host_sum_seq: int, call_id: int, sticky: int, write_out: int, page_size: int,
+                  key: tuple | None = None) -> None:
     """Check and hand out one decode step (``write_out=0``: check and count only)."""
     _DECODE((1,), (seq_lens, last_loc, free_pages, page_free, status, report, out, bs, free_head,
                    num_free, pool_pages, host_pages, host_copies, host_sum_seq, call_id, sticky,
                    write_out, page_size, BATCH_BLOCK),
-            _key(page_size, seq_lens, last_loc, free_pages))
+            key if key is not None else _key(page_size, seq_lens, last_loc, free_pages))
 
 
 def warm_up(page_size: int, device: torch.device, fill: bool = True) -> dict[str, float]:
