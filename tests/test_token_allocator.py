@@ -545,9 +545,9 @@ def test_syncs_per_call(impl):
                                                  seq_lens_cpu=cpu_seq))
     without = syncs(lambda: alloc.alloc_extend(d_pre, d_seq, d_last, n))
     dec_seq = t([s + 1 for s in seq])
-    dec_last = t([0] * bs)  # any allocated slot with the right offset
-    dec_last = alloc.alloc_extend(d_pre, d_seq, d_last, n)[torch.cumsum(d_seq, 0) - 1]
-    dec_host = syncs(lambda: alloc.alloc_decode(dec_seq, dec_last, seq_lens_cpu=dec_seq.cpu()))
+    dec_cpu = dec_seq.cpu()
+    dec_last = alloc.alloc_extend(d_pre, d_seq, d_last, n)[torch.cumsum(d_seq, 0) - 1]  # each one's last slot
+    dec_host = syncs(lambda: alloc.alloc_decode(dec_seq, dec_last, seq_lens_cpu=dec_cpu))
     if impl == "fast":
         assert (with_host, without, dec_host) == (0, 1, 0)
         torch.cuda.set_sync_debug_mode("error")  # and none at all, as the mode that raises sees it

@@ -56,10 +56,12 @@ def measure(page_sizes: list[int], batches: list[int]) -> dict:
 
             def decode(host: bool):
                 kw = dict(seq_lens_cpu=dec_cpu) if host else {}
-                slots["decode"] = alloc.alloc_decode(dec_d, slots["extend"][ends], **kw)
+                slots["decode"] = alloc.alloc_decode(dec_d, slots["last"], **kw)
 
             for kind in _KINDS:
                 host = kind.endswith("host_lens")
+                if kind.startswith("decode"):  # each request's last slot, gathered outside the clock
+                    slots["last"] = slots["extend"][ends]
                 row[kind] = first_call_ms(lambda: (extend if kind.startswith("extend") else decode)(host))
                 if kind.startswith("decode"):  # a request's pages, all of them, go back
                     alloc.free(torch.cat([slots["extend"], slots["decode"]]))
