@@ -37,7 +37,8 @@ from .. import runtime
 from . import cases as C
 from . import cold, kernel_rows, public
 from .targets import evaluate_targets
-from .timing import LOOP_CALLS, LOOP_ROUNDS, SMOKE_LOOP_CALLS, SMOKE_LOOP_ROUNDS, WARMUP_ROUNDS
+from .timing import loop_us  # noqa: F401  (chapter 09 times a few cases live with it)
+from .timing import LOOP_CALLS, LOOP_ROUNDS, SMOKE_LOOP_CALLS, SMOKE_LOOP_ROUNDS, WARMUP_ROUNDS, WARMUP_S
 
 
 def command_line() -> str:
@@ -57,7 +58,8 @@ def _meta(smoke: bool) -> dict:
         else ("median_us: triton.testing.do_bench median (CUDA events; warmup 25 ms, rep 100 ms, L2 "
               f"flushed between calls); loop_us: time per call of {LOOP_CALLS} back-to-back calls between "
               "two CUDA events on an idle GPU (includes host launch overhead and syncs), the paths of a "
-              f"case side by side: {LOOP_ROUNDS} rounds (after {WARMUP_ROUNDS} dropped), each timing every path once in a rotating order, "
+              f"case side by side: {LOOP_ROUNDS} rounds (after at least {WARMUP_ROUNDS} warm-up rounds and "
+              f"{WARMUP_S} s, dropped), each timing every path once in a rotating order, "
               "each path's median over its rounds; ratios are quotients of those medians (the targets "
               "use loop_us)"),
         "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR", "(default)"),

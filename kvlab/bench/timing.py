@@ -26,8 +26,9 @@ from .. import runtime
 
 #: per-call-in-a-loop timing: back-to-back calls per timed block, and rounds per path
 LOOP_CALLS, LOOP_ROUNDS = 50, 15
-#: rounds run first and dropped (see :func:`interleaved_loop_us`)
-WARMUP_ROUNDS = 3
+#: rounds run first and dropped (see :func:`interleaved_loop_us`): at least this many, for at
+#: least this long
+WARMUP_ROUNDS, WARMUP_S = 3, 0.3
 #: smoke run: enough rounds to exercise the rotation, one call each (no timing claims)
 SMOKE_LOOP_CALLS, SMOKE_LOOP_ROUNDS = 1, 3
 
@@ -108,7 +109,8 @@ def interleaved_loop_us(fns: dict[str, Callable[[], object]], smoke: bool, *,
         round 1: fast fast_sync torch teaching
         round 2: fast_sync torch teaching fast      ... each block: `calls` back-to-back calls
 
-    On a GPU the first ``WARMUP_ROUNDS`` rounds are run the same way and dropped.
+    On a GPU warm-up rounds (at least ``WARMUP_ROUNDS``, for at least ``WARMUP_S`` seconds) are
+    run the same way first and dropped.
     ``resets[name]``, if given, runs (untimed) before each of that path's blocks: a path that
     consumes state (an allocator's free pages) starts every block from the same state.
     Returns ``{name: {"loop_us": median over rounds, "loop_rounds_us": [per round]}}``.
@@ -123,16 +125,19 @@ def interleaved_loop_us(fns: dict[str, Callable[[], object]], smoke: bool, *,
             resets[name]()
         fns[name]()  # warm: nothing compiles or allocates for the first time inside a block
     samples: dict[str, list[float]] = {name: [] for name in names}
-    # the first WARMUP_ROUNDS rounds are timed and dropped: after a pause (a compile, a new
-    # allocator) the GPU's clocks and the host's caches take a few blocks to settle
-    warmup = 0 if smoke else WARMUP_ROUNDS
-    for i in range(warmup + rounds):
+    # warm-up rounds, run the same way and dropped: after a pause (a compile, a new allocator)
+    # the GPU's clocks take a while to come back up; at least WARMUP_ROUNDS, and WARMUP_S seconds
+    t0, i, timed = time.perf_counter(), 0, 0
+    while timed < rounds:
+        warming = not smoke and (i < WARMUP_ROUNDS or time.perf_counter() - t0 < WARMUP_S)
         for name in rotation(names, i):
             if name in resets:
                 resets[name]()
             us = time_block(fns[name], calls, smoke)
-            if i >= warmup:
+            if not warming:
                 samples[name].append(us)
+        timed += 0 if warming else 1
+        i += 1
     return {name: {"loop_us": median(s), "loop_rounds_us": s} for name, s in samples.items()}
 
 
