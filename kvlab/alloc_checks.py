@@ -23,6 +23,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from .args import check_int
 from .errors import InvalidArgument, OutOfPages
 from .kernels.alloc_checks import MIX, STATUS_FIELDS, Refusal
 
@@ -62,8 +63,6 @@ def check_count(name: str, value) -> int:
     """A count the caller gives: an int >= 0 (not a bool)."""
     if type(value) is int and value >= 0:
         return value
-    from .args import check_int
-
     return check_int(name, value, minimum=0)
 
 

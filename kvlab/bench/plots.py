@@ -173,7 +173,7 @@ def plot_public_call(res: dict, page_size: int | None = None):
         for name, style, text in (("launch_kept", ":", "one launch"), ("launch_1_sync", "--", "launch + one sync")):
             if "loop_us" in floor.get(name, {}):
                 ax.axhline(floor[name]["loop_us"], color="black", ls=style, lw=1)
-                ax.text(len(rows) - 0.45, floor[name]["loop_us"], f" {text}", va="center", fontsize=7)
+                ax.text(-0.45, floor[name]["loop_us"] * 1.04, text, va="bottom", fontsize=7)
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels([label(r) for r in rows], fontsize=8)
         ax.set_yscale("log")
