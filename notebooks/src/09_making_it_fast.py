@@ -31,7 +31,7 @@ from kvlab.bench import plots as bench_plots
 from kvlab.bench.cases import make_extend_batch
 from kvlab.scenes.ch09_making_it_fast import fill_mapping_figure, load_bench
 from kvlab.kernels import fast_alloc
-from kvlab.kernels.fast_alloc import alloc_decode_fast, alloc_extend_fast
+from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast
 from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref, pages_for
 
 torch.manual_seed(0)
@@ -255,8 +255,8 @@ print(inspect.getsource(fast_alloc._fill_tokens.fn))
 # And the host side decides everything that can fail *before* it launches anything:
 
 # %%
-src = inspect.getsource(fast_alloc.alloc_extend_fast)
-print(src[src.index("    num_free = free_pages.numel()"):src.index("    search_steps")])
+src = inspect.getsource(alloc_extend_fast)
+print(src[src.index("    if extend_num_tokens is not None:"):src.index("    if bs == 0:")])
 
 # %% [markdown]
 # ## Validate against the reference
@@ -418,6 +418,110 @@ for trial in range(kvlab.runtime.pick(cpu=5, gpu=100)):
                                prefix_lens_cpu=pre_l, seq_lens_cpu=seq_l)
     assert torch.equal(mine, theirs.out_indices)
 print("the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
+
+# %% [markdown]
+# ## Where the time of a public call goes
+#
+# A serving engine never calls these kernels bare. It calls `kvlab.PagedTokenAllocator`
+# (`alloc_extend`, `alloc_decode`): host code that checks the arguments, counts the pages,
+# launches, and takes the pages off the free list. On a small batch the kernel itself runs for a
+# few microseconds, so what a caller waits for is almost all host time, of three kinds:
+#
+# - **the launch floor**: the host work of one Triton launch, even of a kernel that does
+#   nothing. `kernel[grid](...)` binds every argument and looks the compiled kernel up on every
+#   call; the allocator keeps the compiled kernel and launches it directly
+#   (`kvlab.kernels.launch.Launcher`), which is allowed because its kernels compile once for
+#   every batch (integers typed `tl.int64`, no value or alignment specialisation);
+# - **syncs**: `.item()`, `int(tensor)`, `.tolist()`, `if tensor.any():` on a GPU tensor make
+#   the host wait until the GPU has finished everything queued, then copy the answer back. The
+#   host cannot queue the next launch meanwhile, so the two stop overlapping;
+# - **the host's own work**: checks, counting pages, allocating the output.
+#
+# The saved H200 run times each public call side by side with the seed wrapper (the source
+# design's host code: one launch, `ret_values.item()`, the slice) and with the floor:
+
+# %%
+from kvlab.scenes.ch09_making_it_fast import public_call_rows
+
+floor = bench["floor"]["paths"]
+for name, what in [("launch", "empty kernel, kernel[grid]()"), ("launch_kept", "empty kernel, compiled kernel kept"),
+                   ("launch_1_sync", "kept launch + one .item()"), ("launch_7_syncs", "kept launch + seven .item()")]:
+    print(f"{what:>36}: {floor[name]['loop_us']:6.1f} µs per call")
+sync_cost = floor["launch_1_sync"]["loop_us"] - floor["launch_kept"]["loop_us"]
+print(f"one sync adds {sync_cost:.1f} µs to a call, even with nothing left to wait for")
+print()
+for row in public_call_rows(bench, page_size=16):
+    print(row)
+fig = bench_plots.plot_public_call(bench)
+plt.show()
+
+# %% [markdown]
+# Read the picture against the two lines, one launch and one launch plus one sync. No public
+# call reaches the floor: besides its launch the allocator checks the arguments, counts pages
+# from the host copies and allocates the output, and that host work costs about as much as a
+# sync. What the host lengths buy is the *wait*: with them the call never stops for the GPU, so
+# a serving loop goes on preparing the next step while the kernel runs; without them it waits
+# once, for the page count it needs before it may hand out pages. The seed wrapper waits once
+# too, and its kernel recompiles per power of two and sums in O(bs²): its bars grow with the
+# batch, the allocator's barely move. `figures/bench.md` has every case, the targets, and which
+# of them this run met.
+#
+# ### Why checks must not cost syncs
+#
+# The first version of this allocator checked every rule the obvious way:
+# `bad = (last_loc + 1) % P != prefix_lens % P; if bad.any(): raise ...`, one rule after another.
+# Each `if` on a GPU tensor is a sync; seven of them cost more than the allocation itself (the
+# `launch_7_syncs` line above), and fast and teaching kernels looked the same because the checks
+# dominated. Turning the checks off is no answer: a wrong `last_loc` silently writes one request's
+# KV into another's page. So the checks stay, and move to where they cost nothing:
+#
+# - rules on the lengths run on the **host copies** the scheduler already has
+#   (`prefix_lens_cpu=`, `seq_lens_cpu=`), a few NumPy operations over the whole batch;
+# - rules that need device data (`last_loc` on an allocated page, host copies equal to the
+#   device tensors, via a checksum) run **inside the kernel's own pass**: every program checks
+#   the whole batch before it writes anything and reaches the same verdict; a refused batch gets
+#   slots of -1 and takes no page. The refusal is recorded on the device and raised by the next
+#   call that reads the device anyway (a call without host lengths, `free`,
+#   `check_device_errors()`), with the allocator rolled back to just before the refused call.
+#
+# Here is that path on a small allocator (`eager_errors=False` makes it behave as on a GPU even
+# in the interpreter, where reading the device would cost nothing):
+
+# %%
+t = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+alloc = kvlab.PagedTokenAllocator(num_pages=8, page_size=4, eager_errors=False)
+alloc.alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu=[3])  # page 0, slots 0..2
+before = alloc.state()
+refused = alloc.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])  # 22: page 5, free
+print("the call returned without waiting; its slots:", refused.tolist())
+try:
+    alloc.check_device_errors()  # the one read of the device
+    raise AssertionError("should have been refused")
+except kvlab.InvalidArgument as err:
+    print("raised at the next read:", err)
+assert alloc.state().equals(before)
+good = alloc.alloc_extend(t([3]), t([6]), t([2]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])
+print("with last_loc on the request's own page:", good.tolist())
+alloc.check_device_errors()
+
+# %% [markdown]
+# On a GPU the next cell measures it live: the floor, then one batch of 64 requests through every
+# path, with the syncs each call makes counted by torch's sync debug mode. In the interpreter
+# there is nothing to time (every program runs on the CPU); the saved numbers above are the
+# measurement.
+
+# %%
+if kvlab.runtime.INTERPRET:
+    print("interpreter: no live timings; see the saved H200 run above")
+else:
+    from kvlab.bench.public import bench_floor, bench_public_extend
+
+    quiet = dict(smoke=False, log=lambda *a: None)
+    live_floor = bench_floor(**quiet)["paths"]
+    print(", ".join(f"{k} {v['loop_us']:.1f} µs" for k, v in live_floor.items()))
+    live = bench_public_extend([(64, 512)], [16], **quiet)[0]
+    for name, entry in live["paths"].items():
+        print(f"{name:>20}: {entry['loop_us']:6.1f} µs per call, {entry['syncs']} sync(s) per call")
 
 # %% [markdown]
 # ## Summary
