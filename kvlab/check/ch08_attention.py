@@ -1,6 +1,7 @@
-"""Chapter 08's exercise: ``kvlab.check.paged_attention(fn)``.
+"""Chapter 08's exercises: ``kvlab.check.paged_attention(fn)`` (a warm-up in plain torch) and
+``kvlab.check.paged_attention_kernel(kernel)`` (the online-softmax update in Triton).
 
-The learner writes paged decode attention in plain torch::
+The learner first writes paged decode attention in plain torch::
 
     fn(q, k_pool, v_pool, page_table, table_idx, seq_lens) -> out
 

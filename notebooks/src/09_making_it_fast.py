@@ -510,9 +510,10 @@ print("the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 #    `bs_upper` as a `constexpr`. For a server whose prefill batches have 1 to 256 requests,
 #    how many versions of its extend kernel get compiled (per page size)? How would you get
 #    that down to one, and what would each option cost?
-# 2. The source design and SGLang today both launch the extend kernel before checking that
-#    `free_pages` holds enough pages. What can happen on a GPU when it does not? What would it
-#    take to check first, given the host lengths SGLang already has?
+# 2. The fast path uses one launch (`extend_fused_kernel`, every program scans the batch
+#    itself) for batches of up to 1024 requests, and two launches (scan, then fill) above.
+#    Which batches make the one-launch version do more work than the two-launch one, and why
+#    is one launch still the better choice for most batches a server sees?
 
 # %% [markdown] tags=["solution"]
 # ### Discussion
@@ -534,13 +535,16 @@ print("versions for bs = 1..256:", len({triton.next_power_of_2(bs) for bs in ran
 # (c) warm up all 9 versions at start-up: no code change, but start-up time and nine
 # binaries per page size.
 #
-# **2. Launching before the check.** With too few free pages, the programs that compute a
-# page index past the end of `free_pages` read memory after the tensor. Usually that is
-# other data of the same allocation (garbage page numbers written into `out_indices`, which
-# the caller then discards because `alloc_extend` returns `None`); at the end of an
-# allocation it can be an illegal memory access, which on CUDA poisons the context and ends
-# the server process. In the interpreter it can segfault. Checking first costs nothing extra
-# where the host lengths exist: SGLang already computes `num_new_pages` from `seq_lens_cpu`
-# on the host; moving that comparison (and the `return None`) above the launch is the whole
-# fix. Only a caller without host lengths would need a sync to check first, which is the
-# fast path's "one sync" mode in this chapter.
+# **2. One launch or two.** In the fused kernel each of the `cdiv(T, 1024)` fill programs
+# scans all `bs` lengths itself, so the batch as a whole does `bs × cdiv(T, 1024)` loads of
+# lengths; the two-launch version does `bs` (one scan) plus a second launch. The fused one
+# does more work when both are large, e.g. 1024 requests with 1024 tokens each: 1024
+# programs each re-reading 1024 lengths, a million loads, about as many as the slots it
+# writes. But most prefill batches are small (a few to a few hundred requests), and for
+# those the repeated scan is a handful of vector loads per program, while a second launch
+# costs host time on every call; a serving loop of small launches is bound by the host, as
+# the benchmark above shows for the torch version with its twenty launches. Saving a launch
+# wins there. The
+# switch sits at 1024 requests because the fused program scans the batch as *one* vector of
+# `BATCH_BLOCK = 1024` lanes (one `tl.cumsum`); a larger batch would need the scan's loop and
+# carry in every program, and the two-launch version is then simpler and cheaper.
