@@ -76,7 +76,7 @@ def test_a_slip_in_the_update_is_rejected_and_named(old, new, says, tmp_path):
 
 
 def test_the_blocked_emulation_matches_the_reference():
-    from kvlab.attention import paged_decode_attention_reference
+    from kvlab.reference import paged_decode_attention_reference
 
     for seed, scores in [(0, "random"), (1, "rising"), (2, "large")]:
         args = ch08_attention._kernel_layout(dict(P=2, lens=[9, 3, 12], seed=seed, scores=scores,

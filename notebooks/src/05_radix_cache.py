@@ -22,7 +22,7 @@ import kvlab
 from kvlab import CacheManager, Req, RadixPrefixCache
 from kvlab.scenes.ch05_radix import shared_prefix_figure
 from kvlab.reference import PrefixStoreRef, page_aligned_len
-from kvlab.viz import draw_tree, draw_tree_steps, tree_snapshot
+from kvlab.viz import draw_tree, draw_tree_steps
 
 torch.manual_seed(0)
 random.seed(0)
@@ -256,7 +256,7 @@ steps = []
 
 
 def record(title):
-    steps.append((title, tree_snapshot(story)))
+    steps.append((title, story.snapshot()))
     info = story.size_info
     leaves = [f"{list(n.key)}@{n.last_access}" for n in story.nodes() if n.is_leaf() and n.ref_count == 0]
     print(f"{title:38s} evictable {info.evictable_size:2d}  locked {info.protected_size:2d}  "
