@@ -31,11 +31,13 @@ random.seed(0)
 # %% [markdown]
 # ## Intuition: one step of a server
 #
-# As chapter 00 put it, a server runs in **scheduler steps**. Each step is one forward pass
-# over a batch: requests that are already generating each compute one more token (*decode*),
-# and newly admitted requests compute their whole prompt (*prefill*; an *extend* when part of
-# the prompt came from the cache). Between steps, the memory manager does its work. Here is
-# the loop of this chapter's simulator, `kvlab.sim`:
+# As chapter 00 put it, a server runs in **scheduler steps**: each step puts a batch through
+# the model. Newly admitted requests compute their prompt (*prefill*), running requests compute
+# one more token each (*decode*); either way each request is *extended* by the tokens the step
+# computes. mini-sglang runs a step as a prefill batch or as a decode batch; this chapter's
+# simulator, `kvlab.sim`, does both in one step (decode the running requests, then prefill
+# the newly admitted ones), which keeps runs short. Around each forward pass, the memory
+# manager does its work:
 #
 # ```
 #             arrivals ──► waiting queue ──admit──► running ──finish──► prefix cache
@@ -400,6 +402,13 @@ plt.show()
 # With memory to spare (no eviction, no preemption, no budget limit), the simulator must make
 # exactly the same decisions as `run_by_hand`: the same page table and the same free list,
 # in the same order, after every step — on every workload without aborts, for random seeds.
+#
+# The simulator drives the manager through the same calls as your `my_decode_step`, split in
+# two around the forward pass, as a server must: `CacheManager.decode_step(reqs)` maps the
+# step's pages and returns a `ForwardBatch` (the positions the model computes, and the KV
+# slots `out_loc` it writes them to); `CacheManager.complete_step(batch, next_tokens, done)`
+# then appends the produced tokens, calls `complete_one` and caches the finished requests.
+# Your decode step is those two calls with nothing in between.
 
 # %%
 rng = random.Random(7)
@@ -421,7 +430,9 @@ for trial in range(6):
 #
 # * A server step = decode for the running requests + prefill for newly admitted ones; the
 #   memory manager's calls come in a fixed order: `admit` (match + lock + map),
-#   `allocate_paged` (one per batch), `append_token` + `complete_one`, `cache_req`.
+#   `allocate_paged` (one per batch), `append_token` + `complete_one`, `cache_req`. kvlab's
+#   `CacheManager.decode_step` / `prefill` and `complete_step` package them around the
+#   forward pass.
 # * Under memory pressure a waiting request waits; a running one that needs a page evicts
 #   unlocked cache pages first, then preempts the youngest request (whose prompt stays cached).
 # * Every page is always in exactly one place: free, cached (evictable or locked), or private
