@@ -24,6 +24,17 @@
 ``KVLAB_SANDBOX`` chooses: ``auto`` (the table), ``spawn`` (a spawned child wherever a child
 is possible, also in the interpreter), ``fork``, ``inprocess`` (guard bands and audit, no
 child: e.g. to use a debugger) or ``off`` (nothing at all).
+
+On a GPU, checker runs (:func:`kvlab.check.core.run_cases`) also run each kernel case again in
+Triton's interpreter, in a second spawned child, under the audit (the *audit pass*): compiled
+code cannot see a read whose value is never stored, nor a race that this GPU happened to win.
+``KVLAB_AUDIT=0`` leaves it out.
+
+What it costs per check: a spawned child starts once per session (a Python importing torch
+and kvlab, then its CUDA init: seconds), each new kernel compiles once in it, and every call
+sends its tensors both ways through a pipe (milliseconds). A forked child costs a fork per
+checker run. ``python tools/gpu_check_sandbox.py`` measures each of these, side by side with
+the same kernel run in this process.
 """
 from __future__ import annotations
 
@@ -184,6 +195,13 @@ def _grid_size(grid, fn, args, kwargs) -> int:
 # --- children -----------------------------------------------------------------------------------
 
 _WORKER: ForkWorker | None = None  # the fork kept for the current checker run
+_STARTED = {
+    False: "kvlab.check: your code runs in a separate process, so that a crash cannot take this "
+           "notebook's GPU with it (started in {:.1f} s, once per session; "
+           "KVLAB_SANDBOX=inprocess runs it here instead)",
+    True: "kvlab.check: kernels are also checked in Triton's interpreter, which sees every load "
+          "and store (started in {:.1f} s, once per session; KVLAB_AUDIT=0 skips it)",
+}
 _SPAWNED: dict[bool, SpawnWorker] = {}  # spawned children, by interpreter mode, kept
 
 
@@ -273,6 +291,8 @@ def _run_spawned(fn, call: dict, guards, accesses: list,
             if interpret == runtime.INTERPRET:
                 raise
             return None, "inprocess"  # no interpreter child for the audit pass: skip it
+        if not runtime.INTERPRET:  # on a GPU: say once why the first check takes seconds
+            print(_STARTED[interpret].format(worker.startup_s))
     try:
         answer = worker.call_fn(shipped.key(), shipped, call)
     except BaseException:
