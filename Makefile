@@ -64,7 +64,7 @@ $(VENV_OLDEST)/.installed: pyproject.toml
 test-oldest: setup-oldest
 	@$(VENV_OLDEST)/bin/python -c 'import triton, numpy; print(f"oldest supported: triton {triton.__version__}, numpy {numpy.__version__}")'
 	MPLBACKEND=Agg $(VENV_OLDEST)/bin/python -m pytest -q -n $(PYTEST_WORKERS) -m "not ui" -p no:cacheprovider tests/
-	$(VENV_OLDEST)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider $(foreach n,$(OLDEST_CHAPTERS),$(wildcard notebooks/$(n)_*.ipynb))
+	$(VENV_OLDEST)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider $(foreach n,$(OLDEST_CHAPTERS),$(wildcard notebooks/solutions/$(n)_*.ipynb))
 
 figures: setup
 	$(BIN)/python -m kvlab.scenes figures/
@@ -90,6 +90,7 @@ bench: setup
 clean:
 	rm -rf $(VENV) $(VENV_OLDEST) test-output .pytest_cache
 
-# Rebuild notebooks/*.ipynb from their percent-format sources in notebooks/src/.
+# Build both notebooks of every chapter from its percent-format source in notebooks/src/:
+# notebooks/NN_*.ipynb (the learner's: starters) and notebooks/solutions/NN_*.ipynb (answers).
 notebooks: setup
-	for f in notebooks/src/*.py; do $(BIN)/python tools/py2nb.py $$f notebooks/$$(basename $${f%.py}).ipynb; done
+	$(BIN)/python tools/build_notebooks.py

@@ -9,7 +9,10 @@ import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SOURCES = sorted((ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py"))
+LEARNER = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SOLUTIONS = sorted((ROOT / "notebooks" / "solutions").glob("*.ipynb"))
+NOTEBOOKS = LEARNER + SOLUTIONS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -75,34 +78,92 @@ def test_the_oldest_tested_triton_is_the_declared_floor():
         ROOT / "Makefile").read_text()
 
 
-def test_there_are_notebooks():
-    assert len(NOTEBOOKS) >= 1
+def _id(path: Path) -> str:
+    return str(path.relative_to(ROOT / "notebooks"))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def _builder():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import build_notebooks
+
+    return build_notebooks
+
+
+def test_every_source_has_both_builds_and_nothing_else():
+    stems = [p.stem for p in SOURCES]
+    assert stems, "no chapter sources in notebooks/src/"
+    assert [p.stem for p in LEARNER] == stems
+    assert [p.stem for p in SOLUTIONS] == stems
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
 def test_notebook_is_stored_without_outputs(path):
     nb = nbformat.read(path, as_version=4)
     for i, cell in enumerate(nb.cells):
         if cell.cell_type == "code":
-            assert cell.outputs == [], f"{path.name} cell {i} has stored outputs"
-            assert cell.execution_count is None, f"{path.name} cell {i} has an execution count"
+            assert cell.outputs == [], f"{_id(path)} cell {i} has stored outputs"
+            assert cell.execution_count is None, f"{_id(path)} cell {i} has an execution count"
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_matches_its_source(path):
-    sys.path.insert(0, str(ROOT / "tools"))
-    from py2nb import convert
-
-    src = ROOT / "notebooks" / "src" / (path.stem + ".py")
-    assert src.exists(), f"{path.name} has no source {src.relative_to(ROOT)}"
-    built = convert(src.read_text())
+@pytest.mark.parametrize("which", ["learner", "solutions"])
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_notebook_matches_its_source(src, which):
+    b = _builder()
+    built, path = b.build(src, which), b.target(src, which)
+    assert path.exists(), f"{path.relative_to(ROOT)} is missing: run `make notebooks`"
     stored = nbformat.read(path, as_version=4)
-    assert [c.source for c in stored.cells] == [c.source for c in built.cells], (
-        f"{path.name} is out of date: run `make notebooks`"
-    )
+    assert [(c.cell_type, c.source) for c in stored.cells] == [
+        (c.cell_type, c.source) for c in built.cells], (
+        f"{path.relative_to(ROOT)} is out of date with {src.relative_to(ROOT)}: run `make notebooks`")
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", LEARNER, ids=_id)
+def test_a_learner_notebook_holds_no_answer_region(path):
+    b = _builder()
+    nb = nbformat.read(path, as_version=4)
+    for i, cell in enumerate(nb.cells):
+        assert not b.has_markers(cell.source), f"{_id(path)} cell {i} holds an answer-region marker"
+        assert "solution" not in cell.get("metadata", {}).get("tags", []), (
+            f"{_id(path)} cell {i} is a solutions-only cell")
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=lambda p: p.stem)
+def test_every_answer_region_has_a_starter_beside_it(src):
+    """A learner must find something to fill in where an answer was taken out."""
+    import jupytext
+
+    b = _builder()
+    for i, cell in enumerate(jupytext.reads(src.read_text(), fmt="py:percent").cells):
+        if "### BEGIN SOLUTION" in cell.source:
+            starter = b.split_regions(cell.source, "learner")
+            assert "YOUR CODE HERE" in starter, (
+                f"{src.name} cell {i + 1}: an answer region without a starter "
+                "('# YOUR CODE HERE: <exercise>' in a '### BEGIN STARTER' block)")
+
+
+def test_marker_mistakes_are_named():
+    b = _builder()
+    with pytest.raises(b.MarkerError, match="line 1: '### BEGIN SOLUTION' is never closed"):
+        b.split_regions("### BEGIN SOLUTION\nx = 1", "learner", "s.py cell 3")
+    with pytest.raises(b.MarkerError, match="without a matching"):
+        b.split_regions("x = 1\n### END STARTER", "solutions")
+    with pytest.raises(b.MarkerError, match="inside an open SOLUTION region"):
+        b.split_regions("### BEGIN SOLUTION\n### BEGIN STARTER", "learner")
+
+
+def test_the_two_builds_of_one_cell():
+    b = _builder()
+    src = ("def f(x):\n    \"\"\"Double x.\"\"\"\n    ### BEGIN SOLUTION\n    return 2 * x\n"
+           "    ### END SOLUTION\n    ### BEGIN STARTER\n    # YOUR CODE HERE: f\n"
+           "    raise NotImplementedError\n    ### END STARTER\n\nprint(f(2))")
+    assert b.split_regions(src, "solutions") == (
+        'def f(x):\n    """Double x."""\n    return 2 * x\n\nprint(f(2))')
+    assert b.split_regions(src, "learner") == (
+        'def f(x):\n    """Double x."""\n    # YOUR CODE HERE: f\n    raise NotImplementedError\n'
+        "\nprint(f(2))")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
 def test_notebook_opens_with_the_setup_cell(path):
     from kvlab.colab import SETUP_CELL
 
