@@ -386,3 +386,36 @@ def test_on_a_gpu_a_wrong_answer_only_compiled_keeps_the_gpus_message(monkeypatc
     calls = _fake_gpu(monkeypatch, lambda interpret, kind: ("right" if interpret else "odd", False))
     msg = _gpu_check()
     assert msg == "[c] the answer is odd" and calls == [(False, "natural"), (True, "reversed")]
+
+
+# --- how the safety net's findings are told -------------------------------------------------------
+
+
+def test_a_finding_is_placed_by_the_kernels_own_section_comments(tmp_path):
+    from kvlab.check.findings import Access, describe, region_of, statement_at
+
+    src = tmp_path / "kernel.py"
+    src.write_text(
+        "@triton.jit\n"
+        "def k(free, out):\n"
+        "    pid = tl.program_id(0)\n"                                   # 3
+        "    # --- your code: part 2, whole new pages ---\n"
+        "    page = tl.load(free + pid,\n"                                # 5
+        "                   mask=pid < 4)  # a comment (with a bracket\n"
+        "    # ---- part 3: the new last page\n"
+        "    # (parts 1 and 2 are done here)\n"
+        "    tl.store(out + pid, page)\n"                                 # 9
+        "def other():\n"
+        "    pass\n")
+    import linecache
+
+    linecache.checkcache(str(src))
+    assert region_of(str(src), 3) is None  # before any part: the bookkeeping
+    assert region_of(str(src), 5) == "part 2"
+    assert region_of(str(src), 9) == "part 3"  # "(parts 1 and 2 ...)" is no section header
+    assert statement_at(str(src), 5) == "page = tl.load(free + pid, mask=pid < 4)"
+    read = Access("read", "free", "after", 2, 3, (1,), str(src), 5, "k", others=1)
+    layout = kvlab.check.Layout("request", inputs="free=[...]")
+    assert describe(read, layout) == (
+        "a read past the end of `free` (3 reads, up to 2 elements out) by request 1, part 2 "
+        "(and 1 more request) (in k, line 5: page = tl.load(free + pid, mask=pid < 4))")
