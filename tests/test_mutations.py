@@ -140,7 +140,8 @@ CH03 = [
            "part 1's store mask off by one: only the safety net sees it"),
     Mutant("alloc_extend_part1", "    if pre_len + num_part1 == seq_len:  # everything fitted in the old page\n"
            "        return\n", "",
-           ("a read before the start of `free_page_ptr`", "part 3"),
+           ("a read before the start of `free_page_ptr`", "by request 0, part 3",
+            "request 0 has no part 3 or later part in this case: should it have returned?"),
            "no early return after part 1: a request without new pages runs part 3"),
     Mutant("alloc_extend_part1", "last_loc = tl.load(last_loc_ptr + pid)",
            "last_loc = tl.load(last_loc_ptr + pid + 1)",

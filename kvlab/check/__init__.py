@@ -4,14 +4,14 @@ Each chapter's checkers live in a module ``kvlab/check/chNN_*.py`` and register 
 :func:`kvlab.check.registry.exercise`. ``kvlab.check.hint(name, level)`` gives hints in steps;
 ``kvlab.solutions.show(name)`` shows a reference solution.
 
-The floors of this package, each importing only from the ones below it::
+The floors of this package, each importing only from the floors below it::
 
+    catalog           every exercise (imports each chapter module): hint, status, choose
     chNN_*.py         the chapters' cases and checkers
-    catalog           every exercise (imports the chapters): hint, status, choose
-    core              run_cases, call_learner, compare_flat     picture (failure pictures)
+    core              run_cases, call_learner, compare_flat          picture (failure pictures)
     sandbox           guarded_call: guard bands + audit + a child process
-    workers, runner   child processes; one call, here or in a child      shipping, pipes
-    audit, guards     the interpreter's loads/stores checked; guard bands
+    workers, runner   the child processes; one call, here or in a child    shipping, pipes
+    audit, guards     loads and stores checked in the interpreter; guard bands    messages
     findings, walk    what the net saw, in words; the one walker over arguments
     failures, registry  CheckFailed, Case, Segment, Layout; the exercises and their status
 

@@ -77,6 +77,8 @@ def _where(access: Access, layout: Layout) -> str:
             if access.others else "")
     if part and part.startswith(who):
         return f" by {part}{more}"
+    if part and _nothing_from(who, part, layout):  # e.g. a missing early return
+        more += f" ({who} has no {part} or later part in this case: should it have returned?)"
     return f" by {who}" + (f", {part}" if part else "") + more
 
 
@@ -94,6 +96,18 @@ def statement_at(filename: str, line: int, limit: int = 110) -> str:
             break
     text = " ".join(" ".join(parts).split()).replace("( ", "(").replace(" )", ")")
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _nothing_from(who: str, part: str, layout: Layout) -> bool:
+    """Whether the layout labels parts of ``who``'s output and none is ``part`` or later: the
+    code of ``part`` should not have run for it (a part's code may run with nothing to write
+    only on the way to a later part)."""
+    labels = [seg.label for segs in layout.segments.values() for seg in segs]
+    numbered = [m for lab in labels if (m := re.fullmatch(r"(.+), part (\d+)", lab))]
+    if not numbered:
+        return False
+    k = int(part.split()[-1])
+    return not any(m.group(1) == who and int(m.group(2)) >= k for m in numbered)
 
 
 def _code(access: Access) -> str:
