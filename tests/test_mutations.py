@@ -596,3 +596,13 @@ def test_the_remap_checker_expects_the_row_the_cache_manager_leaves():
                                         regions.already_cached_len, P)
         assert mine["row"] == regions.row_after.tolist()
         assert sorted(mine["free"]) == sorted(regions.freed_pages.tolist())
+
+
+@pytest.mark.parametrize("why", ["part 2's page load unmasked (the store still masked): a read that "
+                                 "never reaches an output", "every decode program stores ret_values: a race",
+                                 "keeps walking after the prompt left a node part-way"])
+def test_a_spawned_child_gives_the_same_findings(why, mutant_dir, monkeypatch):
+    # KVLAB_SANDBOX=spawn: the kernel travels to a new Python by its source; the audit, the
+    # program orders and the lines quoted work there as in a fork
+    monkeypatch.setenv("KVLAB_SANDBOX", "spawn")
+    _reject(next(m for m in MUTANTS if m.why == why), mutant_dir)
