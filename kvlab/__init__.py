@@ -29,13 +29,14 @@ _EXPORTS = {
     "RadixPrefixCache": "radix_cache",
     "MatchResult": "radix_cache",
     "InsertResult": "radix_cache",
-    "Req": "cache_manager",
+    "Req": "req",
+    "ForwardBatch": "req",
     "CacheManager": "cache_manager",
     "CacheRegions": "cache_manager",
-    "KVPool": "attention",  # chapter 08
+    "KVPool": "kvcache",  # chapter 08
     "paged_decode_attention": "attention",
-    "TinyTransformer": "attention",
-    "PagedEngine": "attention",
+    "TinyTransformer": "engine",
+    "PagedEngine": "engine",
     "simulate": "sim",  # chapter 07
     "SimConfig": "sim",
     "TimelineExplorer": "widgets",
@@ -44,8 +45,8 @@ _EXPORTS = {
 }
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
-    "attention", "bench", "paging", "token_allocator", "radix_cache", "cache_manager",
-    "scenes", "runtime", "errors",
+    "kvcache", "attention", "engine", "bench", "paging", "token_allocator", "radix_cache",
+    "cache_manager", "scenes", "runtime", "errors",
 }
 
 __all__ = [

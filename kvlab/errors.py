@@ -34,4 +34,13 @@ class CacheMisuse(KvlabError, RuntimeError):
 
 
 class IntegrityError(KvlabError, AssertionError):
-    """A memory-manager invariant is broken (a page lost, leaked or owned twice)."""
+    """A memory-manager invariant is broken (a page lost, leaked or owned twice).
+
+    ``row`` is the page-table row the broken invariant is about (``None`` when it is about no
+    single row, e.g. a lost page), so a caller can say which request broke it without reading
+    the message.
+    """
+
+    def __init__(self, message: str, *, row: int | None = None):
+        self.row = row
+        super().__init__(message)

@@ -10,9 +10,14 @@ Built in chapter 05 (``notebooks/05_radix_cache.ipynb``); used by
   found by their first *page* of tokens, so only whole pages are ever cached or shared,
   and a node is only ever split on a page boundary;
 * ``ref_count`` locks: a running request locks the path from its node up to the root, and a
-  locked node is never evicted;
-* LRU eviction of whole unlocked leaves, ordered by a deterministic access counter
-  (not wall time, so every run of a chapter draws the same tree).
+  locked node is never evicted. Unlike the source, a lock has an **owner** (the request that
+  took it): only that owner can take it back, so one request's stray unlock can never expose
+  another request's pages to eviction;
+* LRU eviction of whole unlocked leaves, ordered by a deterministic access clock (not wall
+  time, so every run of a chapter draws the same tree). The clock ticks once per walk (a
+  match or an insert); the walk stamps the nodes it *used* with that tick. When a match ends
+  inside a node, the node is split on the page boundary and only the matched upper half is
+  stamped: the lower half was not used and keeps its old stamp.
 
 Memory picture (page_size P = 2; each box is one node, ``|`` separates pages)::
 
@@ -24,125 +29,29 @@ Memory picture (page_size P = 2; each box is one node, ``|`` separates pages)::
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Hashable, Sequence
 
 import torch
 
-from .errors import CacheMisuse, InvalidArgument
+from .args import check_int, check_int_vector, check_page_size, check_token_ids, is_int
+from .errors import CacheMisuse, IntegrityError, InvalidArgument
+from .radix_node import (InsertResult, MatchResult, NodeInfo, RadixCacheHandle, RadixNode, SizeInfo,
+                         TreeSnapshot)
 from .runtime import default_device
 
 __all__ = [
-    "RadixNode", "RadixCacheHandle", "MatchResult", "InsertResult", "SizeInfo",
-    "RadixPrefixCache", "as_token_list",
+    "RadixNode", "RadixCacheHandle", "MatchResult", "InsertResult", "SizeInfo", "NodeInfo",
+    "TreeSnapshot", "RadixPrefixCache",
 ]
 
 
-def as_token_list(input_ids, argument: str = "input_ids") -> list[int]:
-    """Token ids as a Python list of ints (accepts a list, a tuple or a 1-D tensor)."""
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() != 1:
-            raise InvalidArgument(argument, "must be 1-D", f"got shape {tuple(input_ids.shape)}")
-        return [int(t) for t in input_ids.tolist()]
-    try:
-        return [int(t) for t in input_ids]
-    except TypeError:
-        raise InvalidArgument(argument, "must be a sequence of token ids",
-                              f"got {type(input_ids).__name__}") from None
-
-
-class RadixNode:
-    """One edge of the tree: ``len(key)`` tokens (a multiple of page_size) and their slots."""
-
-    def __init__(self, key: tuple[int, ...], value: torch.Tensor | None, uid: int, tick: int):
-        self.key: tuple[int, ...] = key
-        self.value: torch.Tensor | None = value  # int32 token slots, one per key token
-        self.children: dict[tuple[int, ...], RadixNode] = {}  # first page of key -> child
-        self.parent: RadixNode | None = None
-        self.ref_count = 0
-        self.last_access = tick  # LRU order: the counter value of the last walk through here
-        self.uid = uid  # creation order; breaks LRU ties deterministically
-        self.detached = False  # set when the node is evicted (its handles go stale)
-
-    @property
-    def length(self) -> int:
-        return len(self.key)
-
-    def is_root(self) -> bool:
-        return self.parent is None and not self.detached
-
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    def pages(self, page_size: int) -> list[tuple[int, ...]]:
-        """The node's key cut into pages (what the drawings label a node with)."""
-        return [self.key[i:i + page_size] for i in range(0, len(self.key), page_size)]
-
-    def path_to_root(self) -> Iterator["RadixNode"]:
-        node = self
-        while node.parent is not None:
-            yield node
-            node = node.parent
-
-    def depth_tokens(self) -> int:
-        """Tokens from the root to the end of this node."""
-        return sum(n.length for n in self.path_to_root())
-
-    def __repr__(self) -> str:
-        return (f"RadixNode(uid={self.uid}, key={list(self.key)}, ref_count={self.ref_count}, "
-                f"last_access={self.last_access})")
-
-
-@dataclass(frozen=True)
-class RadixCacheHandle:
-    """A matched or inserted prefix: the first ``cached_len`` tokens end at ``node``."""
-
-    cached_len: int
-    node: RadixNode
-
-    def get_matched_indices(self) -> torch.Tensor:
-        """The KV slots of the prefix, root first (a 1-D int32 tensor of ``cached_len`` slots)."""
-        if self.node.detached:
-            raise CacheMisuse("get_matched_indices: the handle's prefix was evicted; lock a handle "
-                              "to keep its prefix in the cache")
-        parts = [n.value for n in self.node.path_to_root()]
-        parts.reverse()
-        if not parts:
-            return torch.empty(0, dtype=torch.int32, device=self.node.value.device)
-        return torch.cat(parts)
-
-
-class MatchResult(NamedTuple):
-    """What :meth:`RadixPrefixCache.match_prefix` found. ``cuda_handle`` is the source's name."""
-
-    handle: RadixCacheHandle
-
-    @property
-    def cuda_handle(self) -> RadixCacheHandle:
-        return self.handle
-
-    @property
-    def cached_len(self) -> int:
-        return self.handle.cached_len
-
-
-class InsertResult(NamedTuple):
-    """``cached_len``: tokens that were *already* cached before the insert; ``handle``: the
-    inserted prefix (page-aligned, ``len(input_ids) // P * P`` tokens)."""
-
-    cached_len: int
-    handle: RadixCacheHandle
-
-
-class SizeInfo(NamedTuple):
-    """Cached tokens that could be evicted now, and those locked by running requests."""
-
-    evictable_size: int
-    protected_size: int
-
-    @property
-    def total_size(self) -> int:
-        return self.evictable_size + self.protected_size
+def _owner_name(owner) -> str:
+    """How an error message names a lock's owner."""
+    if owner is None:
+        return "the anonymous owner (owner=None)"
+    if hasattr(owner, "table_idx"):
+        return f"the request in row {owner.table_idx}"
+    return f"owner {owner!r}"[:80]
 
 
 class RadixPrefixCache:
@@ -156,27 +65,28 @@ class RadixPrefixCache:
     """
 
     def __init__(self, page_size: int, device: "torch.device | str | None" = None):
-        if not isinstance(page_size, int) or page_size < 1:
-            raise InvalidArgument("page_size", "must be a positive int", f"got {page_size!r}")
-        self.page_size = page_size
+        self.page_size = check_page_size(page_size)
         self.device = default_device(device)
         self._next_uid = 0
-        self._now = 0  # monotonic, deterministic "time" for LRU: one tick per walk or insert
+        self._now = 0  # the LRU clock: one tick per walk (match or insert)
+        self.root: RadixNode | None = None
         self.reset()
 
     # --- bookkeeping ------------------------------------------------------------------
 
     def reset(self) -> torch.Tensor:
         """Drop every cached prefix and return their slots. Refuses while anything is locked."""
-        if getattr(self, "root", None) is not None and self.protected_size > 0:
+        if self.root is not None and self._locks:
             raise CacheMisuse(f"reset: {self.protected_size} cached tokens are still locked "
                               "by running requests; unlock them first")
-        freed = self.all_cached_indices() if getattr(self, "root", None) is not None else None
+        freed = self.all_cached_indices() if self.root is not None else self._empty()
         self.root = RadixNode((), self._empty(), self._uid(), 0)
         self.root.ref_count = 1  # the root is always protected
         self.evictable_size = 0
         self.protected_size = 0
-        return freed if freed is not None else self._empty()
+        # who holds which lock: (owner, the locked handle's node) -> how many times
+        self._locks: dict[tuple[Hashable, RadixNode], int] = {}
+        return freed
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int32, device=self.device)
@@ -214,6 +124,17 @@ class RadixPrefixCache:
         parts = [n.value for n in self.nodes()]
         return torch.cat(parts) if parts else self._empty()
 
+    def snapshot(self) -> TreeSnapshot:
+        """The tree as plain data, for drawing later (``kvlab.viz.draw_tree``) or comparing."""
+        P = self.page_size
+        nodes = []
+        for node in self.nodes():
+            parent = None if node.parent is self.root else node.parent.uid
+            page_ids = tuple(int(s) // P for s in node.value[::P].tolist())
+            nodes.append(NodeInfo(node.uid, parent, tuple(node.pages(P)), page_ids, node.ref_count,
+                                  node.last_access))
+        return TreeSnapshot(P, tuple(nodes), self.clock, self.evictable_size, self.protected_size)
+
     # --- matching ---------------------------------------------------------------------
 
     def _align(self, n: int) -> int:
@@ -226,7 +147,10 @@ class RadixPrefixCache:
         return tuple(ids[start:start + self.page_size])
 
     def _split(self, node: RadixNode, pos: int) -> RadixNode:
-        """Cut ``node`` at ``pos`` (a page boundary); return the new upper half."""
+        """Cut ``node`` at ``pos`` (a page boundary); return the new upper half.
+
+        Both halves keep the node's LRU stamp. ``node`` stays the lower half, so the handles
+        and locks that point at it still cover exactly the same tokens."""
         assert 0 < pos < node.length and pos % self.page_size == 0
         parent = node.parent
         upper = RadixNode(node.key[:pos], node.value[:pos], self._uid(), node.last_access)
@@ -240,10 +164,12 @@ class RadixPrefixCache:
         return upper
 
     def _walk(self, ids: Sequence[int], *, touch: bool = True) -> tuple[RadixNode, int]:
-        """Follow ``ids`` down the tree; split the last node if it matches only partly.
+        """Follow ``ids`` down the tree; return the last node matched and the matched length.
 
-        ``touch=False`` only measures the match: no split, no LRU update (the node returned is
-        then the last one matched whole)."""
+        With ``touch`` (one clock tick) every node the match used is stamped, and a node
+        matched only partly is split so that the match ends on a node. ``touch=False`` only
+        measures the match: no split, no stamp (the node returned is then the last one
+        matched whole)."""
         node, prefix_len = self.root, 0
         now = self._tick() if touch else 0
         while True:
@@ -258,15 +184,19 @@ class RadixPrefixCache:
                 n += 1
             n = self._align(n)  # a partly matched page does not count
             prefix_len += n
+            if n < child.length:  # the match ends inside this node
+                if not touch:
+                    return node, prefix_len
+                used = self._split(child, n)  # only the matched upper half was used
+                used.last_access = now
+                return used, prefix_len
             if touch:
                 child.last_access = now
-            if n < child.length:
-                return (self._split(child, n) if touch else node), prefix_len
             node = child
 
     def match_prefix(self, input_ids) -> MatchResult:
-        """The longest cached page-aligned prefix of ``input_ids`` (touches it for LRU)."""
-        ids = as_token_list(input_ids)
+        """The longest cached page-aligned prefix of ``input_ids``; stamps the nodes it uses."""
+        ids = check_token_ids("input_ids", input_ids)
         node, prefix_len = self._walk(ids)
         return MatchResult(RadixCacheHandle(prefix_len, node))
 
@@ -280,16 +210,15 @@ class RadixPrefixCache:
         ``len(input_ids) // page_size * page_size`` inserted tokens. The new node is
         unlocked (evictable) until someone locks the handle.
         """
-        ids = as_token_list(input_ids)
-        if not isinstance(indices, torch.Tensor):
-            indices = torch.as_tensor(list(indices), dtype=torch.int32)
-        if indices.dim() != 1 or indices.numel() != len(ids):
+        ids = check_token_ids("input_ids", input_ids)
+        indices = self._check_indices(indices)
+        if indices.numel() != len(ids):
             raise InvalidArgument("indices", "one slot per token: len(indices) == len(input_ids)",
                                   f"got {indices.numel()} slots for {len(ids)} tokens")
         insert_len = self._align(len(ids))
         ids = ids[:insert_len]
-        # check the slots to insert before the walk that splits a node and touches the LRU
-        # order: a refused insert leaves the tree exactly as it was
+        # check the slots to insert before the walk that splits a node and ticks the clock:
+        # a refused insert leaves the tree exactly as it was
         _, prefix_len = self._walk(ids, touch=False)
         new_value = indices[prefix_len:insert_len].to(device=self.device, dtype=torch.int32)
         self._check_whole_pages(new_value)
@@ -303,9 +232,25 @@ class RadixPrefixCache:
             node = new_node
         return InsertResult(prefix_len, RadixCacheHandle(insert_len, node))
 
+    @staticmethod
+    def _check_indices(indices) -> torch.Tensor:
+        """Slots as a 1-D integer tensor: a tensor, or a list/tuple of ints (not bools or floats)."""
+        if isinstance(indices, torch.Tensor):
+            return check_int_vector("indices", indices)
+        if isinstance(indices, (str, bytes)) or not isinstance(indices, (list, tuple)):
+            raise InvalidArgument("indices", "must be a 1-D integer tensor or a list of int slots",
+                                  f"got {type(indices).__name__}")
+        for i, s in enumerate(indices):
+            if not is_int(s):
+                raise InvalidArgument(f"indices[{i}]", "must be an int slot (not a bool or a float)",
+                                      f"got {type(s).__name__} {s!r}")
+        return torch.tensor([int(s) for s in indices], dtype=torch.int64)
+
     def _check_whole_pages(self, slots: torch.Tensor) -> None:
         """Each page of slots must be one physical page: p*P, p*P+1, ..., p*P+P-1."""
         P = self.page_size
+        if slots.numel() and int(slots.min()) < 0:
+            raise InvalidArgument("indices", "slots are >= 0", f"got {int(slots.min())}")
         if P == 1 or slots.numel() == 0:
             return
         pages = slots.view(-1, P).to(torch.int64)
@@ -319,34 +264,72 @@ class RadixPrefixCache:
 
     # --- locking ----------------------------------------------------------------------
 
-    def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False) -> None:
-        """Add (or with ``unlock=True`` remove) one reference on every node from ``handle``'s
-        node up to the root. Locked nodes are *protected*: never evicted."""
-        if not isinstance(handle, RadixCacheHandle):
-            raise InvalidArgument("handle", "must be a RadixCacheHandle from this cache",
-                                  f"got {type(handle).__name__}")
-        path = list(handle.node.path_to_root())
-        if handle.node.detached or (path and path[-1].parent is not self.root):
-            raise CacheMisuse("lock_handle: the handle's prefix is no longer in this cache "
-                              "(it was evicted, or the handle belongs to another cache); "
-                              "lock a handle right after match_prefix/insert_prefix")
+    def lock_handle(self, handle: RadixCacheHandle, unlock: bool = False, *, owner=None) -> None:
+        """Lock (or with ``unlock=True`` unlock) ``handle`` for ``owner``.
+
+        A lock adds one reference on every node from the handle's node up to the root; locked
+        nodes are *protected*: never evicted. ``owner`` says who holds the lock (the cache
+        manager passes the request; ``None`` is one more owner, "anonymous"). An unlock must
+        come from an owner that holds a lock on this handle, else :class:`CacheMisuse` and
+        nothing changes. The root handle (``cached_len == 0``) protects nothing: locking or
+        unlocking it does nothing.
+        """
+        self._check_handle(handle)
+        try:
+            hash(owner)
+        except TypeError:
+            raise InvalidArgument("owner", "must be hashable (a Req, a string, an int, None)",
+                                  f"got {type(owner).__name__}") from None
+        if handle.node is self.root:
+            return
+        record = (owner, handle.node)
+        held = self._locks.get(record, 0)
         if unlock:
-            unlocked = [n for n in path if n.ref_count <= 0]
-            if unlocked:
-                raise CacheMisuse(f"lock_handle(unlock=True): the handle is not locked "
-                                  f"(node {unlocked[0].uid} has ref_count 0); every unlock "
-                                  "must match an earlier lock")
-            for node in path:
+            if held == 0:
+                others = sum(c for (_, node), c in self._locks.items() if node is handle.node)
+                raise CacheMisuse(
+                    f"lock_handle(unlock=True): the handle is not locked by {_owner_name(owner)} "
+                    f"(node {handle.node.uid}; {others} lock(s) on it held by other owners). Only "
+                    "the owner that locked a handle may unlock it, once per lock")
+            if held == 1:
+                del self._locks[record]
+            else:
+                self._locks[record] = held - 1
+            for node in handle.node.path_to_root():
                 node.ref_count -= 1
                 if node.ref_count == 0:
                     self.evictable_size += node.length
                     self.protected_size -= node.length
         else:
-            for node in path:
+            self._locks[record] = held + 1
+            for node in handle.node.path_to_root():
                 if node.ref_count == 0:
                     self.evictable_size -= node.length
                     self.protected_size += node.length
                 node.ref_count += 1
+
+    def is_locked_by(self, handle: RadixCacheHandle, owner=None) -> bool:
+        """Whether ``owner`` holds a lock on ``handle`` (the root handle: always locked)."""
+        if not isinstance(handle, RadixCacheHandle) or handle.node.detached:
+            return False
+        if handle.node is self.root:
+            return True
+        try:
+            return self._locks.get((owner, handle.node), 0) > 0
+        except TypeError:  # an unhashable owner holds nothing
+            return False
+
+    def _check_handle(self, handle) -> None:
+        if not isinstance(handle, RadixCacheHandle):
+            raise InvalidArgument("handle", "must be a RadixCacheHandle from this cache",
+                                  f"got {type(handle).__name__}")
+        if handle.node is self.root:
+            return
+        path = list(handle.node.path_to_root())
+        if handle.node.detached or path[-1].parent is not self.root:
+            raise CacheMisuse("lock_handle: the handle's prefix is no longer in this cache "
+                              "(it was evicted, or the handle belongs to another cache); "
+                              "lock a handle right after match_prefix/insert_prefix")
 
     # --- eviction ---------------------------------------------------------------------
 
@@ -358,30 +341,55 @@ class RadixPrefixCache:
         evictable it frees all of them and returns those: check ``size_info`` first when you
         need a guarantee.
         """
-        if num_tokens <= 0:
-            return self._empty()
+        evicted = self.evict_leaves(num_tokens)
+        return torch.cat([n.value for n in evicted]) if evicted else self._empty()
+
+    def evict_leaves(self, num_tokens: int) -> list[RadixNode]:
+        """:meth:`evict`, returning the evicted nodes in eviction order (their ``value`` holds
+        the freed slots), so that :meth:`undo_evict` can put them back."""
+        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        if num_tokens == 0:
+            return []
         heap = [(n.last_access, n.uid, n) for n in self.nodes() if n.is_leaf() and n.ref_count == 0]
         heapq.heapify(heap)
-        freed: list[torch.Tensor] = []
+        evicted: list[RadixNode] = []
         n_freed = 0
         while n_freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             del parent.children[node.key[:self.page_size]]
-            node.parent, node.detached = None, True
-            freed.append(node.value)
+            node.detached = True  # node.parent stays: undo_evict re-attaches it there
+            evicted.append(node)
             n_freed += node.length
             self.evictable_size -= node.length
             if parent is not self.root and parent.is_leaf() and parent.ref_count == 0:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
-        return torch.cat(freed) if freed else self._empty()
+        return evicted
+
+    def undo_evict(self, evicted: Sequence[RadixNode]) -> None:
+        """Put back the nodes of an :meth:`evict_leaves` call, last evicted first (a caller's
+        rollback when what it evicted for could not be finished). Only valid while nothing
+        else changed the tree since."""
+        for node in reversed(evicted):
+            parent, key = node.parent, node.key[:self.page_size]
+            if not node.detached or parent is None or parent.detached or key in parent.children:
+                raise CacheMisuse(f"undo_evict: node {node.uid} cannot go back (the tree changed "
+                                  "since it was evicted)")
+            parent.children[key] = node
+            node.detached = False
+            self.evictable_size += node.length
 
     # --- checks -----------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Sizes add up; ref counts never exceed the parent's; keys are page-aligned."""
-        from .errors import IntegrityError
-
+        """Sizes add up; keys are page-aligned; every node's ``ref_count`` is exactly the
+        number of locks held on it or below it, each by a recorded owner."""
+        held: dict[RadixNode, int] = {}
+        for (owner, locked), count in self._locks.items():
+            if locked.detached:
+                raise IntegrityError(f"{_owner_name(owner)} holds a lock on evicted node {locked.uid}")
+            for node in locked.path_to_root():
+                held[node] = held.get(node, 0) + count
         evictable = protected = 0
         for node in self.nodes():
             if node.length == 0 or node.length % self.page_size:
@@ -389,11 +397,9 @@ class RadixPrefixCache:
                                      f"not a positive multiple of page_size {self.page_size}")
             if node.value is None or node.value.numel() != node.length:
                 raise IntegrityError(f"node {node.uid}: key and value lengths differ")
-            if node.parent is not self.root and node.ref_count > node.parent.ref_count:
-                raise IntegrityError(f"node {node.uid} is locked {node.ref_count}x but its parent "
-                                     f"only {node.parent.ref_count}x")
-            if node.ref_count < 0:
-                raise IntegrityError(f"node {node.uid} has negative ref_count")
+            if node.ref_count != held.get(node, 0):
+                raise IntegrityError(f"node {node.uid} has ref_count {node.ref_count} but "
+                                     f"{held.get(node, 0)} lock(s) are held on it or below it")
             if node.ref_count == 0:
                 evictable += node.length
             else:

@@ -95,7 +95,9 @@ def runtime_info() -> RuntimeInfo:
         advice = (
             "Triton kernels run in the interpreter: each program instance executes on the CPU, "
             "one after another (roughly 1-5 ms each), so the chapters use small sizes here. "
-            "Results are exact; timings are not meaningful. A GPU runtime (e.g. Colab) compiles them."
+            "Integer kernels (allocation, page tables) give exactly the GPU's results; floating-point "
+            "attention agrees up to rounding. Timings are not meaningful. A GPU runtime (e.g. Colab) "
+            "compiles the kernels."
         )
     else:
         mode, name = "gpu", torch.cuda.get_device_name()

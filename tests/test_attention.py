@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab import InvalidArgument
-from kvlab.attention import (KVPool, PagedEngine, TinyConfig, TinyTransformer, causal_attention,
-                             generate_contiguous, generate_paged, paged_decode_attention,
-                             paged_decode_attention_reference)
-from kvlab.reference import paged_decode_attention_reference as ref_from_reference
+from kvlab.attention import causal_attention, paged_decode_attention
+from kvlab.engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous, generate_paged
+from kvlab.kvcache import KVPool
+from kvlab.reference import paged_decode_attention_reference
 
 
 def _layout(seed: int, page_size: int, seq_lens: list[int], heads: int = 2, head_dim: int = 16,
@@ -73,8 +73,17 @@ def test_paged_attention_matches_reference_random(seed, page_size, seq_lens, hea
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_reference_is_exported_from_kvlab_reference():
-    assert ref_from_reference is paged_decode_attention_reference
+def test_the_oracle_refuses_what_it_cannot_gather_with_its_own_checks():
+    q, pool, table, rows, lens = _layout(1, 4, [6, 9])
+    args = (q, pool.k[0], pool.v[0], table)
+    with pytest.raises(InvalidArgument, match="a mapped slot"):  # -1 would wrap to the last slot
+        paged_decode_attention_reference(*args, rows, torch.tensor([7, 9]))
+    with pytest.raises(InvalidArgument, match="seq_lens\\[1\\]"):
+        paged_decode_attention_reference(*args, rows, torch.tensor([6, 0]))
+    with pytest.raises(InvalidArgument, match="table_idx\\[0\\]"):
+        paged_decode_attention_reference(*args, torch.tensor([table.shape[0], int(rows[1])]), lens)
+    with pytest.raises(InvalidArgument, match="k_pool"):
+        paged_decode_attention_reference(q, pool.k[0][:, :1], pool.v[0], table, rows, lens)
 
 
 def test_paged_attention_equals_contiguous_attention():

@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from cache_state import assert_unchanged, manager_state
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,15 +43,11 @@ def forward(cm: CacheManager, req: Req, kv: dict | None) -> None:
 
 
 def snapshot(cm: CacheManager):
-    nodes = [(n.uid, n.key, n.value.tolist(), n.ref_count, n.last_access) for n in cm.prefix_cache.nodes()]
-    return (cm.free_slots.tolist(), cm.page_table.clone(), nodes, tuple(cm.prefix_cache.size_info),
-            {k: (v.req, v.alloc_pages) for k, v in cm._running.items()})
+    """Every piece of the manager's state, and the fields of its running requests."""
+    return manager_state(cm, cm.running)
 
 
-def assert_same(a, b):
-    assert a[0] == b[0], "free_slots changed"
-    assert torch.equal(a[1], b[1]), "page table changed"
-    assert a[2:] == b[2:], "prefix cache or running set changed"
+assert_same = assert_unchanged
 
 
 # --- the happy paths ----------------------------------------------------------------------

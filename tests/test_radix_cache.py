@@ -143,6 +143,56 @@ def test_locking_an_evicted_handle_raises():
         cache.lock_handle("not a handle")
 
 
+def test_each_owner_takes_back_only_its_own_locks():
+    cache = RadixPrefixCache(2)
+    _, short = cache.insert_prefix([1, 2], torch.arange(2, dtype=torch.int32))
+    _, long = cache.insert_prefix([1, 2, 3, 4], torch.arange(4, dtype=torch.int32))
+    cache.lock_handle(long, owner="A")
+    cache.lock_handle(short, owner="B")
+    assert cache.is_locked_by(long, "A") and not cache.is_locked_by(long, "B")
+    with pytest.raises(CacheMisuse, match="owner 'B'"):
+        cache.lock_handle(long, unlock=True, owner="B")  # B locked the shorter prefix only
+    with pytest.raises(CacheMisuse):
+        cache.lock_handle(short, unlock=True, owner="A")
+    assert [n.ref_count for n in cache.nodes()] == [2, 1]
+    cache.check_integrity()
+    cache.lock_handle(long, unlock=True, owner="A")
+    cache.lock_handle(short, unlock=True, owner="B")
+    assert cache.size_info == (4, 0)
+    with pytest.raises(InvalidArgument, match="owner"):
+        cache.lock_handle(short, owner=["not", "hashable"])
+    cache.check_integrity()
+
+
+def test_the_root_handle_protects_nothing_and_locking_it_is_a_no_op():
+    cache = RadixPrefixCache(4)
+    root = cache.match_prefix([1, 2]).handle
+    assert root.cached_len == 0
+    cache.lock_handle(root, owner="x")
+    cache.lock_handle(root, unlock=True, owner="y")
+    assert cache.is_locked_by(root, "anyone") and cache.size_info == (0, 0)
+    cache.check_integrity()
+
+
+def test_check_integrity_counts_locks_against_ref_counts():
+    cache = RadixPrefixCache(2)
+    _, h = cache.insert_prefix([1, 2], torch.arange(2, dtype=torch.int32))
+    cache.lock_handle(h, owner="A")
+    cache.nodes()[0].ref_count += 1  # a lock nobody holds
+    with pytest.raises(IntegrityError, match="1 lock"):
+        cache.check_integrity()
+
+
+def test_the_split_node_keeps_its_stamp_on_the_lower_half():
+    cache = RadixPrefixCache(2)
+    cache.insert_prefix([1, 2, 3, 4], torch.arange(4, dtype=torch.int32))
+    stamp = cache.nodes()[0].last_access
+    cache.match_prefix([1, 2, 9, 9])
+    upper, lower = cache.nodes()
+    assert upper.key == (1, 2) and upper.last_access == cache.clock
+    assert lower.key == (3, 4) and lower.last_access == stamp < cache.clock
+
+
 # --- eviction ---------------------------------------------------------------------------
 
 
@@ -270,6 +320,41 @@ def _path_ids(node) -> tuple:
     return tuple(t for key in reversed(parts) for t in key)
 
 
+def test_snapshot_is_plain_data_that_outlives_the_cache_state():
+    cache = RadixPrefixCache(2)
+    _, h = cache.insert_prefix([1, 2, 3, 4], slots(4, 4))
+    cache.insert_prefix([1, 2, 7, 7], slots(12, 4))
+    cache.lock_handle(h, owner="A")
+    snap = cache.snapshot()
+    assert snap.page_size == 2 and snap.clock == cache.clock
+    assert (snap.evictable_size, snap.protected_size) == (2, 4)
+    by_pages = {n.pages: n for n in snap.nodes}
+    top = by_pages[((1, 2),)]
+    assert top.parent is None and top.page_ids == (2,) and top.ref_count == 1
+    assert by_pages[((3, 4),)].parent == top.uid and by_pages[((7, 7),)].page_ids == (7,)
+    cache.evict(2)
+    cache.lock_handle(h, unlock=True, owner="A")
+    assert len(snap.nodes) == 3 and top.ref_count == 1  # the snapshot did not move with the cache
+    assert all(isinstance(n, tuple) for n in snap.nodes)
+
+
+def test_evict_leaves_and_undo_evict_put_the_tree_back():
+    cache = RadixPrefixCache(1)
+    cache.insert_prefix([1, 2], slots(0, 2))
+    cache.insert_prefix([1, 3], torch.tensor([0, 5], dtype=torch.int32))
+    before = cache.snapshot()
+    evicted = cache.evict_leaves(3)  # both leaves, then their parent
+    assert [n.key for n in evicted][-1] == (1,) and cache.nodes() == []
+    cache.undo_evict(evicted)
+    assert cache.snapshot() == before
+    cache.check_integrity()
+    evicted = cache.evict_leaves(1)  # one leaf under [1]
+    cache.insert_prefix([1, 2], slots(20, 2))  # the tree changed meanwhile
+    cache.insert_prefix([1, 3], slots(30, 2))
+    with pytest.raises(CacheMisuse, match="cannot go back"):
+        cache.undo_evict(evicted)
+
+
 def test_matched_indices_of_an_evicted_handle_raise():
     cache = RadixPrefixCache(2)
     _, h = cache.insert_prefix([1, 2], slots(0, 2))
@@ -287,13 +372,13 @@ def test_tree_drawing_marks_locked_new_and_evicted_nodes():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvlab.viz.tree import LOCKED, NEW_EDGE, draw_tree, snapshot
+    from kvlab.viz.tree import LOCKED, NEW_EDGE, draw_tree
 
     cache = RadixPrefixCache(2)
     _, keep = cache.insert_prefix([1, 2, 3, 4], slots(0, 4))
     cache.insert_prefix([9, 9], slots(8, 2))
     cache.lock_handle(keep)
-    before = snapshot(cache)
+    before = cache.snapshot()
     cache.evict(2)  # the unlocked [9 9] goes
     cache.insert_prefix([1, 2, 3, 4, 5, 6], slots(0, 6))  # a new child under the locked node
     ax = draw_tree(cache, previous=before)

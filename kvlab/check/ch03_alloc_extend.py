@@ -29,6 +29,7 @@ from .. import runtime
 from ..kernels.alloc import alloc_extend_kernel
 from ..reference.alloc import (ExtendPlan, alloc_extend_ref, pages_for, pages_needed_extend,
                                unpack_ret_value)
+from ..solutions import solution_part
 from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
 from .failures import Layout
 
@@ -140,22 +141,24 @@ def _check_part(kernel, part: int, case: Case) -> tuple[ExtendPlan, int]:
     return plan, ret
 
 
-_COMMON_HINT = ("Lengths first: num_part1 = min(seq, ceil(pre/P)*P) - pre, "
-                "num_part2 = floor(seq/P)*P - ceil(pre/P)*P, num_part3 = seq - floor(seq/P)*P; "
-                "write them with // and tl.minimum.")
+_COMMON_HINT = ("Lengths first, with the starter's pre_page_end = ceil(pre/P)*P and "
+                "seq_page_start = floor(seq/P)*P: num_part1 = min(seq_len, pre_page_end) - pre_len "
+                "(write it tl.minimum(...) or min(...): the same in Triton), num_part2 = "
+                "seq_page_start - pre_page_end, num_part3 = seq_len - seq_page_start.")
 
 
+@solution_part("part 1:")
 @exercise(
     "alloc_extend_part1",
     chapter="03",
     hints=[
         "Part 1 fills the rest of the request's last, partly used page: the slots right after "
-        "last_loc, i.e. last_loc + 1, last_loc + 2, ...",
+        "last_loc, i.e. last_loc + 1, last_loc + 2, ... (load last_loc from last_loc_ptr + pid).",
         _COMMON_HINT,
-        "offs = tl.arange(0, page_size) covers at most one page; store last_loc + 1 + offs at "
-        "out_indices + output_start_loc + offs with mask=offs < num_part1.",
-        "output_start_loc is the sum of the extend lengths of the requests before this one: "
-        "load all lengths with mask=offs_bs <= pid (other=0), tl.sum them, subtract your own.",
+        "offs_page = tl.arange(0, page_size) covers at most one page: store last_loc + 1 + offs_page "
+        "at out_indices + output_start_loc + offs_page with mask=offs_page < num_part1.",
+        "output_start_loc (given) is where this request's slots begin: the new tokens of the "
+        "requests before it, summed with the masked load over offs_bs. Your part 1 starts there.",
     ],
     solution=alloc_extend_kernel,
 )
@@ -165,16 +168,18 @@ def alloc_extend_part1(kernel, *, seed: int = 0, n_random: int = 4) -> int:
                      lambda case: _check_part(kernel, 1, case))
 
 
+@solution_part("part 2:")
 @exercise(
     "alloc_extend_part2",
     chapter="03",
     hints=[
         "Part 2 covers whole new pages. This request's new pages are free_pages[new_page_start_loc], "
-        "free_pages[new_page_start_loc + 1], ...; new_page_start_loc counts the new pages of the "
-        "requests before it.",
+        "free_pages[new_page_start_loc + 1], ...; new_page_start_loc (given) counts the new pages "
+        "of the requests before it.",
         _COMMON_HINT,
-        "With k = tl.arange(0, max_num_extend_tokens): page = tl.load(free_pages + "
-        "new_page_start_loc + k // page_size, mask=k < num_part2); slot = page * page_size + k % page_size.",
+        "With k = tl.arange(0, max_num_extend_tokens): page = tl.load(free_page_ptr + "
+        "new_page_start_loc + k // page_size, mask=k < num_part2, other=0); slot = page * page_size "
+        "+ k % page_size.",
         "Part 2's slots follow part 1's: store at out_indices + output_start_loc + num_part1 + k, "
         "with the same mask.",
     ],
@@ -186,17 +191,21 @@ def alloc_extend_part2(kernel, *, seed: int = 0, n_random: int = 4) -> int:
                      lambda case: _check_part(kernel, 2, case))
 
 
+@solution_part("ret_values", "part 3:")
 @exercise(
     "alloc_extend_part3",
     chapter="03",
     hints=[
-        "Part 3 is the request's last new page, filled from offset 0 to seq % page_size - 1.",
+        "Part 3 is the request's last new page, filled from offset 0 to seq % page_size - 1. "
+        "This exercise also writes ret_values (the starter marks both places).",
         "That page is the request's LAST new page: free_pages[new_page_start_loc + "
-        "num_new_pages_self - 1].",
-        "Its slots follow parts 1 and 2: out_indices + output_start_loc + num_part1 + num_part2 + offs, "
-        "value page * page_size + offs, mask offs < num_part3 (offs = tl.arange(0, page_size)).",
+        "num_new_pages_self - 1], i.e. tl.load(free_page_ptr + new_page_start_loc + "
+        "num_new_pages_self - 1).",
+        "Its slots follow parts 1 and 2: out_indices + output_start_loc + num_part1 + num_part2 + "
+        "offs_page, value page * page_size + offs_page, mask offs_page < num_part3.",
         "ret_values: the last program (pid == tl.num_programs(0) - 1) has summed every request; it "
-        "stores (total_new_pages.to(tl.int64) << 32) | total_tokens.to(tl.int64).",
+        "stores (sum_num_new_pages.to(tl.int64) << 32) | sum_extend_lens.to(tl.int64). It must do "
+        "so before part 1, since parts 1 and 2 may return early.",
     ],
     solution=alloc_extend_kernel,
 )

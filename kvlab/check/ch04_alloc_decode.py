@@ -100,8 +100,9 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         "It starts a page exactly when (seq - 1) % page_size == 0.",
         "Otherwise the slot is simply last_loc + 1: the next slot of the same page.",
         "A request that starts a page takes free_pages[k], where k counts the requests before it "
-        "that also start a page: load seq_lens with mask=offs <= pid (other=0), count with tl.sum, "
-        "subtract your own.",
+        "that also start a page: offs_bs = tl.arange(0, bs_upper); load seq_lens with "
+        "mask=offs_bs <= pid (other=0), count the ones with (seq - 1) % page_size == 0 (and "
+        "offs_bs <= pid) with tl.sum; that count includes you, so k = count - 1.",
         "Write ret_values (the total new pages) from the last program: "
         "if pid == tl.num_programs(0) - 1: tl.store(ret_values, total.to(tl.int64)).",
     ],

@@ -8,7 +8,7 @@ The learner writes paged decode attention in plain torch::
 ``[num_slots, heads, head_dim]``, request ``b`` owns page-table row ``table_idx[b]`` and
 attends to its positions ``[0, seq_lens[b])``, whose K/V live at the slots that row names.
 ``out`` is ``[batch, heads, head_dim]``. Checked against
-:func:`kvlab.attention.paged_decode_attention_reference` (float32, ``atol=1e-4``); a failure
+:func:`kvlab.reference.paged_decode_attention_reference` (float32, ``atol=1e-4``); a failure
 names the request and head and, when it recognises the mistake, says which one.
 """
 from __future__ import annotations
@@ -116,7 +116,7 @@ def _diagnose(args, got) -> str:
 )
 def paged_attention(fn, *, seed: int = 0, n_random: int = 6) -> int:
     """Check ``fn(q, k_pool, v_pool, page_table, table_idx, seq_lens) -> [batch, heads, head_dim]``."""
-    from ..attention import paged_decode_attention_reference
+    from ..reference import paged_decode_attention_reference
 
     def run_one(case: Case) -> None:
         a = case.args

@@ -1,7 +1,8 @@
 """Teaching kernels that hand out KV slots for a whole batch in one launch (chapters 03-04).
 
-They mirror SGLang's ``alloc_extend_kernel`` / ``alloc_decode_kernel`` on purpose, hazards
-included, because the hazards are part of the lesson:
+They mirror SGLang's ``alloc_extend_kernel`` / ``alloc_decode_kernel`` as the source design
+wrote them (with ``ret_values`` and ``max_num_extend_tokens``; SGLang has changed them since,
+see chapter 03), on purpose, hazards included, because the hazards are part of the lesson:
 
 * one program per request; each program re-sums the lengths of *all* requests before it
   (a masked ``tl.sum`` over ``tl.arange(0, bs_upper)``): O(bs) work per program, O(bs^2) in all;
@@ -12,9 +13,15 @@ included, because the hazards are part of the lesson:
   first and checked afterwards, which reads past ``free_pages`` when pages run short).
   :class:`kvlab.PagedTokenAllocator` checks on the host first.
 
-Two small departures from the source, both for correctness under compiled Triton:
-masked loads give ``other=0`` (a masked-off lane is otherwise undefined and would enter the
-``tl.sum``), and ``min`` on tensors is written ``tl.minimum``.
+Two small departures from the source's text. Masked loads give ``other=0``: Triton documents
+a masked-off lane without ``other`` as undefined, and these lanes enter the ``tl.sum``s (the
+source leaves ``other`` out and relies on what the compiler happens to put there). And the
+source's ``min(seq_len, ...)`` is written ``tl.minimum``: a style choice, not a fix, since
+compiled Triton maps the built-in ``min`` to ``tl.minimum`` (``triton/language/core.py``,
+``builtin_min``) and the interpreter runs it as Python's ``min``; SGLang writes ``min``.
+
+The region comments (``# ---- ... ----``) mark what each exercise of chapter 03 writes;
+``kvlab.solutions.show("alloc_extend_part1")`` prints only the region of part 1.
 
 Memory layout of ``out_indices`` for the source's worked example (P = 64)::
 
@@ -70,7 +77,9 @@ def alloc_extend_kernel(
     sum_num_new_pages = tl.sum(num_new_pages)          # new pages of requests 0..pid
     new_page_start_loc = sum_num_new_pages - num_page_start_loc_self  # my first one in free_pages
 
+    # ---- ret_values (exercise alloc_extend_part3): the batch's totals, for the host ----
     # The last program has summed everyone: it reports the totals, packed in one int64.
+    # (It comes before part 1 because parts 1 and 2 may return early.)
     if pid == tl.num_programs(0) - 1:
         merged_value = (sum_num_new_pages.to(tl.int64)) << 32 | sum_extend_lens.to(tl.int64)
         tl.store(ret_values, merged_value)
@@ -112,6 +121,8 @@ def alloc_extend_kernel(
 
     # ---- part 3: the partly filled new last page ---------------------------------------
     #   my last new page: [ 0 .. num_part3-1 written | rest free for later decode steps ]
+    #   It is my LAST new page: free_pages[new_page_start_loc + num_page_start_loc_self - 1]
+    #   (num_page_start_loc_self, SGLang's name, is this request's number of new pages).
     num_part3 = seq_len - seq_len // page_size * page_size
     start_loc = tl.load(free_page_ptr + new_page_start_loc + num_page_start_loc_self - 1)
     tl.store(

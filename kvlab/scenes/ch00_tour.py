@@ -1,8 +1,9 @@
-"""Chapter 00's pictures: why pages (contiguous reservations waste memory), sharing, a first page table."""
+"""Chapter 00's scenes: a scheduler's timeline (prefill, decode, extend), why pages (contiguous
+reservations waste memory), sharing, a first page table."""
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -11,6 +12,160 @@ from . import figure
 
 _REQUEST_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
                    "#8c8c8c"]
+
+
+# --- a scheduler's timeline: prefill, decode, extend --------------------------------------
+
+
+class TimelineRequest(NamedTuple):
+    """A request as the scheduler sees it: when it arrives, its prompt, how many tokens to generate."""
+
+    name: str
+    arrives: int  # the first step it can be scheduled in
+    prompt_len: int
+    output_len: int  # tokens to generate; the request finishes when it has sampled them all
+
+
+class Extend(NamedTuple):
+    """What one scheduler step does to one request: its KV grows from ``pre`` to ``seq`` tokens."""
+
+    name: str
+    pre: int  # tokens in the KV cache before the step (prefix_lens)
+    seq: int  # tokens in the KV cache after it (seq_lens)
+    samples: bool  # whether the step samples a next token for it (a prompt chunk does not)
+
+
+class SchedulerStep(NamedTuple):
+    """One iteration of the serving loop: one batch, one forward pass."""
+
+    step: int
+    kind: str  # "prefill" or "decode"
+    work: list[Extend]
+    waiting: list[str]  # arrived, but not in this step's batch
+    finished: list[str]  # done after this step: their pages are freed
+
+
+#: Three requests: A alone, then B joins, then C, whose prompt is longer than one step's budget.
+THREE_REQUESTS = (TimelineRequest("A", 0, 6, 4), TimelineRequest("B", 2, 4, 3),
+                  TimelineRequest("C", 3, 11, 2))
+
+
+def scheduler_timeline(requests: Sequence[TimelineRequest] = THREE_REQUESTS,
+                       prefill_budget: int = 8, max_steps: int = 100) -> list[SchedulerStep]:
+    """Run mini-sglang's scheduling policy on ``requests`` and record every step.
+
+    The policy (mini-sglang's ``Scheduler._schedule_next_batch``): a step runs a **prefill**
+    batch when some request is waiting for its prompt, else a **decode** batch of every running
+    request. A prefill batch takes waiting requests in arrival order, up to ``prefill_budget``
+    prompt tokens in all; a prompt that does not fit is cut (chunked prefill) and its next
+    piece goes first in a later step. The step that completes a prompt samples the request's
+    first output token; a decode step feeds each running request its newest token (its KV
+    grows by one) and samples the next. A request is finished when it has sampled
+    ``output_len`` tokens.
+    """
+    in_cache = {r.name: 0 for r in requests}
+    sampled = {r.name: 0 for r in requests}
+    done: set[str] = set()
+    steps: list[SchedulerStep] = []
+    for step in range(max_steps):
+        arrived = [r for r in requests if r.arrives <= step and r.name not in done]
+        if not arrived and all(r.arrives <= step for r in requests):
+            break
+        waiting = [r for r in arrived if in_cache[r.name] < r.prompt_len]
+        running = [r for r in arrived if in_cache[r.name] >= r.prompt_len]
+        work: list[Extend] = []
+        if waiting:
+            kind, budget = "prefill", prefill_budget
+            for r in waiting:
+                if budget == 0:
+                    break
+                pre = in_cache[r.name]
+                seq = min(r.prompt_len, pre + budget)
+                budget -= seq - pre
+                work.append(Extend(r.name, pre, seq, samples=seq == r.prompt_len))
+        elif running:
+            kind = "decode"
+            work = [Extend(r.name, in_cache[r.name], in_cache[r.name] + 1, True) for r in running]
+        else:
+            kind = "idle"
+        finished = []
+        for e in work:
+            in_cache[e.name] = e.seq
+            if e.samples:
+                sampled[e.name] += 1
+                out_len = next(r.output_len for r in requests if r.name == e.name)
+                if sampled[e.name] == out_len:
+                    finished.append(e.name)
+                    done.add(e.name)
+        scheduled = {e.name for e in work}
+        steps.append(SchedulerStep(step, kind, work,
+                                   [r.name for r in arrived if r.name not in scheduled], finished))
+    return steps
+
+
+def describe_step(s: SchedulerStep) -> str:
+    """One line per step, in the words of chapters 03-04 (``pre -> seq`` per request)."""
+    parts = []
+    for e in s.work:
+        what = f"{e.name} {e.pre}->{e.seq}"
+        if s.kind == "prefill" and not e.samples:
+            what += " (a chunk: no token sampled)"
+        parts.append(what)
+    line = f"step {s.step}: {s.kind} batch [{', '.join(parts)}]"
+    if s.waiting:
+        line += f"; waiting: {', '.join(s.waiting)}"
+    if s.finished:
+        line += f"; finished: {', '.join(s.finished)} (pages freed)"
+    return line
+
+
+_PREFILL, _CHUNK, _DECODE, _WAIT = "#4c72b0", "#9db4d8", "#dd8452", "0.85"
+
+
+def timeline_figure(steps: Sequence[SchedulerStep] | None = None,
+                    requests: Sequence[TimelineRequest] = THREE_REQUESTS):
+    """Rows = requests, columns = scheduler steps; each cell says what the step did to the request."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch, Rectangle
+
+    steps = list(steps) if steps is not None else scheduler_timeline(requests)
+    names = [r.name for r in requests]
+    fig, ax = plt.subplots(figsize=(1.35 * len(steps) + 2.2, 0.75 * len(names) + 1.6))
+    for s in steps:
+        for e in s.work:
+            y = names.index(e.name)
+            colour = _DECODE if s.kind == "decode" else (_PREFILL if e.samples else _CHUNK)
+            ax.add_patch(Rectangle((s.step, y), 1, 1, facecolor=colour, edgecolor="white", lw=2))
+            label = f"{e.pre}→{e.seq}" + ("\n+1 token" if e.samples else "\nno token")
+            ax.text(s.step + 0.5, y + 0.5, label, ha="center", va="center", fontsize=7.5,
+                    color="white" if colour != _CHUNK else "black")
+        for name in s.waiting:
+            y = names.index(name)
+            ax.add_patch(Rectangle((s.step, y), 1, 1, facecolor=_WAIT, edgecolor="white", lw=2,
+                                   hatch="///"))
+            ax.text(s.step + 0.5, y + 0.5, "waits", ha="center", va="center", fontsize=7)
+        for name in s.finished:
+            ax.text(s.step + 1.05, names.index(name) + 0.5, "done", ha="left", va="center",
+                    fontsize=7, color="#c44e52")
+    ax.set_xlim(0, len(steps) + 0.5)
+    ax.set_ylim(len(names), 0)
+    ax.set_xticks([s.step + 0.5 for s in steps],
+                  [f"step {s.step}\n{s.kind}" for s in steps], fontsize=7.5)
+    ax.set_yticks([i + 0.5 for i in range(len(names))],
+                  [f"{r.name} (prompt {r.prompt_len}, {r.output_len} out)" for r in requests],
+                  fontsize=8)
+    ax.tick_params(length=0)
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    ax.set_title("a scheduler's timeline: each cell shows the KV tokens before → after the step",
+                 fontsize=9, loc="left")
+    handles = [Patch(facecolor=_PREFILL, label="prefill (extend from pre to the whole prompt)"),
+               Patch(facecolor=_CHUNK, label="prefill chunk (an extend that stops mid-prompt)"),
+               Patch(facecolor=_DECODE, label="decode (extend by one token)"),
+               Patch(facecolor=_WAIT, hatch="///", label="arrived, not in this step's batch")]
+    fig.legend(handles=handles, loc="lower center", ncol=2, fontsize=7.5, frameon=False)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
+    return fig
 
 
 def _cell(ax, x, y, color, *, hatch=None, text=None, edge="0.55"):
@@ -135,6 +290,11 @@ def first_page_table(n_requests: int = 5, max_seq_len: int = 32, page_size: int 
     for row, n in enumerate(lengths):
         table[row, n:] = -1
     return table, lengths
+
+
+@figure("00_timeline.png")
+def fig_timeline():
+    return timeline_figure()
 
 
 @figure("00_fragmentation.png")

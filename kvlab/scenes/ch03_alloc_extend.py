@@ -65,7 +65,8 @@ def draw_logical(pic: ExtendPicture, ax, names: Sequence[str] | None = None, tit
 
     page_table_heatmap(pic.table, pic.page_size, categories=pic.categories,
                        category_labels=CATEGORY_LABELS, ax=ax, annotate=annotate, row_label="request",
-                       title=title or f"logical view: each request's token positions (page_size={pic.page_size})")
+                       title=title or f"logical view: row = request, column = token position "
+                                      f"(page_size={pic.page_size}); a number = the physical slot it got")
     if names is not None:
         ax.set_yticks(range(len(names)))
         ax.set_yticklabels(names, fontsize=8)
@@ -88,7 +89,8 @@ def draw_pool(pic: ExtendPicture, num_pages: int, ax, names: Sequence[str] | Non
                 cats[r, slot] = pic.categories[r, c]
     page_table_heatmap(pos, P, categories=cats, category_labels=CATEGORY_LABELS, ax=ax,
                        annotate=annotate, row_label="request", max_cells=max_cells,
-                       title=title or "physical view: the pool's slots (numbers = token position)")
+                       title=title or "physical view: row = request, column = slot in the KV pool; "
+                                      "a number = the token position stored there")
     ax.set_xlabel("physical slot in the KV pool", fontsize=8)
     if names is not None:
         ax.set_yticks(range(len(names)))
@@ -131,9 +133,11 @@ def fig_small_example():
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 4.2))
     names = ["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"]
     draw_logical(pic, top, names=names, annotate=True,
-                 title="logical view (numbers = physical slot): three requests, page_size 4")
+                 title="logical view: column = token position, a number = the physical slot it got "
+                       "(page_size 4)")
     draw_pool(pic, 12, bottom, names=["r0", "r1", "r2"], annotate=True,
-              title=f"physical view (numbers = token position); free_pages before = {pic.free_before}")
+              title="physical view: column = slot in the pool, a number = the token position stored "
+                    f"there; free_pages before = {pic.free_before}")
     bottom.get_legend().remove()
     fig.tight_layout()
     return fig

@@ -18,8 +18,6 @@ def radix_steps(page_size: int = 2):
 
     Slots come from a small pool handed out page by page, as a cache manager would.
     """
-    from ..viz.tree import snapshot
-
     cache = RadixPrefixCache(page_size, device="cpu")
     next_page = [3]
 
@@ -31,23 +29,23 @@ def radix_steps(page_size: int = 2):
 
     steps = []
     cache.insert_prefix(PROMPT_A, fresh(len(PROMPT_A)))
-    steps.append(("insert A (7 tokens): 3 whole pages", snapshot(cache)))
+    steps.append(("insert A (7 tokens): 3 whole pages", cache.snapshot()))
     cache.insert_prefix(PROMPT_D, fresh(len(PROMPT_D)))
-    steps.append(("insert D: a second branch", snapshot(cache)))
+    steps.append(("insert D: a second branch", cache.snapshot()))
     _, handle_b = cache.insert_prefix(PROMPT_B, torch.cat([cache.match_prefix(PROMPT_B).handle
                                                            .get_matched_indices(),
                                                            fresh(len(PROMPT_B) - 4)]))
-    steps.append(("insert B: split after [1 2|3 4]", snapshot(cache)))
+    steps.append(("insert B: split after [1 2|3 4]", cache.snapshot()))
     cache.lock_handle(handle_b)
-    steps.append(("lock B (B is running)", snapshot(cache)))
+    steps.append(("lock B (B is running)", cache.snapshot()))
     match_c = cache.match_prefix(PROMPT_C[:-1])
-    steps.append((f"match C: {match_c.cached_len} tokens hit", snapshot(cache)))
+    steps.append((f"match C: {match_c.cached_len} tokens hit", cache.snapshot()))
     cache.evict(1)
-    steps.append(("evict(1): least recently used leaf", snapshot(cache)))
+    steps.append(("evict(1): least recently used leaf", cache.snapshot()))
     cache.lock_handle(handle_b, unlock=True)
-    steps.append(("B finishes: unlock B", snapshot(cache)))
+    steps.append(("B finishes: unlock B", cache.snapshot()))
     cache.evict(4)
-    steps.append(("evict(4): B's leaf is older than [5 6]", snapshot(cache)))
+    steps.append(("evict(4): B's leaf is older than [5 6]", cache.snapshot()))
     return steps, cache
 
 
@@ -72,13 +70,10 @@ def shared_prefix_figure():
     system = list(range(100, 112))  # 12 tokens: 3 pages of system prompt
     cm = CacheManager(16, P, new_page_table(3, 24, P, device="cpu"), page_table_writer="host")
     first = Req(system + [1, 2, 3], 0)
-    cm.admit(first)
-    cm.allocate_paged([first])
-    first.complete_one()
-    cm.cache_req(first, finished=False)
+    batch = cm.prefill([first])            # admit + map its pages
+    cm.complete_step(batch, [4])           # the forward pass produced 4; the prompt is cached
     second = Req(system + [7, 8, 9, 10, 11], 1)
-    cm.admit(second)
-    cm.allocate_paged([second])
+    cm.prefill([second])                   # hits the 3 cached pages of the system prompt
     fig, ax = plt.subplots(figsize=(9, 2.2))
     page_table_heatmap(cm.page_table[:2, :20], P, ax=ax,
                        title="two requests, one system prompt: the first 3 pages are shared")

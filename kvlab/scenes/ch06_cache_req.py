@@ -20,13 +20,22 @@ def new_manager(num_pages: int = 12, rows: int = 4, *, remap_duplicates: bool = 
 
 
 def prefill(cm: CacheManager, reqs: list[Req], kv: dict | None = None) -> None:
-    """admit + allocate_paged + the model step (KV of each position = the tokens it saw)."""
-    for r in reqs:
-        cm.admit(r)
-    cm.allocate_paged(reqs)
+    """The manager's prefill (admit + map pages), the model step (KV of each position = the
+    tokens it saw), then complete_one; no token is sampled and nothing is cached yet: the
+    chapter calls cache_req itself, to look at its regions."""
+    batch = cm.prefill(reqs)
     for r in reqs:
         write_kv(cm, r, kv)
-        r.complete_one()
+    cm.complete_step(batch, None, cache_prompt=False)
+
+
+def decode(cm: CacheManager, req: Req, token: int, kv: dict | None = None) -> None:
+    """One decode step of ``req`` whose next input is ``token``: map a page if it crosses a
+    page boundary, the model step, complete_one."""
+    req.append_token(token)
+    batch = cm.decode_step([req])
+    write_kv(cm, req, kv)
+    cm.complete_step(batch, None)
 
 
 def write_kv(cm: CacheManager, req: Req, kv: dict | None) -> None:
@@ -53,9 +62,7 @@ def scenarios(page_table_writer: str = "triton") -> list[tuple[str, CacheRegions
     cm.cache_req(c, finished=False)
     out.append(("D: same prompt as C, same batch", cm.cache_req(d, finished=False)))
     for token in (9, 10):  # two decode steps; the second crosses into a new page
-        b.append_token(token)
-        cm.allocate_paged([b])
-        b.complete_one()
+        decode(cm, b, token)
     out.append(("B finishes after two decode steps", cm.cache_req(b, finished=True)))
     cm.check_integrity()
     return out

@@ -76,7 +76,7 @@ def gather_picture():
 
 def served_vs_contiguous(decode_attention: str = "triton", max_new_tokens: int = 4):
     """Serve two batches with a shared system prompt; return (contiguous, paged) Generations."""
-    from ..attention import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous
+    from ..engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous
 
     model = TinyTransformer(TinyConfig(**SMALL_CONFIG))
     first, second = shared_prompt_batches()

@@ -9,14 +9,15 @@ drive it (mini-sglang's order):
     │ 1 arrivals      specs whose time has come join the waiting queue (FIFO)     │
     │ 2 aborts        clients that gave up: release_req (nothing cached)          │
     │ 3 decode        every running request computes one token:                   │
-    │                 allocate_paged(batch) maps a page when one crosses a page   │
+    │                 decode_step(batch) maps a page when one crosses a page      │
     │                 boundary; short of pages even after eviction -> preempt the │
     │                 youngest running request (release it, re-queue it first)   │
     │ 4 prefill       admit waiting requests while a row, the token budget and    │
     │                 memory allow: admit = match_req + lock + map the hit;       │
-    │                 one allocate_paged for the batch; then cache_req(finished=  │
-    │                 False) puts the prompt's whole pages into the prefix cache  │
-    │ 5 finish        a request with its whole answer: cache_req(finished=True)   │
+    │                 prefill(batch) maps their pages; complete_step then puts    │
+    │                 the prompts' whole pages into the prefix cache              │
+    │ 5 finish        a request with its whole answer: complete_step caches it    │
+    │                 with cache_req(finished=True)                               │
     │ 6 check         check_integrity() + no running row reads a free page        │
     │ 7 record        a StepRecord snapshot                                       │
     └──────────────────────────────────────────────────────────────────────────────┘
@@ -30,17 +31,14 @@ first admitted request of a step always goes (there is no chunked prefill).
 """
 from __future__ import annotations
 
-import re
 from collections import deque
 from dataclasses import dataclass, field
 
-import torch
-
-from ..cache_manager import CacheManager, Req
+from ..args import check_page_size, div_ceil
+from ..cache_manager import CacheManager, ForwardBatch, Req
 from ..errors import IntegrityError, InvalidArgument
-from ..paging import div_ceil, new_page_table
-from ..radix_cache import RadixPrefixCache
-from ..viz.tree import snapshot as tree_snapshot
+from ..paging import new_page_table
+from ..radix_cache import RadixNode, RadixPrefixCache
 from .timeline import MemorySplit, RequestStats, StepRecord, Timeline
 from .workloads import RequestSpec, Workload
 
@@ -50,11 +48,11 @@ __all__ = ["SimConfig", "Simulator", "SimIntegrityError", "simulate"]
 class SimIntegrityError(IntegrityError):
     """An invariant broke during a run: says at which step and for which request."""
 
-    def __init__(self, step: int, rid: int | None, message: str):
+    def __init__(self, step: int, rid: int | None, message: str, row: int | None = None):
         self.step = step
         self.rid = rid
         who = f"request {rid}" if rid is not None else "no single request"
-        super().__init__(f"step {step}, {who}: {message}")
+        super().__init__(f"step {step}, {who}: {message}", row=row)
 
 
 @dataclass(frozen=True)
@@ -77,10 +75,10 @@ class _CountingCache(RadixPrefixCache):
 
     evicted_tokens = 0
 
-    def evict(self, num_tokens: int) -> torch.Tensor:
-        freed = super().evict(num_tokens)
-        self.evicted_tokens += int(freed.numel())
-        return freed
+    def evict_leaves(self, num_tokens: int) -> list[RadixNode]:
+        evicted = super().evict_leaves(num_tokens)
+        self.evicted_tokens += sum(node.length for node in evicted)
+        return evicted
 
 
 @dataclass
@@ -113,9 +111,7 @@ class Simulator:
     """Runs a :class:`~kvlab.sim.workloads.Workload` step by step; :meth:`run` returns a Timeline."""
 
     def __init__(self, workload: Workload, config: SimConfig = SimConfig(), device=None):
-        P = config.page_size
-        if not isinstance(P, int) or P < 1:
-            raise InvalidArgument("config.page_size", "an int >= 1", f"got {P!r}")
+        P = check_page_size(config.page_size, "config.page_size")
         if config.prefill_budget < 1:
             raise InvalidArgument("config.prefill_budget", ">= 1 token", f"got {config.prefill_budget}")
         max_seq_len = config.max_seq_len or workload.max_total_len
@@ -157,34 +153,39 @@ class Simulator:
     def done(self) -> bool:
         return not (self._pending or self._waiting or self._running)
 
-    def _evictable_pages(self) -> int:
-        return self.cache.size_info.evictable_size // self.config.page_size
-
     def _release(self, live: _Live) -> None:
         """Give a running request's pages back (nothing is cached) and free its row."""
         self.manager.release_req(live.req)
+        self._free_row(live)
+
+    def _free_row(self, live: _Live) -> None:
         self._free_rows.append(live.req.table_idx)
         self._free_rows.sort()
         del self._running[live.spec.rid]
         live.req = None
 
-    def _finish(self, live: _Live, log: _StepLog) -> None:
-        regions = self.manager.cache_req(live.req, finished=True)
-        log.regions, log.regions_rid = regions, live.spec.rid
-        self._free_rows.append(live.req.table_idx)
-        self._free_rows.sort()
-        del self._running[live.spec.rid]
-        live.req, live.done = None, True
-        self._finish_step[live.spec.rid] = self.step_no
-        self.timeline.requests[live.spec.rid].finish_step = self.step_no
-        log.finished.append(live.spec.rid)
-
-    def _emit_token(self, live: _Live) -> None:
-        """The forward pass computed KV for [cached_len, device_len); take the next token."""
-        live.req.append_token(live.spec.output[live.generated])
-        live.req.complete_one()  # cached_len = device_len; device_len += 1
-        live.generated += 1
-        self.timeline.requests[live.spec.rid].generated = live.generated
+    def _complete(self, batch: ForwardBatch, lives: list[_Live], log: _StepLog) -> None:
+        """After the (pretend) forward pass: each request produced its next token. The manager
+        records them and caches what the phase asks; here the bookkeeping of a run."""
+        done = [live.generated + 1 == len(live.spec.output) for live in lives]
+        tokens = [live.spec.output[live.generated] for live in lives]
+        settled = self.manager.complete_step(batch, tokens, done,
+                                             cache_prompt=self.config.cache_after_prefill)
+        live_of = {live.req: live for live in lives}
+        if settled:
+            req, log.regions = settled[-1]
+            log.regions_rid = live_of[req].spec.rid
+        for live, finished in zip(lives, done):
+            live.generated += 1
+            self.timeline.requests[live.spec.rid].generated = live.generated
+            if batch.phase == "decode":
+                log.decoded.append(live.spec.rid)
+            if finished:
+                self._free_row(live)
+                live.done = True
+                self._finish_step[live.spec.rid] = self.step_no
+                self.timeline.requests[live.spec.rid].finish_step = self.step_no
+                log.finished.append(live.spec.rid)
 
     # --- the phases (finish runs inside decode and prefill) ----------------------------
 
@@ -215,42 +216,34 @@ class Simulator:
                 log.aborted.append(live.spec.rid)
 
     def _decode(self, log: _StepLog) -> None:
-        P = self.config.page_size
         while self._running:
-            batch = list(self._running.values())
-            need = sum(div_ceil(l.req.device_len, P) - div_ceil(l.req.cached_len, P) for l in batch)
-            if need <= self.manager.num_free_pages + self._evictable_pages():
+            batch = [live.req for live in self._running.values()]
+            if self.manager.pages_needed(batch) <= self.manager.available_pages:
                 break
-            youngest = max(batch, key=lambda l: l.admit_order)
+            youngest = max(self._running.values(), key=lambda live: live.admit_order)
             live_ids = list(youngest.req.input_ids)
             self._release(youngest)
             youngest.input_ids = live_ids            # prompt + what it generated so far
             self._waiting.appendleft(youngest)
             self.timeline.requests[youngest.spec.rid].preemptions += 1
             log.preempted.append(youngest.spec.rid)
-        batch = list(self._running.values())
-        if not batch:
-            return
-        self.manager.allocate_paged([l.req for l in batch])
-        for live in batch:
-            self._emit_token(live)
-            log.decoded.append(live.spec.rid)
-            if live.generated == len(live.spec.output):
-                self._finish(live, log)
+        lives = list(self._running.values())
+        if lives:
+            batch = self.manager.decode_step([live.req for live in lives])
+            self._complete(batch, lives, log)
 
     def _prefill(self, log: _StepLog) -> None:
-        P = self.config.page_size
-        batch: list[_Live] = []
-        tokens = pages = 0
+        lives: list[_Live] = []
+        tokens = 0
         while self._waiting and self._free_rows:
             live = self._waiting[0]
             req = Req(list(live.input_ids), self._free_rows[0], rid=live.spec.rid)
             self.manager.admit(req)                # match_req + lock + map the hit into the row
             extend = req.device_len - req.cached_len
-            need = div_ceil(req.device_len, P) - div_ceil(req.cached_len, P)
-            over_budget = bool(batch) and tokens + extend > self.config.prefill_budget
+            over_budget = bool(lives) and tokens + extend > self.config.prefill_budget
             # admit() locked the hit, so evictable pages are counted after it
-            no_memory = pages + need > self.manager.num_free_pages + self._evictable_pages()
+            no_memory = (self.manager.pages_needed([l.req for l in lives] + [req])
+                         > self.manager.available_pages)
             if over_budget or no_memory:
                 self.manager.release_req(req)      # undo the admission: unlock, clear the row
                 break
@@ -260,26 +253,18 @@ class Simulator:
             live.admit_order = self._admits
             self._admits += 1
             self._running[live.spec.rid] = live
-            batch.append(live)
+            lives.append(live)
             tokens += extend
-            pages += need
             log.admitted.append(live.spec.rid)
             log.hit_tokens += req.cached_len
             log.prompt_tokens += req.device_len
             stats = self.timeline.requests[live.spec.rid]
             if stats.first_admit_step < 0:
                 stats.first_admit_step, stats.hit_tokens = self.step_no, req.cached_len
-        if not batch:
-            return
-        self.manager.allocate_paged([l.req for l in batch])
-        log.prefill_tokens += tokens
-        for live in batch:
-            self._emit_token(live)
-            if live.generated == len(live.spec.output):
-                self._finish(live, log)
-            elif self.config.cache_after_prefill:
-                log.regions = self.manager.cache_req(live.req, finished=False)
-                log.regions_rid = live.spec.rid
+        if lives:
+            batch = self.manager.prefill([live.req for live in lives])  # admitted above: maps pages
+            log.prefill_tokens += batch.num_tokens
+            self._complete(batch, lives, log)
 
     # --- checks and snapshots ---------------------------------------------------------
 
@@ -299,16 +284,17 @@ class Simulator:
             for pos, slot in enumerate(row):
                 if slot < 0:
                     raise SimIntegrityError(self.step_no, rid, f"row {req.table_idx} position {pos} "
-                                            f"is unmapped but its KV was computed (cached_len={req.cached_len})")
+                                            f"is unmapped but its KV was computed (cached_len={req.cached_len})",
+                                            req.table_idx)
                 if slot // P in free:
                     raise SimIntegrityError(self.step_no, rid, f"row {req.table_idx} position {pos} "
-                                            f"points at slot {slot} on page {slot // P}, which is free")
+                                            f"points at slot {slot} on page {slot // P}, which is free",
+                                            req.table_idx)
         try:
             self.manager.check_integrity()
         except IntegrityError as e:
-            m = re.search(r"row (\d+)", str(e))
-            raise SimIntegrityError(self.step_no, self._rid_of_row(int(m.group(1))) if m else None,
-                                    str(e)) from e
+            rid = self._rid_of_row(e.row) if e.row is not None else None
+            raise SimIntegrityError(self.step_no, rid, str(e), e.row) from e
 
     def _snapshot(self, log: _StepLog) -> StepRecord:
         P = self.config.page_size
@@ -333,7 +319,7 @@ class Simulator:
             memory=memory, wasted_slots=wasted,
             page_table=self.page_table[: self.config.max_running].clone().cpu(),
             row_rids=tuple(row_rids), free_pages=tuple((self.manager.free_slots // P).tolist()),
-            tree=tree_snapshot(self.cache), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
+            tree=self.cache.snapshot(), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
             last_regions=self._last_regions[0], last_regions_rid=self._last_regions[1],
             last_regions_step=self._last_regions[2])
 

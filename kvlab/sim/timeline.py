@@ -7,7 +7,7 @@ objects -- so a timeline can be scrubbed, plotted and compared after the run:
              page table   rows 0..max_running-1, columns up to the longest mapped position
              free list    page ids in free-list order
              memory       pages: free | cached (evictable) | cached (locked) | private
-             cache tree   a kvlab.viz.tree.TreeSnapshot (drawable with draw_tree)
+             cache tree   a TreeSnapshot: RadixPrefixCache.snapshot(), drawn by kvlab.viz.draw_tree
              last cache_req regions (if any this step)
 """
 from __future__ import annotations
@@ -56,7 +56,7 @@ class StepRecord:
     page_table: torch.Tensor             # [max_running, cols] int32 (cropped copy, on CPU)
     row_rids: tuple[int, ...]            # rid owning each row (-1: free row)
     free_pages: tuple[int, ...]          # free list, in order (page ids)
-    tree: object                         # kvlab.viz.tree.TreeSnapshot of the prefix cache
+    tree: object                         # the prefix cache's snapshot() (a kvlab.radix_node.TreeSnapshot)
     cache_evictable: int                 # size_info, in tokens
     cache_protected: int
     last_regions: object | None = None   # the latest kvlab.CacheRegions up to this step

@@ -12,49 +12,22 @@ KV, its ``ref_count`` and its last access (the LRU counter)::
            [5 6]          [7 8]
 
 Colours: locked nodes (``ref_count > 0``) are orange; unlocked ones (evictable) blue.
-Compared with an earlier :func:`snapshot`, new nodes get a green border and nodes that are
-gone (evicted) are drawn faded with a dashed border.
+Compared with an earlier snapshot (:meth:`RadixPrefixCache.snapshot
+<kvlab.radix_cache.RadixPrefixCache.snapshot>`, plain data the cache hands out), new nodes get
+a green border and nodes that are gone (evicted) are drawn faded with a dashed border.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Sequence
+
+from ..radix_node import NodeInfo, TreeSnapshot
+
+__all__ = ["NodeInfo", "TreeSnapshot", "draw_tree", "draw_tree_steps", "tree_legend"]
 
 LOCKED = "#fdae6b"
 UNLOCKED = "#c6dbef"
 NEW_EDGE = "#2ca02c"
 GHOST = "#d9d9d9"
-
-
-class NodeInfo(NamedTuple):
-    """A node as it was when the snapshot was taken (plain data: safe to keep)."""
-
-    uid: int
-    parent: int | None  # uid of the parent; None for children of the root
-    pages: tuple[tuple[int, ...], ...]  # key, page by page
-    page_ids: tuple[int, ...]  # physical page of each key page
-    ref_count: int
-    last_access: int
-
-
-class TreeSnapshot(NamedTuple):
-    page_size: int
-    nodes: tuple[NodeInfo, ...]
-    clock: int  # the cache's access counter when the snapshot was taken
-    evictable_size: int
-    protected_size: int
-
-
-def snapshot(cache) -> TreeSnapshot:
-    """Freeze the tree of a :class:`~kvlab.radix_cache.RadixPrefixCache` for drawing later."""
-    P = cache.page_size
-    nodes = []
-    for node in cache.nodes():
-        parent = None if node.parent is cache.root else node.parent.uid
-        page_ids = tuple(int(s) // P for s in node.value[::P].tolist())
-        nodes.append(NodeInfo(node.uid, parent, tuple(node.pages(P)), page_ids, node.ref_count,
-                              node.last_access))
-    info = cache.size_info
-    return TreeSnapshot(P, tuple(nodes), cache.clock, info.evictable_size, info.protected_size)
 
 
 def _fmt_pages(pages: Sequence[tuple[int, ...]], limit: int = 4) -> str:
@@ -97,7 +70,7 @@ def _layout(nodes: Sequence[NodeInfo]) -> dict[int | None, tuple[float, int]]:
 
 def draw_tree(tree, ax=None, *, previous: TreeSnapshot | None = None, title: str | None = None,
               highlight: Sequence[int] = (), fontsize: float = 8.0):
-    """Draw a cache (or a :func:`snapshot` of one) on ``ax``; return the Axes.
+    """Draw a cache (or a ``cache.snapshot()``) on ``ax``; return the Axes.
 
     ``previous``: an earlier snapshot; nodes new since then get a green border, nodes gone
     since then are drawn faded ("evicted"). ``highlight``: uids to outline in red (e.g. the
@@ -105,7 +78,7 @@ def draw_tree(tree, ax=None, *, previous: TreeSnapshot | None = None, title: str
     """
     import matplotlib.pyplot as plt
 
-    snap = tree if isinstance(tree, TreeSnapshot) else snapshot(tree)
+    snap = tree if isinstance(tree, TreeSnapshot) else tree.snapshot()
     now = {n.uid for n in snap.nodes}
     ghosts: list[NodeInfo] = []
     if previous is not None:

@@ -3,8 +3,9 @@
 #
 # **Goal.** Build mini-sglang's `_page_to_token`: given the pages a request was just handed,
 # list every token slot inside them, in order. First with three tensor operations
-# (`unsqueeze`, `arange`, `flatten`), then as a Triton kernel; check both against a
-# plain-Python reference, and finish with an exercise.
+# (`unsqueeze`, `arange`, `flatten`); then, after a short Triton primer (four small kernels,
+# each with a result to predict), as your first Triton kernel. Both are checked against a
+# plain-Python reference, and you finish by putting the torch version together yourself.
 #
 # **Vocabulary.** The KV pool has `num_pages * page_size` *slots* (one token's K and V each).
 # Page `k` owns slots `k*P ... k*P + P - 1` (`P` = `page_size`). mini-sglang's free list does
@@ -63,6 +64,9 @@ print("column + offsets   ", tuple(grid.shape), grid.tolist())
 slots = grid.flatten()  # rows one after another: page after page
 print("flatten()          ", tuple(slots.shape), slots.tolist())
 assert slots.tolist() == list(range(4, 12))
+# `grid` is a fresh contiguous tensor, so flatten() only reinterprets its shape: a view, no copy
+print("flatten() is a view of grid (same memory):", slots.data_ptr() == grid.data_ptr())
+assert slots.data_ptr() == grid.data_ptr()
 
 # %% [markdown]
 # Two details are worth a second look:
@@ -73,37 +77,170 @@ assert slots.tolist() == list(range(4, 12))
 # - **`page_size == 1`.** Then every page is one slot, the starts already *are* the slots, and
 #   the function returns its input unchanged: no copy, no kernel.
 #
-# Put together (this is the function lifted into `kvlab.paging.page_to_token`):
-
-# %%
-def _page_to_token(pages: torch.Tensor, page_size: int) -> torch.Tensor:
-    # lifted into kvlab.paging.page_to_token (which also validates its input)
-    if page_size == 1:
-        return pages
-    offsets = torch.arange(page_size, dtype=pages.dtype, device=pages.device)
-    return (pages.unsqueeze(1) + offsets).flatten()
-
-
-print(_page_to_token(torch.tensor([4, 8], dtype=torch.int32, device=device), 4))
-one = torch.tensor([7, 2, 9], device=device)
-assert _page_to_token(one, 1) is one  # identity: the very same tensor
+# You will put the pieces and these two details together yourself at the end of the chapter
+# (**your turn**). The package already has the finished function, `kvlab.page_to_token`, and
+# the rest of the chapter uses it until yours passes its checker.
 
 # %% [markdown]
+# ## A Triton primer: four small kernels
+#
+# On a GPU the torch version launches two small kernels (the `arange` and the add; `flatten` is
+# a view, as we just saw) and writes the intermediate `grid` to memory in between. A Triton
+# kernel can do it in one pass. Before writing it, four small kernels show the pieces every
+# kernel in this course is made of. For each one, **predict the printed result first**, then run
+# the cell.
+#
+# ### 1. `tl.program_id`: which program instance am I?
+#
+# `kernel[grid](args)` launches the function once per entry of the grid: `grid = (4,)` gives four
+# **program instances** (programs), numbered `0..3`. They all run the same code; the only thing
+# that tells them apart is `tl.program_id(0)`. A pointer argument (a torch tensor passed in)
+# points at element 0; `ptr + k` points at element `k`, and `tl.store` writes there.
+
+# %%
+@triton.jit
+def whoami_kernel(out_ptr):
+    pid = tl.program_id(0)  # 0, 1, 2, ... : which program instance this is
+    tl.store(out_ptr + pid, pid * 10)
+
+
+out = torch.full((6,), -1, dtype=torch.int32, device=device)
+whoami_kernel[(4,)](out)
+print(out.tolist())  # predict first: four programs, six entries
+assert out.tolist() == [0, 10, 20, 30, -1, -1]
+
+# %% [markdown]
+# ### 2. `tl.arange` and a mask: many lanes per program
+#
+# A program usually handles a whole block of elements at once. `tl.arange(0, BLOCK)` is a small
+# tensor `[0, 1, ..., BLOCK-1]`; each of its entries is a **lane**, and one operation on it works
+# on every lane. Program `pid` takes elements `pid * BLOCK + [0..BLOCK)`. When `n` is not a
+# multiple of `BLOCK`, the last program has lanes past the end: a **mask** (one boolean per lane)
+# turns their loads and stores off. Below, `n = 10` elements, `BLOCK = 4`, so
+# `cdiv(10, 4) = 3` programs; `out` has two spare entries at the end, filled with `-1`.
+
+# %%
+@triton.jit
+def copy_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)  # this program's lanes
+    mask = offs < n  # lanes past the end do nothing
+    vals = tl.load(x_ptr + offs, mask=mask)
+    tl.store(out_ptr + offs, vals * 2, mask=mask)
+
+
+n, BLOCK = 10, 4
+x = torch.arange(100, 100 + n, dtype=torch.int32, device=device)
+out = torch.full((n + 2,), -1, dtype=torch.int32, device=device)
+copy_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, BLOCK=BLOCK)
+print("programs:", triton.cdiv(n, BLOCK))
+print(out.tolist())  # predict first: what do the last two entries hold?
+assert out[:n].tolist() == [2 * v for v in range(100, 110)] and out[n:].tolist() == [-1, -1]
+
+# %% [markdown]
+# Without the mask, program 2's lanes 10 and 11 would store into `out[10]` and `out[11]` (and
+# read `x` past its end). Here they would land in our spare entries; in a real kernel they land
+# in someone else's memory. On a GPU that is silent corruption; in the interpreter it can crash
+# the Python process. **Mask every load and store** whose lanes can run past the end.
+#
+# ### 3. Why `BLOCK` is a compile-time power of two
+#
+# The `BLOCK: tl.constexpr` annotation makes `BLOCK` a **compile-time constant**: its value is
+# baked into the compiled kernel. It has to be, because `tl.arange(0, BLOCK)` *makes a tensor
+# of `BLOCK` lanes*, and Triton fixes every tensor's shape when it compiles the kernel (the GPU
+# code for 4 lanes and for 128 lanes is different code). Triton also requires that length to be
+# a power of two. So a bound that is only known at run time, or is not a power of two, is
+# refused. Predict which of these two kernels Triton accepts:
+
+# %%
+@triton.jit
+def arange_of_six(out_ptr):
+    offs = tl.arange(0, 6)
+    tl.store(out_ptr + offs, offs)
+
+
+@triton.jit
+def arange_of_runtime_n(out_ptr, n):
+    offs = tl.arange(0, n)  # n is an ordinary (runtime) argument
+    tl.store(out_ptr + offs, offs)
+
+
+def triton_complaint(err):
+    """The line of a Triton error (compiled or interpreted) that says what is wrong."""
+    texts = []
+    while err is not None:
+        texts.append(str(err))
+        err = err.__cause__
+    lines = [line for text in texts for line in text.splitlines() if "arange" in line.lower()]
+    return lines[-1].strip() if lines else texts[0].strip().splitlines()[-1]
+
+
+out = torch.zeros(8, dtype=torch.int32, device=device)
+for kernel, args in [(arange_of_six, ()), (arange_of_runtime_n, (4,))]:
+    try:
+        kernel[(1,)](out, *args)
+        print(kernel.fn.__name__, "ran")
+    except Exception as err:  # noqa: BLE001 - show what Triton says
+        print(f"{kernel.fn.__name__}: refused -> {triton_complaint(err)}")
+
+# %% [markdown]
+# Both are refused. The fix in a real kernel is the one `copy_kernel` uses: round the block up to
+# a power of two (`triton.next_power_of_2(6) == 8`) and mask the extra lanes. The price: each
+# *new value* of a `tl.constexpr` argument is a new compilation. On a GPU the first call with a
+# new value compiles (a second or so), later calls with the same value reuse it. Chapter 03's
+# kernel passes sizes that change with every batch as `tl.constexpr`, and chapter 09 measures
+# what that costs.
+#
+# ### 4. A masked sum, with `other=0`
+#
+# `tl.sum(v)` adds up the lanes of a tensor. With a mask, the masked-off lanes of `tl.load` must
+# still hold *something* before they are summed: `other=` says what. Triton documents that
+# without `other` a masked-off lane's value is undefined. Here program `pid` adds up
+# `x[0] .. x[pid]`, all the elements up to and including its own: the trick chapter 03's
+# kernel uses to find where each request's output starts. Predict `out` for
+# `x = [3, 1, 4, 1, 5]`:
+
+# %%
+@triton.jit
+def sum_upto_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, OTHER: tl.constexpr):
+    pid = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)  # BLOCK >= len(x): one lane per element
+    vals = tl.load(x_ptr + offs, mask=offs <= pid, other=OTHER)  # lanes past pid read OTHER
+    tl.store(out_ptr + pid, tl.sum(vals))
+
+
+x = torch.tensor([3, 1, 4, 1, 5], dtype=torch.int32, device=device)
+BLOCK = triton.next_power_of_2(len(x))  # 8 lanes for 5 elements
+for other in (0, 100):
+    out = torch.zeros(len(x), dtype=torch.int32, device=device)
+    sum_upto_kernel[(len(x),)](x, out, BLOCK=BLOCK, OTHER=other)
+    print(f"other={other:3d}: {out.tolist()}")
+    if other == 0:
+        assert out.tolist() == [3, 4, 8, 9, 14]  # the running sums
+print("lanes each program sums:", BLOCK, "| masked-off lanes in program 0:", BLOCK - 1)
+
+# %% [markdown]
+# With `other=0` each program gets the running sum. With `other=100` every masked-off lane adds
+# 100: program 0 has 7 of them (`3 + 700 = 703`), program 4 has 3. The mask does not shrink the
+# tensor; it only decides which lanes load real data. That is why a masked sum needs
+# `other=0`.
+#
 # ## The same thing as a Triton kernel
 #
-# On a GPU the torch version launches a few small kernels (arange, add, flatten's copy). A
-# Triton kernel does it in one pass, and it is the smallest possible first kernel: each **lane**
-# computes one output slot on its own,
+# Now `page_to_token`. Each **lane** computes one output slot on its own,
 #
 # ```
 # out[i] = page_starts[i // P] + i % P
 # ```
 #
-# A program handles `BLOCK` consecutive outputs (`BLOCK` is a compile-time power of two); the
-# grid has `cdiv(num_tokens, BLOCK)` programs. The total length and `page_size` are runtime
-# arguments, so one compilation serves every input. Lanes past the end are **masked**: they
-# neither load nor store. (In the interpreter an unmasked out-of-bounds access does not raise;
-# it corrupts memory or crashes the kernel. Always mask.)
+# Each program handles `BLOCK` consecutive outputs (primer 2), the grid has
+# `cdiv(num_tokens, BLOCK)` programs, and lanes past the end are masked. `num_tokens` and
+# `page_size` are ordinary runtime arguments, so different lengths and page sizes reuse the same
+# compiled kernel. (Almost: Triton also specialises integer arguments on a few properties of
+# their value: an integer equal to 1 is compiled in as a constant, and one divisible by 16
+# gets its own version, which can then use wider memory accesses. So a handful of compilations
+# can appear. Chapter 09 explains it and turns it off with `do_not_specialize`.) Positions are
+# computed in `int64`, so `i * ...` cannot overflow on a very large pool.
 
 # %%
 @triton.jit
@@ -132,11 +269,11 @@ print(page_to_token_triton_nb(starts, 4))
 print("programs launched for 300 pages of 16:", triton.cdiv(300 * 16, 128))
 
 # %% [markdown]
-# ## Validate both against the reference
+# ## Validate against the reference
 #
 # `kvlab.reference.page_to_token_ref` is the obviously-right version: two Python loops.
 # Random page sizes, random numbers of pages in random order, both dtypes; the empty input and
-# `page_size = 1` included.
+# `page_size = 1` included. The package's torch version, `kvlab.page_to_token`, must agree too.
 
 # %%
 rng = random.Random(0)
@@ -147,11 +284,11 @@ for trial in range(n_trials):
     dtype = rng.choice([torch.int32, torch.int64])
     starts = torch.tensor([p * P for p in ids], dtype=dtype, device=device)
     expected = page_to_token_ref(starts.tolist(), P)
-    for fn in (_page_to_token, page_to_token_triton_nb):
+    for fn in (kvlab.page_to_token, page_to_token_triton_nb):
         got = fn(starts, P)
         assert got.tolist() == expected, (fn.__name__, P, ids)
         assert got.dtype == dtype and got.device == starts.device
-print(f"torch and Triton versions match the reference on {n_trials} random inputs")
+print(f"the Triton kernel and kvlab.page_to_token match the reference on {n_trials} random inputs")
 
 # %% [markdown]
 # A long input spans many programs; the last one is only partly full, so its mask matters:
@@ -161,7 +298,7 @@ P = 16
 n_pages = kvlab.runtime.pick(cpu=100, gpu=100_000)
 starts = torch.randperm(4 * n_pages, device=device)[:n_pages].to(torch.int64) * P
 out = page_to_token_triton_nb(starts, P, block=128)
-assert out.numel() == n_pages * P and torch.equal(out, _page_to_token(starts, P))
+assert out.numel() == n_pages * P and torch.equal(out, kvlab.page_to_token(starts, P))
 print(f"{n_pages} pages -> {out.numel()} slots in {triton.cdiv(out.numel(), 128)} programs; "
       f"the last program fills {out.numel() - 128 * (triton.cdiv(out.numel(), 128) - 1)} of its 128 lanes")
 
@@ -194,33 +331,9 @@ assert got.tolist() == page_to_token_ref([p * 4 for p in picked], 4)
 # %% [markdown]
 # ## Your turn
 #
-# Write `my_page_to_token(page_starts, page_size)` yourself, then run the checker. It tries
-# named edge cases first (page size 1, a single page, no pages, pages out of order, large page
-# ids), then random ones, and it checks the result's dtype and device as well as its values. On a
-# mistake it says which case and which page went wrong, expected vs got.
-#
-# The cell below holds a working answer so that the notebook runs end to end; replace the body
-# with your own. Stuck? `kvlab.check.hint("page_to_token", 1)` (then 2, 3, 4) and, as a last
-# resort, `kvlab.solutions.show("page_to_token")`.
-
-# %%
-def my_page_to_token(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
-    # your code here
-    if page_size == 1:
-        return page_starts
-    offsets = torch.arange(page_size, dtype=page_starts.dtype, device=page_starts.device)
-    return (page_starts.unsqueeze(1) + offsets).flatten()
-
-
-kvlab.check.page_to_token(my_page_to_token);
-
-# %%
-kvlab.check.hint("page_to_token", 1);
-# kvlab.solutions.show("page_to_token")   # uncomment to read a reference solution
-
-# %% [markdown]
-# What does a wrong answer look like? Here the offsets were added along the wrong axis (a row of
-# starts plus a column of offsets), which interleaves the pages:
+# First, what does the checker say about a wrong answer? Here the offsets were added along the
+# wrong axis (a row of starts plus a column of offsets), which interleaves the pages. The
+# checker names the case, the page and the first wrong slot, and draws expected against got:
 
 # %%
 def transposed(page_starts, page_size):
@@ -235,20 +348,58 @@ except kvlab.check.CheckFailed as err:
     print(err)
 
 # %% [markdown]
+# Now yours. Put the torch version together: `my_page_to_token(page_starts, page_size)` returns every slot
+# of the given pages, page after page, with the input's dtype and device, and the input itself
+# when `page_size == 1`. Everything it needs is in the build-up cells above.
+#
+# The checker tries named edge cases first (page size 1, a single page, no pages, pages out of
+# order, large page ids), then random ones, and checks the result's dtype and device as well as
+# its values. Until you write the body it only says `not attempted yet`. Stuck?
+# `kvlab.check.hint("page_to_token", 1)` (then 2, 3, 4) and, as a last resort,
+# `kvlab.solutions.show("page_to_token")`.
+
+# %%
+def my_page_to_token(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Every slot of the pages starting at ``page_starts`` (page id * page_size), page after page.
+
+    Keep ``page_starts``' dtype and device; return ``page_starts`` itself when ``page_size == 1``.
+    """
+    ### BEGIN SOLUTION
+    if page_size == 1:
+        return page_starts
+    offsets = torch.arange(page_size, dtype=page_starts.dtype, device=page_starts.device)
+    return (page_starts.unsqueeze(1) + offsets).flatten()
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: page_to_token
+    raise NotImplementedError("a column of starts plus a row of offsets, then flatten")
+    ### END STARTER
+
+
+kvlab.check.page_to_token(my_page_to_token);
+
+# %%
+kvlab.check.hint("page_to_token", 1);
+# kvlab.solutions.show("page_to_token")   # uncomment to read a reference solution
+
+# %% [markdown]
 # ## Lift
 #
 # The finished functions live in the package: `kvlab.page_to_token` and
 # `kvlab.paging.page_to_token_triton` (kernel: `kvlab.kernels.page_to_token_kernel`). Later
-# chapters import them. Check that they agree with this notebook's versions:
+# chapters import them. Check that they agree with this notebook's versions: yours once it has
+# passed the checker (until then the package's stands in, and the cell says so), and the
+# notebook's Triton kernel.
 
 # %%
+my_version = kvlab.check.choose("page_to_token", my_page_to_token, kvlab.page_to_token)
 rng = random.Random(2)
 for _ in range(kvlab.runtime.pick(cpu=20, gpu=200)):
     P = rng.choice([1, 2, 4, 16, 64])
     dtype = rng.choice([torch.int32, torch.int64])
     starts = torch.tensor([p * P for p in rng.sample(range(2048), rng.randint(0, 16))], dtype=dtype,
                           device=device)
-    assert torch.equal(_page_to_token(starts, P), kvlab.page_to_token(starts, P))
+    assert torch.equal(my_version(starts, P), kvlab.page_to_token(starts, P))
     assert torch.equal(page_to_token_triton_nb(starts, P), kvlab.paging.page_to_token_triton(starts, P))
 print("notebook == kvlab.page_to_token == kvlab.paging.page_to_token_triton")
 
@@ -256,10 +407,41 @@ print("notebook == kvlab.page_to_token == kvlab.paging.page_to_token_triton")
 # ## Summary
 #
 # - The free list names pages by their first slot (`page id * page_size`); `page_to_token` expands
-#   each into its `page_size` slots, in order: `(starts.unsqueeze(1) + arange(P)).flatten()`.
+#   each into its `page_size` slots, in order: `(starts.unsqueeze(1) + arange(P)).flatten()`
+#   (the `flatten` of the fresh, contiguous sum is a view: no copy).
 # - Keep the input's dtype and device (build `arange` with `dtype=`, `device=`); `page_size == 1`
 #   is the identity.
-# - As a Triton kernel it is one lane per output slot, `out[i] = starts[i // P] + i % P`, masked
-#   at the end, with runtime sizes so one compilation serves every length.
+# - Triton runs a kernel as a grid of program instances told apart by `tl.program_id`; each
+#   works on a block of lanes, `tl.arange(0, BLOCK)`, whose length is a compile-time power of
+#   two; masks switch off the lanes past the end, and a masked `tl.sum` needs `other=0`.
+# - As a Triton kernel `page_to_token` is one lane per output slot,
+#   `out[i] = starts[i // P] + i % P`, masked at the end. Lengths and page sizes are runtime
+#   arguments, so they reuse one compiled kernel (up to Triton's specialisation of integers equal
+#   to 1 or divisible by 16).
 #
 # Next: chapter 02 writes these slots into the page table.
+#
+# ## Questions
+#
+# 1. Make `page_size` a `tl.constexpr` in `page_to_token_kernel_nb` (it is always a power of two
+#    here). What can the compiler then do with `i // page_size` and `i % page_size`, and what
+#    does it cost? Would a server mind?
+# 2. For `BLOCK = 128` and `page_size = 16`, how many programs does the kernel launch, and how
+#    many of their lanes do nothing, for 3 pages? For 3000 pages? What would one program per
+#    page (`BLOCK = page_size`, no division at all) change?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# 1. With a power-of-two constant, `i // page_size` becomes a shift and `i % page_size` a bit
+#    mask (integer division is slow on a GPU; shifts are cheap). The cost is one compilation per
+#    page size. A server fixes its page size at start-up, so it pays once: that is why SGLang's
+#    allocation kernels take `page_size: tl.constexpr`. A library function called with many page
+#    sizes (as the checkers do here) would compile each one.
+# 2. 3 pages of 16 are 48 slots: `cdiv(48, 128) = 1` program, 80 of its 128 lanes masked off.
+#    3000 pages are 48000 slots: 375 programs, none idle (48000 is a multiple of 128). One
+#    program per page removes the division and gives every program exactly `page_size` useful
+#    lanes, but `page_size` must then be a constexpr (it is the `tl.arange` length), and programs
+#    of 16 lanes are small: a GPU schedules threads in groups of 32, so half of each group would
+#    idle. Small inputs waste lanes either way; large inputs favour blocks of a few hundred
+#    lanes.

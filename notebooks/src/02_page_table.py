@@ -38,24 +38,65 @@ print("device:", device, "| pinned host memory available:", kvlab.runtime.can_pi
 # ## The table's shape
 #
 # `kvlab.new_page_table(max_running_req, max_seq_len, page_size)` makes an `int32` table of shape
-# `(max_running_req + 1, aligned_max_seq_len)`:
+# `(max_running_req + 1, aligned_max_seq_len)`. Each choice has a reason, and kvlab departs from
+# mini-sglang in three of them (marked **departure**).
 #
-# - **One row per request slot, plus one.** On a GPU the server replays decode steps from
-#   *CUDA graphs* captured for a few fixed batch sizes (1, 2, 4, 8, ...). A batch of 3 requests is
-#   padded to 4 with a *dummy request*; the dummy's attention reads and its KV writes must land
-#   somewhere harmless, so it gets a row of its own: the last one.
-# - **Columns rounded up to whole pages**: `div_ceil(max_seq_len, P) * P`. A request's last page
-#   is always written whole (`last_page * P` columns), so the table must be at least that wide.
-# - **Filled with `-1`.** mini-sglang zero-initialises its table, but slot 0 is a real slot (the
-#   first token of page 0): a bug that reads an entry nobody wrote would silently read another
-#   request's KV. `-1` is visibly wrong: the heatmap leaves it blank, and an assert can find it.
+# **One row per request slot, plus one.** On a GPU, mini-sglang runs decode steps from **CUDA
+# graphs**. A CUDA graph is a recording of a whole sequence of GPU kernel launches (here: one
+# decode forward pass of the model, hundreds of kernels) that the host can later replay with a
+# single call, instead of launching each kernel again; what it cannot do is change the shapes it
+# recorded, so each batch size needs its own graph. mini-sglang records graphs for the batch
+# sizes `[1, 2, 4] + list(range(8, cuda_graph_max_bs + 1, 8))` (1, 2, 4, 8, 16, 24, ...; by
+# default up to 256 on a GPU with more than 80 GB free, else 160) and pads a decode batch up to
+# the next recorded size with copies of a **dummy request**. The dummy's attention reads and KV
+# writes must land somewhere harmless, so it gets a row of its own, the last one
+# (`table_idx = max_running_req`). mini-sglang also gives its KV pool one extra **dummy page**
+# (`num_pages + 1` pages) and fills the dummy row with that page's first slot, so every padded
+# request reads and writes only the dummy page.
+#
+# **Departure:** kvlab keeps the spare row but has no dummy page and leaves the dummy row at
+# `-1`: nothing in this course replays CUDA graphs, and an unmapped row makes any use of it
+# visible.
+
+# %%
+cuda_graph_max_bs = 160
+graph_batch_sizes = [1, 2, 4] + list(range(8, cuda_graph_max_bs + 1, 8))  # mini-sglang's list
+print("CUDA graphs recorded for batch sizes:", graph_batch_sizes[:8], "...", graph_batch_sizes[-2:])
+
+
+def padded_size(bs):
+    """The recorded batch size a decode batch of ``bs`` requests runs as (the first one >= bs)."""
+    return next(size for size in graph_batch_sizes if size >= bs)
+
+
+for bs in [1, 3, 5, 9, 100]:
+    print(f"a decode batch of {bs:3d} runs as {padded_size(bs):3d}: "
+          f"{padded_size(bs) - bs:2d} dummy request(s) added, all on the dummy row")
+assert [padded_size(b) for b in (3, 9, 100)] == [4, 16, 104]
+
+# %% [markdown]
+# **Columns.** A request's row needs one column per token it can reach, `max_seq_len`, rounded
+# up. mini-sglang rounds up to a multiple of **32 entries** (`_align_up_32`: 32 `int32` entries
+# are 128 bytes, so every row starts on a 128-byte boundary).
+#
+# **Departure:** kvlab rounds up to **whole pages** instead, `div_ceil(max_seq_len, P) * P`,
+# because a request's last page is always written whole (`last_page * P` columns), so a width
+# of whole pages always has room for it. When `P` divides 32 (P = 1, 2, ..., 32) a multiple of 32
+# is also a multiple of `P` and both roundings leave room; for `P = 64` a 32-rounded width can end
+# in the middle of a page (a question at the end of the chapter asks what then happens).
+#
+# **Filled with `-1`.** **Departure:** mini-sglang zero-initialises its table (`torch.zeros`), but
+# slot 0 is a real slot (the first token of page 0): a bug that reads an entry nobody wrote would
+# silently read another request's KV. `-1` is visibly wrong: the heatmap leaves it blank, and an
+# assert can find it.
 
 # %%
 max_running_req, max_seq_len, P = 4, 14, 4
 table = kvlab.new_page_table(max_running_req, max_seq_len, P)
 print("shape:", tuple(table.shape), "dtype:", table.dtype)
-print("rows   =", max_running_req, "+ 1 (dummy)")
-print("columns = div_ceil(14, 4) * 4 =", div_ceil(max_seq_len, P) * P)
+print("rows    =", max_running_req, "+ 1 (dummy)")
+print("columns = div_ceil(14, 4) * 4 =", div_ceil(max_seq_len, P) * P,
+      f"(mini-sglang: 14 rounded up to a multiple of 32 entries = {(max_seq_len + 31) // 32 * 32})")
 assert table.shape == (max_running_req + 1, 16) and (table == kvlab.UNMAPPED).all()
 
 # %% [markdown]
@@ -135,9 +176,13 @@ assert allocated.numel() == sum((last - first) * P for _, first, last in allocat
 # `page_table[rows, cols] = allocated`. One scatter instead of a Python loop of slice writes
 # means one kernel launch instead of one per request.
 #
-# The host tensors are **pinned** (page-locked) when a CUDA driver is present: only pinned memory
-# can be copied with `non_blocking=True`, so the copy overlaps with the host's next work
-# instead of stalling it. (Pinning needs CUDA; in the interpreter everything is on the CPU anyway.)
+# The host tensors are **pinned** (page-locked) when a CUDA driver is present. From pinned
+# memory, `tensor.to(device, non_blocking=True)` queues the copy and returns at once: the host
+# goes on with its next work while the copy runs. From ordinary (pageable) memory the same call
+# is accepted too, but it runs synchronously: CUDA first copies pageable data into a pinned
+# staging buffer of its own, and the call returns only when that is done. So `non_blocking=True`
+# pays off only together with pinning. (Pinning needs CUDA; in the interpreter everything is on
+# the CPU and these copies do nothing.)
 
 # %%
 def _write_page_table(page_table, allocated, allocation_info, page_size):
@@ -303,24 +348,37 @@ assert torch.equal(table, snapshot)
 # ## Your turn
 #
 # Write `my_write_page_table(page_table, allocated, allocation_info, page_size)`: it writes into
-# `page_table` in place (return nothing). Any correct method passes: a loop of slice writes, the
-# index-and-scatter of the host path, or your own. The checker compares the whole table with the
-# reference on edge cases (page size 1, entries with no new pages, the dummy row, requests that
-# already have pages) and random batches; on a mistake it names the request row, the logical
-# column and the page of the first wrong cell.
+# `page_table` in place and returns nothing. Any correct method passes. It does not have to build
+# per-token indices like the host path: one slice assignment per `allocation_info` entry is
+# enough, if you keep track of where each entry's slots start in `allocated`.
 #
-# The cell holds a working answer so that the notebook runs end to end; replace it with yours.
-# Hints: `kvlab.check.hint("write_page_table", 1)` (up to 4); a solution:
+# The checker compares the whole table with the reference on edge cases (page size 1, entries
+# with no new pages, the dummy row, requests that already have pages) and random batches; on a
+# mistake it names the request row, the logical column and the page of the first wrong cell.
+# Until you write the body it only says `not attempted yet`. Hints:
+# `kvlab.check.hint("write_page_table", 1)` (up to 4); a solution:
 # `kvlab.solutions.show("write_page_table")`.
 
 # %%
-def my_write_page_table(page_table, allocated, allocation_info, page_size):
-    # your code here
+def my_write_page_table(page_table: torch.Tensor, allocated: torch.Tensor,
+                        allocation_info: list[tuple[int, int, int]], page_size: int) -> None:
+    """Write ``allocated`` into ``page_table`` in place.
+
+    Entry ``(table_idx, first_page, last_page)`` of ``allocation_info`` takes the next
+    ``(last_page - first_page) * page_size`` slots of ``allocated`` and puts them at
+    ``page_table[table_idx, first_page * page_size : last_page * page_size]``.
+    """
+    ### BEGIN SOLUTION
     offset = 0
     for table_idx, first_page, last_page in allocation_info:
         length = (last_page - first_page) * page_size
         page_table[table_idx, first_page * page_size: last_page * page_size] = allocated[offset: offset + length]
         offset += length
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: write_page_table
+    raise NotImplementedError("one slice write per allocation_info entry")
+    ### END STARTER
 
 
 kvlab.check.write_page_table(my_write_page_table);
@@ -330,8 +388,34 @@ kvlab.check.hint("write_page_table", 1);
 # kvlab.solutions.show("write_page_table")   # uncomment to read a reference solution
 
 # %% [markdown]
-# The checker catches the classic slip, forgetting to advance through `allocated` (every request
-# gets the first request's slots):
+# ## Lift
+#
+# The finished functions are `kvlab.write_page_table` (host indices + one scatter) and
+# `kvlab.write_page_table_triton` (kernel: `kvlab.kernels.write_page_table_kernel`); both validate
+# their input first. The cache manager of chapter 06 uses the Triton one. Compare them with this
+# notebook's versions on random batches: the host path, the Triton path, and yours once it has
+# passed the checker (until then the package's stands in, and the cell says so).
+
+# %%
+my_version = kvlab.check.choose("write_page_table", my_write_page_table, kvlab.write_page_table)
+rng = random.Random(1)
+for _ in range(kvlab.runtime.pick(cpu=15, gpu=200)):
+    page_size = rng.choice([1, 2, 4, 16, 64])
+    start_table, allocated_r, info = random_batch(rng, page_size, rng.randint(1, 6), rng.randint(1, 4))
+    mine, mine_host, mine_tri = start_table.clone(), start_table.clone(), start_table.clone()
+    lib_host, lib_tri = start_table.clone(), start_table.clone()
+    my_version(mine, allocated_r, info, page_size)
+    _write_page_table(mine_host, allocated_r, info, page_size)
+    write_page_table_triton_nb(mine_tri, allocated_r, info, page_size)
+    kvlab.write_page_table(lib_host, allocated_r, info, page_size)
+    kvlab.write_page_table_triton(lib_tri, allocated_r, info, page_size)
+    assert torch.equal(mine, lib_host) and torch.equal(mine_host, lib_host)
+    assert torch.equal(mine_tri, lib_tri) and torch.equal(lib_host, lib_tri)
+print("yours == notebook's == kvlab.write_page_table == kvlab.write_page_table_triton")
+
+# %% [markdown]
+# What does the checker say about a wrong answer? The classic slip is to forget to advance
+# through `allocated`, so that every request gets the first request's slots:
 
 # %%
 def no_offset(page_table, allocated, allocation_info, page_size):
@@ -345,28 +429,6 @@ try:
     raise AssertionError("the checker should have caught this")
 except kvlab.check.CheckFailed as err:
     print(err)
-
-# %% [markdown]
-# ## Lift
-#
-# The finished functions are `kvlab.write_page_table` (host indices + one scatter) and
-# `kvlab.write_page_table_triton` (kernel: `kvlab.kernels.write_page_table_kernel`); both validate
-# their input first. The cache manager of chapter 06 uses the Triton one. Compare with this
-# notebook's versions on random batches:
-
-# %%
-rng = random.Random(1)
-for _ in range(kvlab.runtime.pick(cpu=15, gpu=200)):
-    page_size = rng.choice([1, 2, 4, 16, 64])
-    start_table, allocated_r, info = random_batch(rng, page_size, rng.randint(1, 6), rng.randint(1, 4))
-    mine_host, mine_tri = start_table.clone(), start_table.clone()
-    lib_host, lib_tri = start_table.clone(), start_table.clone()
-    _write_page_table(mine_host, allocated_r, info, page_size)
-    write_page_table_triton_nb(mine_tri, allocated_r, info, page_size)
-    kvlab.write_page_table(lib_host, allocated_r, info, page_size)
-    kvlab.write_page_table_triton(lib_tri, allocated_r, info, page_size)
-    assert torch.equal(mine_host, lib_host) and torch.equal(mine_tri, lib_tri) and torch.equal(lib_host, lib_tri)
-print("notebook == kvlab.write_page_table == kvlab.write_page_table_triton")
 
 # %% [markdown]
 # The whole table at once, after many batches, to end with (one cell per page when it is wide):
@@ -396,14 +458,46 @@ assert all((big[r] != kvlab.UNMAPPED).sum().item() == lengths[r] for r in range(
 # %% [markdown]
 # ## Summary
 #
-# - The page table is `(max_running_req + 1) x aligned_max_seq_len`: a spare row for the
-#   CUDA-graph dummy request, columns rounded up to whole pages; kvlab fills it with `-1`.
+# - The page table is `(max_running_req + 1) x aligned_max_seq_len`. The spare row belongs to
+#   the dummy request that pads decode batches up to a size with a recorded CUDA graph
+#   (mini-sglang: `[1, 2, 4] + list(range(8, max_bs + 1, 8))`). mini-sglang points that row at
+#   a dummy page, rounds the width to 32 entries and zero-fills; kvlab leaves the row unmapped,
+#   rounds the width to whole pages and fills with `-1`.
 # - `allocate_paged` gives each request pages `[div_ceil(cached_len, P), div_ceil(device_len, P))`;
 #   one allocation for the batch, expanded to slots by `page_to_token`.
-# - The host path builds row and column indices per token in pinned memory, copies them
-#   non-blocking and writes with one scatter. The Triton path needs only four numbers per request
-#   and one launch; both write identical tables.
+# - The host path builds row and column indices per token in pinned memory, copies them with
+#   `non_blocking=True` (asynchronous only because they are pinned) and writes with one
+#   scatter. The Triton path needs only four numbers per request and one launch; both write
+#   identical tables.
 # - Validation runs before any write and leaves the table untouched on bad input.
 #
 # Next: chapter 03 hands out slots token by token instead of page by page, with SGLang's
 # three-part `alloc_extend_kernel`.
+#
+# ## Questions
+#
+# 1. With `page_size = 64`, find a `max_seq_len` for which mini-sglang's 32-entry rounding leaves
+#    no room for a request's last page. What would the scatter `page_table[rows, cols] = ...` do
+#    with such a request, and what does `kvlab.write_page_table` do?
+# 2. A batch of 64 prefills of 2000 tokens each, `page_size = 16`. How many bytes of indices does
+#    the host path copy to the GPU, and how many does the Triton path? Where else does the host
+#    path spend time per token?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# 1. The width is `ceil(max_seq_len / 32) * 32`; a request of `max_seq_len` tokens writes columns
+#    up to `ceil(max_seq_len / 64) * 64`. They differ when `max_seq_len` lies in the first half
+#    of a 64-block: `max_seq_len = 130` gives 160 columns, but a 130-token request's last page
+#    covers columns 128..191. The scatter's column index then runs past the row: PyTorch raises
+#    an `IndexError` on the CPU and a device-side assertion on a GPU (after the batch has been
+#    allocated). `kvlab.write_page_table` checks `last_page * page_size <= columns` for every
+#    entry before writing anything and names the entry; and kvlab's width, rounded to whole
+#    pages, never has this gap. In practice `max_seq_len` is a model's context length, usually a
+#    multiple of 64, so mini-sglang's two roundings coincide there.
+# 2. The host path copies two `int64` indices per token: 64 × 2000 × 2 × 8 bytes = 2,048,000
+#    bytes (about 2 MB), and before that fills both tensors on the host, token by token (in
+#    mini-sglang with `fill_` and `torch.arange(out=...)` per request, 256,000 entries). The
+#    Triton path copies four `int64` numbers per request: 64 × 4 × 8 = 2048 bytes, a thousand
+#    times less, and the GPU expands them. The allocated slots themselves are already on the
+#    GPU in both.

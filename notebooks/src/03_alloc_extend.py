@@ -3,12 +3,15 @@
 #
 # **Goal.** Rebuild the heart of SGLang's `PagedTokenToKVPoolAllocator`: one Triton launch that
 # hands out a KV slot to *every* new token of *every* request in a batch. You will derive the
-# three parts of the kernel by hand on the source's worked example, reproduce them with the
-# kernel, validate it against a plain-Python reference, draw where the slots land, see what
-# goes wrong when pages run out (and how the allocator avoids it), and finally write the three
-# parts yourself.
+# three parts of the kernel by hand on the source's worked example, see how each program finds
+# its place with the masked sums of chapter 01's primer, run the kernel and validate it against a
+# plain-Python reference, write its slots into a page table, see what goes wrong when pages run
+# out (and how the allocator avoids it), compare the source's kernel with SGLang's today, and
+# finally write the three parts yourself.
 #
-# **The terms** (one value per request; the allocator works on whole batches):
+# **The terms.** Chapter 00 called a step that grows a request's KV from `pre` to `seq` tokens an
+# **extend**; a prefill is an extend from 0 (or from a prefix-cache hit, or from the previous
+# chunk of a long prompt). The allocator receives one value per request, for a whole batch:
 #
 # | name | meaning |
 # |---|---|
@@ -24,7 +27,6 @@
 # page, `last_loc` and `pre` must agree: `(last_loc + 1) % P == pre % P`.
 
 # %%
-import inspect
 import random
 
 import matplotlib.pyplot as plt
@@ -33,6 +35,7 @@ import triton
 import triton.language as tl
 
 import kvlab
+from kvlab.scenes.ch02_page_table import before_after_figure
 from kvlab.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, draw_pool,
                                             prefill_then_extend, small_example, worked_example)
 from kvlab.kernels import alloc_extend_kernel
@@ -47,9 +50,15 @@ print("device:", device)
 # ## The picture
 #
 # Three requests on pages of 4 slots. `r0` has 3 tokens cached and grows to 9; `r1` has exactly
-# one full page (4) and grows to 12; `r2` is new (0 → 2). Top: each request's token positions,
-# coloured by *how* the slot was found (numbers: the physical slot). Bottom: the same slots in
-# the pool (numbers: the token position stored there).
+# one full page (4) and grows to 12; `r2` is new (0 → 2). The two panels show the same slots
+# from two sides, so read their numbers differently:
+#
+# - **top, logical view**: a column is a *token position* of the request; the number in it is
+#   the *physical slot* that position got;
+# - **bottom, physical view**: a column is a *slot of the pool*; the number in it is the *token
+#   position* stored there.
+#
+# Colour says *how* the slot was found, in both:
 #
 # - **part 1** (orange) fills the rest of the request's last, partly used page: `last_loc + 1, ...`
 # - **part 2** (green) takes whole new pages;
@@ -71,8 +80,10 @@ print("out_indices:", pic.plan.out_indices)
 #
 # The source design's example has `P = 64` and two requests:
 #
-# - **A**: `pre = 70`, `seq = 190` (the 70th token sits at offset 6 of its page);
-# - **B**: `pre = 128`, `seq = 260` (a page-aligned prefix).
+# - **A**: `pre = 70`, `seq = 190`. Its 70 cached tokens are positions 0..69; the last of them,
+#   position 69, sits at offset `69 % 64 = 5` of its second page, so the first new token,
+#   position 70, goes to offset 6 (`70 % 64`): `last_loc + 1`.
+# - **B**: `pre = 128`, `seq = 260` (a page-aligned prefix: two full pages).
 #
 # With `ceil(pre/P)*P` = the end of the prefix's last page and `floor(seq/P)*P` = the start of
 # the request's last page after the extend:
@@ -114,7 +125,7 @@ print("4 new pages in all; out_indices = [A 58 | A 62 | B 128 | B 4] =", 58 + 62
 # requests before it) and **which free pages are its own** (the new pages of all requests before
 # it; pages are handed out from the front of `free_pages` in request order). There is no
 # communication between programs: each one loads the lengths of requests `0..pid`, with a mask,
-# and sums them itself:
+# and sums them itself. That is primer 4 of chapter 01 (`sum_upto_kernel`), twice:
 #
 # ```
 # load_offset = tl.arange(0, bs_upper)          # bs_upper = next_power_of_2(bs)
@@ -196,18 +207,42 @@ assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
 # %% [markdown]
 # ## The kernel
 #
-# `kvlab.kernels.alloc_extend_kernel` is that function as one Triton program. It mirrors the
-# source design line by line (with two fixes for compiled Triton: `other=0` on the masked loads,
-# `tl.minimum` instead of `min`). Read it with the three parts in mind:
-
-# %%
-print(inspect.getsource(alloc_extend_kernel.fn))
-
-# %% [markdown]
-# Two sizes are compile-time constants (`tl.constexpr`): `bs_upper = next_power_of_2(bs)` for
-# the masked sums, and `max_num_extend_tokens = next_power_of_2(extend_num_tokens)` for part 2,
-# which may span many pages. `tl.arange` needs a power of two, and each new value compiles a new
-# kernel on a GPU: another cost chapter 09 removes.
+# `kvlab.kernels.alloc_extend_kernel` is `one_program` as one Triton program, mirroring the source
+# design line by line. Its first half is the bookkeeping above, in Triton (every piece is from
+# chapter 01's primer: `tl.program_id`, a masked `tl.load` with `other=0`, `tl.sum`, and
+# `tl.arange` over a power of two):
+#
+# ```python
+# pid = tl.program_id(0)                               # this program serves request pid
+# offs_bs = tl.arange(0, bs_upper)                     # bs_upper = next_power_of_2(bs): a constexpr
+# seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)   # requests 0..pid
+# pre_lens = tl.load(pre_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)
+# seq_len = tl.load(seq_lens_ptr + pid)
+# pre_len = tl.load(pre_lens_ptr + pid)
+# sum_extend_lens = tl.sum(seq_lens - pre_lens)                # new tokens of requests 0..pid
+# output_start_loc = sum_extend_lens - (seq_len - pre_len)     # ... of requests 0..pid-1
+# num_new_pages = (seq_lens + page_size - 1) // page_size - (pre_lens + page_size - 1) // page_size
+# num_new_pages_self = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
+# sum_num_new_pages = tl.sum(num_new_pages)                    # new pages of requests 0..pid
+# new_page_start_loc = sum_num_new_pages - num_new_pages_self  # my first page's index in free_pages
+# ```
+#
+# (The source calls `offs_bs` `load_offset` and `num_new_pages_self` `num_page_start_loc_self`;
+# this chapter uses names that say what they hold.) Its second half is `one_program`'s three
+# loops, written as masked stores: that is **your exercise** at the end of this chapter, so the
+# chapter runs the package's kernel until then.
+#
+# Three sizes are compile-time constants (`tl.constexpr`), because each is a `tl.arange` length:
+# `bs_upper = next_power_of_2(bs)` for the masked sums, `page_size` for parts 1 and 3 (at most
+# one page each), and `max_num_extend_tokens = next_power_of_2(extend_num_tokens)` for part 2,
+# which may span many pages. On a GPU every new value of one of them compiles a new kernel:
+# a cost chapter 09 measures and removes.
+#
+# Two small departures from the source's text. The masked loads give `other=0`: Triton documents
+# a masked-off lane without `other` as undefined, and these lanes go into `tl.sum` (the source
+# leaves `other` out). And part 1's `min(seq_len, ...)` is written `tl.minimum(...)`: a style
+# choice, not a fix, since compiled Triton turns the built-in `min` into `tl.minimum` and the
+# interpreter runs it as Python's `min` (SGLang writes `min`).
 #
 # Launch it on the worked example, exactly as the allocator does:
 
@@ -238,7 +273,9 @@ print("the kernel reproduces [A 58 | A 62 | B 128 | B 4]")
 # The host needs two numbers back: how many pages to remove from `free_pages`, and how many
 # tokens were written. The last program has summed every request, so it packs both into one
 # 64-bit integer, pages in the high 32 bits, tokens in the low 32:
-# `(num_new_pages << 32) | extend_num_tokens`. One `.item()` reads it (one GPU → host sync).
+# `(num_new_pages << 32) | extend_num_tokens`. One `.item()` reads it: the host waits for the GPU
+# to finish the kernel and copy the number back (a *sync*). The store comes before part 1 in the
+# kernel, because parts 1 and 2 may `return` early.
 
 # %%
 pages, tokens = ret >> 32, ret & 0xFFFF_FFFF
@@ -292,10 +329,14 @@ assert all(v > 0 for v in seen.values())
 # `kvlab.PagedTokenAllocator` owns `free_pages` (every page id `0..num_pages-1` is usable) and
 # wraps the launch in five steps: (1) check the arguments, (2) count the new pages on the host,
 # (3) refuse with `OutOfPages` if there are too few, (4) launch, (5) drop the used pages from the
-# front of `free_pages`. Here it gives three requests their prefixes, then extends them:
+# front of `free_pages`. With `impl="teaching"` step 4 launches this chapter's kernel (the
+# default, `"fast"`, launches chapter 09's kernels, which hand out the same slots). Here it gives
+# three requests their prefixes, then extends them (its free list is shuffled first, as it would
+# be after a while of serving):
 
 # %%
-alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4)
+alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4, impl="teaching")
+alloc.free_pages = torch.tensor([5, 2, 9, 0, 7, 3, 10, 1, 8, 6, 4, 11], device=device)
 prefix = alloc.alloc_extend(torch.tensor([0, 0, 0], device=device), torch.tensor([3, 4, 0], device=device),
                             torch.tensor([-1, -1, -1], device=device), extend_num_tokens=7)
 print("prefix slots:", prefix.tolist(), "  free_pages:", alloc.free_pages.tolist())
@@ -306,23 +347,56 @@ print("extend slots:", out.tolist())
 print("free_pages:", alloc.free_pages.tolist(), f"  available_size() = {alloc.available_size()} tokens")
 
 # %% [markdown]
+# ### Into the page table
+#
+# `out_indices` is only useful once it is recorded: the server writes each request's run of it
+# into the request's row of the page table (chapter 02), at the columns of its new positions,
+# `pre .. seq - 1`. Before (only the prefixes mapped) and after this batch, with the cells the
+# batch wrote outlined; colour is the physical page:
+
+# %%
+pre_b, seq_b = [3, 4, 0], [9, 12, 2]
+table = kvlab.new_page_table(3, 12, 4)  # 3 request rows (+ the spare row), 12 positions
+at = 0
+for r, n in enumerate(pre_b):  # the prefixes, from the first alloc_extend
+    table[r, :n] = prefix[at:at + n]
+    at += n
+table_before = table.clone()
+at = 0
+for r, (pre_r, seq_r) in enumerate(zip(pre_b, seq_b)):  # request r's run of out_indices
+    table[r, pre_r:seq_r] = out[at:at + seq_r - pre_r]
+    at += seq_r - pre_r
+assert at == out.numel()
+fig = before_after_figure(table_before, table, 4,
+                          title="alloc_extend's out_indices written into the page table (page_size 4)")
+plt.show()
+for r, n in enumerate(seq_b):  # every position mapped; each logical page in one physical page
+    row = table[r, :n]
+    assert (row >= 0).all() and (row // 4 == row[(torch.arange(n) // 4) * 4] // 4).all()
+    assert (row % 4 == torch.arange(n) % 4).all()  # position t sits at offset t % P
+print("each row maps exactly its seq_len positions; position t sits at offset t % 4 of its page")
+
+# %% [markdown]
 # ## Where the slots land
 #
-# The worked example, coloured by part: top, each request's positions; bottom, the pool.
-# Page boundaries are the vertical lines. Part 1 continues the old page, part 2 and 3 start
-# new pages at offset 0, anywhere in the pool.
+# The worked example, coloured by part, in the same two views as the first picture (top:
+# column = token position; bottom: column = slot in the pool; no numbers, the pages are 64 wide).
+# Page boundaries are the vertical lines. Part 1 continues the old page, parts 2 and 3 start new
+# pages at offset 0, anywhere in the pool.
 
 # %%
 pic = worked_example()
 fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 4.4))
-draw_logical(pic, top, names=["A: 70 -> 190", "B: 128 -> 260"])
-draw_pool(pic, 10, bottom, names=["A", "B"])
+draw_logical(pic, top, names=["A: 70 -> 190", "B: 128 -> 260"],
+             title="logical view: row = request, column = token position (page_size 64)")
+draw_pool(pic, 10, bottom, names=["A", "B"],
+          title="physical view: row = request, column = slot in the KV pool (10 pages)")
 bottom.get_legend().remove()
 fig.tight_layout()
 plt.show()
 
 # %% [markdown]
-# And a random batch on pages of 16 (seeded), drawn the same way:
+# And a random batch on pages of 16 (seeded), in the logical view (column = token position):
 
 # %%
 rng = random.Random(3)
@@ -332,7 +406,8 @@ free_r = list(range(24))
 rng.shuffle(free_r)
 pic_r = prefill_then_extend(pre_r, seq_r, 16, free_r)
 fig, ax = plt.subplots(figsize=(11, 2.8))
-draw_logical(pic_r, ax, names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)])
+draw_logical(pic_r, ax, names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)],
+             title="logical view: row = request (pre -> seq), column = token position (page_size 16)")
 plt.show()
 assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
     int(pic_r.table[r, p - 1]) if p else -1 for r, p in enumerate(pre_r)], pic_r.free_before, 16).out_indices
@@ -341,7 +416,8 @@ assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
 # ## When pages run out
 #
 # In the source design the host launches the kernel **first**, reads `ret_values`, and only then
-# checks `num_new_pages > len(free_pages)` and returns `None`. By then every program has already
+# checks `num_new_pages > len(free_pages)` and returns `None` (SGLang still launches first
+# today: see the box below). By then every program has already
 # loaded its page ids from `free_pages`, and a program whose pages lie past the end of the
 # tensor has read memory that is not `free_pages` at all. On a GPU that is undefined behaviour
 # (garbage slots, or an illegal-address error); in the Triton interpreter, a raw out-of-bounds
@@ -384,7 +460,8 @@ assert bogus and all(x // 4 == SENTINEL for x in bogus)
 
 # %%
 alloc = kvlab.PagedTokenAllocator(num_pages=11, page_size=4)
-alloc.free_pages = torch.tensor([2, 5, 7, 3, 10, 1, 8], device=device)  # 7 of the 11 pages are free  # pages 2 and 5 go to the prefixes
+alloc.free_pages = torch.tensor([2, 5, 7, 3, 10, 1, 8], device=device)  # 7 of the 11 pages free
+# the prefixes take pages 2 and 5, so 5 pages stay free for the extend
 alloc.alloc_extend(torch.tensor([0, 0], device=device), torch.tensor([3, 4], device=device),
                    torch.tensor([-1, -1], device=device), 7)
 before = alloc.state()
@@ -406,113 +483,130 @@ except kvlab.InvalidArgument as err:
 assert alloc.state().equals(before)
 
 # %% [markdown]
+# ## Box: the source's kernel and SGLang's today
+#
+# This chapter's kernel is SGLang's `alloc_extend_kernel` as the source design (the study notes
+# this course is built from) wrote it. SGLang has changed it since. In its
+# `python/sglang/srt/mem_cache/allocator.py` (main branch, at the time of writing):
+#
+# | | the source design (this chapter) | SGLang today |
+# |---|---|---|
+# | part 2 | one `tl.arange(0, max_num_extend_tokens)`, a constexpr `next_power_of_2(extend_num_tokens)`: a compilation per power of two, and every program touches that many lanes | a loop with a runtime trip count over blocks of 4096 lanes (`BLOCK_EXTEND`): one compilation serves every extend length, and a request with no whole pages does no iterations |
+# | `max_num_extend_tokens` | a kernel argument | gone |
+# | the page count | the last program packs `(pages << 32) \| tokens` into `ret_values`; the host reads it with `.item()` (a GPU → host sync) | `ret_values` is gone: the host computes the count from CPU copies of the lengths (`get_num_new_pages(seq_lens=seq_lens_cpu, prefix_lens=prefix_lens_cpu, ...)`), no sync |
+# | `bs_upper` | `tl.constexpr`, `next_power_of_2(bs)` | the same: a compilation per power of two of the batch size |
+# | the masked sums | every program re-sums all requests before it: O(bs²) in all | the same |
+# | out of pages | launch, then check, return `None` | the same order: the kernel runs (and reads `free_pages`) before `num_new_pages > len(free_pages)` is checked |
+# | masked loads, `min` | no `other=`, built-in `min` | the same |
+#
+# So two of the source's hazards are gone upstream (the recompile per extend length and the
+# sync) and three remain. `kvlab.PagedTokenAllocator` counts pages on the host *before* the
+# launch; chapter 09 removes the rest (one prefix sum instead of O(bs²), no constexpr batch size)
+# and measures the difference on a GPU.
+
+# %% [markdown]
 # ## Your turn: the three parts
 #
-# Below is the kernel with its bookkeeping done (lengths, the masked sums, `ret_values`). Write
-# the three parts. Each part has its own checker, so you can do them one at a time:
+# Below is the kernel with its bookkeeping given: the masked sums of the skeleton above, plus
+# `pre_page_end = ceil(pre/P)*P`, `seq_page_start = floor(seq/P)*P` and
+# `offs_page = tl.arange(0, page_size)`. Write the three parts, translating `one_program`'s
+# loops into masked stores (the checks `if ... return` between them are given). Each part has its
+# own checker, so you can do them one at a time:
 #
-# - `kvlab.check.alloc_extend_part1(kernel)`: the rest of the old page;
-# - `kvlab.check.alloc_extend_part2(kernel)`: whole new pages;
-# - `kvlab.check.alloc_extend_part3(kernel)`: the new last page (and `ret_values`).
+# - `kvlab.check.alloc_extend_part1(kernel)`: the rest of the old page, `last_loc + 1, ...`;
+# - `kvlab.check.alloc_extend_part2(kernel)`: whole new pages, `free_pages[new_page_start_loc + k // P] * P + k % P`;
+# - `kvlab.check.alloc_extend_part3(kernel)`: the new last page from offset 0, **and** `ret_values`
+#   (it is written near the top: the starter marks both places with `alloc_extend_part3`).
 #
 # A checker compares only its own part's slots with the reference (a slot you have not written
 # yet shows as `-1`) and on a mistake names the case, the request and the part, the first wrong
-# slot, expected vs got. The cell holds a working answer so that the notebook runs end to end;
-# delete the three parts and write your own. Hints: `kvlab.check.hint("alloc_extend_part2", 1)`
-# (then 2, 3, 4); the reference solution: `kvlab.solutions.show("alloc_extend_part1")`.
+# slot, expected vs got. Until a part is written its checker says `not attempted yet`. Hints:
+# `kvlab.check.hint("alloc_extend_part1", 1)` (then 2, 3, 4; the same for parts 2 and 3); each
+# part's reference: `kvlab.solutions.show("alloc_extend_part1")` shows part 1 only.
 
 # %%
 @triton.jit
 def my_alloc_extend_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
                            ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,
                            max_num_extend_tokens: tl.constexpr):
+    """One program per request: write its new slots into out_indices, in three parts."""
     pid = tl.program_id(0)
     # --- given: where my slots start, and which free pages are mine ---
-    offs = tl.arange(0, bs_upper)
-    seq_lens = tl.load(seq_lens_ptr + offs, mask=offs <= pid, other=0)
-    pre_lens = tl.load(pre_lens_ptr + offs, mask=offs <= pid, other=0)
+    offs_bs = tl.arange(0, bs_upper)
+    seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)
+    pre_lens = tl.load(pre_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)
     seq_len = tl.load(seq_lens_ptr + pid)
     pre_len = tl.load(pre_lens_ptr + pid)
-    sum_extend = tl.sum(seq_lens - pre_lens)
-    output_start_loc = sum_extend - (seq_len - pre_len)
-    new_pages_each = (seq_lens + page_size - 1) // page_size - (pre_lens + page_size - 1) // page_size
-    my_new_pages = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
-    sum_new_pages = tl.sum(new_pages_each)
-    new_page_start_loc = sum_new_pages - my_new_pages
-    if pid == tl.num_programs(0) - 1:
-        tl.store(ret_values, (sum_new_pages.to(tl.int64) << 32) | sum_extend.to(tl.int64))
+    sum_extend_lens = tl.sum(seq_lens - pre_lens)
+    output_start_loc = sum_extend_lens - (seq_len - pre_len)
+    num_new_pages = (seq_lens + page_size - 1) // page_size - (pre_lens + page_size - 1) // page_size
+    num_new_pages_self = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
+    sum_num_new_pages = tl.sum(num_new_pages)
+    new_page_start_loc = sum_num_new_pages - num_new_pages_self
     pre_page_end = (pre_len + page_size - 1) // page_size * page_size  # ceil(pre/P)*P
     seq_page_start = seq_len // page_size * page_size                   # floor(seq/P)*P
-    one_page = tl.arange(0, page_size)
+    offs_page = tl.arange(0, page_size)
 
-    # --- your code: part 1, the rest of the old page ---
+    # --- part 3, first place: the last program stores the batch's totals in ret_values,
+    #     (new pages << 32) | new tokens, here, because parts 1 and 2 may return early ---
+    ### BEGIN SOLUTION
+    if pid == tl.num_programs(0) - 1:
+        tl.store(ret_values, (sum_num_new_pages.to(tl.int64) << 32) | sum_extend_lens.to(tl.int64))
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: alloc_extend_part3 (ret_values)
+    ### END STARTER
+
+    # --- part 1: the rest of my old page, right after last_loc ---
+    ### BEGIN SOLUTION
     last_loc = tl.load(last_loc_ptr + pid)
     num_part1 = tl.minimum(seq_len, pre_page_end) - pre_len
-    tl.store(out_indices + output_start_loc + one_page, last_loc + 1 + one_page,
-             mask=one_page < num_part1)
-    if pre_len + num_part1 == seq_len:
+    tl.store(out_indices + output_start_loc + offs_page, last_loc + 1 + offs_page,
+             mask=offs_page < num_part1)
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: alloc_extend_part1
+    num_part1 = 0  # replace: how many of my new tokens fit in my old page? Then store their slots.
+    ### END STARTER
+    if pre_len + num_part1 == seq_len:  # everything fitted in the old page
         return
 
-    # --- your code: part 2, whole new pages ---
+    # --- part 2: whole new pages ---
+    ### BEGIN SOLUTION
     num_part2 = seq_page_start - pre_page_end
     k = tl.arange(0, max_num_extend_tokens)
     page = tl.load(free_page_ptr + new_page_start_loc + k // page_size, mask=k < num_part2, other=0)
     tl.store(out_indices + output_start_loc + num_part1 + k, page * page_size + k % page_size,
              mask=k < num_part2)
-    if pre_len + num_part1 + num_part2 == seq_len:
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: alloc_extend_part2
+    num_part2 = 0  # replace: how many of my new tokens fill whole new pages? Then store their slots.
+    ### END STARTER
+    if pre_len + num_part1 + num_part2 == seq_len:  # ended on a page boundary
         return
 
-    # --- your code: part 3, the new last page ---
+    # --- part 3: my last new page, from offset 0 ---
+    ### BEGIN SOLUTION
     num_part3 = seq_len - seq_page_start
-    last_page = tl.load(free_page_ptr + new_page_start_loc + my_new_pages - 1)
-    tl.store(out_indices + output_start_loc + num_part1 + num_part2 + one_page,
-             last_page * page_size + one_page, mask=one_page < num_part3)
+    last_page = tl.load(free_page_ptr + new_page_start_loc + num_new_pages_self - 1)
+    tl.store(out_indices + output_start_loc + num_part1 + num_part2 + offs_page,
+             last_page * page_size + offs_page, mask=offs_page < num_part3)
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: alloc_extend_part3
+    pass
+    ### END STARTER
 
 
 n_random = kvlab.runtime.pick(cpu=2, gpu=20)
 kvlab.check.alloc_extend_part1(my_alloc_extend_kernel, n_random=n_random)
 kvlab.check.alloc_extend_part2(my_alloc_extend_kernel, n_random=n_random)
-kvlab.check.alloc_extend_part3(my_alloc_extend_kernel, n_random=n_random)
+kvlab.check.alloc_extend_part3(my_alloc_extend_kernel, n_random=n_random);
 
 # %%
-_ = kvlab.check.hint("alloc_extend_part2", 1)
-# kvlab.solutions.show("alloc_extend_part1")   # uncomment to read the reference kernel
-
-# %% [markdown]
-# What does a mistake look like? This version forgets that part 3 lives on the request's
-# **last** new page and uses its first one instead. For B in the worked example that page is
-# already part 2's, so B's last 4 slots collide with its first 4:
-
-# %%
-@triton.jit
-def wrong_part3_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
-                       ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,
-                       max_num_extend_tokens: tl.constexpr):
-    pid = tl.program_id(0)
-    offs = tl.arange(0, bs_upper)
-    seq_lens = tl.load(seq_lens_ptr + offs, mask=offs <= pid, other=0)
-    pre_lens = tl.load(pre_lens_ptr + offs, mask=offs <= pid, other=0)
-    seq_len = tl.load(seq_lens_ptr + pid)
-    pre_len = tl.load(pre_lens_ptr + pid)
-    output_start_loc = tl.sum(seq_lens - pre_lens) - (seq_len - pre_len)
-    my_new_pages = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
-    new_page_start_loc = tl.sum((seq_lens + page_size - 1) // page_size
-                                - (pre_lens + page_size - 1) // page_size) - my_new_pages
-    one_page = tl.arange(0, page_size)
-    num_done = seq_len // page_size * page_size - pre_len  # parts 1 and 2 together
-    num_part3 = seq_len - seq_len // page_size * page_size
-    if num_part3 > 0:
-        page = tl.load(free_page_ptr + new_page_start_loc)  # BUG: should be + my_new_pages - 1
-        tl.store(out_indices + output_start_loc + num_done + one_page, page * page_size + one_page,
-                 mask=one_page < num_part3)
-
-
-try:
-    kvlab.check.alloc_extend_part3(wrong_part3_kernel, n_random=0)
-    raise AssertionError("the checker should have caught this")
-except kvlab.check.CheckFailed as err:
-    print(err)
-    assert "request 1, part 3" in str(err)
+_ = kvlab.check.hint("alloc_extend_part1", 1)
+# kvlab.solutions.show("alloc_extend_part1")   # uncomment to read part 1 of the reference kernel
 
 # %% [markdown]
 # ## Lift
@@ -520,15 +614,22 @@ except kvlab.check.CheckFailed as err:
 # The kernel lives in `kvlab.kernels.alloc_extend_kernel`, the allocator in
 # `kvlab.PagedTokenAllocator.alloc_extend`. This notebook's pieces must agree with them: your
 # kernel against the package's, and a host function built the notebook's way (count pages first,
-# then launch your kernel, then slice) against the allocator, on random batches.
+# then launch the kernel, then slice) against the allocator, on random batches. Your kernel is
+# used once all three parts have passed their checkers; until then the package's stands in, and
+# the cell says so.
 
 # %%
+parts = ["alloc_extend_part1", "alloc_extend_part2", "alloc_extend_part3"]
+chosen = [kvlab.check.choose(part, my_alloc_extend_kernel, alloc_extend_kernel) for part in parts]
+extend_kernel = my_alloc_extend_kernel if all(c is my_alloc_extend_kernel for c in chosen) else alloc_extend_kernel
+
+
 def my_alloc_extend(free_pages, pre, seq, last, P):
     """The notebook's allocator step: check pages on the host, launch, slice. Returns (out, free)."""
     needed = pages_needed_extend(pre, seq, P)
     if needed > len(free_pages):
         raise kvlab.OutOfPages(needed, len(free_pages), "extend")
-    out, _ = launch_extend(my_alloc_extend_kernel, pre, seq, last, free_pages, P)
+    out, _ = launch_extend(extend_kernel, pre, seq, last, free_pages, P)
     return out, free_pages[needed:]
 
 
@@ -536,7 +637,7 @@ rng = random.Random(7)
 for trial in range(kvlab.runtime.pick(cpu=4, gpu=100)):
     P = rng.choice([1, 4, 16, 64])
     pre, seq, last, free = random_batch(rng, P, rng.randint(1, 5))
-    got_kernel, _ = launch_extend(my_alloc_extend_kernel, pre, seq, last, free, P)
+    got_kernel, _ = launch_extend(extend_kernel, pre, seq, last, free, P)
     want_kernel, _ = launch_extend(alloc_extend_kernel, pre, seq, last, free, P)
     assert torch.equal(got_kernel, want_kernel)
 
@@ -549,15 +650,82 @@ for trial in range(kvlab.runtime.pick(cpu=4, gpu=100)):
 print("notebook kernel == kvlab.kernels.alloc_extend_kernel; notebook allocator step == PagedTokenAllocator")
 
 # %% [markdown]
+# What does a mistake look like? This version forgets that part 3 lives on the request's
+# **last** new page and uses its first one instead. For B in the worked example that page is
+# already part 2's, so B's last 4 slots collide with its first 4:
+
+# %%
+@triton.jit
+def wrong_part3_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
+                       ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,
+                       max_num_extend_tokens: tl.constexpr):
+    pid = tl.program_id(0)
+    offs_bs = tl.arange(0, bs_upper)
+    seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)
+    pre_lens = tl.load(pre_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)
+    seq_len = tl.load(seq_lens_ptr + pid)
+    pre_len = tl.load(pre_lens_ptr + pid)
+    output_start_loc = tl.sum(seq_lens - pre_lens) - (seq_len - pre_len)
+    num_new_pages_self = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
+    new_page_start_loc = tl.sum((seq_lens + page_size - 1) // page_size
+                                - (pre_lens + page_size - 1) // page_size) - num_new_pages_self
+    offs_page = tl.arange(0, page_size)
+    num_done = seq_len // page_size * page_size - pre_len  # parts 1 and 2 together
+    num_part3 = seq_len - seq_len // page_size * page_size
+    if num_part3 > 0:
+        page = tl.load(free_page_ptr + new_page_start_loc)  # BUG: should be + num_new_pages_self - 1
+        tl.store(out_indices + output_start_loc + num_done + offs_page, page * page_size + offs_page,
+                 mask=offs_page < num_part3)
+
+
+try:
+    kvlab.check.alloc_extend_part3(wrong_part3_kernel, n_random=0)
+    raise AssertionError("the checker should have caught this")
+except kvlab.check.CheckFailed as err:
+    print(err)
+    assert "request 1, part 3" in str(err)
+
+# %% [markdown]
 # ## Summary
 #
 # - One program per request; each finds its output offset and its first new page by summing the
-#   lengths of the requests before it (a masked `tl.sum`: O(bs) per program).
+#   lengths of the requests before it (a masked `tl.sum` with `other=0`: O(bs) per program,
+#   O(bs²) for the batch).
 # - Three parts: **1** `last_loc + 1 ...` to the end of the old page; **2** whole new pages,
 #   `free_pages[start + k // P] * P + k % P`; **3** the last new page from offset 0. Every new
 #   page is entered at offset 0, so a token at position `t` sits at offset `t % P`.
-# - The last program packs `(pages << 32) | tokens` into `ret_values`; the host unpacks it.
+# - The last program packs `(pages << 32) | tokens` into `ret_values`; the host unpacks it (one
+#   sync). SGLang today computes the count on the host instead and loops over part 2 in blocks.
 # - The kernel cannot know how long `free_pages` is: count the pages **before** the launch and
 #   refuse with `OutOfPages`. Then nothing is read out of bounds and nothing changes on failure.
+# - `out_indices` becomes useful in the page table: request `r`'s run goes to its row, columns
+#   `pre .. seq - 1`.
 #
 # Next: chapter 04 grows every request by one token per step, `alloc_decode`.
+#
+# ## Questions
+#
+# 1. SGLang today computes the page count on the host from `seq_lens_cpu` and `prefix_lens_cpu`,
+#    yet still checks it only after the launch. Move the check before the launch: what must the
+#    host know then, what does it cost, and what does it save?
+# 2. A batch of 64 requests: one prefill of 8000 new tokens and 63 requests extending by 3 tokens
+#    each. With the source's kernel, how many part-2 lanes does each program run, and how many
+#    do useful work? What changes with SGLang's 4096-lane block loop?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# 1. The host needs the batch's `prefix_lens` and `seq_lens`, and SGLang already keeps CPU
+#    copies of them (that is what `seq_lens_cpu` is): the count is `sum(ceil(seq/P) - ceil(pre/P))`,
+#    O(bs) integer work on the host, with no GPU sync, so moving it before the launch costs
+#    nothing extra. It saves the out-of-bounds read when pages are short: the kernel is simply
+#    not launched (this is `PagedTokenAllocator`'s order, steps 1-5 above), and the caller can
+#    evict or retry with `free_pages` untouched.
+# 2. `extend_num_tokens = 8000 + 63 * 3 = 8189`, so `max_num_extend_tokens = 8192`: every
+#    program that reaches part 2 builds an 8192-lane `tl.arange` for it, up to 64 × 8192 =
+#    524,288 lanes. Useful part-2 lanes: only the long prefill's whole pages (with `P = 64` and
+#    an empty prefix, `8000 // 64 * 64 = 7936`); a request extending by 3 tokens fills no whole
+#    page, so all 8192 of its lanes are masked off. With a 4096-lane block loop the trip count
+#    is `cdiv(num_part2, 4096)` per program: 2 iterations for the long request, 0 for the
+#    others, so 8192 lanes are touched instead of up to 524,288, and the kernel compiles once
+#    for every length.

@@ -2,10 +2,11 @@
 # # 04 · Decode, one token at a time: `alloc_decode`
 #
 # **Goal.** After the prefill (chapter 03's `alloc_extend`), a request grows by exactly one token
-# per step until it stops. Every step the server needs one new KV slot per running request, and
-# it asks for all of them in one launch: SGLang's `alloc_decode_kernel`. You will derive its one
-# rule, watch requests cross page boundaries step by step, validate the kernel against the
-# reference, and write it yourself.
+# per scheduler step until it stops: the **decode** steps of chapter 00. Every decode step the
+# server needs one new KV slot per running request, and it asks for all of them in one launch:
+# SGLang's `alloc_decode_kernel`. You will derive its one rule, watch requests cross page
+# boundaries step by step, validate the kernel against the reference, write a run of steps into
+# a page table, and write the kernel yourself.
 #
 # **Lengths after the token.** As in SGLang, `alloc_decode(seq_lens, last_loc)` takes the lengths
 # *after* this step's token: `seq = pre + 1`. The new token is token number `seq - 1` (counting
@@ -13,7 +14,6 @@
 # yet).
 
 # %%
-import inspect
 import random
 
 import matplotlib.pyplot as plt
@@ -25,6 +25,7 @@ import kvlab
 from kvlab.scenes.ch04_alloc_decode import decode_steps, draw_decode_steps, example_history
 from kvlab.kernels import alloc_decode_kernel
 from kvlab.reference.alloc import alloc_decode_ref
+from kvlab.viz import page_table_heatmap
 
 torch.manual_seed(0)
 device = kvlab.DEVICE
@@ -101,12 +102,10 @@ for pid in range(bs):
 # ## The kernel
 #
 # `kvlab.kernels.alloc_decode_kernel` mirrors the source design. It is chapter 03's kernel with
-# the three parts collapsed into one `if`: at most one slot per request, either `last_loc + 1` or
-# the first slot of a new page. The last program reports the number of new pages in
-# `ret_values`.
-
-# %%
-print(inspect.getsource(alloc_decode_kernel.fn))
+# the three parts collapsed into one `if`: one program per request, the masked sum above to find
+# `k`, then either `last_loc + 1` or the first slot of `free_pages[k]`; the last program reports
+# the number of new pages in `ret_values`. Writing it is **your exercise** at the end of the
+# chapter; until then the chapter runs the package's kernel. Here it is on the batch above:
 
 # %%
 def launch_decode(kernel, seq, last, free_pages, P):
@@ -165,7 +164,9 @@ print(f"kernel == reference on {n_trials} random batches ({crossings} page cross
 
 # %%
 P = 16
-alloc = kvlab.PagedTokenAllocator(num_pages=kvlab.runtime.pick(cpu=24, gpu=1024), page_size=P)
+num_pages = kvlab.runtime.pick(cpu=24, gpu=1024)
+alloc = kvlab.PagedTokenAllocator(num_pages=num_pages, page_size=P, impl="teaching")  # this chapter's kernel
+alloc.free_pages = torch.tensor(random.Random(2).sample(range(num_pages), num_pages), device=device)
 rng = random.Random(1)
 bs = kvlab.runtime.pick(cpu=4, gpu=32)
 prompt = [rng.randint(1, 40) for _ in range(bs)]
@@ -193,6 +194,30 @@ for step in range(n_steps):
         owned[r].append(x)
 print(f"{n_steps} decode steps for {bs} requests: allocator == reference at every step; "
       f"lengths now {[len(s) for s in owned]}, {alloc.num_free_pages} pages free")
+
+# %% [markdown]
+# ### Into the page table
+#
+# Each step's `out_indices[r]` goes to request `r`'s row of the page table, at column `seq - 1`.
+# After the prefill and all the decode steps above, the table looks like this; the cells the
+# decode steps wrote are outlined, colour is the physical page. Each row continues its prompt's
+# last page, then moves to a new page (a new colour) exactly at the page boundaries:
+
+# %%
+width = kvlab.div_ceil(max(len(s) for s in owned), P) * P
+table = kvlab.new_page_table(bs, width, P)
+decoded = torch.zeros(table.shape, dtype=torch.bool)
+for r, row_slots in enumerate(owned):
+    table[r, :len(row_slots)] = torch.tensor(row_slots, dtype=table.dtype, device=table.device)
+    decoded[r, prompt[r]:len(row_slots)] = True  # written by the decode steps
+ax = page_table_heatmap(table, P, highlight=decoded, rows=slice(0, bs),
+                        title=f"prefill then {n_steps} decode steps, page_size {P} "
+                              "(outlined: written by decode steps)")
+plt.show()
+for r, row_slots in enumerate(owned):  # position t at offset t % P; one physical page per logical page
+    row = torch.tensor(row_slots)
+    assert (row % P == torch.arange(len(row)) % P).all()
+    assert (row // P == row[(torch.arange(len(row)) // P) * P] // P).all()
 
 # %% [markdown]
 # ## A longer run, as a strip of steps
@@ -250,56 +275,109 @@ print("one request:", small.alloc_decode(torch.tensor([5], device=device), torch
 # %% [markdown]
 # ## Your turn
 #
-# Write the decode kernel: one slot per request, `last_loc + 1` unless `(seq - 1) % page_size == 0`,
-# then the first slot of the request's page from `free_pages`; the last program stores the number
-# of new pages in `ret_values`. `kvlab.check.alloc_decode(kernel)` runs it on named edge cases
-# (page size 1, a request's very first token, several crossings at once) and random batches; on a
-# mistake it names the request and whether it should have taken a new page.
+# Write the decode kernel, one program per request (`grid = (bs,)`):
 #
-# The cell holds a working answer so that the notebook runs end to end; replace it with yours.
-# Hints: `kvlab.check.hint("alloc_decode", 1)` (up to 4); the reference:
+# - request `pid`'s new token is number `seq - 1`; if `(seq - 1) % page_size != 0` its slot is
+#   `last_loc + 1`;
+# - otherwise it starts a page and takes the first slot of **`free_pages[k]`, where `k` is the
+#   number of requests before it in the batch (`0 .. pid - 1`) that also start a page** (pages go
+#   out from the front of `free_pages` in request order, as in chapter 03); count them with a
+#   masked load and `tl.sum`, as in "Which free page is mine?" above;
+# - the last program (`pid == tl.num_programs(0) - 1`) stores the number of requests that took a
+#   new page in `ret_values`.
+#
+# `kvlab.check.alloc_decode(kernel)` runs it on named edge cases (page size 1, a request's very
+# first token, several crossings at once) and random batches; on a mistake it names the request
+# and whether it should have taken a new page. Until you write the body it says
+# `not attempted yet`. Hints: `kvlab.check.hint("alloc_decode", 1)` (up to 4); the reference:
 # `kvlab.solutions.show("alloc_decode")`.
 
 # %%
 @triton.jit
 def my_alloc_decode_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices, ret_values,
                            bs_upper: tl.constexpr, page_size: tl.constexpr):
+    """One program per request: out_indices[pid] = the slot of request pid's new token.
+
+    seq_lens are lengths after the token; bs_upper = next_power_of_2(bs). The last program
+    stores the number of requests that took a new page in ret_values.
+    """
     pid = tl.program_id(0)
-    # your code here
-    offs = tl.arange(0, bs_upper)
-    seq_lens = tl.load(seq_lens_ptr + offs, mask=offs <= pid, other=0)
-    # a request before me (or me) crosses when its new token is the first of a page
-    crosses = ((seq_lens - 1) % page_size == 0) & (offs <= pid)
-    n_before_and_me = tl.sum(crosses.to(tl.int32))
+    ### BEGIN SOLUTION
+    offs_bs = tl.arange(0, bs_upper)
+    seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)
+    # a request before me (or me) starts a page when its new token is the first of one
+    starts_page = ((seq_lens - 1) % page_size == 0) & (offs_bs <= pid)
+    n_before_and_me = tl.sum(starts_page.to(tl.int32))
     seq_len = tl.load(seq_lens_ptr + pid)
     if pid == tl.num_programs(0) - 1:
         tl.store(ret_values, n_before_and_me.to(tl.int64))
     if (seq_len - 1) % page_size == 0:
-        page = tl.load(free_page_ptr + n_before_and_me - 1)
+        page = tl.load(free_page_ptr + n_before_and_me - 1)  # k = n_before_and_me - 1 before me
         tl.store(out_indices + pid, page * page_size)
     else:
         tl.store(out_indices + pid, tl.load(last_loc_ptr + pid) + 1)
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: alloc_decode
+    pass
+    ### END STARTER
 
 
-kvlab.check.alloc_decode(my_alloc_decode_kernel, n_random=kvlab.runtime.pick(cpu=3, gpu=20))
+kvlab.check.alloc_decode(my_alloc_decode_kernel, n_random=kvlab.runtime.pick(cpu=3, gpu=20));
 
 # %%
 _ = kvlab.check.hint("alloc_decode", 1)
 # kvlab.solutions.show("alloc_decode")   # uncomment to read the reference kernel
 
 # %% [markdown]
-# A classic slip: testing `seq % page_size == 0` (the token *after* this one would start a page)
-# instead of `(seq - 1) % page_size == 0`. The checker's edge cases catch it at once:
+# ## Lift
+#
+# The kernel is `kvlab.kernels.alloc_decode_kernel` and the allocator step
+# `kvlab.PagedTokenAllocator.alloc_decode`. Your kernel against the package's, and the notebook's
+# host step (count crossings, refuse if short, launch, slice) against the allocator, on random
+# batches. Your kernel is used once it has passed its checker; until then the package's stands
+# in, and the cell says so.
+
+# %%
+decode_kernel = kvlab.check.choose("alloc_decode", my_alloc_decode_kernel, alloc_decode_kernel)
+
+
+def my_alloc_decode(free_pages, seq, last, P):
+    """The notebook's decode step: check pages on the host, launch, slice. Returns (out, free)."""
+    needed = sum((s - 1) % P == 0 for s in seq)
+    if needed > len(free_pages):
+        raise kvlab.OutOfPages(needed, len(free_pages), "decode step")
+    out, _ = launch_decode(decode_kernel, seq, last, free_pages, P)
+    return out, free_pages[needed:]
+
+
+rng = random.Random(7)
+for trial in range(kvlab.runtime.pick(cpu=8, gpu=100)):
+    P = rng.choice([1, 4, 16, 64])
+    seq, last, free = random_decode_batch(rng, P, rng.randint(1, 8))
+    assert torch.equal(launch_decode(decode_kernel, seq, last, free, P)[0],
+                       launch_decode(alloc_decode_kernel, seq, last, free, P)[0])
+    alloc = kvlab.PagedTokenAllocator(max(free + [x // P for x in last]) + 1, P)
+    alloc.free_pages = torch.tensor(free, dtype=torch.int64, device=device)
+    mine, my_free = my_alloc_decode(free, seq, last, P)
+    theirs = alloc.alloc_decode(torch.tensor(seq, device=device), torch.tensor(last, device=device))
+    assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist()
+print("notebook kernel == kvlab.kernels.alloc_decode_kernel; notebook decode step == PagedTokenAllocator")
+
+# %% [markdown]
+# What does the checker say about a wrong kernel? A classic slip: testing `seq % page_size == 0`
+# (the token *after* this one would start a page) instead of `(seq - 1) % page_size == 0`. The
+# checker's edge cases catch it at once:
 
 # %%
 @triton.jit
 def off_by_one_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices, ret_values,
                       bs_upper: tl.constexpr, page_size: tl.constexpr):
     pid = tl.program_id(0)
-    offs = tl.arange(0, bs_upper)
-    seq_lens = tl.load(seq_lens_ptr + offs, mask=offs <= pid, other=1)
-    crosses = (seq_lens % page_size == 0) & (offs <= pid)   # BUG: should be (seq_lens - 1)
-    n = tl.sum(crosses.to(tl.int32))
+    offs_bs = tl.arange(0, bs_upper)
+    seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=1)
+    starts_page = (seq_lens % page_size == 0) & (offs_bs <= pid)   # BUG: should be (seq_lens - 1)
+    n = tl.sum(starts_page.to(tl.int32))
     seq_len = tl.load(seq_lens_ptr + pid)
     if pid == tl.num_programs(0) - 1:
         tl.store(ret_values, n.to(tl.int64))
@@ -317,45 +395,43 @@ except kvlab.check.CheckFailed as err:
     assert "request 0" in str(err)
 
 # %% [markdown]
-# ## Lift
-#
-# The kernel is `kvlab.kernels.alloc_decode_kernel` and the allocator step
-# `kvlab.PagedTokenAllocator.alloc_decode`. Your kernel against the package's, and the notebook's
-# host step (count crossings, refuse if short, launch, slice) against the allocator, on random
-# batches:
-
-# %%
-def my_alloc_decode(free_pages, seq, last, P):
-    """The notebook's decode step: check pages on the host, launch, slice. Returns (out, free)."""
-    needed = sum((s - 1) % P == 0 for s in seq)
-    if needed > len(free_pages):
-        raise kvlab.OutOfPages(needed, len(free_pages), "decode step")
-    out, _ = launch_decode(my_alloc_decode_kernel, seq, last, free_pages, P)
-    return out, free_pages[needed:]
-
-
-rng = random.Random(7)
-for trial in range(kvlab.runtime.pick(cpu=8, gpu=100)):
-    P = rng.choice([1, 4, 16, 64])
-    seq, last, free = random_decode_batch(rng, P, rng.randint(1, 8))
-    assert torch.equal(launch_decode(my_alloc_decode_kernel, seq, last, free, P)[0],
-                       launch_decode(alloc_decode_kernel, seq, last, free, P)[0])
-    alloc = kvlab.PagedTokenAllocator(max(free + [x // P for x in last]) + 1, P)
-    alloc.free_pages = torch.tensor(free, dtype=torch.int64, device=device)
-    mine, my_free = my_alloc_decode(free, seq, last, P)
-    theirs = alloc.alloc_decode(torch.tensor(seq, device=device), torch.tensor(last, device=device))
-    assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist()
-print("notebook kernel == kvlab.kernels.alloc_decode_kernel; notebook decode step == PagedTokenAllocator")
-
-# %% [markdown]
 # ## Summary
 #
 # - Decode lengths are lengths **after** the token: `seq = pre + 1`; the new token is number `seq - 1`.
 # - A request takes a new page exactly when `(seq - 1) % P == 0`, and enters it at offset 0;
 #   otherwise its slot is `last_loc + 1`.
-# - Crossing requests take pages from the front of `free_pages` in request order; each program
-#   counts the crossings before it with a masked sum, and the last one reports the total.
+# - Crossing requests take pages from the front of `free_pages` in request order: request `pid`
+#   takes `free_pages[k]`, `k` = the crossing requests before it, counted by each program with a
+#   masked sum; the last program reports the total.
+# - Each step's slot goes to the request's page-table row at column `seq - 1`.
 # - As for extend, the host counts the new pages before the launch and refuses with
 #   `OutOfPages`, so no kernel reads past `free_pages` and a refused step changes nothing.
+#   (SGLang today counts them on the host too, from `seq_lens_cpu`, but still after the launch;
+#   chapter 03's box.)
 #
 # Next: chapter 05 lets requests *share* pages through a radix prefix cache.
+#
+# ## Questions
+#
+# 1. All requests of a batch were prefilled with 64-token prompts on pages of 64 and decode in
+#    lockstep. How many pages does each decode step take? Could a step fail when the step before
+#    it succeeded with plenty of pages left, and what could a scheduler do about it?
+# 2. With `page_size = 1`, what does `alloc_decode` reduce to, and what does a decode step cost
+#    the allocator compared with `page_size = 64`?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# 1. Every request's first decoded token is token 64, the first of a new page, so the first
+#    decode step takes `bs` pages at once; the next 63 steps take none; then again `bs`. Demand
+#    comes in bursts, one page per request every 64 steps, all at the same step. So yes: a step
+#    can need `bs` pages while the 63 before it needed none, and fail even though the pool looked
+#    comfortable a step earlier. A scheduler can keep a reserve (admit a request only if pages
+#    for its whole expected output exist: mini-sglang reserves each request's output length
+#    when it admits it, chapter 07), evict cached prefixes (chapter 05), or preempt a request
+#    and recompute it later.
+# 2. Every token starts a page, so every request takes `free_pages[pid]` every step (`k = pid`):
+#    `alloc_decode` hands out the first `bs` free pages in order and `last_loc` is never used.
+#    The allocator then pops `bs` entries from `free_pages` every step, versus `bs / 64` on
+#    average with pages of 64, and the page table and the radix cache work with 64 times more
+#    entries; in exchange there is no waste in last pages.

@@ -22,7 +22,7 @@ import kvlab
 from kvlab import CacheManager, Req, RadixPrefixCache
 from kvlab.scenes.ch05_radix import radix_steps, shared_prefix_figure
 from kvlab.reference import PrefixStoreRef, page_aligned_len
-from kvlab.viz import draw_tree, draw_tree_steps, tree_snapshot
+from kvlab.viz import draw_tree, draw_tree_steps
 
 torch.manual_seed(0)
 random.seed(0)

@@ -21,9 +21,10 @@ import triton.language as tl
 
 import kvlab
 from kvlab import CacheManager, InvalidArgument, Req
-from kvlab.attention import (KVPool, PagedEngine, TinyConfig, TinyTransformer, causal_attention,
-                             check_paged_attention_inputs, generate_contiguous,
-                             paged_decode_attention, paged_decode_attention_reference)
+from kvlab.attention import causal_attention, check_paged_attention_inputs, paged_decode_attention
+from kvlab.engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous
+from kvlab.kvcache import KVPool
+from kvlab.reference import paged_decode_attention_reference
 from kvlab.scenes.ch08_attention import gather_figure, prefill_bars, shared_prompt_batches
 from kvlab.paging import new_page_table
 from kvlab.viz import page_table_heatmap

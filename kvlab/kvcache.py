@@ -1,0 +1,71 @@
+"""The KV pool: K and V of every layer, addressed by physical token slot (chapter 08).
+
+mini-sglang keeps the same piece in ``kvcache/``. The allocator hands out token slots, and slot
+``s`` of every layer belongs to the same token, so one slot number addresses a token's K and V
+in all layers::
+
+    k[layer]  [num_slots, heads, head_dim]       v[layer]: the same layout
+    ┌──────────────────────────────┐
+    │ slot 0                       │
+    │ ...                          │
+    │ slot 8..11  tokens 0..3      │  <- one page (P = 4) of a request's row
+    │ slot 20     token 4          │  <- a page the next allocation handed out
+    └──────────────────────────────┘
+"""
+from __future__ import annotations
+
+import torch
+
+from .args import check_int, check_int_vector
+from .errors import InvalidArgument
+from .runtime import default_device
+
+__all__ = ["KVPool"]
+
+
+class KVPool:
+    """K and V storage for every layer, addressed by physical token slot.
+
+    ``k[layer]`` and ``v[layer]`` are ``[num_slots, num_heads, head_dim]``. Slot ``s`` of
+    every layer belongs to the same token: the allocator hands out slots, not per-layer
+    addresses.
+    """
+
+    def __init__(self, num_slots: int, num_layers: int, num_heads: int, head_dim: int,
+                 *, dtype: torch.dtype = torch.float32, device=None):
+        self.num_slots = check_int("num_slots", num_slots, minimum=1)
+        self.num_layers = check_int("num_layers", num_layers, minimum=1)
+        self.num_heads = check_int("num_heads", num_heads, minimum=1)
+        self.head_dim = check_int("head_dim", head_dim, minimum=1)
+        self.device = default_device(device)
+        shape = (self.num_layers, self.num_slots, self.num_heads, self.head_dim)
+        # zeros, not empty: a slot that was never written reads as 0, never as garbage
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor, layer: int) -> None:
+        """Write ``k[i]``, ``v[i]`` (each ``[heads, head_dim]``) at slot ``out_loc[i]`` of ``layer``.
+
+        Every rule is checked first: a refused call writes nothing."""
+        layer = check_int("layer", layer)
+        if not 0 <= layer < self.num_layers:
+            raise InvalidArgument("layer", f"0 <= layer < num_layers={self.num_layers}",
+                                  f"got {layer}")
+        want = (self.num_heads, self.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 3 or tuple(t.shape[1:]) != want:
+                raise InvalidArgument(name, f"shape [n, {want[0]}, {want[1]}]",
+                                      f"got {list(getattr(t, 'shape', []))}")
+        out_loc = check_int_vector("out_loc", torch.as_tensor(out_loc).flatten())
+        if k.shape[0] != v.shape[0] or k.shape[0] != out_loc.numel():
+            raise InvalidArgument("out_loc", "one slot per row of k and v",
+                                  f"{out_loc.numel()} slots, k has {k.shape[0]}, v has {v.shape[0]}")
+        if out_loc.numel() == 0:
+            return
+        lo, hi = int(out_loc.min()), int(out_loc.max())
+        if lo < 0 or hi >= self.num_slots:
+            raise InvalidArgument("out_loc", f"0 <= slot < num_slots={self.num_slots}",
+                                  f"got min {lo}, max {hi}")
+        idx = out_loc.to(device=self.device, dtype=torch.int64)
+        self.k[layer].index_copy_(0, idx, k.to(device=self.device, dtype=self.k.dtype))
+        self.v[layer].index_copy_(0, idx, v.to(device=self.device, dtype=self.v.dtype))

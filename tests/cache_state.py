@@ -1,0 +1,52 @@
+"""Every piece of a cache manager's state, as plain data, for "a refused call changes nothing".
+
+Shared by the cache-manager tests and the state machine. It reads private fields on purpose:
+the point is to see *everything* a call could have changed, not only what the API shows.
+"""
+from __future__ import annotations
+
+
+def cache_state(cache, *, stamps: bool = True) -> dict:
+    """The radix tree node by node, its sizes, its clock and who holds which lock.
+
+    ``stamps=False`` leaves out the LRU stamps, the clock and node boundaries (a match splits a
+    node and stamps what it used, and that is all it changes): the tree is then compared page
+    by page, as ``(token path to the page's end, slots, ref_count)``.
+    """
+    locks = sorted((id(owner), node.uid, count) for (owner, node), count in getattr(cache, "_locks", {}).items())
+    if stamps:
+        nodes = [(n.uid, n.key, tuple(n.value.tolist()), n.ref_count, n.last_access,
+                  None if n.parent is cache.root else n.parent.uid) for n in cache.nodes()]
+        return dict(nodes=nodes, size=tuple(cache.size_info), clock=cache.clock, locks=locks)
+    pages = []
+    for node in cache.nodes():
+        path = [t for n in reversed(list(node.path_to_root())) for t in n.key]
+        start = len(path) - node.length
+        values = node.value.tolist()
+        for p in range(0, node.length, cache.page_size):
+            pages.append((tuple(path[: start + p + cache.page_size]),
+                          tuple(values[p: p + cache.page_size]), node.ref_count))
+    locked = sorted((id(owner), len([t for n in node.path_to_root() for t in n.key]), count)
+                    for (owner, node), count in getattr(cache, "_locks", {}).items())
+    return dict(pages=sorted(pages), size=tuple(cache.size_info), locks=locked)
+
+
+def req_state(req) -> tuple:
+    return (id(req), tuple(req.input_ids), req.table_idx, req.cached_len, req.device_len,
+            req.cache_handle, req.finished, req.prompt_len)
+
+
+def manager_state(cm, reqs=(), *, stamps: bool = True) -> dict:
+    """Free list (in order), page table, tree, running rows and the given requests' fields."""
+    return dict(
+        free=cm.free_slots.tolist(),
+        table=cm.page_table.tolist(),
+        cache=cache_state(cm.prefix_cache, stamps=stamps),
+        running=[(row, id(rec.req), rec.alloc_pages) for row, rec in sorted(cm._running.items())],
+        reqs=[req_state(r) for r in reqs],
+    )
+
+
+def assert_unchanged(before: dict, after: dict) -> None:
+    for key in before:
+        assert before[key] == after[key], f"{key} changed"
