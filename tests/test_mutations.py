@@ -82,6 +82,18 @@ def _reject(mutant: Mutant, tmp_dir) -> str:
     return msg
 
 
+# --- chapter 00: pages_needed -------------------------------------------------------------
+
+CH00 = [
+    Mutant("pages_needed", "div_ceil(n, page_size)", "n // page_size",
+           ("pages per request differs", "(request 0 (11 tokens))"), "floor instead of ceil"),
+    Mutant("pages_needed", "div_ceil(n, page_size)", "n // page_size + 1",
+           ("[page_size 1 (a page is one slot)]", "(request 0 (5 tokens))"),
+           "one page too many when the last page is exactly full"),
+    Mutant("pages_needed", "div_ceil(n, page_size)", "n / page_size",
+           ("every entry should be an int",), "true division: floats instead of page counts"),
+]
+
 # --- chapter 01: page_to_token ------------------------------------------------------------
 
 CH01 = [
@@ -394,7 +406,7 @@ CH07_09 = [
            ("page_start differs", "block 1"), "the page carry never grows"),
 ]
 
-MUTANTS = CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09
+MUTANTS = CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -409,7 +421,7 @@ def test_there_are_enough_mutants_on_every_exercise():
     assert all(m.must_say for m in MUTANTS)
 
 
-COURSE_EXERCISES = ["page_to_token", "write_page_table", "alloc_extend_part1", "alloc_extend_part2",
+COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_extend_part1", "alloc_extend_part2",
                     "alloc_extend_part3", "alloc_decode", "match_prefix", "match_req",
                     "insert_prefix", "cache_req_regions", "cache_req_remap", "decode_step",
                     "paged_attention", "extend_scan"]
