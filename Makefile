@@ -2,7 +2,7 @@
 #   make lab    set up .venv and open the course in JupyterLab
 #   make test   set up .venv, run the unit tests, execute every notebook (nbval), drive
 #               JupyterLab in headless Chromium (installs Debian's chromium if missing), then
-#               run the unit tests and chapters 03, 06, 08, 09 again with the oldest supported
+#               run the unit tests and chapters 03, 06, 08, 09, 10 again with the oldest supported
 #               Triton and the newest NumPy (.venv-oldest)
 # Others: make figures | make gpu-check | make bench | make test-ui | make test-oldest | make clean
 
@@ -16,7 +16,7 @@ PYTEST_WORKERS ?= 2
 # tested with whatever NumPy pip resolves for it today.
 TRITON_OLDEST ?= triton==3.6.0
 VENV_OLDEST   ?= .venv-oldest
-OLDEST_CHAPTERS ?= 03 06 08 09
+OLDEST_CHAPTERS ?= 03 06 08 09 10
 export PYTHONHASHSEED = 0
 # Tests run two pytest workers on small tensors: one BLAS/OpenMP thread each avoids oversubscription.
 export OMP_NUM_THREADS ?= 1

@@ -47,6 +47,7 @@ _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
     "kvcache", "attention", "engine", "bench", "paging", "token_allocator", "radix_cache",
     "cache_manager", "scenes", "runtime", "errors",
+    "hf",  # chapter 10 (needs the optional transformers: pip install 'kvlab[hf]')
 }
 
 __all__ = [

@@ -24,6 +24,7 @@ NEEDED = {
     "jupyter_client": "nbval's kernel", "ipykernel.kernelapp": "nbval's kernel",
     "IPython": "the kernel", "ipywidgets": "chapter 07's explorer",
     "matplotlib_inline.backend_inline": "inline figures",
+    "transformers": "chapter 10 and kvlab.hf", "jupytext": "the notebook build tests",
 }
 
 

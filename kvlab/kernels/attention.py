@@ -1,6 +1,7 @@
 """Paged decode attention in Triton: each request reads its K/V through its page-table row.
 
-Built in chapter 08 (capstone). One program per ``(request, head)``:
+Built in chapter 08 (capstone); chapter 10 adds grouped-query attention (GQA). One program
+per ``(request, query head)``:
 
     page_table row r = table_idx[b]      K pool (one layer)              V pool (same slots)
     ┌────┬────┬────┬────┬────┬──┐        slot 0  [h0|h1|...] head_dim    slot 0  [...]
@@ -13,8 +14,17 @@ The program walks the request's tokens ``[0, seq_len)`` in blocks of ``BLOCK_N``
 the row, loads those K and V rows, and keeps an online softmax (running max ``m``, running
 sum ``l``, running weighted sum ``acc``) so the scores never need to fit in memory at once.
 
-Every load is masked; the host (:func:`kvlab.attention.paged_decode_attention`) checks
-before launch that rows, lengths and every slot the kernel will read are in range.
+Grouped-query attention (Llama 3, SmolLM2, Qwen2): the pools hold fewer K/V heads than the
+query has heads, and ``KV_GROUP`` consecutive query heads read the same K/V head::
+
+    query heads   h0  h1 | h2  h3        KV_GROUP = 2: query head h reads K/V head h // 2
+    K/V heads       k0   |   k1
+
+``KV_GROUP = 1`` (the default) is ordinary multi-head attention: one K/V head per query head.
+
+Every load is masked; the host (:func:`kvlab.attention.paged_decode_attention`, and
+:func:`kvlab.hf.paged_decode_attention` for GQA) checks before launch that rows, lengths and
+every slot the kernel will read are in range.
 """
 from __future__ import annotations
 
@@ -25,8 +35,8 @@ import triton.language as tl
 @triton.jit
 def paged_decode_attention_kernel(
     q_ptr,            # [batch, heads, head_dim] float32: the one new query per request
-    k_pool_ptr,       # [num_slots, heads, head_dim]: this layer's K pool
-    v_pool_ptr,       # [num_slots, heads, head_dim]: this layer's V pool
+    k_pool_ptr,       # [num_slots, heads // KV_GROUP, head_dim]: this layer's K pool
+    v_pool_ptr,       # [num_slots, heads // KV_GROUP, head_dim]: this layer's V pool
     page_table_ptr,   # [rows, cols] int32: logical token position -> physical slot
     table_idx_ptr,    # [batch] int32/int64: which page-table row each request owns
     seq_lens_ptr,     # [batch] int32/int64: tokens of each request to attend to (>= 1)
@@ -39,9 +49,11 @@ def paged_decode_attention_kernel(
     head_dim,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    KV_GROUP: tl.constexpr = 1,   # query heads per K/V head (GQA); 1 = multi-head attention
 ):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.program_id(1)          # the query head
+    kv_h = h // KV_GROUP          # the K/V head it reads
     row = tl.load(table_idx_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
 
@@ -61,7 +73,7 @@ def paged_decode_attention_kernel(
         # the page-table row says where each token of this block lives in the pool
         slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0)
         slots = slots.to(tl.int64)
-        kv_offs = slots[:, None] * stride_kv_s + h * stride_kv_h + offs_d[None, :]
+        kv_offs = slots[:, None] * stride_kv_s + kv_h * stride_kv_h + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_pool_ptr + kv_offs, mask=kv_mask, other=0.0).to(tl.float32)
         scores = tl.sum(q[None, :] * k, 1) * scale

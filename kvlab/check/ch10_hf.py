@@ -1,0 +1,230 @@
+"""Chapter 10's exercise: ``kvlab.check.paged_attention_step(fn)``.
+
+The learner writes what every layer of a real model runs for the decoding requests of a
+step::
+
+    fn(q, k, v, k_pool, v_pool, page_table, rows, positions, scale) -> out
+
+Request ``b`` owns page-table row ``rows[b]``; its new token sits at position
+``positions[b]``. ``q`` is ``[batch, heads, head_dim]``, ``k``/``v`` are
+``[batch, kv_heads, head_dim]`` (grouped-query attention: ``heads`` is a multiple of
+``kv_heads``), the pools ``[num_slots, kv_heads, head_dim]``. ``fn`` writes ``k[b]``, ``v[b]``
+at slot ``page_table[rows[b], positions[b]]`` of the pools, then returns paged attention of
+``q[b]`` over positions ``[0, positions[b]]`` (``[batch, heads, head_dim]``).
+
+Checked against :func:`kvlab.hf.attention.paged_attention_reference`: first the pools
+(exactly the new tokens' slots changed, holding exactly their K/V), then the output
+(``atol=1e-4``). A failure names the request, the slot or head, and, when it recognises the
+mistake, says which one.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+
+from .core import Case, CheckFailed, call_learner, exercise, run_cases
+
+ATOL = 1e-4
+
+
+def paged_attention_step_solution(q, k, v, k_pool, v_pool, page_table, rows, positions, scale):
+    """Find each new token's slot through its row, store its K and V there, then attend."""
+    from ..hf.attention import paged_decode_attention
+
+    slots = page_table[rows, positions].long()        # request b's new token -> its slot
+    k_pool[slots] = k                                 # all of its K/V heads at once
+    v_pool[slots] = v
+    # the new token attends to itself too: positions 0..positions[b], seq_len positions[b] + 1
+    return paged_decode_attention(q, k_pool, v_pool, page_table, rows, positions + 1, scale)
+
+
+def step_layout(P: int, lens: list[int], seed: int, heads: int = 4, kv_heads: int = 2,
+                head_dim: int = 16):
+    """One decode step: request ``b`` has ``lens[b]`` tokens mapped in a shuffled row on
+    shuffled pages; its last one (position ``lens[b] - 1``) is the new token, whose slot
+    holds stale values until the step writes it. Returns the step's arguments (a dict)."""
+    rng = random.Random(seed)
+    per_req = [-(-n // P) for n in lens]
+    num_pages = sum(per_req) + 2
+    pages = list(range(num_pages))
+    rng.shuffle(pages)
+    row_of = list(range(len(lens) + 1))
+    rng.shuffle(row_of)
+    table = torch.full((len(lens) + 1, max(per_req) * P), -1, dtype=torch.int32)
+    taken = 0
+    for b, n in enumerate(lens):
+        mine = pages[taken:taken + per_req[b]]
+        taken += per_req[b]
+        table[row_of[b], :n] = torch.tensor([p * P + o for p in mine for o in range(P)][:n],
+                                            dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        q=torch.randn(len(lens), heads, head_dim, generator=g),
+        k=torch.randn(len(lens), kv_heads, head_dim, generator=g),
+        v=torch.randn(len(lens), kv_heads, head_dim, generator=g),
+        k_pool=torch.randn(num_pages * P, kv_heads, head_dim, generator=g),
+        v_pool=torch.randn(num_pages * P, kv_heads, head_dim, generator=g),
+        page_table=table, rows=torch.tensor(row_of[:len(lens)]),
+        positions=torch.tensor(lens) - 1, scale=1.0 / math.sqrt(head_dim))
+
+
+def expected_step(a: dict):
+    """The pools after the step and its output, by the reference."""
+    from ..hf.attention import paged_attention_reference
+
+    k_pool, v_pool = a["k_pool"].clone(), a["v_pool"].clone()
+    slots = a["page_table"][a["rows"], a["positions"]].long()
+    k_pool[slots], v_pool[slots] = a["k"], a["v"]
+    out = paged_attention_reference(a["q"], k_pool, v_pool, a["page_table"], a["rows"],
+                                    a["positions"] + 1, a["scale"])
+    return k_pool, v_pool, out
+
+
+def _cases(seed: int, n_random: int) -> list[Case]:
+    def case(name, P, lens, heads=4, kv_heads=2, head_dim=16, kind="edge", seed=0):
+        return Case(name, dict(P=P, lens=lens, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, seed=seed), kind)
+
+    cases = [
+        case("one request, its first token", 4, [1]),
+        case("page_size 1", 1, [5, 3]),
+        case("the new tokens open new pages", 4, [9, 5]),
+        case("unaligned lengths", 4, [7, 2, 14]),
+        case("multi-head attention (one K/V head per query head)", 4, [6, 3], heads=2, kv_heads=2),
+        case("four query heads share each K/V head", 2, [5, 8], heads=8, kv_heads=2),
+        case("many requests, rows out of order", 2, [3, 9, 1, 6, 4, 11]),
+        case("head_dim 12", 4, [6, 10], head_dim=12),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        P = rng.choice([1, 2, 4, 16])
+        kv_heads = rng.choice([1, 2])
+        cases.append(case(f"random {i + 1} (page_size {P})", P,
+                          [rng.randint(1, 3 * P + 3) for _ in range(rng.randint(1, 4))],
+                          heads=kv_heads * rng.choice([1, 2, 3]), kv_heads=kv_heads,
+                          kind="random", seed=rng.randrange(1000)))
+    return cases
+
+
+def _where(a: dict) -> str:
+    return (f"  page_size {a['P']}, rows {a['args']['rows'].tolist()}, positions "
+            f"{a['args']['positions'].tolist()}, heads {a['heads']} on {a['kv_heads']} K/V heads")
+
+
+def _check_pools(case: str, a: dict, want_k, want_v, got_k, got_v) -> None:
+    """Exactly the new tokens' slots changed, and they hold exactly the new K/V."""
+    args = a["args"]
+    new_slots = args["page_table"][args["rows"], args["positions"]].long().tolist()
+    owner = {s: b for b, s in enumerate(new_slots)}
+    for name, want, got in (("k_pool", want_k, got_k), ("v_pool", want_v, got_v)):
+        wrong = (got != want).flatten(1).any(1).nonzero().flatten().tolist()
+        if not wrong:
+            continue
+        s = wrong[0]
+        if s in owner:
+            b = owner[s]
+            msg = (f"[{case}] request {b}'s new {name[0].upper()} should be in slot {s} "
+                   f"(= page_table[rows[{b}], positions[{b}]] = page_table[{int(args['rows'][b])}, "
+                   f"{int(args['positions'][b])}]), but {name}[{s}] does not hold {name[0]}[{b}]")
+        else:
+            msg = (f"[{case}] {name}[{s}] changed, but no new token belongs there: the new tokens' "
+                   f"slots are {new_slots} (page_table[rows, positions])")
+        msg += f"\n  {len(wrong)} slot(s) of {name} differ: {wrong[:8]}" + _diagnose_pool(a, got_k)
+        raise CheckFailed(msg + "\n" + _where(a), case=case, label=f"{name} slot {s}")
+
+
+def _diagnose_pool(a: dict, got_k) -> str:
+    args = a["args"]
+    positions, rows, table = args["positions"], args["rows"], args["page_table"]
+    tries = {
+        "it writes at slot positions[b], not at the slot its page-table row names":
+            positions.long(),
+        "it uses row b instead of row rows[b]":
+            table[torch.arange(len(rows)), positions].long(),
+        "it writes one position too far (positions[b] + 1)":
+            table[rows, (positions + 1).clamp(max=table.shape[1] - 1)].long(),
+    }
+    num_slots = got_k.shape[0]
+    for message, slots in tries.items():
+        if bool((slots >= -num_slots).all()) and slots.max() < num_slots and torch.equal(got_k[slots], args["k"]):
+            if bool((slots < 0).any()):  # an unmapped -1 indexes the pool's last slot
+                message += " (that row maps nothing there: -1, and k_pool[-1] is the last slot)"
+            return "\n  looks like " + message
+    return ""
+
+
+def _diagnose_output(a: dict, want_k, want_v, got) -> str:
+    from ..hf.attention import paged_attention_reference
+
+    args = a["args"]
+    q, table, rows, positions = args["q"], args["page_table"], args["rows"], args["positions"]
+    tries = {
+        "it attends to positions [0, positions[b]) only: the new token must see itself "
+        "(seq_len = positions[b] + 1)":
+            lambda: paged_attention_reference(q, want_k, want_v, table, rows, positions, args["scale"]),
+        "it attends before writing the new K/V (the new token's slot still held stale values)":
+            lambda: paged_attention_reference(q, args["k_pool"], args["v_pool"], table, rows,
+                                              positions + 1, args["scale"]),
+        "query head h reads K/V head h % kv_heads; with grouped-query attention it is "
+        "h // (heads // kv_heads)":
+            lambda: paged_attention_reference(
+                q, want_k.repeat(1, q.shape[1] // want_k.shape[1], 1),
+                want_v.repeat(1, q.shape[1] // want_v.shape[1], 1), table, rows, positions + 1,
+                args["scale"]),
+    }
+    for message, make in tries.items():
+        try:
+            wrong = make()
+        except Exception:  # noqa: BLE001 - a wrong variant may not even run on this input
+            continue
+        if wrong.shape == got.shape and torch.allclose(wrong, got, atol=ATOL):
+            return "\n  looks like " + message
+    return ""
+
+
+@exercise(
+    "paged_attention_step",
+    chapter="10",
+    hints=[
+        "Request b's new token sits at position positions[b] of page-table row rows[b], so its "
+        "slot is page_table[rows[b], positions[b]]; for the whole batch at once: "
+        "slots = page_table[rows, positions].long().",
+        "Store first: k_pool[slots] = k puts k[b] (all its K/V heads) in row slots[b] of the pool; "
+        "the same for v. The new token attends to itself, so its K/V must be in the pool before "
+        "attention runs.",
+        "Then kvlab.hf.paged_decode_attention(q, k_pool, v_pool, page_table, rows, positions + 1, "
+        "scale): request b reads positions 0..positions[b], i.e. seq_len positions[b] + 1, and the "
+        "kernel gives query head h the K/V head h // (heads // kv_heads).",
+    ],
+    solution=paged_attention_step_solution,
+)
+def paged_attention_step(fn, *, seed: int = 0, n_random: int = 4) -> int:
+    """Check ``fn(q, k, v, k_pool, v_pool, page_table, rows, positions, scale)``."""
+
+    def run_one(case: Case) -> None:
+        c = case.args
+        args = step_layout(c["P"], c["lens"], c["seed"], c["heads"], c["kv_heads"], c["head_dim"])
+        a = {**c, "args": args}
+        want_k, want_v, want = expected_step(args)
+        k_pool, v_pool = args["k_pool"].clone(), args["v_pool"].clone()
+        got = call_learner(fn, args["q"].clone(), args["k"].clone(), args["v"].clone(), k_pool, v_pool,
+                           args["page_table"].clone(), args["rows"].clone(),
+                           args["positions"].clone(), args["scale"])
+        _check_pools(case.name, a, want_k, want_v, k_pool, v_pool)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            raise CheckFailed(f"[{case.name}] return a tensor of shape {tuple(want.shape)} "
+                              f"[batch, heads, head_dim], got {shape}\n{_where(a)}", case=case.name)
+        got = got.float().cpu()
+        err = torch.nan_to_num((got - want).abs(), nan=float("inf"))
+        if not bool((err <= ATOL).all()):
+            b, h = divmod(int(err.amax(-1).flatten().argmax()), want.shape[1])
+            raise CheckFailed(
+                f"[{case.name}] request {b}, head {h}: off by up to {float(err[b, h].max()):.3g} "
+                f"(tolerance {ATOL})\n  expected {want[b, h, :4].tolist()} ...\n  got      "
+                f"{got[b, h, :4].tolist()} ...{_diagnose_output(a, want_k, want_v, got)}\n{_where(a)}",
+                case=case.name, label=f"request {b}, head {h}")
+
+    return run_cases("paged_attention_step", _cases(seed, n_random), run_one)

@@ -1,0 +1,25 @@
+"""Serve a real Hugging Face model through kvlab's memory manager (chapter 10).
+
+    from kvlab.hf import PagedGenerator
+    gen = PagedGenerator(model, page_size=16, num_pages=256)   # a transformers Llama / Qwen2
+    new_tokens = gen.generate(prompts, max_new_tokens=32)      # greedy, = model.generate's
+    gen.stats                                                  # prefill_computed, prefill_cached, ...
+
+Modules: :mod:`~kvlab.hf.attention` (grouped-query paged attention in torch and Triton; needs
+no transformers), :mod:`~kvlab.hf.plugin` (the attention function registered with
+transformers, model checks), :mod:`~kvlab.hf.generator` (the serving loop),
+:mod:`~kvlab.hf.models` (small random models saved and loaded like real ones).
+transformers itself is optional: ``pip install 'kvlab[hf]'``.
+"""
+from __future__ import annotations
+
+from .attention import (check_paged_attention_inputs, paged_attention_reference,  # noqa: F401
+                        paged_attention_step, paged_decode_attention, prefill_attention)
+from .generator import PagedGenerator, RequestStats, StepInfo  # noqa: F401
+from .models import tiny_config, tiny_model  # noqa: F401
+from .plugin import ATTENTION_NAME, SUPPORTED, check_model  # noqa: F401
+
+__all__ = ["PagedGenerator", "RequestStats", "StepInfo", "paged_attention_step",
+           "paged_decode_attention", "paged_attention_reference", "prefill_attention",
+           "check_paged_attention_inputs", "tiny_config", "tiny_model", "ATTENTION_NAME",
+           "SUPPORTED", "check_model"]

@@ -1,0 +1,141 @@
+"""Chapter 10's scenes: where kvlab plugs into a transformers model, a conversation that
+re-sends its history, and the pictures of what the prefix cache saved. Seeded; the schematic
+needs no transformers."""
+from __future__ import annotations
+
+import random
+from typing import Sequence
+
+from . import figure
+
+
+def conversation_turns(seed: int = 0, turns: int = 4, vocab: int = 128, system_len: int = 24,
+                       user_len: tuple[int, int] = (5, 9)) -> tuple[list[int], list[list[int]]]:
+    """A system prompt and one user message per turn, as token ids (for a model without a
+    tokenizer). Turn ``t``'s prompt is everything so far: system, then each earlier user
+    message followed by the model's answer to it, then user message ``t``."""
+    rng = random.Random(seed)
+    system = [rng.randrange(vocab) for _ in range(system_len)]
+    users = [[rng.randrange(vocab) for _ in range(rng.randint(*user_len))] for _ in range(turns)]
+    return system, users
+
+
+def conversation_bars(stats: Sequence[dict], ax=None, title: str | None = None):
+    """Per turn: prompt tokens computed by the prefill vs served from the prefix cache."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 3))
+    turns = range(1, len(stats) + 1)
+    computed = [s["prefill_computed"] for s in stats]
+    cached = [s["prefill_cached"] for s in stats]
+    ax.bar(turns, cached, color="#74c476", label="served from the prefix cache")
+    ax.bar(turns, computed, bottom=cached, color="#fd8d3c", label="computed (prefill)")
+    for t, c, n in zip(turns, cached, computed):
+        ax.text(t, c + n, f"{n}/{c + n}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(turns))
+    ax.set_xlabel("turn (each re-sends the whole history)")
+    ax.set_ylabel("prompt tokens")
+    ax.set_title(title or "prompt tokens per turn: computed / sent")
+    ax.legend(fontsize=8, loc="upper left")
+    return ax
+
+
+@figure("10_plug_in.png")
+def plug_in_figure():
+    """A decoder layer of the model, and the one box kvlab replaces: attention, which stores
+    the step's K/V in the pool at the page table's slots and reads every earlier token back
+    through the rows."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
+
+    fig, ax = plt.subplots(figsize=(11, 4.2))
+    ax.set_xlim(0, 11)
+    ax.set_ylim(0, 4.2)
+    ax.axis("off")
+    model_boxes = ["embed", "RMSNorm", "q, k, v proj", "RoPE", "attention", "o_proj + residual",
+                   "RMSNorm", "MLP + residual", "lm_head"]
+    y = 3.7
+    for i, name in enumerate(model_boxes):
+        kvlab_box = name == "attention"
+        fc = "#fdd0a2" if kvlab_box else "#deebf7"
+        ax.add_patch(FancyBboxPatch((0.3, y - 0.3), 2.6, 0.28, boxstyle="round,pad=0.02",
+                                    fc=fc, ec="#e6550d" if kvlab_box else "#6baed6", lw=1.5 if kvlab_box else 0.8))
+        ax.text(1.6, y - 0.16, name + ("  (kvlab)" if kvlab_box else ""), ha="center", va="center",
+                fontsize=8.5, weight="bold" if kvlab_box else None)
+        if i < len(model_boxes) - 1:
+            ax.annotate("", (1.6, y - 0.36), (1.6, y - 0.3), arrowprops=dict(arrowstyle="->", lw=0.7))
+        y -= 0.4
+    ax.text(1.6, 4.05, "the model's own code (transformers)", ha="center", fontsize=9)
+    ax.text(0.05, 2.2, "× layers", rotation=90, va="center", fontsize=8, color="#555555")
+
+    # the page table and the pool
+    P = 4
+    table = [[8, 9, 10, 11, 20, 21], [8, 9, 10, 11, 4, -1]]
+    ax.text(5.2, 4.05, "page table (row = request, column = position)", ha="center", fontsize=9)
+    for r, row in enumerate(table):
+        for t, slot in enumerate(row):
+            x, yy = 3.9 + t * 0.42, 3.4 - r * 0.42
+            shared = t < 4
+            fc = "#f0f0f0" if slot < 0 else ("#a1d99b" if shared else ("#9ecae1" if r == 0 else "#fdae6b"))
+            ax.add_patch(Rectangle((x, yy), 0.4, 0.38, fc=fc, ec="#888888", lw=0.5))
+            ax.text(x + 0.2, yy + 0.19, "" if slot < 0 else str(slot), ha="center", va="center", fontsize=7.5)
+    ax.text(3.85, 3.59, "A", ha="right", va="center", fontsize=8)
+    ax.text(3.85, 3.17, "B", ha="right", va="center", fontsize=8)
+    ax.text(5.2, 2.75, "positions 0-3: one cached page, shared", ha="center", fontsize=7.5, color="#31a354")
+
+    ax.text(8.9, 4.05, "K/V pool of one layer: [slots, kv_heads, head_dim]", ha="center", fontsize=9)
+    owner = {8: "#a1d99b", 9: "#a1d99b", 10: "#a1d99b", 11: "#a1d99b", 20: "#9ecae1", 21: "#9ecae1",
+             4: "#fdae6b"}
+    for s in range(24):
+        x, yy = 7.0 + (s % 8) * 0.48, 3.4 - (s // 8) * 0.42
+        ax.add_patch(Rectangle((x, yy), 0.46, 0.38, fc=owner.get(s, "#f7f7f7"), ec="#888888", lw=0.5))
+        ax.text(x + 0.23, yy + 0.19, str(s), ha="center", va="center", fontsize=7)
+    for r in range(3):                 # page borders: every P slots
+        for b in (0, 4, 8):
+            x = 7.0 + b * 0.48 - 0.01
+            ax.plot([x, x], [3.4 - r * 0.42 - 0.02, 3.4 - r * 0.42 + 0.4], color="black", lw=1.4)
+    ax.text(8.9, 2.1, f"pages of P={P} slots; a request's tokens sit wherever its pages are",
+            ha="center", fontsize=7.5, color="#555555")
+
+    ax.add_patch(FancyArrowPatch((2.95, 2.0), (3.9, 2.75), arrowstyle="->", mutation_scale=12,
+                                 color="#e6550d", lw=1.2))
+    ax.text(3.0, 1.55, "1. store this step's k, v at\n    page_table[row, position]\n"
+                       "2. attend: several new tokens of a request (prompt): causal, in torch;\n"
+                       "    one new token (decoding): the Triton paged kernel, query head h\n"
+                       "    reads K/V head h // group (grouped-query attention)",
+            fontsize=8, va="top", color="#7f2704")
+    ax.add_patch(FancyArrowPatch((6.5, 3.2), (7.0, 3.2), arrowstyle="<->", mutation_scale=10,
+                                 color="#555555", lw=0.8))
+    fig.tight_layout()
+    return fig
+
+
+def conversation_rows(rows: Sequence, prompt_lens: Sequence[int], cached: Sequence[int],
+                      page_size: int, ax=None, max_cells: int = 96):
+    """One page-table row per turn (the conversation's row right after that turn's prefill),
+    each position coloured by the turn that computed its K/V: every turn reuses the slots of
+    all earlier turns and adds its own pages at the end.
+
+    ``rows[t]``: the row's slots after turn ``t``'s prefill; ``prompt_lens[t]``: the prompt
+    sent in turn ``t``; ``cached[t]``: its tokens served from the cache.
+    """
+    import numpy as np
+
+    from ..viz import page_table_heatmap
+
+    turns = len(rows)
+    cols = max(prompt_lens)
+    table = np.stack([np.asarray(r)[:cols] for r in rows]).astype(np.int64)
+    position = np.arange(cols)[None, :]
+    blank = position >= np.asarray(prompt_lens)[:, None]
+    # position p was computed by the last turn that started computing at or before p
+    starts = np.asarray(cached)
+    owner = np.array([[int((starts <= p).nonzero()[0].max()) for p in range(cols)]] * turns)
+    owner[blank] = -1
+    ax = page_table_heatmap(table, page_size, ax=ax, empty=blank, categories=owner,
+                            category_labels=[f"computed in turn {t + 1}" for t in range(turns)],
+                            max_cells=max_cells, row_label="turn (row 0 each time)")
+    ax.set_yticks(range(turns))
+    ax.set_yticklabels([f"turn {t + 1}" for t in range(turns)], fontsize=8)
+    return ax

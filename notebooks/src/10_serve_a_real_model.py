@@ -1,0 +1,486 @@
+# %% [markdown]
+# # 10 · Serve a real model
+#
+# **Goal.** Chapter 08 proved kvlab's memory manager right on a model the course wrote itself.
+# Here the model is a **real one**: a Llama-family model (or Qwen2) loaded by Hugging Face
+# `transformers`, running its own code for embeddings, norms, rotary position embeddings (RoPE)
+# and MLPs. kvlab takes over one thing, the thing a serving engine owns: **where the keys and
+# values live and how attention reads them back**. You will
+#
+# * plug into the model through transformers' own extension point for attention,
+# * meet grouped-query attention (GQA: several query heads share one K/V head),
+# * serve a batch through `kvlab.hf.PagedGenerator` -- `CacheManager`, the radix prefix cache,
+#   the page table, the KV pool and chapter 08's Triton kernel -- and get **exactly** the
+#   tokens of `model.generate`,
+# * watch a multi-turn conversation compute only what is new, turn after turn.
+#
+# By default the chapter builds a small random Llama (2 layers, 4 query heads on 2 K/V heads)
+# and saves it to disk first, so it loads through `from_pretrained` like any checkpoint; no
+# download, about a minute in the interpreter. With a GPU and internet (Colab), set
+# `USE_SMOLLM2 = True` below to serve `HuggingFaceTB/SmolLM2-135M` on real text instead.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+import kvlab
+from kvlab.hf import PagedGenerator, paged_attention_reference, paged_decode_attention, tiny_model
+from kvlab.scenes.ch10_serve import (conversation_bars, conversation_rows, conversation_turns,
+                                     plug_in_figure)
+
+try:
+    import transformers
+except ImportError as e:  # the course's dev install has it; elsewhere: pip install 'kvlab[hf]'
+    raise ImportError("chapter 10 needs transformers: pip install 'kvlab[hf]'") from e
+
+USE_SMOLLM2 = False            # True: HuggingFaceTB/SmolLM2-135M and real text (GPU + internet)
+DEVICE = kvlab.DEVICE
+torch.manual_seed(0)
+NEW_TOKENS = kvlab.runtime.pick(cpu=6, gpu=32)
+print("transformers", transformers.__version__, "| kvlab runtime:", "interpreter" if kvlab.INTERPRET else "GPU")
+
+# %% [markdown]
+# ## The model
+#
+# `tiny_model("llama", path)` builds a `LlamaConfig` of the size above, initialises it with
+# seeded random weights, writes it with `save_pretrained(path)` and loads it back with
+# `AutoModelForCausalLM.from_pretrained(path)` -- the same path a downloaded checkpoint takes.
+# A random model speaks no language, so its "text" is token ids; with `USE_SMOLLM2` the
+# tokenizer turns real text into ids and back.
+
+# %%
+if USE_SMOLLM2:
+    name = "HuggingFaceTB/SmolLM2-135M"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+    # float32, so that kvlab's logits can be compared with generate()'s closely
+    model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(DEVICE).eval()
+    encode = tokenizer.encode
+    decode = tokenizer.decode
+else:
+    import tempfile
+
+    tokenizer = None
+    model = tiny_model("llama", tempfile.mkdtemp(prefix="kvlab-ch10-"), seed=0, device=DEVICE)
+    encode = None
+    decode = str                       # no tokenizer: show the ids themselves
+c = model.config
+print(f"{type(model).__name__} from {model.name_or_path}: {c.num_hidden_layers} layers, "
+      f"{c.num_attention_heads} query heads, {c.num_key_value_heads} K/V heads, "
+      f"head_dim {getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads}, "
+      f"vocabulary {c.vocab_size}, attention: {c._attn_implementation}")
+
+# %% [markdown]
+# ## Intuition: one box of the layer is kvlab's
+#
+# A decoder layer is a fixed recipe: norm, the q/k/v projections, RoPE on q and k, attention,
+# the output projection, norm, MLP. transformers looks the attention function up **by name**
+# in a registry (`AttentionInterface`) each time a layer runs, and `attn_implementation`
+# picks the name. So a serving engine can register its own function and leave every other box
+# as the model's authors wrote it. Ours stores this step's `k`, `v` in the pool at the slots
+# the page table names, then reads every earlier token of the request back through its row.
+
+# %%
+plug_in_figure()
+plt.show()
+
+# %% [markdown]
+# ## Build-up 1: what the attention function receives
+#
+# Register a function that only looks and then calls the stock `sdpa` attention, switch the
+# model to it with `set_attn_implementation`, run one forward. It is handed the layer module
+# (`module.layer_idx` says which layer), queries `[batch, heads, tokens, head_dim]` and keys and
+# values `[batch, kv_heads, tokens, head_dim]` -- after RoPE, and **before** the K/V heads are
+# repeated for grouped-query attention. Keyword arguments given to `model(...)` travel down to
+# it: that is how kvlab hands each step's page-table rows to its attention function.
+
+# %%
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+seen = []
+
+
+def spy_attention(module, query, key, value, attention_mask, **kwargs):
+    seen.append((module.layer_idx, tuple(query.shape), tuple(key.shape), kwargs.get("note")))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+transformers.AttentionInterface.register("spy", spy_attention)
+transformers.AttentionMaskInterface.register("spy", sdpa_mask)   # keep the causal mask
+ids = torch.tensor([[1, 2, 3, 4, 5]], device=DEVICE)
+before = model.config._attn_implementation
+with torch.no_grad():
+    plain = model(ids).logits
+    model.set_attn_implementation("spy")
+    spied = model(ids, note="a keyword for the attention function").logits
+    model.set_attn_implementation(before)
+for layer, q_shape, k_shape, note in seen:
+    print(f"layer {layer}: query {q_shape}, key {k_shape}, note={note!r}")
+torch.testing.assert_close(spied, plain)       # only looked: the same logits
+heads, kv_heads = seen[0][1][1], seen[0][2][1]
+print(f"{heads} query heads share {kv_heads} K/V heads: {heads // kv_heads} query heads per K/V head")
+
+# %% [markdown]
+# ## Build-up 2: grouped-query attention through the page table
+#
+# With GQA the pool stores only `kv_heads` heads per token -- here half the memory of one K/V
+# head per query head (SmolLM2: a third; Llama 3 70B: an eighth). Query head `h` reads K/V head
+# `h // group`, `group = heads // kv_heads`. Chapter 08's Triton kernel takes that as one more
+# compile-time number, `KV_GROUP`: each program (one request, one query head) loads the rows of
+# K/V head `h // KV_GROUP`. The plain-torch reference repeats each K/V head `group` times and
+# does ordinary attention. They must agree on edge cases and random layouts.
+
+# %%
+import random
+
+
+def random_layout(seed, page_size, seq_lens, heads=4, kv_heads=2, head_dim=16):
+    """Random K/V; each request on shuffled, disjoint pages; rows in shuffled order."""
+    rng = random.Random(seed)
+    per_req = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(per_req) + 2
+    pages = list(range(num_pages))
+    rng.shuffle(pages)
+    rows = list(range(len(seq_lens) + 1))
+    rng.shuffle(rows)
+    table = torch.full((len(seq_lens) + 1, max(per_req) * page_size), -1, dtype=torch.int32)
+    taken = 0
+    for b, n in enumerate(seq_lens):
+        mine = pages[taken:taken + per_req[b]]
+        taken += per_req[b]
+        table[rows[b], :n] = torch.tensor([p * page_size + o for p in mine for o in range(page_size)][:n],
+                                          dtype=torch.int32)
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=g)
+    v = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=g)
+    return (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), table.to(DEVICE),
+            torch.tensor(rows[:len(seq_lens)]), torch.tensor(seq_lens))
+
+
+edge_cases = {                       # page size, lengths, query heads, K/V heads
+    "page_size 1": (1, [5, 3], 4, 2),
+    "one request, one token": (16, [1], 4, 2),
+    "unaligned lengths, one K/V head for all": (4, [7, 2, 13], 4, 1),
+    "multi-head (group 1)": (4, [9, 6], 2, 2),
+    "many requests, rows shuffled, group 3": (2, [3, 9, 1, 6, 4, 11], 6, 2),
+}
+for name, (page_size, seq_lens, h, kvh) in edge_cases.items():
+    args = random_layout(0, page_size, seq_lens, h, kvh)
+    torch.testing.assert_close(paged_decode_attention(*args), paged_attention_reference(*args),
+                               atol=1e-5, rtol=1e-5)
+    print(f"✓ {name}")
+
+# %% [markdown]
+# ## Build-up 3: a step of the serving loop
+#
+# `PagedGenerator` runs **continuous batching**: every step is one forward pass over the new
+# tokens of every request in the batch, packed into one row with their own position ids (RoPE
+# needs each token's position *within its request*):
+#
+#     tokens     [ A's prompt: positions 0..20 | B's prompt: 20..25 | C: 31 | D: 7 ]
+#                  admitted this step (prefill)                       running (decode)
+#
+# Per step: `admit` new requests (radix-cache match + lock; a request whose prompt shares whole
+# pages with one admitted in the same step waits one step, then reads them from the cache);
+# `allocate_paged` for the batch; one forward -- in every layer kvlab stores the step's K/V
+# at `page_table[row, position]`, then a prompt's tokens attend causally through the row
+# (torch) and each decoding token goes through the Triton kernel; greedy next tokens;
+# `cache_req(finished=False)` for the new requests (their prompt pages join the cache at once)
+# and `cache_req(finished=True)` for requests that ended (EOS or `max_new_tokens`).
+# A request is admitted only when the pages it may still need fit, so no step runs out of
+# pages half-way. `on_step` shows the steps of a small run:
+
+# %%
+rng = random.Random(1)
+if USE_SMOLLM2:
+    system = encode("You are a helpful assistant. Answer briefly and precisely.\n")
+    prompts = [system + encode(t) for t in ["Q: What is a page table?\nA:", "Q: Name a prime number.\nA:",
+                                             "Q: What is the capital of France?\nA:"]] + [encode("Hello")]
+else:
+    system = [rng.randrange(c.vocab_size) for _ in range(21)]
+    prompts = [system + [rng.randrange(c.vocab_size) for _ in range(n)] for n in (3, 8, 5)] + [[7]]
+PAGE_SIZE = 4
+gen = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=8)
+new_tokens = gen.generate(prompts, max_new_tokens=NEW_TOKENS, output_logits=True,
+                          on_step=lambda step: print(step) if step.index < 3 else None)
+print("...")
+print("stats:", gen.stats)
+for i, r in enumerate(gen.requests):
+    print(f"prompt {i}: {r.prompt_len} tokens, {r.cached} from the cache, {r.computed} computed, "
+          f"{r.generated} new ({r.finished_by}): {decode(new_tokens[i])!r}")
+
+# %% [markdown]
+# Prompt 0 computed the shared system prompt; prompts 1 and 2 waited one step and found its
+# whole pages (`21 // 4 * 4 = 20` tokens) in the cache. The one-token prompt has nothing to
+# share: at least one token of every prompt is always computed, since its last position is
+# where the first new token's logits come from.
+
+# %% [markdown]
+# ## Validate: token for token against `model.generate`
+#
+# For each prompt alone, transformers' own greedy `generate` (its own KV cache, its own
+# attention) must produce **the same new tokens**, and the logits behind each of them must
+# agree within `1e-4` (float32: the two paths add the same numbers in a different order, so
+# they differ in the last bits). With SmolLM2 (30 layers, real text) rounding has more room
+# to grow, so that run allows `1e-3`, and a greedy choice between two tokens whose logits are
+# closer than that (a near tie) may go either way: the comparison then stops there and says so.
+
+# %%
+LOGIT_ATOL = 1e-3 if USE_SMOLLM2 else 1e-4
+NEAR_TIE = 1e-3 if USE_SMOLLM2 else 0.0          # the small random model: no ties allowed
+
+
+def generate_alone(prompt, max_new_tokens):
+    out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_new_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float().cpu()
+
+
+def compare_with_generate(i, prompt, tokens, logits=None):
+    """Assert kvlab's tokens are generate's; return the largest logit difference."""
+    want, want_logits = generate_alone(prompt, NEW_TOKENS)
+    differ = next((j for j, (a, b) in enumerate(zip(tokens, want)) if a != b), None)
+    if differ is None:
+        assert tokens == want, f"prompt {i}: kvlab {tokens} != generate {want}"
+        upto = len(want)
+    else:
+        top2 = want_logits[differ].topk(2).values
+        gap = float(top2[0] - top2[1])
+        assert gap < NEAR_TIE, (f"prompt {i}: token {differ} differs (kvlab {tokens[differ]}, "
+                                f"generate {want[differ]}) and is no near tie (gap {gap:.1e})")
+        print(f"prompt {i}: token {differ} is a near tie (top two logits {gap:.1e} apart); "
+              "compared up to there")
+        upto = differ + 1
+    if logits is None:
+        return 0.0
+    return float((logits[:upto] - want_logits[:upto]).abs().max())
+
+
+worst = max(compare_with_generate(i, p, new_tokens[i], gen.logits[i]) for i, p in enumerate(prompts))
+assert worst <= LOGIT_ATOL, worst
+assert gen.stats["prefill_cached"] >= 2 * (len(system) // PAGE_SIZE * PAGE_SIZE)
+print(f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit difference {worst:.1e}")
+
+# %% [markdown]
+# ## A conversation that re-sends its history
+#
+# A chat server receives, each turn, the **whole** conversation so far: system prompt, every
+# earlier message and answer, and the new message. Without a prefix cache each turn recomputes
+# all of it; with one, only the new message (and the tail of a page) is computed. One
+# `PagedGenerator` serves four turns; its prefix cache outlives each `generate` call. After
+# each turn's prefill we photograph the conversation's page-table row.
+
+# %%
+conv = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=4)
+if USE_SMOLLM2:
+    system_c = encode("The following is a conversation with a helpful assistant.\n")
+    users = [encode(f"User: {t}\nAssistant:") for t in
+             ["Hi! What is a KV cache?", "Why does it use pages?", "And what does a prefix cache add?",
+              "Thanks. Summarise in one line."]]
+else:
+    system_c, users = conversation_turns(seed=0, turns=4, vocab=c.vocab_size)
+photos = []                      # the conversation's row after each turn's prefill
+
+
+def photograph(step):
+    if step.prefill:
+        photos.append(conv.page_table[0].clone().cpu())
+
+
+turn_prompts, turn_answers, turn_stats = [], [], []
+history = list(system_c)
+for turn, user in enumerate(users):
+    prompt = history + list(user)
+    (answer,) = conv.generate([prompt], max_new_tokens=NEW_TOKENS, on_step=photograph)
+    turn_prompts.append(prompt)
+    turn_answers.append(answer)
+    turn_stats.append(dict(conv.stats))
+    print(f"turn {turn + 1}: sent {len(prompt)} tokens, computed {conv.stats['prefill_computed']}, "
+          f"from the cache {conv.stats['prefill_cached']}; answer {decode(answer)!r}")
+    history = prompt + answer
+
+computed_without_cache = sum(len(p) for p in turn_prompts)
+computed_with_cache = sum(s["prefill_computed"] for s in turn_stats)
+print(f"prompt tokens computed over {len(users)} turns: {computed_with_cache} with the prefix cache, "
+      f"{computed_without_cache} without")
+assert computed_with_cache < computed_without_cache
+for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
+    # the previous turn's prompt and answer, whole pages (the answer's last token has no K/V yet)
+    assert s["prefill_cached"] >= (len(p) + len(a) - 1) // PAGE_SIZE * PAGE_SIZE
+
+# %% [markdown]
+# ## Picture: per turn, computed vs cached; and the page table
+#
+# Left: every turn after the first finds the previous turn's prompt **and answer** in the
+# cache (their whole pages: the last generated token's K/V is never computed, and a partly
+# filled last page is not cached, so a few tokens are computed again). Right: the
+# conversation's page-table row after each turn's prefill, one turn per line, each position
+# coloured by the turn that computed its K/V: each turn maps the very slots earlier turns wrote
+# (the assert below compares the rows slot by slot) and adds pages of its own at the end.
+
+# %%
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 3.4), gridspec_kw=dict(width_ratios=[1, 2]))
+conversation_bars(turn_stats, ax1)
+conversation_rows(photos, [len(p) for p in turn_prompts], [s["prefill_cached"] for s in turn_stats],
+                  PAGE_SIZE, ax=ax2)
+ax2.set_title("the conversation's row after each turn's prefill", fontsize=9)
+fig.tight_layout()
+plt.show()
+for t in range(1, len(photos)):   # what an earlier turn mapped, a later turn maps to the same slots
+    n = min(turn_stats[t]["prefill_cached"], len(turn_prompts[t - 1]))
+    assert torch.equal(photos[t][:n], photos[t - 1][:n])
+
+# %% [markdown]
+# ## Side by side with transformers' `generate`
+#
+# The same prompts through `model.generate` (a padded batch, the usual way to batch it) and
+# through kvlab's loop: the tokens agree (checked above, prompt by prompt). On a GPU we also
+# time both and report tokens per second -- a measurement of this run, not a target: kvlab's
+# loop is a teaching loop in Python (no CUDA graphs, a host-side scheduler), while `generate`
+# pads every prompt to the longest and recomputes nothing it cached. In the interpreter the
+# Triton kernel runs on the CPU, so timings mean nothing and we skip them.
+
+# %%
+EOS = set(kvlab.hf.plugin.eos_token_ids(model))
+
+
+def tokens_until_eos(row):
+    """New tokens a request really produced: up to and including its first EOS."""
+    for i, t in enumerate(row):
+        if t in EOS:
+            return i + 1
+    return len(row)
+
+
+def padded_batch_generate(prompts, max_new_tokens, pad):
+    longest = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=DEVICE)
+    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                         do_sample=False, pad_token_id=pad)
+    return sum(tokens_until_eos(row) for row in out[:, longest:].tolist())
+
+
+def kvlab_generate(prompts, max_new_tokens):
+    out = PagedGenerator(model, page_size=16, num_pages=1024, max_running=len(prompts)).generate(
+        prompts, max_new_tokens=max_new_tokens)
+    return sum(map(len, out))
+
+
+if not kvlab.INTERPRET:
+    # 16 distinct prompts: the four above, each with four different last tokens
+    bench_prompts = [p + [100 + k] for k in range(4) for p in prompts]
+    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
+    for name, run in {"transformers generate (padded batch)": lambda: padded_batch_generate(bench_prompts, NEW_TOKENS, pad),
+                      "kvlab PagedGenerator": lambda: kvlab_generate(bench_prompts, NEW_TOKENS)}.items():
+        run()                                          # warm-up: compiles the Triton kernels
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        produced = run()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        print(f"{name:38s} {produced / seconds:8.0f} tokens/s  ({produced} new tokens for "
+              f"{len(bench_prompts)} prompts in {seconds * 1e3:.0f} ms)")
+else:
+    print("interpreter: no timings (the kernels run on the CPU); the token-for-token check above holds")
+
+# %% [markdown]
+# ## Your turn: one layer's decode step
+#
+# Write the function every layer runs for the decoding requests of a step:
+# `my_paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions, scale)`.
+# Request `b` owns page-table row `rows[b]`; its new token sits at position `positions[b]`.
+# `q` is `[batch, heads, head_dim]`, `k` and `v` are `[batch, kv_heads, head_dim]` (already
+# rotated by the model), the pools `[num_slots, kv_heads, head_dim]`.
+#
+# 1. store `k[b]`, `v[b]` at slot `page_table[rows[b], positions[b]]` of the pools;
+# 2. return paged attention of `q[b]` over positions `0 .. positions[b]` -- the new token sees
+#    itself -- with `kvlab.hf.paged_decode_attention` (it does the GQA head mapping).
+#
+# `kvlab.check.paged_attention_step` checks the pools (exactly the new slots written) and the
+# output, on edge cases (a request's first token, page size 1, new tokens opening new pages,
+# group sizes 1 to 4) and random layouts. Hints: `kvlab.check.hint("paged_attention_step", 1)`
+# (up to 3); the reference: `kvlab.solutions.show("paged_attention_step")`.
+
+# %%
+def my_paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions, scale):
+    """Store each request's new K/V at its slot, then paged attention over [0, positions[b]]."""
+    ### BEGIN SOLUTION
+    slots = page_table[rows, positions].long()          # request b's new token -> its slot
+    k_pool[slots] = k
+    v_pool[slots] = v
+    return paged_decode_attention(q, k_pool, v_pool, page_table, rows, positions + 1, scale)
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: paged_attention_step
+    raise NotImplementedError("store k and v at the new tokens' slots, then paged attention")
+    ### END STARTER
+
+
+kvlab.check.paged_attention_step(my_paged_attention_step)
+
+# %%
+kvlab.check.hint("paged_attention_step", 1)
+# kvlab.solutions.show("paged_attention_step")   # uncomment to read the reference solution
+
+# %% [markdown]
+# ## Lift: your step serves the real model
+#
+# `kvlab.hf.paged_attention_step` is the package's version of this step (with host checks
+# first); `PagedGenerator` calls it for every decoding request of every layer. Hand it yours
+# with `decode_step=` (once it passes the checker; until then the package's runs): the model
+# must still produce exactly `generate`'s tokens.
+
+# %%
+impl = kvlab.check.choose("paged_attention_step", my_paged_attention_step, kvlab.hf.paged_attention_step)
+yours = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, decode_step=impl)
+got = yours.generate(prompts, max_new_tokens=NEW_TOKENS)
+for i, prompt in enumerate(prompts):
+    compare_with_generate(i, prompt, got[i])
+print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as generate() for all "
+      f"{len(prompts)} prompts")
+
+# %% [markdown]
+# ## Summary
+#
+# * transformers finds attention **by name** (`AttentionInterface`, `attn_implementation`);
+#   keyword arguments of `model(...)` reach it. kvlab registers one function and the model
+#   keeps computing norms, RoPE and MLPs itself: no copy of its code.
+# * Grouped-query attention stores `kv_heads` heads per token; query head `h` reads K/V head
+#   `h // group`. The Triton kernel of chapter 08 needed one more constant, `KV_GROUP`.
+# * `PagedGenerator` is continuous batching on kvlab's memory manager: admit while pages
+#   last (prefix hits locked, in-batch sharing deferred one step), `allocate_paged`, one packed
+#   forward, `cache_req`. A real model then produces exactly `generate`'s tokens, and a
+#   conversation that re-sends its history computes only what is new.
+#
+# **Open questions.**
+# 1. A conversation's turns arrive one at a time. Between turns the cache may evict the
+#    previous turn's pages to serve other users. Which eviction order (LRU, by prefix length,
+#    by how many conversations share a node) would you choose for a chat server, and why?
+# 2. The admission rule reserves pages for `max_new_tokens` that a request may never use
+#    (it can stop at EOS much earlier). What would you need to admit more aggressively --
+#    and what must happen when a running request then finds no page for its next token?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# 1. A conversation's next turn arrives seconds later and re-sends everything, so its deepest
+#    node is worth more than its age says. Plain LRU (what kvlab's radix cache does) evicts the
+#    leaves touched longest ago -- often a paused conversation's latest answer, forcing the
+#    whole tail to be recomputed. Protecting nodes many conversations share (a system prompt)
+#    by reference count or hit count, and evicting from the leaves of idle conversations
+#    first, keeps the expensive long prefixes; a deployment can also give a conversation a
+#    short grace period after each turn. Whatever the order, only whole leaves can go (an
+#    inner node is a prefix of its children), which is why eviction walks up from the leaves.
+# 2. Admitting against expected rather than maximal length (for example, counting
+#    `min(max_new_tokens, a typical answer length)`) lets more requests run at once, but then a
+#    decode step can find no free page. A server then needs a way out: evict more of the cache
+#    first, and when that is not enough, **preempt** a running request -- free its pages (or
+#    keep its computed prefix in the cache), put it back in the waiting queue, and recompute
+#    or reload it later. SGLang retracts decode requests this way when memory runs out, and
+#    steers how aggressive admission may be with one number, `new_token_ratio` (the share of
+#    `max_new_tokens` it reserves): raised after a retraction, lowered a little at every step
+#    without one.

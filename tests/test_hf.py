@@ -1,0 +1,257 @@
+"""kvlab.hf.PagedGenerator serves real transformers models token for token.
+
+Small random Llama and Qwen2 models (2 layers, 4 query heads on 2 K/V heads, RoPE) are saved
+with ``save_pretrained`` and loaded with ``from_pretrained``; every run is compared with
+``model.generate(torch.tensor([prompt]), do_sample=False)`` for each prompt alone: the same
+new tokens, and logits within 1e-4 (float32). No network.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", minversion="4.56",
+    reason="kvlab.hf needs transformers >= 4.56: pip install 'kvlab[hf]'")
+
+import kvlab  # noqa: E402
+from kvlab import InvalidArgument, OutOfPages  # noqa: E402
+from kvlab.hf import PagedGenerator, paged_attention_reference, tiny_model  # noqa: E402
+from kvlab.hf.plugin import ATTENTION_NAME  # noqa: E402
+
+ATOL = 1e-4
+ARCHS = ["llama", "qwen2"]
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """Each architecture saved to disk and loaded back (the real loading path), on the
+    runtime's device."""
+    return {arch: tiny_model(arch, str(tmp_path_factory.mktemp(arch)), seed=0,
+                             device=kvlab.DEVICE) for arch in ARCHS}
+
+
+def reference(model, prompt, max_new_tokens):
+    """transformers' own greedy generation of one prompt: (new tokens, logits [n, vocab])."""
+    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float().cpu()
+
+
+def assert_identical(model, gen, prompts, got, max_new_tokens):
+    """Same tokens as generate() for each prompt alone; logits within ATOL."""
+    for i, prompt in enumerate(prompts):
+        want_tokens, want_logits = reference(model, prompt, max_new_tokens)
+        assert got[i] == want_tokens, (
+            f"prompt {i} (length {len(prompt)}): kvlab {got[i]} != generate {want_tokens}")
+        err = float((gen.logits[i] - want_logits).abs().max())
+        assert err <= ATOL, f"prompt {i}: logits differ by {err:.2e} > {ATOL}"
+
+
+def shared_prefix_prompts(seed: int, system_len: int = 20, suffixes=(3, 9, 1, 6)):
+    """Prompts that share a system prompt (distinct first suffix tokens), plus a one-token
+    prompt."""
+    rng = random.Random(seed)
+    system = [rng.randrange(VOCAB) for _ in range(system_len)]
+    firsts = rng.sample(range(VOCAB), len(suffixes))
+    prompts = [system + [f] + [rng.randrange(VOCAB) for _ in range(n - 1)]
+               for f, n in zip(firsts, suffixes)]
+    return prompts + [[rng.randrange(VOCAB)]]
+
+
+def manager_state(gen):
+    m = gen.manager
+    return (sorted(m.free_slots.tolist()), gen.page_table.clone(),
+            m.prefix_cache.size_info, len(m.running))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_same_tokens_as_generate_with_shared_prefixes(models, arch, page_size):
+    model = models[arch]
+    prompts = shared_prefix_prompts(seed=page_size)
+    gen = PagedGenerator(model, page_size=page_size, num_pages=256 // page_size + 8, max_running=8)
+    got = gen.generate(prompts, max_new_tokens=4, output_logits=True)
+    assert_identical(model, gen, prompts, got, 4)
+    # the system prompt's whole pages are computed once: the first prompt computes them,
+    # the three others (deferred one step) read them from the cache
+    shared = 20 // page_size * page_size
+    assert [r.cached for r in gen.requests] == [0, shared, shared, shared, 0]
+    assert gen.stats["prefill_cached"] == 3 * shared
+    assert gen.stats["prefill_computed"] == sum(map(len, prompts)) - 3 * shared
+    assert gen.stats["generated"] == 4 * len(prompts)
+    assert model.config._attn_implementation != ATTENTION_NAME   # the model's own again
+
+    # the same prompts again: every prompt's whole pages (up to its last token) are cached,
+    # K/V that the first call's decode steps and prefill left in the pool
+    again = prompts[:3]
+    got2 = gen.generate(again, max_new_tokens=4, output_logits=True)
+    assert got2 == got[:3]
+    assert_identical(model, gen, again, got2, 4)
+    assert [r.cached for r in gen.requests] == [(len(p) - 1) // page_size * page_size for p in again]
+    gen.manager.check_integrity()
+    assert gen.manager.running == []
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_continuous_batching_with_a_pool_small_enough_to_evict(models, arch):
+    """Few pages: requests wait, and are admitted while others decode (a mixed step: prompt 1
+    waits one step to hit prompt 0's pages, then prefills while prompt 0 decodes; prompt 2
+    waits for pages), and the second round evicts what the first left in the cache."""
+    model = models[arch]
+    P = 4
+    rng = random.Random(7)
+    system = [rng.randrange(VOCAB) for _ in range(12)]
+    first = [system + [1], system + [2, 3, 4, 5], [rng.randrange(VOCAB) for _ in range(26)],
+             [rng.randrange(VOCAB) for _ in range(9)]]
+    second = [[rng.randrange(VOCAB) for _ in range(n)] for n in (17, 11, 3)]
+    gen = PagedGenerator(model, page_size=P, num_pages=12, max_running=3)
+    steps = []
+    got = gen.generate(first, max_new_tokens=5, output_logits=True, on_step=steps.append)
+    assert_identical(model, gen, first, got, 5)
+    assert gen.stats["most_running"] <= 3 and gen.stats["deferred"] >= 1
+    assert gen.requests[1].cached == 12
+    assert any(s.prefill and s.decode for s in steps), "no step mixed a prefill with decoding"
+    cached_before = gen.manager.prefix_cache.size_info.total_size
+    assert cached_before > 0
+
+    got = gen.generate(second, max_new_tokens=5, output_logits=True)
+    assert_identical(model, gen, second, got, 5)
+    # the pool (12 pages of 4) cannot hold both rounds: the first round's cache was evicted
+    kept = [gen.manager.prefix_cache.match_prefix(p[:-1]).handle.cached_len for p in first]
+    full = [(len(p) - 1) // P * P for p in first]
+    assert kept != full, "nothing of the first round was evicted"
+    gen.manager.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eos_ends_a_request_as_generate_does(models, arch, monkeypatch):
+    model = models[arch]
+    prompts = shared_prefix_prompts(seed=3, system_len=6, suffixes=(4, 2, 7))
+    plain, _ = reference(model, prompts[0], 6)
+    eos = plain[2]                      # prompt 0 will stop at its 3rd token
+    monkeypatch.setattr(model.generation_config, "eos_token_id", [eos, VOCAB - 1])
+    gen = PagedGenerator(model, page_size=4, num_pages=64)
+    got = gen.generate(prompts, max_new_tokens=6, output_logits=True)
+    assert_identical(model, gen, prompts, got, 6)
+    assert got[0] == plain[:plain.index(eos) + 1]
+    assert gen.requests[0].finished_by == "eos"
+    assert all(r.finished_by == ("eos" if t[-1] in (eos, VOCAB - 1) else "length")
+               for r, t in zip(gen.requests, got))
+    assert gen.manager.running == []
+
+
+def test_a_prompt_the_pool_can_never_hold_raises_out_of_pages_and_changes_nothing(models):
+    model = models["llama"]
+    gen = PagedGenerator(model, page_size=4, num_pages=6, max_seq_len=64)
+    gen.generate([[1, 2, 3, 4, 5, 6, 7, 8, 9]], max_new_tokens=3)    # leaves cached pages
+    before = manager_state(gen)
+    with pytest.raises(OutOfPages, match="prompts\\[1\\]"):
+        gen.generate([[1, 2, 3], list(range(20))], max_new_tokens=8)   # 27 positions > 24 slots
+    after = manager_state(gen)
+    assert before[0] == after[0] and torch.equal(before[1], after[1])
+    assert before[2:] == after[2:]
+    assert gen.generate([[1, 2, 3]], max_new_tokens=2) == [reference(model, [1, 2, 3], 2)[0]]
+
+
+@pytest.mark.parametrize("prompts, max_new, argument", [
+    ([[]], 2, "prompts[0]"),
+    ([[1, 2], [3, VOCAB]], 2, "prompts[1]"),
+    ([[1, -1]], 2, "prompts[0]"),
+    ([[1, 2]], 0, "max_new_tokens"),
+    ([[1, 2.0]], 2, "prompts[0][1]"),
+    ("hello", 2, "prompts"),
+    ([], 2, "prompts"),
+    ([list(range(60))], 8, "prompts[0]"),     # 67 positions > max_seq_len 64
+])
+def test_bad_input_is_refused_before_anything_changes(models, prompts, max_new, argument):
+    gen = PagedGenerator(models["llama"], page_size=4, num_pages=32, max_seq_len=64)
+    gen.generate([[5, 6, 7, 8, 9]], max_new_tokens=2)
+    before = manager_state(gen)
+    with pytest.raises(InvalidArgument) as err:
+        gen.generate(prompts, max_new_tokens=max_new)
+    assert err.value.argument == argument
+    after = manager_state(gen)
+    assert before[0] == after[0] and torch.equal(before[1], after[1]) and before[2:] == after[2:]
+
+
+def test_other_architectures_are_refused_naming_what_is_supported(models):
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=32))
+    with pytest.raises(InvalidArgument, match="Llama.*Qwen2.*got GPT2LMHeadModel"):
+        PagedGenerator(gpt2)
+    with pytest.raises(InvalidArgument, match="got LlamaModel"):
+        PagedGenerator(models["llama"].model)          # no language-model head
+    windowed = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True, sliding_window=8))
+    with pytest.raises(InvalidArgument, match="use_sliding_window"):
+        PagedGenerator(windowed)
+
+
+def test_a_generation_config_beyond_greedy_is_refused(models, monkeypatch):
+    model = models["qwen2"]
+    monkeypatch.setattr(model.generation_config, "repetition_penalty", 1.3)
+    gen = PagedGenerator(model, page_size=4, num_pages=16)
+    with pytest.raises(InvalidArgument, match="repetition_penalty"):
+        gen.generate([[1, 2, 3]], max_new_tokens=2)
+
+
+def test_a_failing_step_releases_its_requests_and_restores_the_model(models):
+    model = models["llama"]
+    calls = []
+
+    def broken_decode_step(*args):
+        calls.append(1)
+        raise RuntimeError("boom")
+
+    gen = PagedGenerator(model, page_size=4, num_pages=32, decode_step=broken_decode_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        gen.generate([[1, 2, 3, 4, 5], [6]], max_new_tokens=3)
+    assert calls
+    assert gen.manager.running == []                  # their pages went back
+    gen.manager.check_integrity()
+    assert model.config._attn_implementation != ATTENTION_NAME
+    with pytest.raises(RuntimeError, match="PagedGenerator"):
+        with kvlab.hf.plugin.paged_attention_active(model):   # outside the loop: no step info
+            model(torch.tensor([[1, 2]], device=model.device))
+
+
+def test_a_decode_step_of_your_own_serves_the_model(models):
+    """The chapter's exercise plugs in here: any function with paged_attention_step's
+    signature (this one in plain torch) serves the model with the same tokens."""
+    model = models["qwen2"]
+
+    def torch_decode_step(q, k, v, k_pool, v_pool, page_table, rows, positions, scale):
+        slots = page_table[rows, positions].long()
+        k_pool[slots] = k
+        v_pool[slots] = v
+        return paged_attention_reference(q, k_pool, v_pool, page_table, rows, positions + 1, scale)
+
+    prompts = shared_prefix_prompts(seed=5, system_len=9, suffixes=(2, 5))
+    gen = PagedGenerator(model, page_size=4, num_pages=64, decode_step=torch_decode_step)
+    got = gen.generate(prompts, max_new_tokens=5, output_logits=True)
+    assert_identical(model, gen, prompts, got, 5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_gpu_same_tokens_as_generate_with_compiled_triton(models, arch, page_size):
+    """On CUDA, compiled Triton: the models run on the GPU in float32 and must match
+    generate() token for token, logits within 1e-4, with cache hits and eviction."""
+    model = models[arch]
+    assert model.device.type == "cuda", f"model on {model.device}, expected cuda"
+    prompts = shared_prefix_prompts(seed=11 + page_size, system_len=40, suffixes=(5, 17, 1, 30, 8))
+    gen = PagedGenerator(model, page_size=page_size, num_pages=160 // page_size + 2, max_running=3)
+    got = gen.generate(prompts, max_new_tokens=24, output_logits=True)
+    assert_identical(model, gen, prompts, got, 24)
+    assert gen.stats["prefill_cached"] > 0, f"no cache hits: {gen.stats}"
+    rng = random.Random(page_size)
+    more = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 60))] for _ in range(6)]
+    got = gen.generate(more, max_new_tokens=24, output_logits=True)   # evicts the first round
+    assert_identical(model, gen, more, got, 24)
+    gen.manager.check_integrity()
