@@ -11,7 +11,8 @@ the step produced (``req.append_token``) and advance it (``req.complete_one``), 
 requests marked ``done`` back with ``manager.cache_req(req, finished=True)``.
 
 The checker builds the same scenario twice (prefill through the real CacheManager, then a
-few reference decode steps), runs the reference on one copy and ``fn`` on the other, and
+few reference decode steps), runs the reference (the manager's own ``decode_step`` and
+``complete_step``) on one copy and ``fn`` on the other, and
 compares the page table, the free list, every request's lengths and tokens, and finally
 runs ``check_integrity()`` on the learner's manager.
 """
@@ -36,7 +37,8 @@ def decode_step_solution(manager, reqs, next_tokens, done):
 
 
 def _scenario(P: int, prompt_lens: list[int], warmup: int, seed: int, num_pages: int | None):
-    """A manager with running requests, each prefilled and ``warmup`` decode steps in."""
+    """A manager with running requests, each prefilled and ``warmup`` decode steps in, built
+    with the manager's own serving words (``prefill`` / ``decode_step`` / ``complete_step``)."""
     from ..cache_manager import CacheManager, Req
     from ..paging import div_ceil, new_page_table
 
@@ -49,18 +51,19 @@ def _scenario(P: int, prompt_lens: list[int], warmup: int, seed: int, num_pages:
     reqs = []
     for i, n in enumerate(prompt_lens):
         ids = shared[: n // 2] + [rng.randrange(50) for _ in range(n - n // 2)]
-        req = Req(ids, table_idx=i)
-        manager.admit(req)
-        reqs.append(req)
-    manager.allocate_paged(reqs)
-    for req in reqs:
-        req.append_token(rng.randrange(50))
-        req.complete_one()
-        manager.cache_req(req, finished=False)
+        reqs.append(Req(ids, table_idx=i))
+    batch = manager.prefill(reqs)
+    manager.complete_step(batch, [rng.randrange(50) for _ in reqs])  # caches each prompt too
     for _ in range(warmup):
-        decode_step_solution(manager, reqs, [rng.randrange(50) for _ in reqs], [False] * len(reqs))
+        batch = manager.decode_step(reqs)
+        manager.complete_step(batch, [rng.randrange(50) for _ in reqs])
     tokens = [rng.randrange(50) for _ in reqs]
     return manager, reqs, tokens
+
+
+def reference_step(manager, reqs, next_tokens, done) -> None:
+    """The step the learner writes, in the manager's own words: what the checker expects."""
+    manager.complete_step(manager.decode_step(reqs), list(next_tokens), list(done))
 
 
 def _cases(seed: int, n_random: int) -> list[Case]:
@@ -188,7 +191,7 @@ def decode_step(fn, *, seed: int = 0, n_random: int = 6) -> int:
         args = (a["P"], a["lens"], a["warmup"], a["seed"], a["num_pages"])
         ref_m, ref_reqs, tokens = _scenario(*args)
         got_m, got_reqs, _ = _scenario(*args)
-        decode_step_solution(ref_m, ref_reqs, list(tokens), list(a["done"]))
+        reference_step(ref_m, ref_reqs, tokens, a["done"])
         log = record_calls(got_m, got_reqs)
         try:
             call_learner(fn, got_m, got_reqs, list(tokens), list(a["done"]))

@@ -45,13 +45,14 @@ class Shipped:
     is_jit: bool
     jit_options: dict = field(default_factory=dict)
     refs: dict[str, tuple] = field(default_factory=dict)  # name -> ("module"|"value"|"function", x)
+    reference: tuple[str, str] | None = None  # (module, name): kvlab's own code is imported
 
     def key(self) -> str:
         """Equal for equal functions (same source, same values referred to)."""
         refs = sorted((name, kind, (value.name, value.source) if kind == "function" else value)
                       for name, (kind, value) in self.refs.items())
         data = (self.name, self.source, self.filename, self.is_jit,
-                sorted(self.jit_options.items()), refs)
+                sorted(self.jit_options.items()), refs, self.reference)
         return hashlib.sha1(repr(data).encode()).hexdigest()[:16]
 
 
@@ -106,6 +107,14 @@ def ship(obj, seen: dict | None = None) -> Shipped:
         return seen[id(obj)]
     parts = _kernel_parts(obj)
     fn, is_jit, options = parts if parts is not None else (obj, False, {})
+    module = sys.modules.get(getattr(fn, "__module__", "") or "")
+    if (module is not None and module.__name__.startswith("kvlab.")
+            and getattr(module, getattr(fn, "__qualname__", ""), None) is obj):
+        # kvlab's own code (a reference solution): the child imports it, relative imports and all
+        shipped = Shipped(fn.__name__, "", fn.__code__.co_filename, is_jit,
+                          reference=(module.__name__, fn.__qualname__))
+        seen[id(obj)] = shipped
+        return shipped
     if not isinstance(fn, types.FunctionType) or fn.__name__ == "<lambda>":
         raise CannotShip(f"{getattr(fn, '__name__', type(fn).__name__)} is not a plain function")
     try:
@@ -153,6 +162,10 @@ def rebuild(shipped: Shipped, workdir: Path, built: dict | None = None):
     built = {} if built is None else built
     key = shipped.key()
     if key in built:
+        return built[key]
+    if shipped.reference is not None:
+        module_name, name = shipped.reference
+        built[key] = getattr(importlib.import_module(module_name), name)
         return built[key]
     path = workdir / f"{shipped.name}_{key}.py"
     path.write_text(shipped.source)
