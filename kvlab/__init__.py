@@ -40,8 +40,8 @@ _EXPORTS = {
     "simulate": "sim",  # chapter 07
     "SimConfig": "sim",
     "TimelineExplorer": "widgets",
-    "alloc_extend_fast": "kernels.fast_alloc",  # chapter 09
-    "alloc_decode_fast": "kernels.fast_alloc",
+    "alloc_extend_fast": "fast_alloc",  # chapter 09
+    "alloc_decode_fast": "fast_alloc",
 }
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",

@@ -264,7 +264,8 @@ class CacheManager(CacheManagerChecks):
             table_before = self.page_table[rows, lo:hi]  # a copy: advanced indexing
             try:
                 allocated = self._allocate(needed_pages, evicted)
-                self._write_page_table(page_to_token(allocated, P), allocation_info)
+                # our own page starts: skip page_to_token's value check (a device sync)
+                self._write_page_table(page_to_token(allocated, P, check_values=False), allocation_info)
             except BaseException:
                 self.page_table[rows, lo:hi] = table_before
                 self.prefix_cache.undo_evict(evicted)

@@ -23,11 +23,10 @@ Vocabulary
 """
 from __future__ import annotations
 
-import array
 import itertools
-import operator
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from . import runtime  # first: decides compiled Triton vs the interpreter
@@ -166,11 +165,17 @@ def _validated_entries(page_table, allocated, allocation_info, page_size) -> tor
 
 
 def _bulk_checked_entries(page_table, allocated, allocation_info, page_size) -> torch.Tensor | None:
-    """The rules of :func:`_check_write_entry_by_entry` in bulk; ``None`` if any fails.
+    """The rules of :func:`_check_write_entry_by_entry`, vectorised; ``None`` if any fails.
 
-    Each rule is one C-speed builtin over a whole column (``min``, ``max``, ``sum``,
-    ``sorted``), not Python work per entry, and not a torch op per rule either: on a busy
-    host a small CPU tensor op costs several microseconds, more than these builtins.
+    ``allocation_info`` as a list of ``(table_idx, first_page, last_page)`` tuples (what the
+    cache manager builds) is turned into one ``[3, n]`` int64 array with two C-speed passes
+    (a type test and the conversion); an ``[n, 3]`` integer array or CPU tensor is used as
+    it is. Every rule is then a NumPy operation over a whole column::
+
+        rows    [ r0  r1  r2 ... ]   0 <= row < page_table rows, each run in one row
+        firsts  [ f0  f1  f2 ... ]   0 <= first <= last, last * P <= page_table columns
+        lasts   [ l0  l1  l2 ... ]   sum((last - first) * P) == len(allocated)
+        offsets [ 0   c0  c0+c1 ...] * P   (the kernel's fourth row: where each run starts)
     """
     if not (isinstance(page_table, torch.Tensor) and page_table.dim() == 2
             and page_table.dtype in _TABLE_DTYPES and isinstance(allocated, torch.Tensor)
@@ -179,35 +184,54 @@ def _bulk_checked_entries(page_table, allocated, allocation_info, page_size) -> 
                      or allocated.dtype == torch.bool)
             and type(page_size) is int and page_size >= 1):
         return None
+    runs = _as_runs(allocation_info)
+    if runs is None:
+        return None
+    rows, firsts, lasts = runs
+    n_rows, n_cols = page_table.shape
+    counts = lasts - firsts
+    if not (min(rows.min(), firsts.min(), counts.min()) >= 0 and rows.max() < n_rows
+            and lasts.max() * page_size <= n_cols):
+        return None
+    ends = np.cumsum(counts)
+    if int(ends[-1]) * page_size != allocated.numel():
+        return None
+    # Overlap needs two runs in one row (the usual batch has one run per row): sort the
+    # non-empty runs by (row, first_page); none may start before the previous one ends.
+    if np.bincount(rows, minlength=1).max() > 1:
+        keep = counts > 0
+        r, f, last = rows[keep], firsts[keep], lasts[keep]
+        order = np.lexsort((f, r))
+        r, f, last = r[order], f[order], last[order]
+        if ((r[1:] == r[:-1]) & (f[1:] < last[:-1])).any():
+            return None
+    meta = np.empty((4, len(rows)), dtype=np.int64)
+    meta[0], meta[1], meta[2] = rows, firsts, lasts
+    np.multiply(ends - counts, page_size, out=meta[3])
+    return torch.from_numpy(meta)
+
+
+def _as_runs(allocation_info) -> np.ndarray | None:
+    """``allocation_info`` as a ``[3, n]`` int64 array (rows, first pages, last pages), or None
+    for anything the entry-by-entry check should judge (and name)."""
+    if isinstance(allocation_info, (np.ndarray, torch.Tensor)):
+        info = allocation_info.numpy() if isinstance(allocation_info, torch.Tensor) and \
+            allocation_info.device.type == "cpu" else allocation_info
+        if isinstance(info, np.ndarray) and info.ndim == 2 and info.shape[1] == 3 and len(info) \
+                and info.dtype.kind in "iu":
+            return info.T.astype(np.int64)
+        return None
     if not isinstance(allocation_info, (list, tuple)) or not allocation_info:
-        return None  # tensors, generators and empty lists: the exact checks are cheap enough
+        return None  # generators and empty lists: the exact checks are cheap enough
     try:
         if set(map(len, allocation_info)) != {3}:
             return None
-        rows_, firsts, lasts = zip(*allocation_info)
+        flat = list(itertools.chain.from_iterable(allocation_info))
     except TypeError:
         return None
-    if set(map(type, rows_ + firsts + lasts)) != {int}:
+    if set(map(type, flat)) != {int}:
         return None  # bools, floats, numpy ints...: let the exact check judge them
-    rows, cols = page_table.shape
-    if not (min(rows_) >= 0 and max(rows_) < rows and min(firsts) >= 0
-            and all(map(operator.le, firsts, lasts)) and max(lasts) * page_size <= cols):
-        return None
-    page_counts = list(map(operator.sub, lasts, firsts))
-    page_ends = list(itertools.accumulate(page_counts))
-    if page_ends[-1] * page_size != allocated.numel():
-        return None
-    # Overlap needs two entries in one row (the usual batch has one entry per row): sort the
-    # non-empty ranges by (row, first_page); none may start before the previous one ends.
-    if len(set(rows_)) < len(rows_):
-        ranges = sorted(entry for entry in allocation_info if entry[1] < entry[2])
-        if any(a[0] == b[0] and b[1] < a[2] for a, b in zip(ranges, ranges[1:])):
-            return None
-    flat = array.array("q", rows_ + firsts + lasts)
-    flat.extend(map(operator.sub, page_ends, page_counts))  # pages before each entry
-    meta = torch.frombuffer(flat, dtype=torch.int64).view(4, -1)
-    meta[3] *= page_size  # offsets into ``allocated``: pages before this entry, in slots
-    return meta
+    return np.array(flat, dtype=np.int64).reshape(-1, 3).T
 
 
 def _check_write_entry_by_entry(page_table, allocated, allocation_info, page_size) -> list[PageRun]:
@@ -342,8 +366,12 @@ def write_page_table_triton(page_table: torch.Tensor, allocated: torch.Tensor,
         return
     _check_rows_contiguous(page_table)
     # [4, R]: rows, first pages, last pages, offsets (an empty entry's program loops zero
-    # times). A few KB: a plain copy costs less than pinning a fresh buffer on every call.
-    meta = meta.contiguous().to(page_table.device)
+    # times). From pinned memory the copy is asynchronous: a copy from pageable memory would
+    # make the host wait for the GPU (a sync) on every write.
+    if page_table.device.type == "cuda":
+        meta = meta.pin_memory().to(page_table.device, non_blocking=True)
+    else:
+        meta = meta.to(page_table.device)
     write_page_table_kernel[(num_runs,)](
         page_table, page_table.stride(0), allocated.contiguous(), meta, num_runs,
         int(page_size), BLOCK=_WRITE_BLOCK)

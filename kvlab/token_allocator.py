@@ -2,53 +2,69 @@
 
 Chapter 03 builds :meth:`PagedTokenAllocator.alloc_extend` (prefill / extend) and chapter 04
 :meth:`PagedTokenAllocator.alloc_decode` (one token per request per step), after SGLang's
-``PagedTokenToKVPoolAllocator``.
+``PagedTokenToKVPoolAllocator``; chapter 09 makes them fast.
 
 The pool has ``num_pages`` pages of ``page_size`` (P) token slots; page ``k`` owns slots
 ``k*P .. k*P + P - 1``. ``free_pages`` lists the free page ids; allocations take them from
 the front, ``free`` appends them at the back::
 
-    free_pages: [ 7  3  9  5  0  2 ... ]        alloc_extend needing 4 pages
-                 \\__________/                   -> pages 7, 3, 9, 5 are handed out
-                   taken          [ 0  2 ... ]  <- free_pages afterwards
+    free list:  [ 7  3  9  5  0  2 ... ]        alloc_extend needing 4 pages
+                  ^ head                        -> pages 7, 3, 9, 5 are handed out
+                 \\__________/ ^ head afterwards  (free_pages = the list from head on)
+    page_free:  one byte per page, 1 = free     (what the kernels check last_loc against)
 
 Choices (documented because SGLang differs in places):
 
 * **Every page is usable**: page ids ``0 .. num_pages - 1``. (SGLang reserves page 0 as the
-  padding target of CUDA-graph batches; kvlab's page tables mark unmapped entries with -1
-  instead, so no page has to be sacrificed.)
-* **Empty prefix**: ``last_loc`` is ``-1`` by convention when ``prefix_len == 0`` (as in SGLang).
-  The rule ``(last_loc + 1) % P == prefix_len % P`` is checked for every request; ``-1`` passes
-  it because ``(-1 + 1) % P == 0``. A non-empty prefix's ``last_loc`` must be a slot of this
-  pool on a page that is not free (else part 1 could write into a page handed to someone else).
+  padding target of CUDA-graph batches; kvlab's page tables mark unmapped entries with -1.)
+* **Empty prefix**: ``last_loc`` is ``-1`` by convention when ``prefix_len == 0``. The rule
+  ``(last_loc + 1) % P == prefix_len % P`` holds for every request; a non-empty prefix's
+  ``last_loc`` must be a slot of this pool on a page that is not free (else part 1 could
+  write into a page handed to someone else in this very batch).
 * **Decode lengths**: ``alloc_decode`` takes ``seq_lens`` AFTER the new token (``seq = pre + 1``).
-* **Safe order**: the number of new pages is computed on the host and checked *before* any
-  kernel reads ``free_pages``. Short of pages -> :class:`kvlab.OutOfPages`, nothing changed.
-  (The source design launched the kernel first and checked the count afterwards: on
-  out-of-memory its kernel had already read past the end of ``free_pages``.)
+* **Safe order**: no kernel reads ``free_pages`` past the pages that are free. With host
+  lengths the page count is checked on the host before the launch; without, the kernel
+  counts and refuses by itself before reading. (The source design launched first and
+  checked afterwards: on out-of-memory its kernel had already read past ``free_pages``.)
 * **Freeing**: ``free(indices)`` takes token slots and frees the pages they lie on
-  (``unique(indices // P)``, as SGLang does). It refuses, and changes nothing, when a slot is
-  out of range, a slot is given twice, or a page is already free: nothing is freed twice.
+  (``unique(indices // P)``). It refuses a slot out of range, a slot given twice, or a page
+  that is already free: nothing is freed twice.
 
-``impl`` picks who runs step 4 (the launch); steps 1-3 and 5 are shared methods:
-1 ``_validate_*``  2 ``_pages_needed_*``  3 ``_check_enough_pages``  4 ``_launch_*``  5 ``_take_pages``.
+Syncs and errors (chapter 09). A call with host copies of the lengths (``prefix_lens_cpu`` /
+``seq_lens_cpu``: what a scheduler has) never waits for the GPU; a call without them waits
+once, for the page count. The checks stay on either way: rules on the lengths run on the host
+copies; rules only the device can read run inside the kernel, which refuses a bad batch
+before it writes anything (slots of -1, no page taken, see :mod:`kvlab.kernels.fast_alloc`).
+Such a refusal is raised by the next call that reads the device: any call without host
+lengths, :meth:`free`, or :meth:`check_device_errors`; every allocation in between was
+refused too, and the allocator is rolled back to just before the refused call. On a CPU,
+where reading the device costs nothing, it is raised by the call itself (``eager_errors``).
+
+``impl`` picks the kernels: ``"fast"`` (chapter 09, the default; one compilation per page
+size, made in the constructor, serves every batch) or ``"teaching"`` (chapters 03-04; its
+kernels read ``free_pages`` unmasked, so the verdict is read back before they launch: one
+sync per call, whatever the caller passes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
 from . import runtime  # first: decides compiled Triton vs the interpreter
-import triton  # noqa: E402,I001
-import triton.language as tl  # noqa: E402
-from .errors import IntegrityError, InvalidArgument, OutOfPages
+import triton.language as tl  # noqa: E402,I001
+from .alloc_checks import (DeviceReport, check_count, check_devices, check_index_tensor, decode_counts,
+                           extend_counts, refusal_error, same_device)
+from .args import check_int, check_page_size, next_pow2
+from .errors import InvalidArgument, OutOfPages
+from .kernels import fast_alloc as K
+from .kernels.alloc_checks import STATUS_WORDS
 
-#: the implementations of the launch step this module knows: "fast" (chapter 09, the default:
-#: one compilation for every shape, no extra host sync) and "teaching" (chapters 03-04)
+#: the implementations of the launch step: "fast" (chapter 09, the default) and "teaching"
 IMPLS: tuple[str, ...] = ("fast", "teaching")
-
-_INT_DTYPES = (torch.int32, torch.int64)
+_EXTEND_NAMES = ("prefix_lens", "seq_lens", "last_loc")
+_DECODE_NAMES = ("seq_lens", "last_loc")
 #: the largest block ``tl.arange`` may build (Triton's TRITON_MAX_TENSOR_NUMEL)
 _MAX_BLOCK: int = getattr(tl, "TRITON_MAX_TENSOR_NUMEL", 1 << 20)
 
@@ -66,24 +82,12 @@ class AllocatorState:
                 and torch.equal(self.free_pages.cpu(), other.free_pages.cpu()))
 
 
-def _as_int(value, argument: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise InvalidArgument(argument, "must be an int", f"got {type(value).__name__}")
-    return int(value.__index__())
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _first_bad(mask: torch.Tensor) -> int | None:
-    """Index of the first True in ``mask`` (a host sync; validation is host-side on purpose)."""
-    idx = mask.nonzero()
-    return int(idx[0, 0]) if idx.numel() else None
-
-
-def _next_pow2(n: int) -> int:
-    return max(1, triton.next_power_of_2(n))
+def _pinned_device(device) -> torch.device:
+    """``cuda`` becomes ``cuda:<current>``, so that comparing it with a tensor's device is exact."""
+    device = runtime.default_device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class PagedTokenAllocator:
@@ -95,13 +99,11 @@ class PagedTokenAllocator:
     """
 
     def __init__(self, num_pages: int, page_size: int, device: "torch.device | str | None" = None,
-                 *, impl: str = "fast"):
-        num_pages = _as_int(num_pages, "num_pages")
-        page_size = _as_int(page_size, "page_size")
-        if num_pages < 1:
-            raise InvalidArgument("num_pages", "num_pages >= 1", f"got {num_pages}")
-        if page_size < 1 or page_size & (page_size - 1) or page_size > _MAX_BLOCK:
-            # the kernels use tl.arange(0, page_size): a compile-time power of two, capped by Triton
+                 *, impl: str = "fast", eager_errors: bool | None = None):
+        num_pages = check_int("num_pages", num_pages, minimum=1)
+        page_size = check_page_size(page_size)
+        if page_size & (page_size - 1) or page_size > _MAX_BLOCK:
+            # the teaching kernels use tl.arange(0, page_size): a power of two, capped by Triton
             raise InvalidArgument("page_size", f"a power of two, 1 <= page_size <= {_MAX_BLOCK}",
                                   f"got {page_size}")
         if impl not in IMPLS:
@@ -109,20 +111,56 @@ class PagedTokenAllocator:
         self.num_pages = num_pages
         self.page_size = page_size
         self.impl = impl
-        self.device = runtime.default_device(device)
-        self.free_pages = torch.arange(num_pages, dtype=torch.int64, device=self.device)
-        # the kernels' packed report: (new pages << 32) | new tokens
-        self.ret_values = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.device = _pinned_device(device)
+        if not runtime.INTERPRET and self.device.type != "cuda":
+            raise InvalidArgument("device", "must be a CUDA device: the kernels are compiled for the GPU",
+                                  f"got {self.device}")
+        self.eager_errors = self.device.type == "cpu" if eager_errors is None else bool(eager_errors)
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self._free_list = torch.arange(num_pages, **i64)    # free pages: _free_list[_head:]
+        self._head = 0
+        self._page_free = torch.ones(num_pages, dtype=torch.int8, device=self.device)
+        self._status = torch.zeros(STATUS_WORDS, **i64)   # refusals, for the host
+        self._scratch, self._scratch_words = torch.empty(0, **i64), 0
+        self._calls = 0
+        self._extend_key, self._decode_key = K.int64_key(page_size, 4), K.int64_key(page_size, 3)
+        # the kernels' packed report: (new pages << 32) | new tokens; decode: new pages
+        self.ret_values = torch.zeros(1, **i64)
+        #: seconds each kernel took to compile here (0.0: it came from Triton's cache, or the
+        #: interpreter): after this, no call compiles
+        self.compile_seconds = K.warm_up(page_size, self.device, fill=impl == "fast")
 
-    # --- inspection ---------------------------------------------------------------------
-
-    def available_size(self) -> int:
-        """Free token slots: free pages x page_size."""
-        return int(self.free_pages.numel()) * self.page_size
+    # --- inspection (no device reads) -----------------------------------------------------
 
     @property
     def num_free_pages(self) -> int:
-        return int(self.free_pages.numel())
+        return self._free_list.numel() - self._head
+
+    def available_size(self) -> int:
+        """Free token slots: free pages x page_size."""
+        return self.num_free_pages * self.page_size
+
+    @property
+    def free_pages(self) -> torch.Tensor:
+        """The free page ids, in the order they will be handed out."""
+        return self._free_list[self._head:]
+
+    @free_pages.setter
+    def free_pages(self, pages: torch.Tensor) -> None:
+        """Replace the free list (tests and notebooks); every other page counts as allocated."""
+        check_index_tensor("free_pages", pages)
+        check_devices("the allocator", self.device, free_pages=pages)
+        pages = pages.to(torch.int64).contiguous()
+        if pages.numel():
+            lo, hi = torch.stack([pages.min(), pages.max()]).tolist()
+            distinct = pages.unique().numel()
+            if lo < 0 or hi >= self.num_pages or distinct != pages.numel():
+                raise InvalidArgument("free_pages", f"distinct page ids in [0, {self.num_pages})",
+                                      f"got min {lo}, max {hi}, {distinct} distinct of {pages.numel()}")
+        self._free_list, self._head = pages, 0
+        self._page_free.zero_()
+        self._page_free[pages] = 1
+        self._status.zero_()
 
     def state(self) -> AllocatorState:
         """A copy of the state (``free_pages`` cloned); compare two with ``a.equals(b)``."""
@@ -134,221 +172,205 @@ class PagedTokenAllocator:
         return (f"PagedTokenAllocator(num_pages={self.num_pages}, page_size={self.page_size}, "
                 f"free_pages={self.num_free_pages}, device={self.device}, impl={self.impl!r})")
 
-    # --- step 1: validate -----------------------------------------------------------------
+    # --- step 1: the arguments the host can judge ----------------------------------------------
 
-    def _check_tensor(self, t, argument: str) -> torch.Tensor:
-        """A 1-D int32/int64 tensor on this allocator's device, returned as contiguous int64."""
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArgument(argument, "must be a torch.Tensor", f"got {type(t).__name__}")
-        if t.dtype not in _INT_DTYPES:
-            raise InvalidArgument(argument, "dtype must be torch.int32 or torch.int64", f"got {t.dtype}")
-        if t.dim() != 1:
-            raise InvalidArgument(argument, "must be 1-D", f"got shape {tuple(t.shape)}")
-        if not _same_device(t.device, self.device):
-            raise InvalidArgument(argument, f"must be on the allocator's device {self.device}",
-                                  f"got {t.device}")
-        return t.to(torch.int64).contiguous()
+    def _device_lengths(self, names: tuple, tensors: tuple) -> tuple:
+        """1-D integer tensors on this device, one entry per request, as contiguous int64."""
+        bs = tensors[0].numel() if isinstance(tensors[0], Tensor) else -1
+        dev = self.device
+        for t in tensors:  # the common case, judged in one pass
+            if not (isinstance(t, Tensor) and t.dtype is torch.int64 and t.dim() == 1 and t.numel() == bs
+                    and t.device == dev and t.is_contiguous()):
+                break
+        else:
+            return tensors
+        for name, t in zip(names, tensors):
+            check_index_tensor(name, t)
+            if not same_device(t.device, dev):
+                raise InvalidArgument(name, f"must be on the allocator's device {dev}", f"got {t.device}")
+        if len({t.numel() for t in tensors}) != 1:
+            raise InvalidArgument("/".join(names), "same length", f"got {[t.numel() for t in tensors]}")
+        return tuple(t.to(torch.int64).contiguous() for t in tensors)
 
-    def _check_last_loc(self, last: torch.Tensor, pre: torch.Tensor, what_pre: str) -> None:
-        P = self.page_size
-        bad = _first_bad(torch.remainder(last + 1, P) != torch.remainder(pre, P))
-        if bad is not None:
-            raise InvalidArgument(
-                f"last_loc[{bad}]", f"(last_loc + 1) % page_size == {what_pre} % page_size",
-                f"got last_loc {int(last[bad])}, {what_pre} {int(pre[bad])}, page_size {P}")
-        # a non-empty prefix ends on a real slot of this pool
-        bad = _first_bad((pre > 0) & ((last < 0) | (last >= self.num_pages * P)))
-        if bad is not None:
-            raise InvalidArgument(
-                f"last_loc[{bad}]", f"0 <= last_loc < num_pages * page_size = {self.num_pages * P} "
-                "when the prefix is not empty", f"got {int(last[bad])}")
-        # ... and on a page the request holds: a free page could be handed to someone else
-        # in this very batch, and part 1 would then write into it
-        is_free = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
-        is_free[self.free_pages] = True
-        on_page = torch.where(pre > 0, last, 0) // P
-        bad = _first_bad((pre > 0) & is_free[on_page])
-        if bad is not None:
-            raise InvalidArgument(
-                f"last_loc[{bad}]", "last_loc lies on an allocated page (not in free_pages)",
-                f"got {int(last[bad])}, on page {int(last[bad]) // P}, which is free")
+    def _scratch_for(self, words: int) -> Tensor:
+        if self._scratch_words < words:  # grows, never shrinks: one allocation for many calls
+            self._scratch_words = max(words, 2 * self._scratch_words)
+            self._scratch = torch.empty(self._scratch_words, dtype=torch.int64, device=self.device)
+        return self._scratch
 
-    def _validate_extend(self, prefix_lens, seq_lens, last_loc, extend_num_tokens):
-        pre = self._check_tensor(prefix_lens, "prefix_lens")
-        seq = self._check_tensor(seq_lens, "seq_lens")
-        last = self._check_tensor(last_loc, "last_loc")
-        if not (pre.numel() == seq.numel() == last.numel()):
-            raise InvalidArgument("prefix_lens/seq_lens/last_loc", "same length",
-                                  f"got {pre.numel()}, {seq.numel()}, {last.numel()}")
-        n_tokens = _as_int(extend_num_tokens, "extend_num_tokens")
-        bad = _first_bad(pre < 0)
-        if bad is not None:
-            raise InvalidArgument(f"prefix_lens[{bad}]", "prefix_lens >= 0", f"got {int(pre[bad])}")
-        bad = _first_bad(seq < pre)
-        if bad is not None:
-            raise InvalidArgument(f"seq_lens[{bad}]", "seq_lens >= prefix_lens",
-                                  f"got seq {int(seq[bad])} < pre {int(pre[bad])}")
-        total = int((seq - pre).sum())
-        if n_tokens != total:
-            raise InvalidArgument("extend_num_tokens", "extend_num_tokens == sum(seq_lens - prefix_lens)",
-                                  f"got {n_tokens}, the sum is {total}")
-        self._check_last_loc(last, pre, "prefix_lens")
-        return pre, seq, last, n_tokens
+    # --- steps 2-3: the device's verdict, and refusals ---------------------------------------
 
-    def _validate_decode(self, seq_lens, last_loc):
-        seq = self._check_tensor(seq_lens, "seq_lens")
-        last = self._check_tensor(last_loc, "last_loc")
-        if seq.numel() != last.numel():
-            raise InvalidArgument("seq_lens/last_loc", "same length", f"got {seq.numel()}, {last.numel()}")
-        bad = _first_bad(seq < 1)
-        if bad is not None:
-            raise InvalidArgument(f"seq_lens[{bad}]", "seq_lens >= 1 (the length after the new token)",
-                                  f"got {int(seq[bad])}")
-        self._check_last_loc(last, seq - 1, "(seq_lens - 1)")
-        return seq, last
+    def _read_status(self) -> DeviceReport:
+        return DeviceReport.from_words(self._status.tolist())  # a device -> host sync
 
-    # --- step 2: count the new pages on the host ------------------------------------------
+    def _raise_refusal(self, rep: DeviceReport, call_id: int | None) -> None:
+        """Undo the refused call and every later one (the kernels refused them too), clear
+        the record, and raise the refusal's error."""
+        self._head = rep.free_head
+        self._status.zero_()
+        decode = bool(rep.call_id & 1)
+        what = "decode step" if decode else "extend"
+        note = "" if rep.call_id == call_id else (
+            f"; raised now for an earlier {'alloc_decode' if decode else 'alloc_extend'} call that the "
+            "kernel refused: it and every allocation since returned -1 slots and took no pages")
+        raise refusal_error(rep, self.page_size, what, decode=decode, note=note)
 
-    def _pages_needed_extend(self, pre: torch.Tensor, seq: torch.Tensor) -> int:
-        P = self.page_size
-        return int(((seq + P - 1) // P - (pre + P - 1) // P).sum())
+    def check_device_errors(self) -> None:
+        """Raise a refusal a kernel recorded since the host last looked (one sync)."""
+        rep = self._read_status()
+        if rep.code:
+            self._raise_refusal(rep, None)
 
-    def _pages_needed_decode(self, seq: torch.Tensor) -> int:
-        return int(((seq - 1) % self.page_size == 0).sum())
-
-    # --- step 3: refuse before any kernel reads free_pages ---------------------------------
-
-    def _check_enough_pages(self, needed: int, what: str) -> None:
-        if needed > self.num_free_pages:
-            raise OutOfPages(needed, self.num_free_pages, what)
-
-    # --- step 4: launch (dispatched on impl) -----------------------------------------------
-
-    def _launch_extend(self, pre, seq, last, out, n_tokens: int, needed: int) -> None:
-        if self.impl == "fast":
-            self._launch_extend_fast(pre, seq, last, out, n_tokens, needed)
-        elif self.impl == "teaching":
-            self._launch_extend_teaching(pre, seq, last, out, n_tokens, needed)
-        else:  # pragma: no cover - __init__ only accepts IMPLS
-            raise InvalidArgument("impl", f"one of {IMPLS}", f"got {self.impl!r}")
-
-    def _launch_decode(self, seq, last, out, needed: int) -> None:
-        if self.impl == "fast":
-            self._launch_decode_fast(seq, last, out, needed)
-        elif self.impl == "teaching":
-            self._launch_decode_teaching(seq, last, out, needed)
-        else:  # pragma: no cover
-            raise InvalidArgument("impl", f"one of {IMPLS}", f"got {self.impl!r}")
-
-    def _launch_extend_fast(self, pre, seq, last, out, n_tokens: int, needed: int) -> None:
-        # chapter 09: the counts are already known on the host (steps 1-3), so no sync here
-        from .kernels.fast_alloc import alloc_extend_fast
-
-        alloc_extend_fast(pre, seq, last, self.free_pages, self.page_size,
-                          extend_num_tokens=n_tokens, num_new_pages=needed, out=out,
-                          report=self.ret_values)
-
-    def _launch_decode_fast(self, seq, last, out, needed: int) -> None:
-        from .kernels.fast_alloc import alloc_decode_fast
-
-        alloc_decode_fast(seq, last, self.free_pages, self.page_size, num_new_pages=needed, out=out,
-                          report=self.ret_values)
-
-    def _launch_extend_teaching(self, pre, seq, last, out, n_tokens: int, needed: int) -> None:
-        from .kernels.alloc import alloc_extend_kernel
-
-        bs = pre.numel()
-        # the teaching kernel's tl.arange(0, next_power_of_2(n)) is one block: Triton caps its size
-        limit = _MAX_BLOCK
-        if _next_pow2(n_tokens) > limit or _next_pow2(bs) > limit:
-            raise InvalidArgument("extend_num_tokens", f"next_power_of_2(extend_num_tokens) and "
-                                  f"next_power_of_2(bs) <= {limit} for the teaching kernel",
-                                  f"got {n_tokens} tokens, {bs} requests")
-        alloc_extend_kernel[(bs,)](
-            pre, seq, last, self.free_pages, out, self.ret_values,
-            _next_pow2(bs), self.page_size, _next_pow2(n_tokens),
-        )
-        # the teaching path reads the packed report back (one host sync) and cross-checks it
-        packed = int(self.ret_values.item())
-        got = (packed >> 32, packed & 0xFFFF_FFFF)
-        if got != (needed, n_tokens):
-            raise IntegrityError(f"alloc_extend_kernel reported (pages, tokens) = {got}, "
-                                 f"the host counted {(needed, n_tokens)}")
-
-    def _launch_decode_teaching(self, seq, last, out, needed: int) -> None:
-        from .kernels.alloc import alloc_decode_kernel
-
-        bs = seq.numel()
-        if _next_pow2(bs) > _MAX_BLOCK:
-            raise InvalidArgument("seq_lens", f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
-                                  f"got {bs} requests")
-        alloc_decode_kernel[(bs,)](seq, last, self.free_pages, out, self.ret_values,
-                                   _next_pow2(bs), self.page_size)
-        got = int(self.ret_values.item())
-        if got != needed:
-            raise IntegrityError(f"alloc_decode_kernel reported {got} new pages, "
-                                 f"the host counted {needed}")
-
-    # --- step 5: the pages are handed out ---------------------------------------------------
-
-    def _take_pages(self, n: int) -> None:
-        self.free_pages = self.free_pages[n:]
+    def _settle(self, call_id: int) -> int:
+        """The verdict of the call just launched: one word, one sync. The kernels write
+        ``ret_values`` = ``(pages << 32) | tokens`` (decode: ``pages``), or -1 if refused."""
+        word = self.ret_values.item()
+        if word < 0:
+            self._raise_refusal(self._read_status(), call_id)
+        return word if call_id & 1 else word >> 32
 
     # --- the public API ---------------------------------------------------------------------
 
-    def alloc_extend(self, prefix_lens: torch.Tensor, seq_lens: torch.Tensor, last_loc: torch.Tensor,
-                     extend_num_tokens: int) -> torch.Tensor:
+    def alloc_extend(self, prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor, extend_num_tokens: int,
+                     *, prefix_lens_cpu=None, seq_lens_cpu=None) -> Tensor:
         """Slots for ``seq - pre`` new tokens per request, requests concatenated (int64).
 
-        Raises :class:`InvalidArgument` on broken rules and :class:`OutOfPages` when too few
-        pages are free; in both cases before any launch, with the allocator unchanged.
+        ``prefix_lens_cpu`` / ``seq_lens_cpu``: host copies of the lengths (a CPU tensor,
+        NumPy array or list); with them the call makes no device->host sync. Raises
+        :class:`InvalidArgument` on broken rules and :class:`OutOfPages` when too few pages are
+        free, with the allocator unchanged (see the module docstring for when).
         """
-        pre, seq, last, n_tokens = self._validate_extend(prefix_lens, seq_lens, last_loc,
-                                                         extend_num_tokens)
-        needed = self._pages_needed_extend(pre, seq)
-        self._check_enough_pages(needed, "extend")
+        pre, seq, last = self._device_lengths(_EXTEND_NAMES, (prefix_lens, seq_lens, last_loc))
+        bs, P = pre.numel(), self.page_size
+        n_tokens = check_count("extend_num_tokens", extend_num_tokens)
+        num_free = self._free_list.numel() - self._head
+        host = None
+        if prefix_lens_cpu is not None or seq_lens_cpu is not None:
+            if prefix_lens_cpu is None or seq_lens_cpu is None:
+                raise InvalidArgument("prefix_lens_cpu/seq_lens_cpu", "give both or neither")
+            host = extend_counts(prefix_lens_cpu, seq_lens_cpu, P, bs)
+            if host.tokens != n_tokens:
+                raise InvalidArgument("extend_num_tokens", "extend_num_tokens == sum(seq_lens - prefix_lens)",
+                                      f"got {n_tokens}, the lengths sum to {host.tokens}")
+            if host.pages > num_free:
+                raise OutOfPages(host.pages, num_free, "extend")  # before any launch
+        if bs == 0:
+            if n_tokens:
+                raise InvalidArgument("extend_num_tokens", "0 for an empty batch", f"got {n_tokens}")
+            return torch.empty(0, dtype=torch.int64, device=self.device)
+        if self.impl == "teaching" and max(next_pow2(n_tokens), next_pow2(bs)) > _MAX_BLOCK:
+            # the teaching kernel's tl.arange(0, next_power_of_2(n)) is one block: Triton caps it
+            raise InvalidArgument("extend_num_tokens", f"next_power_of_2(extend_num_tokens) and "
+                                  f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
+                                  f"got {n_tokens} tokens, {bs} requests")
         out = torch.empty(n_tokens, dtype=torch.int64, device=self.device)
-        if n_tokens > 0:  # nothing to hand out: no launch (the kernel needs >= 1 lane anyway)
-            self._launch_extend(pre, seq, last, out, n_tokens, needed)
-        self._take_pages(needed)
+        self._calls += 1
+        call = 2 * self._calls  # even: an extend (the kind of call rides in the lowest bit)
+        checks = (bs, n_tokens, self._head, num_free, self.num_pages) + (
+            (host.pages, 1, host.sum_pre, host.sum_seq) if host else (-1, 0, 0, 0)) + (call, 1)
+        if self.impl == "fast":
+            K.launch_extend(pre, seq, last, self._free_list, self._page_free, self._status, self.ret_values,
+                            self._scratch_for(K.extend_scratch_words(bs, n_tokens)), out, *checks, P,
+                            self._extend_key)
+            pages = self._settle(call) if host is None else host.pages
+        else:
+            pages = self._extend_teaching(pre, seq, last, out, checks, call)
+        self._head += pages
+        if self.eager_errors and host is not None:
+            self.check_device_errors()
         return out
 
-    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> torch.Tensor:
-        """One slot per request for one decode step; ``seq_lens`` are lengths AFTER the token."""
-        seq, last = self._validate_decode(seq_lens, last_loc)
-        needed = self._pages_needed_decode(seq)
-        self._check_enough_pages(needed, "decode step")
-        out = torch.empty(seq.numel(), dtype=torch.int64, device=self.device)
-        if seq.numel() > 0:
-            self._launch_decode(seq, last, out, needed)
-        self._take_pages(needed)
+    def alloc_decode(self, seq_lens: Tensor, last_loc: Tensor, *, seq_lens_cpu=None) -> Tensor:
+        """One slot per request for one decode step; ``seq_lens`` are lengths AFTER the token.
+
+        ``seq_lens_cpu``: a host copy of ``seq_lens``; with it the call makes no sync.
+        """
+        seq, last = self._device_lengths(_DECODE_NAMES, (seq_lens, last_loc))
+        bs, P = seq.numel(), self.page_size
+        num_free = self._free_list.numel() - self._head
+        host = None
+        if seq_lens_cpu is not None:
+            host = decode_counts(seq_lens_cpu, P, bs)
+            if host.pages > num_free:
+                raise OutOfPages(host.pages, num_free, "decode step")  # before any launch
+        out = torch.empty(bs, dtype=torch.int64, device=self.device)
+        if bs == 0:
+            return out
+        if self.impl == "teaching" and next_pow2(bs) > _MAX_BLOCK:
+            raise InvalidArgument("seq_lens", f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
+                                  f"got {bs} requests")
+        self._calls += 1
+        call = 2 * self._calls + 1  # odd: a decode step
+        checks = (bs, self._head, num_free, self.num_pages) + (
+            (host.pages, 1, host.sum_seq) if host else (-1, 0, 0)) + (call, 1)
+        if self.impl == "fast":
+            K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
+                            *checks, 1, P, self._decode_key)
+            pages = self._settle(call) if host is None else host.pages
+        else:
+            K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
+                            *checks, 0, P, self._decode_key)
+            pages = self._settle(call)  # the teaching kernel reads free_pages unmasked: verdict first
+            from .kernels.alloc import alloc_decode_kernel
+
+            alloc_decode_kernel[(bs,)](seq, last, self.free_pages, out, self.ret_values, next_pow2(bs), P)
+            self._mark_taken(pages)
+        self._head += pages
+        if self.eager_errors and host is not None:
+            self.check_device_errors()
         return out
 
-    def free(self, indices: torch.Tensor) -> None:
+    def _extend_teaching(self, pre, seq, last, out, checks: tuple, call: int) -> int:
+        """Chapter 03's kernel, after the fast check+scan and one read of its verdict."""
+        from .kernels.alloc import alloc_extend_kernel
+
+        bs, n_tokens = checks[0], checks[1]
+        K.launch_extend_check(pre, seq, last, self._page_free, self._status, self.ret_values,
+                              self._scratch_for(2 * bs + 1), *checks, self.page_size)
+        pages = self._settle(call)
+        if n_tokens > 0:  # (the kernel needs >= 1 lane of work)
+            alloc_extend_kernel[(bs,)](pre, seq, last, self.free_pages, out, self.ret_values,
+                                       next_pow2(bs), self.page_size, next_pow2(n_tokens))
+        self._mark_taken(pages)
+        return pages
+
+    def _mark_taken(self, pages: int) -> None:
+        """The teaching kernels do not keep page_free: mark their pages allocated here."""
+        if pages:
+            self._page_free.index_fill_(0, self._free_list[self._head:self._head + pages], 0)
+
+    def free(self, indices: Tensor) -> None:
         """Free the pages the token slots ``indices`` lie on (``unique(indices // P)``).
 
         Refuses (InvalidArgument, nothing changes) a slot out of ``[0, num_pages * P)``, a slot
-        given twice, or a page that is already free.
+        given twice, or a page that is already free. Raises first any refusal a kernel recorded.
         """
-        idx = self._check_tensor(indices, "indices")
+        check_index_tensor("indices", indices)
+        check_devices("the allocator", self.device, indices=indices)
+        idx = indices.to(torch.int64)
+        P, limit = self.page_size, self.num_pages * self.page_size
         if idx.numel() == 0:
-            return
-        limit = self.num_pages * self.page_size
-        bad = _first_bad((idx < 0) | (idx >= limit))
-        if bad is not None:
-            raise InvalidArgument(f"indices[{bad}]", f"0 <= slot < num_pages * page_size = {limit}",
-                                  f"got {int(idx[bad])}")
+            return self.check_device_errors()
         uniq, counts = torch.unique(idx, return_counts=True)
-        if bool((counts > 1).any()):
-            dup = int(uniq[counts > 1][0])
+        pages = torch.unique(uniq.clamp(0, limit - 1) // P)
+        outside = (idx < 0) | (idx >= limit)
+        twice = counts > 1
+        already = self._page_free[pages] != 0
+        words = torch.cat([self._status, torch.stack([
+            outside.any().long(), outside.long().argmax(), twice.any().long(), uniq[twice.long().argmax()],
+            already.any().long(), pages[already.long().argmax()]])]).tolist()  # one sync for every rule
+        rep = DeviceReport.from_words(words[:STATUS_WORDS])
+        if rep.code:
+            self._raise_refusal(rep, None)
+        any_out, first_out, any_twice, dup, any_free, free_page = words[STATUS_WORDS:]
+        if any_out:
+            raise InvalidArgument(f"indices[{first_out}]", f"0 <= slot < num_pages * page_size = {limit}",
+                                  f"got {int(idx[first_out])}")
+        if any_twice:
             raise InvalidArgument("indices", "each slot at most once", f"slot {dup} is given twice")
-        pages = torch.unique(idx // self.page_size)
-        is_free = torch.zeros(self.num_pages, dtype=torch.bool, device=self.device)
-        is_free[self.free_pages] = True
-        bad = _first_bad(is_free[pages])
-        if bad is not None:
-            page = int(pages[bad])
+        if any_free:
             raise InvalidArgument("indices", "free only pages that are allocated",
-                                  f"page {page} (slots {page * self.page_size}.."
-                                  f"{(page + 1) * self.page_size - 1}) is already free")
-        self.free_pages = torch.cat([self.free_pages, pages])
+                                  f"page {free_page} (slots {free_page * P}..{(free_page + 1) * P - 1}) "
+                                  "is already free")
+        self._free_list, self._head = torch.cat([self.free_pages, pages]), 0
+        self._page_free[pages] = 1

@@ -5,75 +5,126 @@ import copy
 import json
 
 import pytest
+import torch
 
 from kvlab import runtime
 from kvlab.bench import cases as C
-from kvlab.bench import suite
+from kvlab.bench import report, suite, timing
+from kvlab.bench.public import SeedAllocator
+from kvlab.bench.targets import evaluate_targets
 from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref
 
 
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    res = suite.run(str(out), smoke=True, log=lambda *a: None)
+    res = suite.run(smoke=True, log=lambda *a: None)
+    report.write_outputs(res, str(out), log=lambda *a: None)
     return res, out
+
+
+def test_run_returns_and_writes_nothing(tmp_path, monkeypatch, smoke):
+    """``run`` measures; only the writer touches files (``__main__`` calls both)."""
+    res, _ = smoke
+    assert {"public_extend", "public_decode", "floor", "cold_process", "host_checks", "targets"} <= set(res)
+    assert res["meta"]["command"].startswith(("python -m kvlab.bench", "TRITON_CACHE_DIR="))
 
 
 def test_smoke_writes_json_markdown_and_plots(smoke):
     res, out = smoke
     names = {p.name for p in out.iterdir()}
-    assert {"bench.json", "bench.md", "09_bench_extend.png", "09_recompile_trap.png",
+    assert {"bench.json", "bench.md", "09_bench_extend.png", "09_recompile_trap.png", "09_public_call.png",
             "09_prefix_sum_scaling.png", "09_bench_decode.png", "09_page_table_write.png"} <= names
     saved = json.loads((out / "bench.json").read_text())
     assert saved["smoke"] is True and saved["extend"] and saved["decode"] and saved["cold"]
+    assert saved["public_extend"] and saved["public_decode"] and saved["cold_process"]["first_calls"]
     md = (out / "bench.md").read_text()
     assert "Smoke run" in md and "no claim" in md  # says it is not a measurement
     assert "PASS" not in md and "FAIL" not in md    # and claims nothing
+    assert "Produced by: `" in md and "seed wrapper" in md and "launch floor" in md
 
 
 def test_smoke_paths_agree_with_each_other(smoke):
     res, _ = smoke
-    assert all(r["agree"] for r in res["extend"])
-    assert all(r["agree"] for r in res["decode"])
+    assert all(r["agree"] for r in res["extend"] + res["decode"] + res["public_extend"] + res["public_decode"])
     assert all(r.get("agree") for r in res["page_table"])
     assert all(t["passed"] is None for t in res["targets"])
+    row = res["public_extend"][0]["paths"]
+    assert {"fast", "fast_host_lens", "teaching", "teaching_host_lens", "seed_wrapper"} <= set(row)
 
 
 def _fake(res, **speed):
-    """A copy of a result with chosen timings, to check the verdicts."""
+    """A copy of a result with chosen timings (µs per call; ``cold`` in ms), to check the verdicts."""
     r = copy.deepcopy(res)
     r["smoke"] = False
-    for row in r["extend"] + r["decode"]:
+    for row in r["extend"] + r["decode"] + r["public_extend"] + r["public_decode"]:
         for name, entry in row["paths"].items():
-            if "median_us" in entry:
+            if "loop_us" in entry:
                 entry["median_us"] = entry["loop_us"] = speed.get(name, 10.0)
+                entry.pop("loop_rounds_us", None)
+            entry["syncs"] = {"fast": 1, "fast_host_lens": 0}.get(name, 1)
+    for row in r["public_extend"] + r["public_decode"]:
+        row["bs"] = 1024 if row is not r["public_extend"][-1] else 4096
     for row in r["page_table"]:
         row["bs"] = 256
         for name, entry in row["paths"].items():
             entry["median_us"] = entry["loop_us"] = speed.get(name, 10.0)
-    for row in r["cold"]:
-        row["fast_first_call_ms"] = speed.get("cold", 1.0)
+    for row in r["cold_process"]["first_calls"]:
+        for k in row:
+            if k not in ("bs", "page_size"):
+                row[k] = speed.get("cold", 1.0)
+    r["host_checks"] = [{"bs": 4096, "extend_cpu_tensor_us": speed.get("host", 30.0), "decode_cpu_tensor_us": 20.0,
+                         "extend_list_us": 150.0, "decode_list_us": 140.0}]
     return r
+
+
+GOOD = dict(teaching=100.0, fast=50.0, fast_host_lens=30.0, seed_wrapper=100.0, host_loop=1000.0, triton=50.0)
 
 
 def test_targets_pass_and_fail_on_the_numbers(smoke):
     res, _ = smoke
-    good = suite.evaluate_targets(_fake(res, teaching=100.0, fast=50.0, host_loop=1000.0, triton=50.0))
-    assert [t["passed"] for t in good] == [True, True, True, True]
-    bad = suite.evaluate_targets(_fake(res, teaching=100.0, fast=90.0, host_loop=100.0, triton=50.0,
-                                       cold=300.0))
-    assert [t["passed"] for t in bad] == [False, False, False, False]
+    good = evaluate_targets(_fake(res, **GOOD))
+    assert [t["passed"] for t in good] == [True] * len(good), [t for t in good if not t["passed"]]
+    bad = evaluate_targets(_fake(res, teaching=100.0, fast=90.0, fast_host_lens=95.0, seed_wrapper=100.0,
+                                 host_loop=100.0, triton=50.0, cold=300.0, host=70.0))
+    assert [t["passed"] for t in bad][:-1] == [False] * (len(bad) - 1)  # (the sync count is still right)
     # one metric failing is enough to fail
-    mixed = _fake(res, teaching=100.0, fast=50.0)
-    mixed["extend"][0]["paths"]["fast"]["loop_us"] = 95.0
-    assert suite.evaluate_targets(mixed)[0]["passed"] is False
+    mixed = _fake(res, **GOOD)
+    mixed["public_extend"][0]["paths"]["fast_host_lens"]["loop_us"] = 46.0
+    assert evaluate_targets(mixed)[0]["passed"] is False
+    synced = _fake(res, **GOOD)
+    synced["public_decode"][0]["paths"]["fast_host_lens"]["syncs"] = 1
+    assert evaluate_targets(synced)[2]["passed"] is False
+    two = _fake(res, **GOOD)
+    two["public_extend"][0]["paths"]["fast"]["syncs"] = 2
+    assert evaluate_targets(two)[-1]["passed"] is False
 
 
 def test_disagreeing_outputs_fail_the_target(smoke):
     res, _ = smoke
-    r = _fake(res, teaching=100.0, fast=10.0)
+    r = _fake(res, **GOOD)
+    r["public_extend"][0]["agree"] = False
     r["extend"][0]["agree"] = False
-    assert suite.evaluate_targets(r)[0]["passed"] is False
+    verdicts = {t["name"]: t["passed"] for t in evaluate_targets(r)}
+    assert verdicts["public alloc_extend, host lengths, checks on"] is False
+    assert verdicts["bare fast alloc_extend vs teaching kernel"] is False
+
+
+def test_the_seed_wrapper_is_the_seed_host_code():
+    """Launch, ``ret_values.item()``, then the slice; None (nothing sliced) when pages are short."""
+    P = 4
+    free = C.make_extend_batch(2, 3, P, seed=1)
+    seed = SeedAllocator(free.free_pages, P)
+    out = seed.alloc_extend(free.prefix_lens, free.seq_lens, free.last_loc, free.extend_num_tokens)
+    plan = alloc_extend_ref(free.prefix_cpu, free.seq_cpu, free.last_loc.tolist(), free.free_pages.tolist(), P)
+    assert out.tolist() == plan.out_indices
+    assert seed.free_pages.tolist() == free.free_pages.tolist()[plan.num_new_pages:]
+    # pages short: the seed launches first (its kernel reads past the free list: here into the
+    # rest of a larger tensor, so nothing outside memory is touched) and then returns None
+    d = C.make_decode_batch(3, 1)
+    pool = torch.cat([d.free_pages, d.free_pages])
+    short = SeedAllocator(pool[:1], 1)
+    assert short.alloc_decode(d.seq_lens, d.last_loc) is None and short.free_pages.numel() == 1
 
 
 @pytest.mark.parametrize("P", [1, 16, 64])
@@ -92,10 +143,14 @@ def test_cli_smoke_does_not_touch_figures(tmp_path, monkeypatch):
         pytest.skip("on a GPU the CLI runs the full suite")
     from kvlab.bench.__main__ import main
 
-    monkeypatch.setattr(suite, "run", lambda out, **kw: {"targets": [], "out": out})
+    import kvlab.bench.__main__ as cli
+
+    written = []
+    monkeypatch.setattr(cli, "run", lambda **kw: {"targets": []})
+    monkeypatch.setattr(cli, "write_outputs", lambda res, out: written.append(out))
     monkeypatch.chdir(tmp_path)
     assert main([]) == 0
-    assert not (tmp_path / "figures").exists()
+    assert not (tmp_path / "figures").exists() and written and "figures" not in written[0]
 
 
 # --- side-by-side timing: the rounds of a case's paths are interleaved ------------------------
@@ -104,7 +159,7 @@ def test_cli_smoke_does_not_touch_figures(tmp_path, monkeypatch):
 def test_interleaved_rounds_rotate_and_time_every_path_each_round():
     calls: list[str] = []
     fns = {name: (lambda name=name: calls.append(name)) for name in ("teaching", "fast", "fast_sync", "torch")}
-    got = suite.interleaved_loop_us(fns, smoke=True, calls=2, rounds=5,
+    got = timing.interleaved_loop_us(fns, smoke=True, calls=2, rounds=5,
                                     time_block=lambda fn, n, smoke: [fn() for _ in range(n)] and 1.0)
     names = list(fns)
     assert calls[:4] == names  # one untimed warm call each, first
@@ -129,37 +184,37 @@ def test_interleaving_cancels_drift_that_timing_one_path_after_the_other_does_no
         return time_block
 
     fns = {name: (lambda name=name: name) for name in true_us}
-    side_by_side = suite.interleaved_loop_us(fns, smoke=True, calls=1, rounds=rounds,
+    side_by_side = timing.interleaved_loop_us(fns, smoke=True, calls=1, rounds=rounds,
                                              time_block=drifting_clock())
     ratio = side_by_side["fast"]["loop_us"] / side_by_side["teaching"]["loop_us"]
     assert abs(ratio - 0.70) < 0.02
     # the old way, each path in its own block of rounds: the drift lands on the second path only
     clock = drifting_clock()
-    one_after_other = {name: suite._median([clock(fn, 1, True) for _ in range(rounds)])
+    one_after_other = {name: timing.median([clock(fn, 1, True) for _ in range(rounds)])
                        for name, fn in fns.items()}
     assert one_after_other["fast"] / one_after_other["teaching"] > 0.80
 
 
 def test_smoke_rows_carry_side_by_side_rounds(smoke):
     res, out = smoke
-    for row in res["extend"] + res["decode"] + res["page_table"] + res["scaling"]:
+    for row in res["extend"] + res["decode"] + res["page_table"] + res["scaling"] + res["public_extend"]:
         for name, entry in row["paths"].items():
             if "skipped" in entry:
                 continue
-            assert len(entry["loop_rounds_us"]) == suite.SMOKE_LOOP_ROUNDS, (row, name)
-            assert entry["loop_us"] == suite._median(entry["loop_rounds_us"])
+            assert len(entry["loop_rounds_us"]) == timing.SMOKE_LOOP_ROUNDS, (row, name)
+            assert entry["loop_us"] == timing.median(entry["loop_rounds_us"])
     md = (out / "bench.md").read_text()
     assert "quotient of those two medians" in md
 
 
 def test_loop_us_of_one_path_still_works():
     n = []
-    assert suite.loop_us(lambda: n.append(1), smoke=True, calls=3, rounds=2) >= 0
+    assert timing.loop_us(lambda: n.append(1), smoke=True, calls=3, rounds=2) >= 0
     assert len(n) == 1 + 3 * 2
 
 
 def test_round_ratios_pair_rounds_timed_together():
     row = {"paths": {"fast": {"loop_rounds_us": [10.0, 30.0, 12.0]},
                      "teaching": {"loop_rounds_us": [20.0, 40.0, 24.0]}}}
-    assert suite.round_ratios(row, "fast", "teaching") == [0.5, 0.75, 0.5]
-    assert suite.round_ratios(row, "fast", "torch") is None  # not measured: no ratio
+    assert timing.round_ratios(row, "fast", "teaching") == [0.5, 0.75, 0.5]
+    assert timing.round_ratios(row, "fast", "torch") is None  # not measured: no ratio

@@ -1,10 +1,12 @@
 """The fast allocation kernels (chapter 09) against the plain-Python references and the
 teaching kernels: random batches, page sizes 1/16/64, empty extends, one and many requests,
-every calling mode; out-of-pages and bad input refused before any launch."""
+every calling mode; out-of-pages and bad input refused before any launch (host rules) or by
+the kernel before it writes anything (device rules)."""
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given
@@ -15,8 +17,9 @@ from kvlab import runtime
 from kvlab.bench import paths as X
 from kvlab.bench.cases import make_decode_batch, make_extend_batch
 from kvlab.errors import InvalidArgument, OutOfPages
+from kvlab import alloc_checks
 from kvlab.kernels import fast_alloc
-from kvlab.kernels.fast_alloc import alloc_decode_fast, alloc_extend_fast
+from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast, decode_needs_from_host, extend_needs_from_host
 from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref
 
 PAGE_SIZES = [1, 16, 64]
@@ -146,33 +149,46 @@ def test_worked_example_from_the_source_design():
     assert out[248:] == [5 * P + k for k in range(4)]
 
 
-@pytest.mark.parametrize("mode", EXTEND_MODES)
-def test_extend_out_of_pages_raises_before_any_launch(mode, monkeypatch):
+class _Spy:
+    """Stands in for a launcher: records launches, or fails the test on one."""
+
+    def __init__(self, launcher=None):
+        self.launcher, self.grids = launcher, []
+
+    def __call__(self, grid, args, key=()):
+        self.grids.append(grid)
+        if self.launcher is None:
+            raise AssertionError("a kernel was launched although the host could refuse first")
+        self.launcher(grid, args, key)
+
+
+@pytest.mark.parametrize("mode", ["counts", "host_lens", "sync", "sync_no_tokens"])
+def test_extend_out_of_pages_is_refused_before_free_pages_is_read(mode, monkeypatch):
+    """With host counts: before any launch. Without: the check+scan refuses on the device and
+    the fill never reads free_pages (one launch fused: its programs refuse before reading)."""
     P = 16
     pre, seq, last = [0, 3], [40, 50], [-1, 2]
     need = alloc_extend_ref(pre, seq, last, list(range(100)), P).num_new_pages
     free = _t(list(range(need - 1)))
     before = free.clone()
-    launched = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            raise AssertionError("no kernel that reads free_pages may run when pages are short")
-
-    for kernel in ("extend_fill_kernel", "extend_fused_kernel"):
-        monkeypatch.setattr(fast_alloc, kernel, Spy())
-    kw = {"counts": dict(extend_num_tokens=84, num_new_pages=need),
-          "host_lens": dict(prefix_lens_cpu=pre, seq_lens_cpu=seq), "sync": {}}[mode]
+    spies = {name: _Spy(getattr(fast_alloc, name) if mode.startswith("sync") and name != "_FILL" else None)
+             for name in ("_FUSED", "_SCAN", "_FILL")}
+    for name, spy in spies.items():
+        monkeypatch.setattr(fast_alloc, name, spy)
+    kw = {"counts": dict(extend_num_tokens=87, num_new_pages=need),
+          "host_lens": dict(prefix_lens_cpu=pre, seq_lens_cpu=seq), "sync": dict(extend_num_tokens=87),
+          "sync_no_tokens": {}}[mode]
     with pytest.raises(OutOfPages) as e:
         alloc_extend_fast(_t(pre), _t(seq), _t(last), free, P, **kw)
     assert e.value.needed == need and e.value.free == need - 1
-    assert launched == [] and torch.equal(free, before)
+    assert torch.equal(free, before) and spies["_FILL"].grids == []
+    launched = sum(len(spy.grids) for spy in spies.values())
+    assert launched == {"counts": 0, "host_lens": 0, "sync": 1, "sync_no_tokens": 1}[mode]
 
 
 def test_extend_bad_input_is_refused_by_name():
     P = 4
-    with pytest.raises(InvalidArgument, match="seq_lens\\[1\\]"):
+    with pytest.raises(InvalidArgument, match="seq_lens_cpu\\[1\\]"):
         alloc_extend_fast(_t([0, 5]), _t([3, 4]), _t([-1, 4]), _t([0, 1, 2]), P,
                           prefix_lens_cpu=[0, 5], seq_lens_cpu=[3, 4])
     with pytest.raises(InvalidArgument, match="extend_num_tokens"):
@@ -184,8 +200,24 @@ def test_extend_bad_input_is_refused_by_name():
         alloc_extend_fast(_t([0]), _t([3]), _t([-1]), _t([[0, 1]]), P)
     with pytest.raises(InvalidArgument, match="page_size"):
         alloc_extend_fast(_t([0]), _t([3]), _t([-1]), _t([0, 1]), 0)
-    with pytest.raises(InvalidArgument, match="seq_lens >= prefix_lens"):  # device-only mode
+    with pytest.raises(InvalidArgument, match="seq_lens\\[1\\]: seq_lens >= prefix_lens"):  # device-only mode
         alloc_extend_fast(_t([0, 9]), _t([3, 4]), _t([-1, 0]), _t(list(range(9))), P)
+    with pytest.raises(InvalidArgument, match="last_loc\\[1\\]: \\(last_loc \\+ 1\\)"):  # found by the kernel
+        alloc_extend_fast(_t([0, 5]), _t([3, 6]), _t([-1, 3]), _t(list(range(9))), P, extend_num_tokens=4)
+
+
+def test_a_bare_call_that_cannot_sync_returns_minus_one_for_what_the_kernel_refuses():
+    """With the counts given nothing waits for the GPU: a batch the kernel refuses (here a
+    last_loc off its page offset, and a wrong page count) comes back as -1 slots."""
+    P = 4
+    got = alloc_extend_fast(_t([0, 5]), _t([3, 6]), _t([-1, 3]), _t(list(range(9))), P,
+                            extend_num_tokens=4, num_new_pages=1)
+    assert got.out_indices.tolist() == [-1] * 4
+    got = alloc_extend_fast(_t([0]), _t([3]), _t([-1]), _t(list(range(9))), P,
+                            extend_num_tokens=3, num_new_pages=2)  # the lengths need 1 page
+    assert got.out_indices.tolist() == [-1] * 3
+    got = alloc_decode_fast(_t([6, 1]), _t([4, -1]), _t([7, 8]), P, num_new_pages=2)  # needs 1
+    assert got.out_indices.tolist() == [-1, -1]
 
 
 def test_extend_empty_batch():
@@ -245,25 +277,21 @@ def test_decode_many_requests_many_blocks():
 def test_decode_out_of_pages_raises_before_any_launch(mode, monkeypatch):
     P = 4
     seq, last = [1, 5, 9, 3], [-1, 3, 7, 13]
-    launched = []
-
-    class Spy:
-        def __getitem__(self, grid):
-            launched.append(grid)
-            raise AssertionError("no launch when pages are short")
-
-    monkeypatch.setattr(fast_alloc, "decode_fast_kernel", Spy())
+    spy = _Spy(fast_alloc._DECODE if mode == "sync" else None)
+    monkeypatch.setattr(fast_alloc, "_DECODE", spy)
     free = _t([20, 21])
     kw = {"counts": dict(num_new_pages=3), "host_lens": dict(seq_lens_cpu=seq), "sync": {}}[mode]
+    out = torch.full((4,), 99, dtype=torch.int64, device=runtime.DEVICE)
     with pytest.raises(OutOfPages):
-        alloc_decode_fast(_t(seq), _t(last), free, P, **kw)
-    assert launched == [] and free.tolist() == [20, 21]
+        alloc_decode_fast(_t(seq), _t(last), free, P, out=out, **kw)
+    assert len(spy.grids) == (1 if mode == "sync" else 0) and free.tolist() == [20, 21]
+    assert out.tolist() == ([-1] * 4 if mode == "sync" else [99] * 4)  # refused: nothing handed out
 
 
 def test_decode_bad_input_is_refused_by_name():
-    with pytest.raises(InvalidArgument, match="seq_lens\\[1\\]"):
+    with pytest.raises(InvalidArgument, match="seq_lens_cpu\\[1\\]"):
         alloc_decode_fast(_t([3, 0]), _t([1, -1]), _t([0]), 4, seq_lens_cpu=[3, 0])
-    with pytest.raises(InvalidArgument, match="seq_lens"):
+    with pytest.raises(InvalidArgument, match="seq_lens\\[1\\]: seq_lens >= 1"):
         alloc_decode_fast(_t([3, 0]), _t([1, -1]), _t([0]), 4)
     with pytest.raises(InvalidArgument, match="num_new_pages"):
         alloc_decode_fast(_t([1, 2]), _t([-1, 4]), _t([0, 1]), 4, num_new_pages=2, seq_lens_cpu=[1, 2])
@@ -311,6 +339,7 @@ def test_one_compilation_serves_every_shape():
 
 def test_kernels_are_exported():
     assert kvlab.kernels.extend_fill_kernel is fast_alloc.extend_fill_kernel
+    assert kvlab.alloc_extend_fast is alloc_extend_fast
 
 
 # --- PagedTokenAllocator(impl="fast"), the default --------------------------------------------
@@ -379,17 +408,10 @@ def test_allocator_fast_out_of_pages_leaves_state_unchanged():
 # --- the host wrappers: every rule checked before any launch, with little host work ------------
 
 
-class _NoLaunch:
-    """Stands in for a kernel: any launch fails the test."""
-
-    def __getitem__(self, grid):
-        raise AssertionError("a kernel was launched although the input breaks a rule")
-
-
 @pytest.fixture
 def no_launch(monkeypatch):
-    for kernel in ("decode_fast_kernel", "extend_scan_kernel", "extend_fill_kernel", "extend_fused_kernel"):
-        monkeypatch.setattr(fast_alloc, kernel, _NoLaunch())
+    for launcher in ("_DECODE", "_SCAN", "_FILL", "_FUSED"):
+        monkeypatch.setattr(fast_alloc, launcher, _Spy())
 
 
 def test_tensor_on_another_device_is_named(no_launch):
@@ -418,20 +440,51 @@ def test_bad_report_is_refused_before_any_launch(bad, no_launch):
 def test_seq_lens_cpu_is_checked_once_and_fully(no_launch):
     with pytest.raises(InvalidArgument, match="seq_lens_cpu.*one entry per request"):
         alloc_decode_fast(_t([1, 5]), _t([-1, 3]), _t([0, 1]), 4, seq_lens_cpu=[1])
-    with pytest.raises(InvalidArgument, match="seq_lens\\[2\\]"):
+    with pytest.raises(InvalidArgument, match="seq_lens_cpu\\[2\\]"):
         alloc_decode_fast(_t([1, 5, 0]), _t([-1, 3, 4]), _t([0, 1]), 4, seq_lens_cpu=[1, 5, 0])
-    with pytest.raises(InvalidArgument, match="prefix_lens\\[1\\]"):
+    with pytest.raises(InvalidArgument, match="prefix_lens_cpu\\[1\\]"):
         alloc_extend_fast(_t([0, -2]), _t([3, 4]), _t([-1, 0]), _t([0, 1]), 4,
                           prefix_lens_cpu=[0, -2], seq_lens_cpu=[3, 4])
 
 
-@pytest.mark.parametrize("lens", [lambda v: v, lambda v: torch.tensor(v), lambda v: [float(x) for x in v],
-                                  lambda v: tuple(v)])
+@pytest.mark.parametrize("lens", [lambda v: v, lambda v: torch.tensor(v), lambda v: torch.tensor(v, dtype=torch.int32),
+                                  lambda v: tuple(v), lambda v: np.array(v)])
 def test_host_lengths_in_any_int_container(lens):
-    """Lists of ints are used as they are; tensors, floats that are whole, tuples are converted."""
+    """Lists and tuples of ints, CPU tensors and NumPy arrays of any integer dtype."""
     pre, seq, P = [0, 5, 17], [3, 5, 40], 16
-    assert fast_alloc.extend_needs_from_host(lens(pre), lens(seq), P) == (3 + 0 + 23, 1 + 0 + (3 - 2))
-    assert fast_alloc.decode_needs_from_host(lens([1, 17, 18, 33]), P) == 3
+    assert extend_needs_from_host(lens(pre), lens(seq), P) == (3 + 0 + 23, 1 + 0 + (3 - 2))
+    assert decode_needs_from_host(lens([1, 17, 18, 33]), P) == 3
+
+
+@pytest.mark.parametrize("bad,rule", [
+    ([1.0, 2.0], "integers"), ([True, False], "integers"), (np.array([1.5]), "integers"),
+    (torch.tensor([[1, 2]]), "1-D"), ("12", "list of ints"), (torch.tensor([1.0]), "integers"),
+])
+def test_host_lengths_refuse_what_is_not_ints(bad, rule):
+    with pytest.raises(InvalidArgument, match=rule) as e:
+        decode_needs_from_host(bad, 4)
+    assert e.value.argument == "seq_lens_cpu"
+
+
+def test_host_lengths_on_a_device_are_refused():
+    if runtime.DEVICE.type == "cpu":
+        pytest.skip("needs a device other than the host")
+    with pytest.raises(InvalidArgument, match="on the host"):
+        decode_needs_from_host(_t([1, 2]), 4)
+
+
+def test_checksum_weights_match_the_kernels():
+    """A host copy equal to the device tensor is accepted; the same totals in another order
+    are not (the checksum weighs each request by its position)."""
+    P = 4
+    pre, seq, last, free = [0, 4], [4, 8], [-1, 3], list(range(2, 9))
+    ok = alloc_extend_fast(_t(pre), _t(seq), _t(last), _t(free), P, prefix_lens_cpu=pre, seq_lens_cpu=seq)
+    assert ok.out_indices.tolist() == alloc_extend_ref(pre, seq, last, free, P).out_indices
+    swapped = alloc_extend_fast(_t(pre), _t(seq), _t(last), _t(free), P, prefix_lens_cpu=[4, 0],
+                                seq_lens_cpu=[8, 4])
+    assert swapped.out_indices.tolist() == [-1] * 8
+    w = alloc_checks.checksum_weights(3)
+    assert len(set(w.tolist())) == 3 and w.dtype == np.int64
 
 
 def test_host_path_uses_plain_int_arithmetic(monkeypatch):

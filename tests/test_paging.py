@@ -280,3 +280,21 @@ def test_bulk_check_agrees_with_the_entry_by_entry_rules(max_req, pages, P, entr
         assert exact is None
     else:
         assert list(zip(*fast.tolist())) == exact
+
+
+@pytest.mark.parametrize("form", ["list", "ndarray", "tensor"])
+def test_allocation_info_as_an_array_is_checked_the_same(form, device):
+    """An [n, 3] integer array (or CPU tensor) takes the vectorised check without converting
+    entry by entry; its refusals name the entry like the list's."""
+    import numpy as np
+
+    P = 4
+    good = [(0, 0, 2), (2, 1, 3)]
+    bad = [(0, 0, 2), (0, 1, 3)]  # overlapping runs in row 0
+    as_form = {"list": list, "ndarray": np.array, "tensor": torch.tensor}[form]
+    table = new_page_table(3, 16, P, device=device)
+    runs = check_write_page_table(table, torch.zeros(16, dtype=torch.int32, device=device), as_form(good), P)
+    assert [tuple(r) for r in runs] == [(0, 0, 2, 0), (2, 1, 3, 8)]
+    with pytest.raises(InvalidArgument, match="overlap") as e:
+        check_write_page_table(table, torch.zeros(16, dtype=torch.int32, device=device), as_form(bad), P)
+    assert e.value.argument == "allocation_info[1]"

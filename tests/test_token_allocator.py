@@ -361,3 +361,231 @@ def test_teaching_kernel_block_limit_is_refused_before_launch():
     n = _MAX_BLOCK + 1  # next_power_of_2 -> 2 * _MAX_BLOCK lanes: more than Triton allows
     err = _refused(alloc, lambda: alloc.alloc_extend(t([0]), t([n]), t([-1]), n), InvalidArgument)
     assert err.argument == "extend_num_tokens"
+
+
+# --- host lengths: no sync; rules only the device can read are refused by the kernel --------
+
+
+@pytest.mark.parametrize("impl", ["fast", "teaching"])
+@given(st.sampled_from([1, 4, 16]), st.integers(0, 2**16), st.sampled_from(["list", "tensor", "none"]))
+def test_host_lengths_give_the_same_slots(impl, P, seed, form):
+    """The same steps with and without host copies of the lengths: same slots, same free list."""
+    import random
+
+    rng = random.Random(seed)
+    allocs = [PagedTokenAllocator(40, P, impl=impl), PagedTokenAllocator(40, P, impl=impl)]
+    lens: list[int] = []
+    last: list[int] = []
+    host = {"list": list, "tensor": lambda v: torch.tensor(v), "none": lambda v: None}[form]
+    for _ in range(3):
+        pre = lens + [0] * rng.randint(1, 2)
+        seq = [p + rng.choice([0, 1, P, rng.randint(1, 2 * P + 3)]) for p in pre]
+        lasts = last + [-1] * (len(pre) - len(last))
+        n = sum(s - p for p, s in zip(pre, seq))
+        outs = []
+        for a, with_host in zip(allocs, (False, True)):
+            kw = dict(prefix_lens_cpu=host(pre), seq_lens_cpu=host(seq)) if with_host and form != "none" else {}
+            try:
+                outs.append(a.alloc_extend(t(pre), t(seq), t(lasts), n, **kw).tolist())
+            except OutOfPages:
+                outs.append("oom")
+        assert outs[0] == outs[1]
+        assert allocs[0].free_pages.tolist() == allocs[1].free_pages.tolist()
+        if outs[0] == "oom":
+            return
+        at, last = 0, []
+        for p, s, old in zip(pre, seq, lasts):
+            at += s - p
+            last.append(outs[0][at - 1] if s > p else old)
+        lens = seq
+        dec = [s + 1 for s in lens]
+        outs = []
+        for a, with_host in zip(allocs, (False, True)):
+            kw = dict(seq_lens_cpu=host(dec)) if with_host and form != "none" else {}
+            try:
+                outs.append(a.alloc_decode(t(dec), t(last), **kw).tolist())
+            except OutOfPages:
+                outs.append("oom")
+        assert outs[0] == outs[1]
+        if outs[0] == "oom":
+            return
+        lens, last = dec, outs[0]
+
+
+def _deferred(P=4):
+    """An allocator that does not read the device after each call (as on a GPU), with one
+    request of 3 tokens on page 0."""
+    alloc = PagedTokenAllocator(8, P, eager_errors=False)
+    alloc.alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu=[3])
+    alloc.check_device_errors()
+    return alloc
+
+
+@pytest.mark.parametrize("call,argument,rule", [
+    # last_loc on page 5, which is free
+    (lambda a: a.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6]),
+     "last_loc[0]", "allocated page"),
+    # host copies that are not the device tensors (same totals, another order)
+    (lambda a: a.alloc_extend(t([0, 3]), t([3, 4]), t([-1, 2]), 4, prefix_lens_cpu=[3, 0], seq_lens_cpu=[4, 3]),
+     "prefix_lens_cpu/seq_lens_cpu", "same values"),
+    # device seq_lens below the prefix, host copies fine
+    (lambda a: a.alloc_extend(t([3]), t([2]), t([2]), 1, prefix_lens_cpu=[3], seq_lens_cpu=[4]),
+     "seq_lens[0]", "seq_lens >= prefix_lens"),
+    (lambda a: a.alloc_decode(t([4]), t([22]), seq_lens_cpu=[4]), "last_loc[0]", "allocated page"),
+    (lambda a: a.alloc_decode(t([4, 1]), t([2, -1]), seq_lens_cpu=[1, 4]), "seq_lens_cpu", "same values"),
+])
+def test_a_refusal_found_on_the_device_is_raised_later_and_undone(call, argument, rule):
+    """The kernel refuses before it writes anything: -1 slots, no page taken. The next call
+    that reads the device raises the error; every allocation in between was refused too, and
+    the allocator is back where it was before the refused call."""
+    alloc = _deferred()
+    before = alloc.state()
+    out = call(alloc)                                   # no sync: nothing raised yet
+    assert out.tolist() == [-1] * out.numel()
+    later = alloc.alloc_decode(t([4]), t([2]), seq_lens_cpu=[4])   # a good call, after it
+    assert later.tolist() == [-1]
+    with pytest.raises(InvalidArgument) as e:
+        alloc.check_device_errors()
+    assert e.value.argument == argument and rule in e.value.rule
+    assert alloc.state().equals(before)
+    assert alloc.alloc_decode(t([4]), t([2]), seq_lens_cpu=[4]).tolist() == [3]  # works again
+    alloc.check_device_errors()
+
+
+@pytest.mark.parametrize("reader", ["alloc_without_host_lengths", "free"])
+def test_the_next_reading_call_raises_a_pending_refusal_first(reader):
+    alloc = _deferred()
+    before = alloc.state()
+    alloc.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])  # refused
+    with pytest.raises(InvalidArgument, match="earlier alloc_extend call") as e:
+        if reader == "free":
+            alloc.free(t([0]))
+        else:
+            alloc.alloc_decode(t([4]), t([2]))
+    assert e.value.argument == "last_loc[0]"
+    assert alloc.state().equals(before)  # neither the refused call nor the reader changed it
+
+
+def test_eager_errors_raise_at_the_call_itself():
+    """Where reading the device costs nothing (a CPU, the default there) the call itself raises;
+    on a GPU ``eager_errors=True`` buys the same for one sync per call."""
+    alloc = PagedTokenAllocator(8, 4, eager_errors=True)
+    assert PagedTokenAllocator(8, 4).eager_errors == (kvlab.DEVICE.type == "cpu")
+    alloc.alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu=[3])
+    before = alloc.state()
+    with pytest.raises(InvalidArgument, match="allocated page"):
+        alloc.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])
+    assert alloc.state().equals(before)
+
+
+@pytest.mark.parametrize("kw,argument", [
+    (dict(prefix_lens_cpu=[0, 3]), "prefix_lens_cpu/seq_lens_cpu"),           # one of two
+    (dict(prefix_lens_cpu=[0], seq_lens_cpu=[3]), "prefix_lens_cpu"),        # wrong length
+    (dict(prefix_lens_cpu=[0, -3], seq_lens_cpu=[3, 4]), "prefix_lens_cpu[1]"),
+    (dict(prefix_lens_cpu=[0, 3], seq_lens_cpu=[3, 2]), "seq_lens_cpu[1]"),
+    (dict(prefix_lens_cpu=[0, 3], seq_lens_cpu=[3, 5]), "extend_num_tokens"),  # host says 5 tokens
+    (dict(prefix_lens_cpu=[0.0, 3.0], seq_lens_cpu=[3, 4]), "prefix_lens_cpu"),
+])
+def test_host_length_rules_are_refused_before_any_launch(kw, argument):
+    alloc = PagedTokenAllocator(8, 4, eager_errors=False)
+    err = _refused(alloc, lambda: alloc.alloc_extend(t([0, 3]), t([3, 4]), t([-1, 2]), 4, **kw),
+                   InvalidArgument)
+    assert err.argument == argument
+    assert alloc._calls == 0  # refused on the host: nothing launched
+
+
+def test_out_of_pages_with_host_lengths_is_refused_before_any_launch():
+    alloc = PagedTokenAllocator(2, 4, eager_errors=False)
+    err = _refused(alloc, lambda: alloc.alloc_extend(t([0]), t([9]), t([-1]), 9, prefix_lens_cpu=[0],
+                                                     seq_lens_cpu=[9]), OutOfPages)
+    assert (err.needed, err.free) == (3, 2) and alloc._calls == 0
+
+
+def test_free_pages_can_be_set_and_must_be_distinct_pages_of_the_pool():
+    alloc = PagedTokenAllocator(6, 4)
+    alloc.free_pages = t([5, 1, 3])
+    assert alloc.num_free_pages == 3 and alloc._page_free.tolist() == [0, 1, 0, 1, 0, 1]
+    for bad in ([1, 1], [6], [-1]):
+        with pytest.raises(InvalidArgument, match="free_pages"):
+            alloc.free_pages = t(bad)
+
+
+# --- on the GPU: no sync with host lengths, one without, no compile after construction --------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["fast", "teaching"])
+def test_syncs_per_call(impl):
+    """torch's sync debug mode: with host lengths the fast calls make none (it raises on one),
+    without them exactly one (the page count); the teaching kernels always read back once."""
+    import warnings
+
+    P, bs = 16, 64
+    alloc = PagedTokenAllocator(4096, P, impl=impl)
+    pre = [0] * bs
+    seq = [33 + (r % 40) for r in range(bs)]
+    last = [-1] * bs
+    d_pre, d_seq, d_last = t(pre), t(seq), t(last)
+    cpu_pre, cpu_seq = torch.tensor(pre), torch.tensor(seq)
+    n = sum(seq)
+    torch.cuda.synchronize()
+
+    def syncs(fn) -> int:
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        assert (out >= 0).all()
+        return sum("synchronizing" in str(w.message) for w in caught)
+
+    with_host = syncs(lambda: alloc.alloc_extend(d_pre, d_seq, d_last, n, prefix_lens_cpu=cpu_pre,
+                                                 seq_lens_cpu=cpu_seq))
+    without = syncs(lambda: alloc.alloc_extend(d_pre, d_seq, d_last, n))
+    dec_seq = t([s + 1 for s in seq])
+    dec_cpu = dec_seq.cpu()
+    dec_last = alloc.alloc_extend(d_pre, d_seq, d_last, n)[torch.cumsum(d_seq, 0) - 1]  # each one's last slot
+    dec_host = syncs(lambda: alloc.alloc_decode(dec_seq, dec_last, seq_lens_cpu=dec_cpu))
+    if impl == "fast":
+        assert (with_host, without, dec_host) == (0, 1, 0)
+        torch.cuda.set_sync_debug_mode("error")  # and none at all, as the mode that raises sees it
+        try:
+            alloc.alloc_extend(d_pre, d_seq, d_last, n, prefix_lens_cpu=cpu_pre, seq_lens_cpu=cpu_seq)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    else:
+        assert (with_host, without, dec_host) == (1, 1, 1)
+    alloc.check_device_errors()
+
+
+@pytest.mark.gpu
+def test_no_call_after_construction_compiles():
+    """The constructor compiles every kernel the fast path uses; then batches of any size,
+    up to 65,536 requests, are launches only (a compile would take hundreds of ms)."""
+    import time
+
+    from kvlab.kernels import fast_alloc as K
+
+    P = 16
+    alloc = PagedTokenAllocator(1 << 18, P)
+    launchers = (K._FUSED, K._SCAN, K._FILL, K._DECODE)
+    compiled = [len(k.compiled_keys) for k in launchers]
+    jit_cache = [sum(len(c[0]) for c in k.kernel.device_caches.values()) for k in launchers]
+    for bs in (1, 3, 1000, 1025, 3000, 4097, 10000, 65536):
+        pre, seq = [0] * bs, [1 + (r % 3) for r in range(bs)]
+        args = (t(pre), t(seq), t([-1] * bs), sum(seq))
+        host = dict(prefix_lens_cpu=torch.tensor(pre), seq_lens_cpu=torch.tensor(seq))
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = alloc.alloc_extend(*args, **host)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3
+        assert ms < 100, f"first call at bs={bs} took {ms:.0f} ms: a compile?"
+        ends = torch.cumsum(t(seq), 0) - 1
+        alloc.alloc_decode(t([s + 1 for s in seq]), out[ends], seq_lens_cpu=[s + 1 for s in seq])
+        alloc.free(out)
+    alloc.check_device_errors()
+    assert [len(k.compiled_keys) for k in launchers] == compiled
+    assert [sum(len(c[0]) for c in k.kernel.device_caches.values()) for k in launchers] == jit_cache

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import runtime
+from ..args import div_ceil
 
 #: (batch size, mean extend tokens) of the timed extend cases
 EXTEND_CASES: list[tuple[int, int]] = [(1, 4096), (8, 2048), (64, 512), (256, 128), (256, 2048),
@@ -30,10 +31,14 @@ PAGE_SIZES: list[int] = [1, 16, 64]
 #: batch sizes at a fixed total of tokens: shows the teaching kernel's O(bs^2) prefix sums
 SCALING_BATCHES: list[int] = [1, 64, 512, 2048, 8192, 16384]
 SCALING_TOKENS = 16384
-
-
-def _div_ceil(a: int, b: int) -> int:
-    return -(-a // b)
+#: (batch size, mean extend) of the public-call rows: one long prompt, mixed batches, many
+#: short requests, up to 4096 requests and half a million tokens
+PUBLIC_EXTEND_CASES: list[tuple[int, int]] = [(1, 4096), (64, 512), (256, 128), (1024, 64), (4096, 16),
+                                              (256, 256), (256, 2048)]
+PUBLIC_PAGE_SIZES: list[int] = [16, 64]
+PUBLIC_DECODE_BATCHES: list[int] = [1, 64, 256, 1024, 4096]
+#: batch sizes at which the host time of the length checks is measured
+HOST_CHECK_BATCHES: list[int] = [64, 256, 1024, 4096, 16384]
 
 
 @dataclass
@@ -86,8 +91,8 @@ def make_extend_batch(bs: int, mean_extend: int, page_size: int, *, seed: int = 
     ext = extend_lens if extend_lens is not None else extend_lengths(bs, mean_extend, rng)
     pre = [rng.choice([0, rng.randint(1, max_prefix)]) for _ in range(bs)]
     seq = [p + e for p, e in zip(pre, ext)]
-    prefix_pages = [_div_ceil(p, P) for p in pre]
-    new_pages = sum(_div_ceil(s, P) - _div_ceil(p, P) for p, s in zip(pre, seq))
+    prefix_pages = [div_ceil(p, P) for p in pre]
+    new_pages = sum(div_ceil(s, P) - div_ceil(p, P) for p, s in zip(pre, seq))
     used = sum(prefix_pages)
     num_pages = used + new_pages + slack_pages
     last, next_page = [], 0
@@ -110,7 +115,7 @@ def make_decode_batch(bs: int, page_size: int, *, seed: int = 0, max_len: int = 
     rng = random.Random(seed * 1_000_003 + bs * 13 + page_size)
     P = page_size
     seq = [rng.randint(1, max_len) for _ in range(bs)]
-    pages_before = [_div_ceil(s - 1, P) for s in seq]
+    pages_before = [div_ceil(s - 1, P) for s in seq]
     last, next_page = [], 0
     for s, n in zip(seq, pages_before):
         next_page += n
@@ -132,7 +137,7 @@ def page_table_job(batch: ExtendBatch):
     Request r writes its new pages ``[ceil(pre/P), ceil(seq/P))`` into row r.
     """
     P = batch.page_size
-    info = [(r, _div_ceil(p, P), _div_ceil(s, P)) for r, (p, s) in
+    info = [(r, div_ceil(p, P), div_ceil(s, P)) for r, (p, s) in
             enumerate(zip(batch.prefix_cpu, batch.seq_cpu))]
     cols = max(last for _, _, last in info) * P
     dev = batch.prefix_lens.device

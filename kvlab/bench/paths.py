@@ -8,21 +8,17 @@ timed again and again.
   sizes ``next_power_of_2(bs)`` and ``next_power_of_2(T)``, read ``ret_values.item()`` (a
   host sync), then slice. (Here the pool always has enough pages, so its launch-then-check
   order does no harm; :class:`kvlab.PagedTokenAllocator` checks first.)
-* ``fast_*``: :mod:`kvlab.kernels.fast_alloc`, in its three modes.
+* ``fast_*``: :func:`kvlab.fast_alloc.alloc_extend_fast` and friends, in their three modes.
 * ``torch_*``: the same allocation written with vectorised torch operations, no Triton.
 """
 from __future__ import annotations
 
 import torch
-import triton
 
+from ..args import next_pow2
 from ..errors import OutOfPages
-from ..kernels.fast_alloc import alloc_decode_fast, alloc_extend_fast
+from ..fast_alloc import alloc_decode_fast, alloc_extend_fast
 from .cases import DecodeBatch, ExtendBatch
-
-
-def next_pow2(n: int) -> int:
-    return max(1, triton.next_power_of_2(n))
 
 
 # --- extend -------------------------------------------------------------------------------
@@ -45,7 +41,7 @@ def teaching_extend(b: ExtendBatch, ret_values: torch.Tensor | None = None):
 
 
 def fast_extend(b: ExtendBatch):
-    """Fast path, counts known on the host (the scheduler has them): no sync, two launches."""
+    """Fast path, counts known on the host (the scheduler has them): no sync, one launch."""
     r = alloc_extend_fast(b.prefix_lens, b.seq_lens, b.last_loc, b.free_pages, b.page_size,
                           extend_num_tokens=b.extend_num_tokens, num_new_pages=b.num_new_pages)
     return r.out_indices, r.num_new_pages

@@ -8,10 +8,16 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 COLORS = {"teaching": "#c0504d", "fast": "#2e7d32", "fast_host_lens": "#66bb6a",
-          "fast_sync": "#a5d6a7", "torch": "#5b7fbf", "host_loop": "#c0504d", "triton": "#2e7d32"}
+          "fast_sync": "#a5d6a7", "torch": "#5b7fbf", "host_loop": "#c0504d", "triton": "#2e7d32",
+          "seed_wrapper": "#8e6c8a", "teaching_host_lens": "#e6a09e"}
 LABELS = {"teaching": "teaching (source design)", "fast": "fast (counts on host, no sync)",
           "fast_host_lens": "fast (host lengths)", "fast_sync": "fast (one sync)",
-          "torch": "vectorised torch", "host_loop": "host loop + scatter", "triton": "Triton kernel"}
+          "torch": "vectorised torch", "host_loop": "host loop + scatter", "triton": "Triton kernel",
+          "seed_wrapper": "seed wrapper (source host code)"}
+#: the public-call picture's paths and labels
+PUBLIC_LABELS = {"fast_host_lens": "allocator, fast, host lengths (no sync)",
+                 "fast": "allocator, fast (one sync)", "teaching": "allocator, teaching (one sync)",
+                 "seed_wrapper": "seed wrapper (launch + .item())"}
 
 
 def _title(res: dict, what: str) -> str:
@@ -147,6 +153,38 @@ def plot_page_table(res: dict):
     return fig
 
 
+def plot_public_call(res: dict, page_size: int | None = None):
+    """The public calls per case beside the launch floor: where the time of a call goes
+    (``page_size``: the smallest measured, unless given)."""
+    floor = res.get("floor", {}).get("paths", {})
+    if page_size is None:
+        page_size = min((r["page_size"] for r in res.get("public_extend", [])), default=16)
+    panels = [("public_extend", "alloc_extend", lambda r: f"{r['case']}\nT={r['tokens']}"),
+              ("public_decode", "alloc_decode", lambda r: f"bs={r['bs']}")]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), sharey=True, gridspec_kw={"width_ratios": [7, 5]})
+    for ax, (key, title, label) in zip(axes, panels):
+        rows = [r for r in res.get(key, []) if r["page_size"] == page_size]
+        names = [n for n in PUBLIC_LABELS if any(n in r["paths"] for r in rows)]
+        width = 0.8 / max(1, len(names))
+        for j, name in enumerate(names):
+            xs = [i - 0.4 + width * (j + 0.5) for i, r in enumerate(rows) if "loop_us" in r["paths"].get(name, {})]
+            ys = [r["paths"][name]["loop_us"] for r in rows if "loop_us" in r["paths"].get(name, {})]
+            ax.bar(xs, ys, width, color=COLORS[name], label=PUBLIC_LABELS[name])
+        for name, style, text in (("launch_kept", ":", "one launch"), ("launch_1_sync", "--", "launch + one sync")):
+            if "loop_us" in floor.get(name, {}):
+                ax.axhline(floor[name]["loop_us"], color="black", ls=style, lw=1)
+                ax.text(-0.45, floor[name]["loop_us"] * 1.04, text, va="bottom", fontsize=7)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([label(r) for r in rows], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_title(f"PagedTokenAllocator.{title}, page size {page_size}", fontsize=9)
+    axes[0].set_ylabel("µs per call in a loop (log)")
+    _legend_below(fig, axes[0])
+    fig.suptitle(_title(res, "Where the time of a public call goes"), fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.92))
+    return fig
+
+
 #: file name -> plot function; ``python -m kvlab.bench`` writes all of them
 PLOTS = {
     "09_bench_extend.png": plot_extend,
@@ -154,4 +192,5 @@ PLOTS = {
     "09_prefix_sum_scaling.png": plot_scaling,
     "09_bench_decode.png": plot_decode,
     "09_page_table_write.png": plot_page_table,
+    "09_public_call.png": plot_public_call,
 }

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from .suite import round_ratios
+from .timing import round_ratios
 
 
 def _us(entry: dict | None) -> str:
@@ -39,7 +39,8 @@ def markdown(res: dict) -> str:
     lines = [f"# kvlab.bench — {m['device']}", "",
              f"{m['note']}.", "",
              f"torch {m['torch']}, triton {m['triton']}, python {m['python']}; timer: {m['timer']}; "
-             f"{m['date']}; {m.get('seconds', '?')} s.", ""]
+             f"{m['date']}; {m.get('seconds', '?')} s.", "",
+             f"Produced by: `{m.get('command', 'python -m kvlab.bench')}`", ""]
     if res.get("smoke"):
         lines += ["**Smoke run: these numbers are not timings and make no claim.**", ""]
     lines += ["Paths of one case are timed side by side: the per-call-in-a-loop rounds of all its paths "
@@ -47,12 +48,15 @@ def markdown(res: dict) -> str:
               "**A ratio x/y is the quotient of those two medians**; in brackets, the range of the per-round "
               "ratios (round i of x over round i of y, timed next to each other).", ""]
 
-    lines += ["## Targets", "", "| target | rule | measured | result |", "|---|---|---|---|"]
+    lines += ["## Targets", "", "| target | rule | limit | measured | result |", "|---|---|---|---|---|"]
     for t in res["targets"]:
         verdict = "n/a (smoke)" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        lines.append(f"| {t['name']} | {t['rule']} | {t['measured']} | **{verdict}** |")
+        lines.append(f"| {t['name']} | {t['rule']} | {t.get('limit', '')} | {t['measured']} | **{verdict}** |")
+    lines += public_sections(res)
 
-    lines += ["", "## alloc_extend (µs per call: do_bench median / per call in a loop)", "",
+    if not res.get("extend"):
+        return "\n".join(lines) + "\n"
+    lines += ["", "## Kernels called bare: alloc_extend (µs per call: do_bench median / per call in a loop)", "",
               "| case | P | tokens | teaching | fast | fast/teaching | fast (host lens) | fast (1 sync) | torch | agree |",
               "|---|---|---|---|---|---|---|---|---|---|"]
 
@@ -118,6 +122,71 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _syncs(entry: dict | None) -> str:
+    s = (entry or {}).get("syncs")
+    return "–" if s is None else str(s)
+
+
+def public_sections(res: dict) -> list[str]:
+    """The public calls, the floor beside them, the checks' host time, first calls."""
+    lines: list[str] = []
+    floor = res.get("floor", {}).get("paths", {})
+    if floor:
+        lines += ["", "## The launch floor (µs per call in a loop, same run)", "",
+                  "| empty Triton kernel, `kernel[grid]()` | same, compiled kernel kept (how the allocator "
+                  "launches) | kept + one `.item()` | kept + seven `.item()` |", "|---|---|---|---|",
+                  f"| {_loop(floor.get('launch'))} | {_loop(floor.get('launch_kept'))} | "
+                  f"{_loop(floor.get('launch_1_sync'))} | {_loop(floor.get('launch_7_syncs'))} |"]
+    names = ("fast_host_lens", "fast", "teaching_host_lens", "teaching", "seed_wrapper")
+    head = ("| fast, host lengths | fast | teaching, host lengths | teaching | seed wrapper | fast / seed "
+            "| syncs per call (same order) | agree |")
+    for key, title, label in (("public_extend", "alloc_extend", lambda r: f"{r['case']} | {r['page_size']} | "
+                               f"{r['tokens']}"),
+                              ("public_decode", "alloc_decode", lambda r: f"{r['bs']} | {r['page_size']} | "
+                               f"{r['new_pages']}")):
+        rows = res.get(key, [])
+        if not rows:
+            continue
+        first = "| case | P | tokens " if key == "public_extend" else "| bs | P | new pages "
+        lines += ["", f"## PagedTokenAllocator.{title}: the public call (µs per call in a loop)", "",
+                  first + head, "|---" * (3 + 8) + "|"]
+        for r in rows:
+            p = r["paths"]
+            cells = " | ".join(_loop(p.get(n)) if "skipped" not in p.get(n, {}) else "skipped" for n in names)
+            syncs = " / ".join(_syncs(p.get(n)) for n in names)
+            ratio = _ratio(r, "fast", "seed_wrapper", "loop_us")
+            lines.append(f"| {label(r)} | {cells} | {ratio}{_round_ratios(r, 'fast', 'seed_wrapper')} | {syncs} | "
+                         f"{'yes' if r.get('agree') else 'NO'} |")
+    skipped = {e["skipped"] for r in res.get("public_extend", []) for e in r["paths"].values() if "skipped" in e}
+    for s in sorted(skipped):
+        lines.append(f"\nteaching and seed wrapper skipped where {s}.")
+    if res.get("host_checks"):
+        lines += ["", "## Host time of the length checks (µs, no device involved)", "",
+                  "| bs | extend, CPU tensors | extend, lists | decode, CPU tensors | decode, lists |",
+                  "|---|---|---|---|---|"]
+        for r in res["host_checks"]:
+            lines.append(f"| {r['bs']} | {r['extend_cpu_tensor_us']:.1f} | {r['extend_list_us']:.1f} | "
+                         f"{r['decode_cpu_tensor_us']:.1f} | {r['decode_list_us']:.1f} |")
+    pt = res.get("page_table_checks")
+    if pt:
+        lines += ["", f"Page-table write checks (`CacheManager.allocate_paged`, Triton writer): "
+                  f"{pt['host_us']:.1f} µs of host time for {pt['entries']} entries."]
+    cold = res.get("cold_process", {})
+    if cold.get("first_calls"):
+        lines += ["", "## First calls in a fresh process (ms; empty TRITON_CACHE_DIR)", "",
+                  "Construction (compiles every kernel the fast path launches): " + "; ".join(
+                      f"P={c['page_size']}: {c['ms']:.0f} ms (" + ", ".join(
+                          f"{k} {v:.2f} s" for k, v in c["compile_seconds"].items()) + ")"
+                      for c in cold["construct"]), ""]
+        kinds = [k for k in cold["first_calls"][0] if k not in ("page_size", "bs")]
+        lines += ["| P | bs | " + " | ".join(kinds) + " |", "|---" * (2 + len(kinds)) + "|"]
+        for r in cold["first_calls"]:
+            lines.append(f"| {r['page_size']} | {r['bs']} | " + " | ".join(f"{r[k]:.2f}" for k in kinds) + " |")
+    elif cold.get("error"):
+        lines += ["", f"First calls in a fresh process: {cold['error']}"]
+    return lines
+
+
 def write_outputs(res: dict, out_dir: str, log=print) -> list[str]:
     import matplotlib
 
@@ -137,6 +206,8 @@ def write_outputs(res: dict, out_dir: str, log=print) -> list[str]:
         f.write(markdown(res))
     written.append(path)
     for name, plot in PLOTS.items():
+        if plot.__name__ != "plot_public_call" and not res.get("extend"):
+            continue  # a run of the public calls only: the kernels' plots have no data
         fig = plot(res)
         path = os.path.join(out_dir, name)
         fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})

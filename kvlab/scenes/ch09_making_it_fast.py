@@ -4,8 +4,9 @@
   program takes BLOCK consecutive output positions, finds each one's request by binary search
   in ``token_start``, and computes its slot with one formula (old page or new page).
 * ``09_bench_*.png``, ``09_recompile_trap.png``, ``09_prefix_sum_scaling.png``,
-  ``09_page_table_write.png``: the benchmark, drawn from ``figures/bench.json`` (measured on
-  a GPU by ``python -m kvlab.bench``), so they render the same on a laptop.
+  ``09_page_table_write.png``, ``09_public_call.png``: the benchmark, drawn from
+  ``figures/bench.json`` (measured on a GPU by ``python -m kvlab.bench``), so they render the
+  same on a laptop.
 """
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ def load_bench(path: "str | Path | None" = None) -> dict:
     if not p.exists():
         raise FileNotFoundError(f"{p} is missing: run `python -m kvlab.bench` on a GPU to produce it")
     return load(str(p))
+
+
+def public_call_rows(bench: dict, page_size: int = 16) -> list[str]:
+    """One line per public-call case of a saved benchmark: µs per call and syncs per call."""
+    names = ("fast_host_lens", "fast", "teaching", "seed_wrapper")
+    lines = [f"{'alloc_extend':>22} " + " ".join(f"{n:>16}" for n in names)]
+    for r in bench.get("public_extend", []):
+        if r["page_size"] != page_size:
+            continue
+        cells = []
+        for n in names:
+            e = r["paths"].get(n, {})
+            cells.append(f"{e['loop_us']:8.1f}µs {e.get('syncs', '?')!s:>2}s" if "loop_us" in e else f"{'skipped':>16}")
+        lines.append(f"{r['case'] + ' P=' + str(page_size):>22} " + " ".join(f"{c:>16}" for c in cells))
+    return lines
 
 
 def fill_mapping_figure(prefix_lens=(6, 4, 0, 9), seq_lens=(11, 4, 11, 15), page_size=4, block=8,

@@ -1,0 +1,240 @@
+"""The checks of an allocation call (chapters 03, 04, 09): tensor arguments, host lengths
+(vectorised), and the kernels' verdict turned back into an error.
+
+Where each rule is checked, and what it costs::
+
+    rule                                      where                         cost
+    tensors: type, 1-D, int dtype, device     host, attributes only         ~1 us
+    host lengths: pre >= 0, seq >= pre, ...   host, NumPy over the batch    ~10-25 us at bs 4096
+    the caller's counts match the lengths     host (from host lengths)      (in the above)
+    enough free pages                         host (from host lengths)      one comparison
+    last_loc on an allocated page, host       inside the kernel's pass,     no extra launch,
+      copies == device tensors, ...             before it writes anything    no sync
+
+A refusal found in the kernel comes back as words of ``status``
+(:data:`kvlab.kernels.fast_alloc.STATUS_FIELDS`); :func:`refusal_error` turns them into
+the :class:`~kvlab.errors.InvalidArgument` or :class:`~kvlab.errors.OutOfPages` that the
+host would have raised, naming the argument, the request and the rule.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .args import check_int
+from .errors import InvalidArgument, OutOfPages
+from .kernels.alloc_checks import MIX, STATUS_FIELDS, Refusal
+
+#: the dtypes the kernels read lengths, last_loc and free pages in
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+# --- tensor arguments -------------------------------------------------------------------------
+
+
+def check_index_tensor(name: str, t, bs: int | None = None) -> None:
+    """``t`` must be a 1-D int32/int64 tensor (of ``bs`` entries, when given)."""
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(name, "must be a torch.Tensor", f"got {type(t).__name__}")
+    if t.dim() != 1:
+        raise InvalidArgument(name, "must be 1-D", f"got shape {tuple(t.shape)}")
+    if t.dtype not in INDEX_DTYPES:
+        raise InvalidArgument(name, "dtype must be torch.int32 or torch.int64", f"got {t.dtype}")
+    if bs is not None and t.numel() != bs:
+        raise InvalidArgument(name, "one entry per request", f"got {t.numel()}, expected {bs}")
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """``cuda`` and ``cuda:0`` are the same device when the current one is 0."""
+    return a == b or (a.type == b.type and (a.index is None or b.index is None))
+
+
+def check_devices(owner: str, device: torch.device, **tensors: torch.Tensor) -> None:
+    """Name the first of ``tensors`` that is not on ``device``."""
+    for name, t in tensors.items():
+        if not same_device(t.device, device):
+            raise InvalidArgument(name, f"must be on the same device as {owner}",
+                                  f"got {t.device} and {device}")
+
+
+def check_count(name: str, value) -> int:
+    """A count the caller gives: an int >= 0 (not a bool)."""
+    if type(value) is int and value >= 0:
+        return value
+    return check_int(name, value, minimum=0)
+
+
+# --- host lengths -----------------------------------------------------------------------------
+
+
+def host_lengths(name: str, values, bs: int | None = None) -> np.ndarray:
+    """A host copy of lengths as a 1-D int64 NumPy array (no copy for an int64 CPU tensor).
+
+    Accepted: a CPU tensor or NumPy array of integers, or a list / tuple of ints. Refused,
+    naming ``name``: device tensors (reading them is the sync this argument avoids), floats,
+    bools, anything not 1-D, and a length other than ``bs``. A Python list is converted
+    element by element (about 30 ns each); a CPU tensor costs a microsecond at any size.
+    """
+    if type(values) is torch.Tensor and values.dtype is torch.int64 and values.is_cpu \
+            and values.dim() == 1 and (bs is None or len(values) == bs):
+        return values.numpy()  # what a scheduler passes: judged in one line, no copy
+    if isinstance(values, torch.Tensor):
+        if not values.is_cpu:
+            raise InvalidArgument(name, "must be on the host (a CPU tensor, NumPy array or list)",
+                                  f"got a tensor on {values.device}")
+        values = values.numpy()
+    elif not isinstance(values, np.ndarray):
+        if not isinstance(values, (list, tuple)):
+            raise InvalidArgument(name, "must be a list of ints, a CPU tensor or a NumPy array",
+                                  f"got {type(values).__name__}")
+        values = np.array(values) if values else np.zeros(0, dtype=np.int64)
+    if values.ndim != 1:
+        raise InvalidArgument(name, "must be 1-D", f"got shape {values.shape}")
+    if values.dtype.kind not in "iu":
+        raise InvalidArgument(name, "must hold integers (not bools or floats)", f"got dtype {values.dtype}")
+    if bs is not None and len(values) != bs:
+        raise InvalidArgument(name, "one entry per request", f"got {len(values)}, expected {bs}")
+    return values.astype(np.int64, copy=False)
+
+
+_WEIGHTS = np.zeros(0, dtype=np.int64)
+
+
+def checksum_weights(n: int) -> np.ndarray:
+    """``w[i] = h ^ (h >> 29)`` with ``h = (i + 1) * MIX`` in wrapping int64: the weights the
+    kernels use to compare host copies with device tensors (``sum(x * w)``, wrapping)."""
+    global _WEIGHTS
+    if len(_WEIGHTS) < n:
+        h = np.arange(1, max(n, 2 * len(_WEIGHTS)) + 1, dtype=np.int64) * np.int64(MIX)
+        _WEIGHTS = h ^ (h >> 29)
+    return _WEIGHTS[:n]
+
+
+def _page_sum(x: np.ndarray, page_size: int) -> int:
+    """``sum(ceil(x / page_size))``: a shift for a power of two, a division otherwise."""
+    if page_size & (page_size - 1) == 0:
+        c = x + (page_size - 1)
+        c >>= page_size.bit_length() - 1
+    else:
+        c = (x + (page_size - 1)) // page_size
+    return int(c.sum())
+
+
+class HostCounts(NamedTuple):
+    """What an allocation needs, from host lengths, and the checksums the kernel compares."""
+
+    tokens: int
+    pages: int
+    sum_pre: int
+    sum_seq: int
+
+
+def extend_counts(prefix_lens_cpu, seq_lens_cpu, page_size: int, bs: int | None = None) -> HostCounts:
+    """Tokens, new pages and checksums of an extend, checking ``0 <= pre <= seq`` per request.
+
+    A handful of NumPy operations over the batch; the request that breaks a rule is looked
+    for only once a rule is known to be broken.
+    """
+    pre = host_lengths("prefix_lens_cpu", prefix_lens_cpu, bs)
+    seq = host_lengths("seq_lens_cpu", seq_lens_cpu, len(pre))
+    if not len(pre):
+        return HostCounts(0, 0, 0, 0)
+    extend = seq - pre
+    if pre.min() < 0 or extend.min() < 0:  # rare: only now look for the first offender
+        r = int(np.argmax((pre < 0) | (extend < 0)))
+        if pre[r] < 0:
+            raise InvalidArgument(f"prefix_lens_cpu[{r}]", "prefix_lens >= 0", f"got {int(pre[r])}")
+        raise InvalidArgument(f"seq_lens_cpu[{r}]", "seq_lens >= prefix_lens",
+                              f"got seq {int(seq[r])} < pre {int(pre[r])}")
+    w = checksum_weights(len(pre))
+    pages = _page_sum(seq, page_size) - _page_sum(pre, page_size)
+    return HostCounts(int(extend.sum()), pages, int(pre @ w), int(seq @ w))
+
+
+def decode_counts(seq_lens_cpu, page_size: int, bs: int | None = None) -> HostCounts:
+    """New pages and checksum of a decode step (``seq >= 1``): ``#{r : (seq_r - 1) % P == 0}``."""
+    seq = host_lengths("seq_lens_cpu", seq_lens_cpu, bs)
+    if not len(seq):
+        return HostCounts(0, 0, 0, 0)
+    if seq.min() < 1:
+        r = int(np.argmax(seq < 1))
+        raise InvalidArgument(f"seq_lens_cpu[{r}]", "seq_lens >= 1 (the length after the new token)",
+                              f"got {int(seq[r])}")
+    if page_size == 1:
+        pages = len(seq)
+    elif page_size & (page_size - 1) == 0:  # (seq - 1) % P == 0  <=>  seq % P == 1, for P > 1
+        pages = int(np.count_nonzero((seq & (page_size - 1)) == 1))
+    else:
+        pages = int(np.count_nonzero(seq % page_size == 1))
+    return HostCounts(len(seq), pages, 0, int(seq @ checksum_weights(len(seq))))
+
+
+# --- the kernels' verdict ---------------------------------------------------------------------
+
+
+class DeviceReport(NamedTuple):
+    """The words of ``status`` by name (see :data:`kvlab.kernels.fast_alloc.STATUS_FIELDS`)."""
+
+    code: int
+    index: int
+    prefix_len: int
+    seq_len: int
+    last_loc: int
+    device_tokens: int
+    device_pages: int
+    host_tokens: int
+    host_pages: int
+    num_free: int
+    call_id: int
+    free_head: int
+    last_tokens: int
+    last_pages: int
+
+    @classmethod
+    def from_words(cls, words: list[int]) -> "DeviceReport":
+        return cls(*words[: len(STATUS_FIELDS)])
+
+
+def refusal_error(rep: DeviceReport, page_size: int, what: str, decode: bool = False,
+                  note: str = "") -> Exception:
+    """The error a refusal stands for, naming the argument, the request and the rule
+    (``note`` is added to the detail: when the refusal was found, if not by its own call)."""
+    code, r, P = Refusal(rep.code), rep.index, page_size
+    pre_name = "(seq_lens - 1)" if decode else "prefix_lens"
+
+    def bad(argument: str, rule: str, detail: str) -> InvalidArgument:
+        return InvalidArgument(argument, rule, detail + note)
+
+    if code == Refusal.OUT_OF_PAGES:
+        return OutOfPages(rep.device_pages, rep.num_free, what + note)
+    if code == Refusal.PREFIX_NEGATIVE:
+        return bad(f"prefix_lens[{r}]", "prefix_lens >= 0", f"got {rep.prefix_len}")
+    if code == Refusal.SEQ_BELOW_PREFIX:
+        return bad(f"seq_lens[{r}]", "seq_lens >= prefix_lens", f"got seq {rep.seq_len} < pre {rep.prefix_len}")
+    if code == Refusal.SEQ_BELOW_ONE:
+        return bad(f"seq_lens[{r}]", "seq_lens >= 1 (the length after the new token)", f"got {rep.seq_len}")
+    if code == Refusal.LAST_LOC_OFFSET:
+        return bad(f"last_loc[{r}]", f"(last_loc + 1) % page_size == {pre_name} % page_size",
+                   f"got last_loc {rep.last_loc}, {pre_name} {rep.prefix_len}, page_size {P}")
+    if code == Refusal.LAST_LOC_OUTSIDE:
+        return bad(f"last_loc[{r}]", "0 <= last_loc < num_pages * page_size when the prefix is not empty",
+                   f"got {rep.last_loc}")
+    if code == Refusal.LAST_LOC_ON_FREE_PAGE:
+        return bad(f"last_loc[{r}]", "last_loc lies on an allocated page (not in free_pages)",
+                   f"got {rep.last_loc}, on page {rep.last_loc // P}, which is free")
+    if code == Refusal.TOKENS_MISMATCH:
+        return bad("extend_num_tokens", "extend_num_tokens == sum(seq_lens - prefix_lens)",
+                   f"got {rep.host_tokens}, the lengths sum to {rep.device_tokens}")
+    if code == Refusal.PAGES_MISMATCH:
+        return bad("num_new_pages", "num_new_pages == the new pages the lengths need",
+                   f"got {rep.host_pages}, the lengths need {rep.device_pages}")
+    copies, tensors = ("seq_lens_cpu", "seq_lens") if decode else ("prefix_lens_cpu/seq_lens_cpu",
+                                                                   "prefix_lens/seq_lens")
+    device, host = (rep.device_tokens, rep.device_pages), (rep.host_tokens, rep.host_pages)
+    detail = (f"the device tensors need {device[0]} tokens and {device[1]} pages, the host copies "
+              f"{host[0]} and {host[1]}" if device != host else
+              f"both need {host[0]} tokens and {host[1]} pages, but the values differ (a checksum "
+              "over the requests in order)")
+    return bad(copies, f"must hold the same values as {tensors} (the device tensors)", detail)
