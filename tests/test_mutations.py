@@ -406,7 +406,23 @@ CH07_09 = [
            ("page_start differs", "block 1"), "the page carry never grows"),
 ]
 
-MUTANTS = CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09
+CH08_KERNEL = [
+    Mutant("paged_attention_kernel", "acc = acc * alpha + tl.sum(p[:, None] * v, 0)",
+           "acc = acc + tl.sum(p[:, None] * v, 0)",
+           ("request 0, head 1", "looks like acc is not rescaled"), "the online softmax forgets to rescale acc"),
+    Mutant("paged_attention_kernel", "        m_i = m_new\n", "",
+           ("request 0, head 1", "looks like m_i is never updated"), "the running max never moves"),
+    Mutant("paged_attention_kernel", "p = tl.exp(scores - m_new)", "p = tl.exp(scores)",
+           ("request 0, head 1", "looks like p = exp(scores) without the running max"),
+           "block weights without the running max"),
+    Mutant("paged_attention_kernel",
+           "slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0)",
+           "slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n)",
+           ("a read past the end of `page_table_ptr`", "by program (0, 0)", "line"),
+           "the page-table row loaded past the request's length"),
+]
+
+MUTANTS = CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -424,7 +440,7 @@ def test_there_are_enough_mutants_on_every_exercise():
 COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_extend_part1", "alloc_extend_part2",
                     "alloc_extend_part3", "alloc_decode", "match_prefix", "match_req",
                     "insert_prefix", "cache_req_regions", "cache_req_remap", "decode_step",
-                    "paged_attention", "extend_scan"]
+                    "paged_attention", "paged_attention_kernel", "extend_scan"]
 
 
 # --- correct answers written differently must pass -----------------------------------------------

@@ -143,8 +143,8 @@ class Audit:
                 side = "far"
             groups.setdefault((e.name, side), []).append(dist)
         for (name, side), dists in groups.items():
-            access = Access(kind, name, side, max(dists), len(dists), tuple(program), filename,
-                            line, function)
+            access = Access(kind, name, side, max(dists), len(dists), self._program(program),
+                            filename, line, function)
             self._add(access)
 
     def _add(self, access: Access) -> None:
@@ -161,6 +161,11 @@ class Audit:
             if access.kind == "read":
                 self._waiting.append(len(self.accesses) - 1)
 
+    def _program(self, program) -> tuple[int, ...]:
+        """The grid index with only the grid's dimensions: (3,) for a grid of (bs,)."""
+        dims = max([1] + [d + 1 for d, size in enumerate(self.grid or ()) if size > 1])
+        return tuple(int(p) for p in program)[:dims]
+
     def _nearest(self, addr: int) -> Extent:
         return min(self.extents, key=lambda e: min(abs(addr - e.start), abs(addr - e.end)))
 
@@ -171,7 +176,7 @@ class Audit:
         still = []
         for n in self._waiting:
             a = self.accesses[n]
-            if a.program == tuple(program) and a.next_store is None:
+            if a.program == self._program(program) and a.next_store is None:
                 self.accesses[n] = a._replace(next_store=(e.name, (int(addr) - e.start) // e.itemsize))
             elif a.next_store is None:
                 still.append(n)

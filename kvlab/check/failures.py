@@ -98,9 +98,8 @@ class Layout:
     inputs: str = ""
 
     def program_label(self, program: Sequence[int]) -> str:
-        if len(program) > 1 and any(program[1:]):
-            return f"{self.programs} {tuple(program)}"
-        return f"{self.programs} {program[0]}"
+        """"request 3" for a grid of one dimension, "program (1, 0)" for more."""
+        return f"{self.programs} {program[0] if len(program) == 1 else tuple(program)}"
 
 
 def label_at(index: int, segments: Iterable[Segment] | None) -> str | None:
