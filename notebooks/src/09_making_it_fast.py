@@ -282,24 +282,28 @@ def extend_slots_torch(pre, seq, last_loc, free_pages, page_size):
 #
 # `kvlab.kernels.fast_alloc` does the same on the GPU, in one of two shapes:
 #
-# - **Two launches** (any batch): `extend_scan_kernel`, one program, walks the batch in blocks of
-#   1024 requests with a running *carry* and writes `token_start` and `page_start`; then
-#   `extend_fill_kernel`, one program per 1024 output tokens, applies the formula above.
-# - **One launch** (up to 1024 requests, counts known on the host): a launch costs more host time
-#   than the whole scan, so `extend_fused_kernel` lets each program scan the batch itself (one
-#   vector `cumsum`, O(bs) per 1024 tokens, never O(bs²)) into its own scratch row before filling.
+# - **Two launches** (large batches): `extend_scan_kernel`, one program, walks the batch in blocks
+#   of 1024 requests with a running *carry*, checks each request and writes `token_start` and
+#   `page_start`; then `extend_fill_kernel`, one program per 1024 output tokens, applies the formula
+#   above.
+# - **One launch** (up to `FUSED_MAX_BATCH` = 4096 requests, while the repeated scans stay small): a
+#   launch costs more host time than the whole scan, so `extend_fused_kernel` lets each program
+#   check and scan the batch itself (vector `cumsum`s, O(bs) per 1024 tokens, never O(bs²)) into its
+#   own scratch row before filling.
 #
-# Both compile once per page size. Here is the fill, the heart of it:
+# Both compile once per page size, when the allocator is built. Here is the fill, the heart of it:
 
 # %%
 print(inspect.getsource(fast_alloc._fill_tokens.fn))
 
 # %% [markdown]
-# And the host side decides everything that can fail *before* it launches anything:
+# And the host side decides everything it can judge *before* it launches anything: the counts
+# the host lengths give, and out of pages (the rules only the device can read, such as `last_loc`
+# lying on an allocated page, are judged in the kernel's own pass before it writes a slot):
 
 # %%
 src = inspect.getsource(alloc_extend_fast)
-print(src[src.index("    if extend_num_tokens is not None:"):src.index("    if bs == 0:")])
+print(src[src.index("    if prefix_lens_cpu is not None:"):src.index("    if bs == 0:")])
 
 # %% [markdown]
 # ## Validate against the reference
