@@ -38,6 +38,7 @@ import triton.language as tl
 
 from .. import runtime  # noqa: F401  (decides compiled vs interpreter before @triton.jit)
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
+from .failures import Layout
 
 ATOL = 1e-4
 
@@ -140,8 +141,8 @@ def paged_attention(fn, *, seed: int = 0, n_random: int = 6) -> int:
         a = case.args
         args = _layout(a["P"], a["lens"], a["seed"])
         want = paged_decode_attention_reference(*args)
-        got = call_learner(fn, *[x.clone() for x in args])
         where = f"  page_size {a['P']}, seq_lens {a['lens']}, rows {args[4].tolist()}"
+        got = call_learner(fn, *[x.clone() for x in args], layout=Layout(inputs=where.strip()))
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise CheckFailed(f"[{case.name}] return a tensor of shape {tuple(want.shape)} "
