@@ -29,7 +29,6 @@ from .. import runtime
 from ..kernels.alloc import alloc_extend_kernel
 from ..reference.alloc import (ExtendPlan, alloc_extend_ref, pages_for, pages_needed_extend,
                                unpack_ret_value)
-from ..solutions import solution_part
 from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
 from .failures import Layout
 
@@ -147,7 +146,6 @@ _COMMON_HINT = ("Lengths first, with the starter's pre_page_end = ceil(pre/P)*P 
                 "seq_page_start - pre_page_end, num_part3 = seq_len - seq_page_start.")
 
 
-@solution_part("part 1:")
 @exercise(
     "alloc_extend_part1",
     chapter="03",
@@ -161,6 +159,7 @@ _COMMON_HINT = ("Lengths first, with the starter's pre_page_end = ceil(pre/P)*P 
         "requests before it, summed with the masked load over offs_bs. Your part 1 starts there.",
     ],
     solution=alloc_extend_kernel,
+    solution_regions=("part 1:",),
 )
 def alloc_extend_part1(kernel, *, seed: int = 0, n_random: int = 4) -> int:
     """Check part 1 (old page) of your ``alloc_extend_kernel``; prints one line when all pass."""
@@ -168,7 +167,6 @@ def alloc_extend_part1(kernel, *, seed: int = 0, n_random: int = 4) -> int:
                      lambda case: _check_part(kernel, 1, case))
 
 
-@solution_part("part 2:")
 @exercise(
     "alloc_extend_part2",
     chapter="03",
@@ -184,6 +182,7 @@ def alloc_extend_part1(kernel, *, seed: int = 0, n_random: int = 4) -> int:
         "with the same mask.",
     ],
     solution=alloc_extend_kernel,
+    solution_regions=("part 2:",),
 )
 def alloc_extend_part2(kernel, *, seed: int = 0, n_random: int = 4) -> int:
     """Check part 2 (whole new pages) of your ``alloc_extend_kernel``."""
@@ -191,7 +190,6 @@ def alloc_extend_part2(kernel, *, seed: int = 0, n_random: int = 4) -> int:
                      lambda case: _check_part(kernel, 2, case))
 
 
-@solution_part("ret_values", "part 3:")
 @exercise(
     "alloc_extend_part3",
     chapter="03",
@@ -208,6 +206,7 @@ def alloc_extend_part2(kernel, *, seed: int = 0, n_random: int = 4) -> int:
         "so before part 1, since parts 1 and 2 may return early.",
     ],
     solution=alloc_extend_kernel,
+    solution_regions=("ret_values", "part 3:"),
 )
 def alloc_extend_part3(kernel, *, seed: int = 0, n_random: int = 4) -> int:
     """Check part 3 (new last page) of your ``alloc_extend_kernel``, and its ``ret_values``."""

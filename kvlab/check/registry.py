@@ -25,6 +25,9 @@ class Exercise:
     checker: Callable[..., Any]
     hints: list[str] = field(default_factory=list)
     solution: Callable[..., Any] | None = None
+    #: the regions of a shared solution this exercise covers (titles of ``# ---- ... ----`` lines);
+    #: empty: the whole solution. ``kvlab.solutions.show`` prints only these.
+    solution_regions: tuple[str, ...] = ()
 
 
 EXERCISES: dict[str, Exercise] = {}
@@ -34,7 +37,7 @@ STATUS: dict[str, str] = {}
 
 
 def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
-             solution: Callable[..., Any] | None = None):
+             solution: Callable[..., Any] | None = None, solution_regions: Sequence[str] = ()):
     """Decorator: register a checker under ``name`` with its hints and reference solution.
 
     The registered checker first asks whether the learner has started (see
@@ -63,7 +66,8 @@ def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
                   f"again; kvlab.check.hint({name!r}, 1) gives a first hint.")
             return 0
 
-        EXERCISES[name] = Exercise(name, chapter, check, list(hints), solution)
+        EXERCISES[name] = Exercise(name, chapter, check, list(hints), solution,
+                                   tuple(solution_regions))
         check.exercise_name = name
         check.hint = lambda level=1: show_hint(name, level)
         return check

@@ -8,7 +8,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..paging import new_page_table, page_to_token, write_page_table
-from . import figure
+from .registry import figure
 
 _REQUEST_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
                    "#8c8c8c"]

@@ -6,7 +6,7 @@ from typing import Sequence
 import torch
 
 from ..paging import page_to_token
-from . import figure
+from .registry import figure
 
 
 def pages_to_slots_figure(page_ids: Sequence[int] = (4, 1, 6), page_size: int = 4, num_pages: int = 8):

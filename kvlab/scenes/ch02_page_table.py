@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ..paging import UNMAPPED, div_ceil, new_page_table, page_to_token, write_page_table
-from . import figure
+from .registry import figure
 
 
 class DemoRequest(NamedTuple):

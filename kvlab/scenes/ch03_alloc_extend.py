@@ -10,7 +10,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..reference.alloc import ExtendPlan, alloc_extend_ref, kernel_page_reads_extend, pages_for
-from . import figure
+from .registry import figure
 
 #: category ids of the pictures (colours come from tab10 in this order)
 PREFIX, PART1, PART2, PART3 = 0, 1, 2, 3

@@ -10,7 +10,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..reference.alloc import alloc_decode_ref, alloc_extend_ref, pages_for
-from . import figure
+from .registry import figure
 
 #: category ids (tab10 colours in this order)
 EARLIER, SAME_PAGE, NEW_PAGE = 0, 1, 2

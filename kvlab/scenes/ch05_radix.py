@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..radix_cache import RadixPrefixCache
-from . import figure
+from .registry import figure
 
 #: Three chat prompts (page_size 2): a shared system prompt [1 2 3 4], then different questions.
 PROMPT_A = [1, 2, 3, 4, 5, 6, 7]

@@ -6,7 +6,7 @@ import torch
 
 from ..cache_manager import CacheManager, CacheRegions, Req
 from ..paging import new_page_table
-from . import figure
+from .registry import figure
 
 P = 4
 SYSTEM = list(range(100, 108))  # two pages of shared system prompt

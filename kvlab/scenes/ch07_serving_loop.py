@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..paging import div_ceil
 from ..sim import make_workload, shared_system_prompt, simulate
-from . import figure
+from .registry import figure
 
 #: the chapter's pressured run: a mixed workload in 24 pages of 4 slots
 PRESSURE = dict(page_size=4, num_pages=24, max_running=4)

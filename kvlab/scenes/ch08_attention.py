@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from . import figure
+from .registry import figure
 
 #: the chapter's tiny model on the CPU (a GPU run uses the same shape; sizes differ elsewhere)
 SMALL_CONFIG = dict(vocab_size=96, num_layers=2, num_heads=2, head_dim=16, seed=0)

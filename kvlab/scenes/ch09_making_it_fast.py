@@ -17,7 +17,7 @@ from matplotlib.patches import Rectangle
 
 from ..bench import plots
 from ..reference.alloc import alloc_extend_ref, pages_for
-from . import figure
+from .registry import figure
 
 BENCH_JSON = Path(__file__).resolve().parents[2] / "figures" / "bench.json"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
-from . import figure
+from .registry import figure
 
 
 def conversation_turns(seed: int = 0, turns: int = 4, vocab: int = 128, system_len: int = 24,

@@ -5,7 +5,7 @@ prints their source so a learner who is stuck can read one, and returns the func
 
 Some exercises share one solution and each write a part of it: chapter 03's three
 exercises are the three parts of one kernel. Such an exercise is registered with
-:func:`solution_part`, naming the regions of the solution it covers, and ``show`` then
+``exercise(..., solution_regions=(...))``, naming the regions of the solution it covers, and ``show`` then
 prints only those regions (with the solution's signature), so that reading the answer to
 part 1 does not give away parts 2 and 3. A region starts at a region comment, a line
 ``# ---- <title> ----``, and ends before the next one::
@@ -19,31 +19,12 @@ from __future__ import annotations
 
 import inspect
 import textwrap
-from typing import Callable, Sequence
+from typing import Sequence
 
 from ..check import _load_all
 from ..check.core import EXERCISES
 
-#: exercise name -> the region titles (text inside a ``# ---- ... ----`` line) it covers
-PARTS: dict[str, tuple[str, ...]] = {}
-
 REGION_PREFIX = "# ----"
-
-
-def solution_part(*titles: str) -> Callable:
-    """Decorator for a registered checker: its exercise is the region(s) ``titles`` of its solution.
-
-    Put it above ``@exercise(...)``: ``@solution_part("part 1:")``. A title matches a region
-    comment that contains it.
-    """
-    if not titles:
-        raise ValueError("solution_part needs at least one region title")
-
-    def register(checker):
-        PARTS[checker.exercise_name] = tuple(titles)
-        return checker
-
-    return register
 
 
 def get(name: str):
@@ -108,7 +89,7 @@ def regions(src: str, titles: Sequence[str]) -> str:
 def show(name: str, *, whole: bool = False) -> str:
     """Print the source of the reference solution of ``name`` and return it.
 
-    An exercise that is one part of a shared solution (registered with :func:`solution_part`)
+    An exercise that is one part of a shared solution (registered with ``solution_regions``)
     shows only its own part, unless ``whole=True``. The header says where the code lives in
     the package and which exercises share it.
     """
@@ -121,7 +102,7 @@ def show(name: str, *, whole: bool = False) -> str:
         src = repr(sol)
     shared = sorted(n for n, ex in EXERCISES.items() if ex.solution is sol and n != name)
     header = f"# Reference solution for {name!r}: {where(name)}"
-    titles = PARTS.get(name)
+    titles = EXERCISES[name].solution_regions or None
     if titles and not whole:
         src = regions(src, titles)
         header += (f"\n# (only what {name} asks for: {', '.join(t.rstrip(':') for t in titles)}; "
