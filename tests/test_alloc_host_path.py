@@ -42,8 +42,8 @@ def _decode_ref(seq: list[int], P: int) -> tuple:
     return (len(seq), sum((s - 1) % P == 0 for s in seq), 0, _wrap64(sum(s * x for s, x in zip(seq, w))))
 
 
-FORMS = {"cpu_tensor": lambda v: torch.tensor(v, dtype=torch.int64), "numpy": lambda v: np.array(v, dtype=np.int64), "list": list,
-         "tuple": tuple, "int32_tensor": lambda v: torch.tensor(v, dtype=torch.int32)}
+FORMS = {"cpu_tensor": lambda v: torch.tensor(v, dtype=torch.int64), "list": list, "tuple": tuple,
+         "numpy": lambda v: np.array(v, dtype=np.int64), "int32_tensor": lambda v: torch.tensor(v, dtype=torch.int32)}
 
 
 @pytest.mark.parametrize("small_batch", [alloc_checks.SMALL_BATCH, 0], ids=["python_path", "numpy_path"])
