@@ -5,7 +5,9 @@ Where each rule is checked, and what it costs::
 
     rule                                      where                         cost
     tensors: type, 1-D, int dtype, device     host, attributes only         ~1 us
-    host lengths: pre >= 0, seq >= pre, ...   host, NumPy over the batch    ~10-25 us at bs 4096
+    host lengths: pre >= 0, seq >= pre, ...   host: Python ints up to       a few Python builtins;
+                                                SMALL_BATCH requests, else    else about nine NumPy
+                                                NumPy over the whole batch    calls (~1 us each)
     the caller's counts match the lengths     host (from host lengths)      (in the above)
     enough free pages                         host (from host lengths)      one comparison
     last_loc on an allocated page, host       inside the kernel's pass,     no extra launch,

@@ -10,7 +10,12 @@ an already compiled kernel::
 
     first call, per key:   kernel[grid](*args)  ->  compiles (or loads from the cache),
                            launches, returns the CompiledKernel  ->  kept under `key`
-    later calls:           compiled[grid](*args)                (launch only)
+    later calls:           compiled.run(grid, stream, ..., *args)   (launch only)
+
+A later call asks what may change between calls, as ``compiled[grid]`` would: the current
+device (part of the key) and stream from Triton's driver, and whether a launch hook (a
+profiler) is installed, in which case it goes through ``compiled[grid](*args)``. What cannot
+change once a kernel is loaded (its launcher, function handle and metadata) is kept with it.
 
 The key is what the caller knows to change the compiled code: the device, the tensors'
 dtypes, the constexprs. In the interpreter, or where Triton cannot skip alignment
