@@ -176,7 +176,7 @@ class CacheManager(CacheManagerChecks):
         self._running[req.table_idx] = _Running(req, handle.cached_len // self.page_size)
         return match
 
-    # --- the serving steps: prefill / decode_step, then complete_step ------------------
+    # --- the serving steps: prefill / decode_step / mixed_step, then complete_step -----
 
     def prefill(self, reqs: Sequence[Req], *, reserve_tokens: int = 0) -> ForwardBatch:
         """Admit every request not running yet, then map pages for ``[cached_len, device_len)``
@@ -187,49 +187,58 @@ class CacheManager(CacheManagerChecks):
         does not fit (:class:`OutOfPages`) or anything else fails, the requests this call
         admitted are released again and the error propagates.
         """
-        reqs = self._check_reqs(reqs)
         reserve = check_int("reserve_tokens", reserve_tokens, minimum=0)
-        for i, req in enumerate(reqs):
-            self._check_req(req, f"reqs[{i}]")
-        fields = [(r.cached_len, r.device_len, r.cache_handle, r.finished) for r in reqs]
-        admitted: list[Req] = []
-        try:
-            for req in reqs:
-                if not self._is_running(req):
-                    self.admit(req)  # match + lock the hit + map it into the row
-                    admitted.append(req)
-            needed, available = self.pages_needed(reqs, extra_tokens=reserve), self.available_pages
-            if needed > available:
-                raise OutOfPages(needed, available, f"prefill (with room for {reserve} more "
-                                 "token(s) per request, after prefix hits)")
-            self.allocate_paged(reqs)
-        except BaseException:
-            for req in reversed(admitted):
-                self.release_req(req)
-            for req, (cached, device, handle, finished) in zip(reqs, fields):
-                req.cached_len, req.device_len, req.cache_handle, req.finished = (
-                    cached, device, handle, finished)
-            raise
-        return ForwardBatch.of("prefill", reqs, self.page_table)
+        return self.mixed_step(reqs, (), reserve_tokens=reserve)
 
     def decode_step(self, reqs: Sequence[Req]) -> ForwardBatch:
         """Map the next position of every running request (a new page only where it crosses a
         page boundary) in one :meth:`allocate_paged`; return the batch to compute."""
-        reqs = self._check_reqs(reqs)
-        for i, req in enumerate(reqs):
+        return self.mixed_step((), reqs)
+
+    def mixed_step(self, prefill: Sequence[Req], decode: Sequence[Req], *,
+                   reserve_tokens: int = 0) -> ForwardBatch:
+        """One continuous-batching step: the prompts of ``prefill`` (admitted here unless they
+        run already) and the next position of every running ``decode`` request, mapped in one
+        :meth:`allocate_paged`; return the one batch the forward pass computes (prefill
+        requests first). All or nothing, as :meth:`prefill`."""
+        prefill, decode = self._check_reqs(prefill), self._check_reqs(decode)
+        reserve = check_int("reserve_tokens", reserve_tokens, minimum=0)
+        for i, req in enumerate(prefill):
+            self._check_req(req, f"prefill[{i}]")
+        for i, req in enumerate(decode):
             self._running_record(req, f"decode_step: reqs[{i}]")
-        self.allocate_paged(reqs)
-        return ForwardBatch.of("decode", reqs, self.page_table)
+        fields = [(r.cached_len, r.device_len, r.cache_handle, r.finished) for r in prefill]
+        admitted: list[Req] = []
+        try:
+            for req in prefill:
+                if not self._is_running(req):
+                    self.admit(req)  # match + lock the hit + map it into the row
+                    admitted.append(req)
+            if reserve:
+                needed, available = self.pages_needed(prefill, extra_tokens=reserve), self.available_pages
+                if needed > available:
+                    raise OutOfPages(needed, available, f"prefill (with room for {reserve} more "
+                                     "token(s) per request, after prefix hits)")
+            self.allocate_paged(list(prefill) + list(decode))
+        except BaseException:
+            for req in reversed(admitted):
+                self.release_req(req)
+            for req, (cached, device, handle, finished) in zip(prefill, fields):
+                req.cached_len, req.device_len, req.cache_handle, req.finished = (
+                    cached, device, handle, finished)
+            raise
+        return ForwardBatch.of(prefill, decode, self.page_table)
 
     def complete_step(self, batch: ForwardBatch, next_tokens: Sequence[int] | None,
                       done: Sequence[bool] | None = None, *,
                       cache_prompt: bool = True) -> list[tuple[Req, CacheRegions]]:
         """After the forward pass of ``batch``: record each request's produced token
         (``append_token``; ``next_tokens=None`` records none, e.g. a chunk of a longer prompt)
-        and ``complete_one``; then ``cache_req(finished=True)`` the ``done`` ones and, after a
-        prefill (``cache_prompt``), ``cache_req(finished=False)`` the others, so their prompt's
-        whole pages can be shared at once. Returns ``(req, regions)`` of each ``cache_req``.
-        Checks everything first: a refused call changes nothing.
+        and ``complete_one``; then ``cache_req(finished=True)`` the ``done`` ones and, for the
+        requests whose prompt this pass computed (``cache_prompt``), ``cache_req(finished=False)``
+        the others, so their prompt's whole pages can be shared at once. Returns
+        ``(req, regions)`` of each ``cache_req``. Checks everything first: a refused call
+        changes nothing.
         """
         reqs, tokens, done = self._validate_complete_step(batch, next_tokens, done, cache_prompt)
         for i, req in enumerate(reqs):
@@ -237,8 +246,8 @@ class CacheManager(CacheManagerChecks):
                 req.append_token(tokens[i])
             req.complete_one()  # cached_len = device_len; device_len += 1
         settled = []
-        for req, finished in zip(reqs, done):
-            if finished or (batch.phase == "prefill" and cache_prompt):
+        for req, prefilled, finished in zip(reqs, batch.prefilling, done):
+            if finished or (prefilled and cache_prompt):
                 settled.append((req, self.cache_req(req, finished=finished)))
         return settled
 

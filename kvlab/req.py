@@ -89,8 +89,9 @@ class ForwardBatch:
     """What one forward pass computes: for request ``i``, the KV of positions
     ``[start[i], end[i])`` (its ``cached_len`` and ``device_len`` when the batch was made).
 
-    Made by :meth:`CacheManager.prefill <kvlab.cache_manager.CacheManager.prefill>` and
-    :meth:`~kvlab.cache_manager.CacheManager.decode_step` once the pages are mapped; handed
+    Made by :meth:`CacheManager.prefill <kvlab.cache_manager.CacheManager.prefill>`,
+    :meth:`~kvlab.cache_manager.CacheManager.decode_step` or
+    :meth:`~kvlab.cache_manager.CacheManager.mixed_step` once the pages are mapped; handed
     back to :meth:`~kvlab.cache_manager.CacheManager.complete_step` with the produced tokens.
     In between, a model reads what it needs from here::
 
@@ -101,18 +102,28 @@ class ForwardBatch:
         batch.slots(i)      page_table[row i, :end[i]]: every slot request i's attention reads
     """
 
-    phase: str  # "prefill" or "decode"
     reqs: tuple[Req, ...]
+    prefilling: tuple[bool, ...]  # per request: this pass computes its prompt (else: one decode token)
     table_idx: tuple[int, ...]
     start: tuple[int, ...]
     end: tuple[int, ...]
     page_table: torch.Tensor = field(repr=False)
 
     @classmethod
-    def of(cls, phase: str, reqs, page_table: torch.Tensor) -> "ForwardBatch":
-        reqs = tuple(reqs)
-        return cls(phase, reqs, tuple(r.table_idx for r in reqs), tuple(r.cached_len for r in reqs),
+    def of(cls, prefill, decode, page_table: torch.Tensor) -> "ForwardBatch":
+        """The batch of ``prefill`` requests, then ``decode`` requests, as their lengths stand now."""
+        reqs = tuple(prefill) + tuple(decode)
+        return cls(reqs, (True,) * len(prefill) + (False,) * len(decode),
+                   tuple(r.table_idx for r in reqs), tuple(r.cached_len for r in reqs),
                    tuple(r.device_len for r in reqs), page_table)
+
+    @property
+    def phase(self) -> str:
+        """``"prefill"``, ``"decode"``, or ``"mixed"`` (a continuous-batching step: new prompts
+        and decoding requests in one pass)."""
+        if all(self.prefilling):
+            return "prefill"
+        return "decode" if not any(self.prefilling) else "mixed"
 
     def __len__(self) -> int:
         return len(self.reqs)

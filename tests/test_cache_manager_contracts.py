@@ -351,3 +351,55 @@ def test_integrity_errors_name_the_row():
     with pytest.raises(IntegrityError, match="lost") as err:
         cm.check_integrity()
     assert err.value.row is None
+
+
+def test_a_mixed_step_is_a_prefill_and_a_decode_step_in_one_allocation(monkeypatch):
+    """Continuous batching: new prompts and decoding requests share one allocate_paged and one
+    forward batch; complete_step caches only the new prompts and ends only the done requests."""
+    split, mixed = manager(num_pages=8, page_size=4), manager(num_pages=8, page_size=4)
+    runs = {}
+    for cm in (split, mixed):
+        a = Req([1, 2, 3, 4, 5, 6], 0)
+        cm.complete_step(cm.prefill([a]), [7])
+        runs[id(cm)] = (a, Req([1, 2, 3, 4, 8, 9, 10], 1))
+    # the same step written as two: decode a, then prefill b
+    a, b = runs[id(split)]
+    split.complete_step(split.decode_step([a]), [11])
+    split.complete_step(split.prefill([b]), [12])
+    # and as one
+    a2, b2 = runs[id(mixed)]
+    writes = []
+    real = mixed.allocate_paged
+    monkeypatch.setattr(mixed, "allocate_paged", lambda reqs: (writes.append(list(reqs)), real(reqs)))
+    batch = mixed.mixed_step([b2], [a2])
+    assert writes == [[b2, a2]], "one allocate_paged for the whole step"
+    assert batch.phase == "mixed" and batch.prefilling == (True, False)
+    assert batch.extend_lens == (3, 1) and batch.positions().tolist() == [4, 5, 6, 6]
+    settled = mixed.complete_step(batch, [12, 11], [False, True])
+    assert [(r, reg.finished) for r, reg in settled] == [(b2, False), (a2, True)]
+    assert a2.finished and not b2.finished and b2.cached_len == 7 and b2.input_ids[-1] == 12
+    split.cache_req(a, finished=True)
+    assert [r.input_ids for r in (a, b)] == [r.input_ids for r in (a2, b2)]
+    assert sorted(split.free_slots.tolist()) == sorted(mixed.free_slots.tolist())
+    for cm in (split, mixed):
+        cm.check_integrity()
+
+
+def test_a_failed_mixed_step_releases_its_new_requests_and_leaves_the_running_ones(monkeypatch):
+    cm = manager(num_pages=6, page_size=2)
+    a = Req([1, 2, 3, 4, 5], 0)
+    cm.complete_step(cm.prefill([a]), [6])
+    b = Req([1, 2, 3, 4, 9, 9, 9], 1)
+    before = manager_state(cm, [a, b], stamps=False)
+
+    def fail(allocated, allocation_info):
+        raise Boom("the page-table write failed")
+
+    monkeypatch.setattr(cm, "_write_page_table", fail)
+    with pytest.raises(Boom):
+        cm.mixed_step([b], [a])
+    assert_unchanged(before, manager_state(cm, [a, b], stamps=False))
+    with pytest.raises(CacheMisuse, match=r"decode_step: reqs\[0\]"):
+        cm.mixed_step([], [b])  # b is not running: it cannot decode
+    assert_unchanged(before, manager_state(cm, [a, b], stamps=False))
+    cm.check_integrity()

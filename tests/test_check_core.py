@@ -6,6 +6,10 @@ checker, and ``kvlab.solutions.show`` must print its source.
 """
 from __future__ import annotations
 
+import ast
+import inspect
+from pathlib import Path
+
 import matplotlib
 import matplotlib.figure
 
@@ -169,7 +173,7 @@ def test_table_picture_outlines_wrong_cells_on_both_sides(page_size):
 
 
 def test_band_picture_marks_each_overwritten_guard_cell():
-    from kvlab.check.sandbox import BandWrite
+    from kvlab.check.guards import BandWrite
 
     err = CheckFailed("the safety net caught ...")
     err.band_writes = [BandWrite("out_indices", "after", [1, 2, 5], 8),
@@ -203,22 +207,22 @@ def test_no_picture_without_data_or_without_a_front_end():
 
 
 def test_hint_levels_and_unknown_names(capsys):
-    @core.exercise("_demo_exercise", chapter="99", hints=["first", "second"], solution=abs)
+    @kvlab.check.exercise("_demo_exercise", chapter="99", hints=["first", "second"], solution=abs)
     def demo(fn):
         return 1
 
     try:
-        assert core.hint("_demo_exercise", 2) == "Hint 2/2 for _demo_exercise: second"
+        assert kvlab.check.hint("_demo_exercise", 2) == "Hint 2/2 for _demo_exercise: second"
         assert demo.hint(1).endswith("first")
-        assert "hints 1 to 2" in core.hint("_demo_exercise", 3)
+        assert "hints 1 to 2" in kvlab.check.hint("_demo_exercise", 3)
         assert kvlab.solutions.get("_demo_exercise") is abs
         assert kvlab.check._demo_exercise is demo
         with pytest.raises(KeyError, match="no exercise named 'nope'"):
-            core.hint("nope")
+            kvlab.check.hint("nope")
         with pytest.raises(AttributeError):
             kvlab.check.nope  # noqa: B018
     finally:
-        del core.EXERCISES["_demo_exercise"]
+        del kvlab.check.EXERCISES["_demo_exercise"]
 
 
 EXERCISE_NAMES = kvlab.check.exercises()
@@ -239,13 +243,13 @@ def test_the_course_exercises_exist():
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)
 def test_every_exercise_has_steps_of_hints(name, capsys):
-    ex = core.EXERCISES[name]
+    ex = kvlab.check.EXERCISES[name]
     assert len(ex.hints) >= 2, f"{name} has {len(ex.hints)} hint(s); give at least 2"
     assert all(len(h) >= 20 for h in ex.hints), f"{name} has a hint too short to help"
     assert len(set(ex.hints)) == len(ex.hints)
     assert ex.chapter.isdigit()
     for level in range(1, len(ex.hints) + 1):
-        assert ex.hints[level - 1] in core.hint(name, level)
+        assert ex.hints[level - 1] in kvlab.check.hint(name, level)
 
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)
@@ -258,9 +262,171 @@ def test_every_solution_is_shown_and_passes_its_own_checker(name, capsys):
     assert f"✓ {name}" in capsys.readouterr().out
 
 
+def test_every_solution_passes_in_a_spawned_child(monkeypatch, capsys):
+    # what a GPU uses: the code travels to a new Python (kvlab's own code by import), the audit
+    # and the program orders run there, and every reference solution still passes
+    monkeypatch.setenv("KVLAB_SANDBOX", "spawn")
+    for name in EXERCISE_NAMES:
+        checker = getattr(kvlab.check, name)
+        fewer = {"n_random": 1} if "n_random" in inspect.signature(checker).parameters else {}
+        assert checker(kvlab.solutions.get(name), **fewer) > 0, name
+
+
 def test_show_says_where_the_solution_lives_and_who_shares_it(capsys):
     kvlab.solutions.show("alloc_extend_part2")
     out = capsys.readouterr().out
     assert out.startswith("# Reference solution for 'alloc_extend_part2': kvlab.kernels.")
     assert "the same code is the solution of alloc_extend_part1" in out
     assert "def alloc_extend_kernel(" in out
+
+
+# --- the floors of kvlab.check: arrows go one way --------------------------------------------
+
+CHECK_DIR = Path(kvlab.check.__file__).parent
+
+
+def _check_imports(path: Path) -> set[str]:
+    """The modules of kvlab.check that ``path`` imports, at its top or inside functions (an
+    ``importlib.import_module`` of a name built from the package counts as importing every
+    chapter module)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1 or module.startswith("kvlab.check"):
+                rest = module[len("kvlab.check"):].lstrip(".") if node.level == 0 else module
+                found |= {rest.split(".")[0]} if rest else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("kvlab.check.")}
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
+              and node.args and any(isinstance(n, ast.Name) and n.id == "__package__"
+                                    or isinstance(n, ast.Constant) and "kvlab.check" in str(n.value)
+                                    for n in ast.walk(node.args[0]))):
+            found |= {p.stem for p in CHECK_DIR.glob("ch*.py")}
+    return {m for m in found if (CHECK_DIR / f"{m}.py").exists() and m != path.stem}
+
+
+def _graph() -> dict[str, set[str]]:
+    return {p.stem: _check_imports(p) for p in CHECK_DIR.glob("*.py") if p.stem != "__init__"}
+
+
+def _reachable(graph, start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_no_import_cycle_inside_kvlab_check():
+    graph = _graph()
+    cycles = sorted(m for m in graph if m in _reachable(graph, m))
+    assert not cycles, f"modules of kvlab.check on an import cycle: {cycles}; edges: " + "; ".join(
+        f"{m} -> {sorted(graph[m])}" for m in cycles)
+
+
+def test_core_calls_the_sandbox_and_never_the_other_way():
+    graph = _graph()
+    assert "sandbox" in graph["core"]
+    for low in ("sandbox", "workers", "runner", "audit", "guards", "findings", "walk",
+                "shipping", "failures", "registry"):
+        assert "core" not in _reachable(graph, low) | {low}, low
+        assert "catalog" not in _reachable(graph, low), low
+
+
+def test_no_file_in_kvlab_check_is_over_350_lines():
+    long = {p.name: n for p in CHECK_DIR.glob("*.py")
+            if (n := len(p.read_text().splitlines())) > 350}
+    assert not long, long
+
+
+# --- on a GPU: compiled first, then the audit pass in the interpreter ---------------------------
+
+
+def _fake_gpu(monkeypatch, answers):
+    """Pretend to be on a GPU; ``answers(interpret, order_kind)`` -> (value, accesses)."""
+    from kvlab import runtime
+    from kvlab.check import sandbox
+    from kvlab.check.findings import Access
+
+    calls = []
+
+    def guarded_call(fn, args, kwargs, grid=None, *, keep_worker=False, order=None,
+                     interpret=False):
+        calls.append((interpret, order.kind))
+        value, reads = answers(interpret, order.kind)
+        accesses = [Access("read", "src", "after", 1, program=(1,))] if reads else []
+        return sandbox.Outcome(value, accesses, [], [], None, 2, "spawn")
+
+    monkeypatch.setattr(runtime, "INTERPRET", False)
+    monkeypatch.setattr(sandbox, "audit_pass_enabled", lambda: True)
+    monkeypatch.setattr(sandbox, "guarded_call", guarded_call)
+    return calls
+
+
+def _gpu_check(case_name="c"):
+    def run_one(case):
+        value = core.call_learner(lambda x: x, 0, grid=(2,))
+        if value != "right":
+            raise CheckFailed(f"the answer is {value}", label="answer")
+
+    with pytest.raises(CheckFailed) as info:
+        core.run_cases("demo", [Case(case_name, {})], run_one, quiet=True)
+    return str(info.value)
+
+
+def test_on_a_gpu_a_stray_read_is_found_by_the_audit_pass(monkeypatch):
+    calls = _fake_gpu(monkeypatch, lambda interpret, kind: ("right", interpret))
+    msg = _gpu_check()
+    assert calls[:2] == [(False, "natural"), (True, "reversed")]
+    assert "a read past the end of `src`" in msg and "again in Triton's interpreter" in msg
+
+
+def test_on_a_gpu_a_race_is_named_by_the_audit_pass(monkeypatch):
+    calls = _fake_gpu(monkeypatch, lambda interpret, kind: (
+        "right" if kind == "natural" and interpret else "wrong", False))
+    msg = _gpu_check()
+    assert calls == [(False, "natural"), (True, "reversed"), (True, "natural")]
+    assert "depends on the order in which its programs run" in msg
+
+
+def test_on_a_gpu_a_wrong_answer_only_compiled_keeps_the_gpus_message(monkeypatch):
+    calls = _fake_gpu(monkeypatch, lambda interpret, kind: ("right" if interpret else "odd", False))
+    msg = _gpu_check()
+    assert msg == "[c] the answer is odd" and calls == [(False, "natural"), (True, "reversed")]
+
+
+# --- how the safety net's findings are told -------------------------------------------------------
+
+
+def test_a_finding_is_placed_by_the_kernels_own_section_comments(tmp_path):
+    from kvlab.check.findings import Access, describe, region_of, statement_at
+
+    src = tmp_path / "kernel.py"
+    src.write_text(
+        "@triton.jit\n"
+        "def k(free, out):\n"
+        "    pid = tl.program_id(0)\n"                                   # 3
+        "    # --- your code: part 2, whole new pages ---\n"
+        "    page = tl.load(free + pid,\n"                                # 5
+        "                   mask=pid < 4)  # a comment (with a bracket\n"
+        "    # ---- part 3: the new last page\n"
+        "    # (parts 1 and 2 are done here)\n"
+        "    tl.store(out + pid, page)\n"                                 # 9
+        "def other():\n"
+        "    pass\n")
+    import linecache
+
+    linecache.checkcache(str(src))
+    assert region_of(str(src), 3) is None  # before any part: the bookkeeping
+    assert region_of(str(src), 5) == "part 2"
+    assert region_of(str(src), 9) == "part 3"  # "(parts 1 and 2 ...)" is no section header
+    assert statement_at(str(src), 5) == "page = tl.load(free + pid, mask=pid < 4)"
+    read = Access("read", "free", "after", 2, 3, (1,), str(src), 5, "k", others=1)
+    layout = kvlab.check.Layout("request", inputs="free=[...]")
+    assert describe(read, layout) == (
+        "a read past the end of `free` (3 reads, up to 2 elements out) by request 1, part 2 "
+        "(and 1 more request) (in k, line 5: page = tl.load(free + pid, mask=pid < 4))")

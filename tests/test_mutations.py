@@ -1,11 +1,19 @@
-"""Mutation suite: typical bugs planted in correct solutions must be rejected by the checkers.
+"""Mutation suite: bugs planted in correct solutions must be rejected, with the right blame, and
+correct rewrites must be accepted.
 
-Each mutant is the reference solution's source (``inspect.getsource`` of
-``kvlab.solutions.get(name)``) with one textual change - the kind of slip a learner makes.
-The relevant checker must raise :class:`CheckFailed`, and its message must point at the
-right place: the part of ``alloc_extend`` (1, 2 or 3), the page, the page-table row, the
-region of ``cache_req``, or, for out-of-bounds accesses, the tensor argument - reported by
-the safety net while this test process keeps running.
+A mutant is the reference solution's source (``inspect.getsource`` of
+``kvlab.solutions.get(name)``) with one textual change - the kind of slip a learner makes. The
+exercise's checker must raise :class:`CheckFailed`, and the message must name where the bug is:
+the argument read or written, the request, the part of ``alloc_extend``, the page-table row, the
+region of ``cache_req``, the step of a decode step. The classes covered:
+
+* wrong values (lengths, offsets, page arithmetic, rounding);
+* shapes only some inputs have (a radix walk leaving a node part-way, slots past 2**31);
+* memory accesses outside an argument, also reads whose value never reaches an output;
+* races (every program stores ``ret_values``): right in one program order only;
+* calls in the wrong order (``decode_step``).
+
+A rewrite is a different but correct answer: the checker must accept it.
 """
 from __future__ import annotations
 
@@ -20,7 +28,7 @@ import torch
 
 import kvlab.check
 import kvlab.solutions
-from kvlab.check import CheckFailed, sandbox
+from kvlab.check import CheckFailed
 
 _counter = itertools.count()
 
@@ -29,7 +37,7 @@ class Mutant(NamedTuple):
     exercise: str  # the exercise whose solution is mutated (and whose checker must reject it)
     old: str  # text in the solution's source ...
     new: str  # ... replaced by this
-    must_say: tuple[str, ...]  # the failure message names these (the part, region, argument)
+    must_say: tuple[str, ...]  # the failure message names these (argument, request, part, ...)
     why: str  # the bug, in words
 
 
@@ -41,7 +49,7 @@ def build_mutant(exercise: str, old: str, new: str, tmp_dir):
     """The solution of ``exercise`` with ``old`` replaced by ``new``, loaded from a real file.
 
     A real file (not ``exec``), because ``@triton.jit`` reads its function's source, and so
-    that crash reports can quote the mutant's lines.
+    that messages can quote the mutant's lines.
     """
     solution = kvlab.solutions.get(exercise)
     fn = getattr(solution, "fn", solution)
@@ -63,7 +71,7 @@ def mutant_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("mutants")
 
 
-def _reject(mutant: Mutant, tmp_dir) -> CheckFailed:
+def _reject(mutant: Mutant, tmp_dir) -> str:
     checker = getattr(kvlab.check, mutant.exercise)
     bad = build_mutant(mutant.exercise, mutant.old, mutant.new, tmp_dir)
     with pytest.raises(CheckFailed) as info:
@@ -71,8 +79,20 @@ def _reject(mutant: Mutant, tmp_dir) -> CheckFailed:
     msg = str(info.value)
     for needle in mutant.must_say:
         assert needle in msg, f"{mutant.why}: the message should say {needle!r}:\n{msg}"
-    return info.value
+    return msg
 
+
+# --- chapter 00: pages_needed -------------------------------------------------------------
+
+CH00 = [
+    Mutant("pages_needed", "div_ceil(n, page_size)", "n // page_size",
+           ("pages per request differs", "(request 0 (11 tokens))"), "floor instead of ceil"),
+    Mutant("pages_needed", "div_ceil(n, page_size)", "n // page_size + 1",
+           ("[page_size 1 (a page is one slot)]", "(request 0 (5 tokens))"),
+           "one page too many when the last page is exactly full"),
+    Mutant("pages_needed", "div_ceil(n, page_size)", "n / page_size",
+           ("every entry should be an int",), "true division: floats instead of page counts"),
+]
 
 # --- chapter 01: page_to_token ------------------------------------------------------------
 
@@ -84,6 +104,11 @@ CH01 = [
            ("slots differ", "(page 0 (start"), "wrong stride: slots read column by column"),
     Mutant("page_to_token", "if page_size == 1:", "if page_size <= 4:",
            ("slots has 2 values, expected 8",), "the page_size 1 shortcut taken for small pages"),
+    Mutant("page_to_token", "torch.arange(page_size,", "torch.arange(1, page_size + 1,",
+           ("slots differ", "(page 0 (start"), "offsets 1..page_size instead of 0..page_size-1"),
+    Mutant("page_to_token", "(page_starts.unsqueeze(1) + offsets).flatten()",
+           "(page_starts.unsqueeze(1) + offsets).flatten().to(torch.int32)",
+           ("[large page ids (int64)]", "(page 0 (start"), "slots squeezed into int32"),
 ]
 
 # --- chapter 02: write_page_table ----------------------------------------------------------
@@ -96,13 +121,21 @@ CH02 = [
     Mutant("write_page_table", "rows[offset: offset + length] = table_idx",
            "rows[offset: offset + length] = min(table_idx, 1)",
            ("page table differs", "request row"), "writes every request past row 1 into row 1"),
+    Mutant("write_page_table", "cols[offset: offset + length] = torch.arange(first_pos, last_pos)",
+           "cols[offset: offset + length] = torch.arange(first_page, first_page + length)",
+           ("page table differs", "request row 1, logical column 2",
+            "no allocation_info entry covers this cell"),
+           "columns counted from first_page instead of first_page * page_size"),
+    Mutant("write_page_table", "rows[offset: offset + length] = table_idx",
+           "rows[offset: offset + length] = table_idx - 1",
+           ("page table differs", "request row"), "rows off by one"),
 ]
 
 # --- chapter 03: the three parts of alloc_extend_kernel ---------------------------------------
 
 CH03 = [
     Mutant("alloc_extend_part1", "last_loc + 1 + offset_one_page", "last_loc + offset_one_page",
-           ("part 1",), "part 1 starts at last_loc instead of last_loc + 1"),
+           ("request 0, part 1",), "part 1 starts at last_loc instead of last_loc + 1"),
     Mutant("alloc_extend_part1",
            "tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len\n",
            "tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len - 1\n",
@@ -110,29 +143,78 @@ CH03 = [
     Mutant("alloc_extend_part1",
            "tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len\n",
            "tl.minimum(seq_len, pre_len // page_size * page_size) - pre_len\n",
-           ("part 1", "`out_indices`", "written before its start"),
+           ("a write before the start of `out_indices`", "by request 0"),
            "floor instead of ceil for the end of the old page"),
+    Mutant("alloc_extend_part1", "mask=offset_one_page < num_part1,", "mask=offset_one_page <= num_part1,",
+           ("[empty extends between others]",
+            "a write past the end of `out_indices` (up to 1 element out) by request 2, part 1",
+            "inputs: pre=[6, 3, 9], seq=[6, 13, 9]"),
+           "part 1's store mask off by one: only the safety net sees it"),
+    Mutant("alloc_extend_part1", "    if pre_len + num_part1 == seq_len:  # everything fitted in the old page\n"
+           "        return\n", "",
+           ("a read before the start of `free_page_ptr`", "by request 0, part 3",
+            "request 0 has no part 3 or later part in this case: should it have returned?"),
+           "no early return after part 1: a request without new pages runs part 3"),
+    Mutant("alloc_extend_part1", "last_loc = tl.load(last_loc_ptr + pid)",
+           "last_loc = tl.load(last_loc_ptr + pid + 1)",
+           ("a read past the end of `last_loc_ptr`", "part 1"),
+           "loads the next request's last_loc"),
     Mutant("alloc_extend_part2", "page_start * page_size + offset_many_page % page_size",
            "page_start * page_size + offset_many_page",
            ("part 2",), "part 2 forgets that each page holds only page_size slots (k, not k % P)"),
     Mutant("alloc_extend_part2", "num_pages_before = (pre_lens + page_size - 1) // page_size",
            "num_pages_before = pre_lens // page_size",
            ("part 2",), "floor instead of ceil when counting the pages a prefix holds"),
+    Mutant("alloc_extend_part2",
+           "        page_start * page_size + offset_many_page % page_size,\n"
+           "        mask=offset_many_page < num_part2,\n",
+           "        page_start * page_size + offset_many_page % page_size,\n",
+           ("a write past the end of `out_indices`", "part 2"), "missing mask on part 2's store"),
+    Mutant("alloc_extend_part2", "        mask=offset_many_page < num_part2,\n        other=0,\n",
+           "        mask=offset_many_page < max_num_extend_tokens,\n        other=0,\n",
+           ("a read past the end of `free_page_ptr`", "by request 1, part 2", "line",
+            "inputs: pre=[2, 0, 5]"),
+           "part 2's page load unmasked (the store still masked): a read that never reaches an output"),
+    Mutant("alloc_extend_part2",
+           "seq_lens = tl.load(seq_lens_ptr + load_offset, mask=load_offset <= pid, other=0)",
+           "seq_lens = tl.load(seq_lens_ptr + load_offset)",
+           ("a write past the end of `out_indices`", "by request 0, part 1"),
+           "the length loads unmasked: every program sums every request"),
+    Mutant("alloc_extend_part2", "page_start * page_size + offset_many_page % page_size",
+           "page_start.to(tl.int32) * page_size + offset_many_page % page_size",
+           ("[slots past 2**31", "request 1, part 2"), "part 2's slot arithmetic in int32"),
+    Mutant("alloc_extend_part2", "out_indices + output_start_loc + num_part1 + offset_many_page,",
+           "out_indices + output_start_loc + offset_many_page,",
+           ("part 2",), "part 2's slots start where part 1's do"),
+    Mutant("alloc_extend_part2", "new_page_start_loc = sum_num_new_pages - num_page_start_loc_self",
+           "new_page_start_loc = sum_num_new_pages",
+           ("a read past the end of `free_page_ptr`", "part 2"),
+           "each request takes the pages after its own"),
     Mutant("alloc_extend_part3",
            "free_page_ptr + new_page_start_loc + num_page_start_loc_self - 1)",
            "free_page_ptr + new_page_start_loc + num_page_start_loc_self - 2)",
            ("part 3",), "wrong free-page index for part 3's page"),
     Mutant("alloc_extend_part3", "start_loc * page_size + offset_one_page",
            "start_loc * page_size + offset_one_page + 1",
-           ("part 3",), "part 3 starts at offset 1 of its page"),
+           ("request 0, part 3",), "part 3 starts at offset 1 of its page"),
     Mutant("alloc_extend_part3", "tl.store(ret_values, merged_value)",
            "tl.store(ret_values, sum_extend_lens.to(tl.int64))",
            ("ret_values",), "ret_values without the page count in the high 32 bits"),
-    Mutant("alloc_extend_part2",
-           "        page_start * page_size + offset_many_page % page_size,\n"
-           "        mask=offset_many_page < num_part2,\n",
-           "        page_start * page_size + offset_many_page % page_size,\n",
-           ("`out_indices`", "written past the end"), "missing mask on part 2's store"),
+    Mutant("alloc_extend_part3", "start_loc * page_size + offset_one_page",
+           "start_loc.to(tl.int32) * page_size + offset_one_page",
+           ("[slots past 2**31", "request 0, part 3"), "part 3's slot arithmetic in int32"),
+    Mutant("alloc_extend_part3", "if pid == tl.num_programs(0) - 1:\n        merged_value",
+           "if True:\n        merged_value",
+           ("depends on the order in which its programs run", "ret_values",
+            "pid == tl.num_programs(0) - 1"),
+           "every program stores ret_values: a race"),
+    Mutant("alloc_extend_part3", "mask=offset_one_page < num_part3,", "mask=offset_one_page <= num_part3,",
+           ("a write past the end of `out_indices` (up to 1 element out) by request 1, part 3",),
+           "part 3's store mask off by one"),
+    Mutant("alloc_extend_part3",
+           "merged_value = (sum_num_new_pages.to(tl.int64)) << 32 | sum_extend_lens.to(tl.int64)",
+           "merged_value = (sum_extend_lens.to(tl.int64)) << 32 | sum_num_new_pages.to(tl.int64)",
+           ("ret_values holds",), "pages and tokens swapped in ret_values"),
 ]
 
 # --- chapter 04: alloc_decode_kernel ---------------------------------------------------------
@@ -146,10 +228,27 @@ CH04 = [
            "decode takes a new page at the wrong boundary (seq % P == 0, not (seq - 1) % P == 0)"),
     Mutant("alloc_decode", "tl.store(out_indices + pid, last_loc + 1)",
            "tl.store(out_indices + pid, last_loc)",
-           ("same page: last_loc + 1",), "decode writes last_loc instead of last_loc + 1"),
+           ("request 0, same page: last_loc + 1",), "decode writes last_loc instead of last_loc + 1"),
     Mutant("alloc_decode", "tl.store(out_indices + pid, page * page_size)",
            "tl.store(out_indices + pid, page)",
            ("new page: free_pages[",), "decode stores the page id, not its first slot"),
+    Mutant("alloc_decode", "tl.store(out_indices + pid, page * page_size)",
+           "tl.store(out_indices + pid, page.to(tl.int32) * page_size)",
+           ("[page_size 64, slots past 2**31", "request 0, new page"), "decode's slot arithmetic in int32"),
+    Mutant("alloc_decode", "if pid == tl.num_programs(0) - 1:", "if True:",
+           ("depends on the order in which its programs run", "ret_values holds"),
+           "every decode program stores ret_values: a race"),
+    Mutant("alloc_decode", "seq_lens = tl.load(seq_lens_ptr + load_offset, mask=load_offset <= pid, other=0)",
+           "seq_lens = tl.load(seq_lens_ptr + load_offset)",
+           ("a read past the end of `seq_lens_ptr`", "by request 0"),
+           "the length load unmasked: reads past seq_lens"),
+    Mutant("alloc_decode", "last_loc = tl.load(last_loc_ptr + pid)",
+           "last_loc = tl.load(last_loc_ptr + pid + 1)",
+           ("a read past the end of `last_loc_ptr`", "by request 0"),
+           "decode loads the next request's last_loc"),
+    Mutant("alloc_decode", "tl.store(ret_values, sum_num_new_pages.to(tl.int64))",
+           "tl.store(ret_values, num_page_start_loc_self.to(tl.int64))",
+           ("ret_values holds",), "ret_values counts only the last request's page"),
 ]
 
 # --- chapter 05: the radix prefix cache --------------------------------------------------------
@@ -161,14 +260,29 @@ CH05 = [
     Mutant("match_prefix", "and child.key[n] == input_ids[matched + n]:", ":",
            ("matched length", "tokens the cache does not hold"),
            "takes a child's whole key after its first page matched, without comparing the rest"),
+    Mutant("match_prefix", "        if n < child.length:  # the prompt leaves this node part-way: stop here\n"
+           "            break\n", "",
+           ("[diverges on a page boundary inside a node", "leaves the node with key [1, 2, 3, 4]",
+            "the match stops there"),
+           "keeps walking after the prompt left a node part-way"),
+    Mutant("match_prefix", "while len(input_ids) - matched >= P:", "while len(input_ids) - matched > P:",
+           ("[prompt runs out at a page boundary inside a node] matched length: expected 2, got 0",),
+           "stops before a last page that is exactly full"),
+    Mutant("match_prefix", "        node = child\n", "        break\n",
+           ("[page_size 1] matched length: expected 2, got 1",), "never goes below the first node"),
     Mutant("insert_prefix", "insert_len = len(input_ids) // P * P", "insert_len = len(input_ids)",
            ("new_entries", "not a whole page of the prompt"), "page-unaligned insert of the partial last page"),
     Mutant("insert_prefix", "new_entries[tuple(input_ids[:start + P])]",
            "new_entries[tuple(input_ids[start:start + P])]",
-           ("new_entries",), "keys a page by its own tokens instead of the whole prefix"),
+           ("new_entries: missing the page ending at position",),
+           "keys a page by its own tokens instead of the whole prefix"),
     Mutant("insert_prefix", "cached_len += P  # this page is already there",
            "store[tuple(input_ids[:cached_len + P])] = []; cached_len += P  # this page is already there",
            ("leave the store unchanged",), "changes the store while looking pages up"),
+    Mutant("insert_prefix", "while cached_len < insert_len and", "while cached_len + P < insert_len and",
+           ("cached_len: expected",), "stops one page short when counting cached pages"),
+    Mutant("insert_prefix", "list(indices[start:start + P])", "list(indices[:P])",
+           ("new_entries[", "expected slots"), "every new page gets the first page's slots"),
 ]
 
 # --- chapter 06: cache_req region accounting ----------------------------------------------------
@@ -189,29 +303,126 @@ CH06 = [
     Mutant("cache_req_regions", '"duplicate": (old_cached_len, already_cached_len)',
            '"duplicate": (0, already_cached_len)', ("region 'duplicate' is wrong",),
            "duplicate region starts at 0 (counts the hit twice)"),
+    Mutant("cache_req_regions", '"tail": (new_cached_len, req_cached_len)',
+           '"tail": (already_cached_len, req_cached_len)', ("region 'tail' is wrong",),
+           "tail region starts where the duplicates end"),
+    Mutant("cache_req_regions", '"hit": (0, old_cached_len)', '"hit": (0, already_cached_len)',
+           ("region 'hit' is wrong",), "the hit region swallows the duplicates"),
+]
+
+# --- chapters 05-06: match_req drops the last token; cache_req remaps the duplicate region ------
+
+CH05_06_REQ = [
+    Mutant("match_req", "input_ids[: len(input_ids) - 1]", "input_ids",
+           ("[whole prompt cached (page_size 4)] matched 16 tokens; expected 12",
+            "the prompt's last token must be recomputed so the prefill produces logits"),
+           "matches all of input_ids instead of dropping the last token"),
+    Mutant("match_req", "input_ids[: len(input_ids) - 1]",
+           "input_ids[: len(input_ids) - prefix_cache.page_size]",
+           ("[cached prompt ends inside a page] matched 8 tokens; expected 12",
+            "dropped more than the last token"),
+           "drops a whole page instead of the last token"),
+    Mutant("match_req", "input_ids[: len(input_ids) - 1]", "input_ids[1:]",
+           ("[whole prompt cached (page_size 4)] matched 0 tokens; expected 12",),
+           "drops the first token instead of the last"),
+    Mutant("cache_req_remap",
+           "    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]\n",
+           "", ("(region: duplicate)", "region 'duplicate'", "the row would point at freed pages"),
+           "frees the duplicate region without remapping the row"),
+    Mutant("cache_req_remap", "= cached_slots[old_cached_len:already_cached_len]",
+           "= cached_slots[0:already_cached_len - old_cached_len]",
+           ("[page_size 1]", "(region: duplicate)", "the cached slot of the same position"),
+           "remaps the duplicate region to the cache's slots of the wrong positions"),
+    Mutant("cache_req_remap", "free = list(row_slots[old_cached_len:already_cached_len:page_size])",
+           "free = list(row_slots[old_cached_len:already_cached_len])",
+           ("free:", "one page start per page"), "frees token slots of the duplicate region, not page starts"),
+    Mutant("cache_req_remap", "free = list(row_slots[old_cached_len:already_cached_len:page_size])",
+           "free = list(row_slots[old_cached_len::page_size])",
+           ("free:", "nothing else is freed while the request runs"),
+           "frees the inserted pages and the tail of a running request too"),
+    Mutant("cache_req_remap",
+           "row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]",
+           "row[old_cached_len:] = cached_slots[old_cached_len:]",
+           ("row has", "only the duplicate region changes"), "remaps past the duplicate region"),
 ]
 
 # --- chapters 07-09: the serving loop, attention through the page table, the scan kernel ----
+
+_ADVANCE = ("    for req, token in zip(reqs, next_tokens):\n"
+            "        req.append_token(token)           # the token this step produced\n"
+            "        req.complete_one()                # cached_len = device_len; device_len += 1\n")
+_FINISH = ("    for req, finished in zip(reqs, done):\n"
+           "        if finished:\n"
+           "            manager.cache_req(req, finished=True)")
 
 CH07_09 = [
     Mutant("decode_step", "manager.cache_req(req, finished=True)",
            "manager.cache_req(req, finished=False)", ("request 0: finished should be True",),
            "hands a done request back as unfinished (its pages stay locked)"),
     Mutant("decode_step", "    manager.allocate_paged(reqs)          # a new page", "    # a new page",
-           ("page_table[", "allocate_paged"), "advances requests without mapping their new pages"),
+           ("step 1 (pages): manager.allocate_paged(reqs) was never called", "page_table["),
+           "advances requests without mapping their new pages"),
+    Mutant("decode_step", _ADVANCE + _FINISH, _FINISH + "\n" + _ADVANCE.rstrip("\n"),
+           ("request 0, step 3 (finish): cache_req", "came before its complete_one",
+            "the order of a decode step"),
+           "hands a done request back before advancing it"),
+    Mutant("decode_step", "manager.cache_req(req, finished=True)", "manager.release_req(req)",
+           ("request 0, step 3 (finish): release_req", "instead of manager.cache_req"),
+           "aborts a done request instead of caching it"),
+    Mutant("decode_step", "    manager.allocate_paged(reqs)          # a new page where cached_len sits on a page boundary\n"
+           + _ADVANCE, _ADVANCE + "    manager.allocate_paged(reqs)\n",
+           ("step 2 (advance)", "came before manager.allocate_paged(reqs)"),
+           "maps pages after advancing the requests"),
+    Mutant("decode_step", "        req.append_token(token)           # the token this step produced\n",
+           "        req.append_token(token)\n        req.append_token(token)\n",
+           ("request 0: input_ids should end",), "appends the step's token twice"),
     Mutant("paged_attention", "page_table[row, :n]", "page_table[row, :n - 1]",
            ("request 0, head", "off by"), "attends to one token too few"),
     Mutant("paged_attention", " * scale, dim=-1", ", dim=-1",
            ("forgets the 1/sqrt(head_dim) scale",), "attention without the 1/sqrt(d) scale"),
+    Mutant("paged_attention", "row, n = int(table_idx[b]), int(seq_lens[b])",
+           "row, n = b, int(seq_lens[b])",
+           ("request", "uses row b instead of row table_idx[b]"), "reads row b, not row table_idx[b]"),
+    Mutant("paged_attention", "slots = page_table[row, :n].long()", "slots = torch.arange(n)",
+           ("request", "reads slots 0..seq_len-1 of the pool directly"),
+           "reads the pool by position, not through the page table"),
+    Mutant("paged_attention", " * scale, dim=-1)", " * scale, dim=0)",
+           ("request 0, head",), "softmax over the heads instead of the positions"),
     Mutant("extend_scan", "carry_tokens + tl.cumsum(extend, axis=0) - extend",
            "carry_tokens + tl.cumsum(extend, axis=0)", ("token_start differs", "request 0"),
            "inclusive instead of exclusive prefix sum"),
     Mutant("extend_scan", "carry_pages + tl.cumsum(pages, axis=0) - pages",
            "tl.cumsum(pages, axis=0) - pages", ("page_start differs", "block 1"),
            "drops the carry from earlier blocks"),
+    Mutant("extend_scan", "pre = tl.load(prefix_lens_ptr + offs, mask=mask, other=0)",
+           "pre = tl.load(prefix_lens_ptr + offs)",
+           ("a read past the end of `prefix_lens_ptr`", "by program 0", "line",
+            "inputs: prefix_lens="),
+           "unmasked load past the batch: the answer is right, the read is not"),
+    Mutant("extend_scan", "pages = (seq + page_size - 1) // page_size - (pre + page_size - 1) // page_size",
+           "pages = seq // page_size - pre // page_size", ("page_start differs", "request"),
+           "floor instead of ceil when counting pages"),
+    Mutant("extend_scan", "        carry_pages += tl.sum(pages, axis=0)\n", "",
+           ("page_start differs", "block 1"), "the page carry never grows"),
 ]
 
-MUTANTS = CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH07_09
+CH08_KERNEL = [
+    Mutant("paged_attention_kernel", "acc = acc * alpha + tl.sum(p[:, None] * v, 0)",
+           "acc = acc + tl.sum(p[:, None] * v, 0)",
+           ("request 0, head 1", "looks like acc is not rescaled"), "the online softmax forgets to rescale acc"),
+    Mutant("paged_attention_kernel", "        m_i = m_new\n", "",
+           ("request 0, head 1", "looks like m_i is never updated"), "the running max never moves"),
+    Mutant("paged_attention_kernel", "p = tl.exp(scores - m_new)", "p = tl.exp(scores)",
+           ("request 0, head 1", "looks like p = exp(scores) without the running max"),
+           "block weights without the running max"),
+    Mutant("paged_attention_kernel",
+           "slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0)",
+           "slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n)",
+           ("a read past the end of `page_table_ptr`", "by program (0, 0)", "line"),
+           "the page-table row loaded past the request's length"),
+]
+
+MUTANTS = CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -219,9 +430,119 @@ def test_mutant_is_rejected_and_the_message_points_at_the_bug(mutant, mutant_dir
     _reject(mutant, mutant_dir)
 
 
-def test_there_are_enough_mutants():
-    assert len(MUTANTS) >= 12
+def test_there_are_enough_mutants_on_every_exercise():
+    assert len(MUTANTS) >= 60
     assert len({m.why for m in MUTANTS}) == len(MUTANTS)
+    assert {m.exercise for m in MUTANTS} >= set(COURSE_EXERCISES)
+    assert all(m.must_say for m in MUTANTS)
+
+
+COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_extend_part1", "alloc_extend_part2",
+                    "alloc_extend_part3", "alloc_decode", "match_prefix", "match_req",
+                    "insert_prefix", "cache_req_regions", "cache_req_remap", "decode_step",
+                    "paged_attention", "paged_attention_kernel", "extend_scan"]
+
+
+# --- correct answers written differently must pass -----------------------------------------------
+
+
+class Rewrite(NamedTuple):
+    exercise: str
+    old: str
+    new: str
+    why: str
+
+
+REWRITES = [
+    Rewrite("alloc_extend_part3", "num_part3 = seq_len - seq_len // page_size * page_size",
+            "num_part3 = seq_len - pre_len - num_part1 - num_part2",
+            "part 3's length as what is left after parts 1 and 2"),
+    Rewrite("alloc_decode", "if num_page_start_loc_self == 0:", "if pre_len % page_size != 0:",
+            "the decode branch written on pre_len % P"),
+    Rewrite("cache_req_remap",
+            "row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]",
+            "row[0:already_cached_len] = cached_slots[0:already_cached_len]",
+            "a remap of [0, already): the hit maps the cached slots already"),
+    Rewrite("page_to_token", "return (page_starts.unsqueeze(1) + offsets).flatten()",
+            "return page_starts.repeat_interleave(page_size) + offsets.repeat(len(page_starts))",
+            "repeat_interleave and repeat instead of broadcasting"),
+    Rewrite("alloc_extend_part1",
+            "tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len\n",
+            "tl.minimum(seq_len - pre_len, (page_size - pre_len % page_size) % page_size)\n",
+            "part 1's length as the room left in the old page"),
+    Rewrite("match_prefix",
+            "        while n < child.length and matched + n < len(input_ids) and child.key[n] == input_ids[matched + n]:\n"
+            "            n += 1\n        n = n // P * P  # a partly matched page does not count\n",
+            "        while n < child.length and tuple(child.key[n:n + P]) == tuple(input_ids[matched + n:matched + n + P]):\n"
+            "            n += P\n",
+            "the walk compares whole pages instead of tokens"),
+    Rewrite("extend_scan", "carry_tokens += tl.sum(extend, axis=0)",
+            "carry_tokens = carry_tokens + tl.sum(tl.where(mask, extend, 0), axis=0)",
+            "the carry summed with an explicit mask"),
+    Rewrite("decode_step", "    manager.allocate_paged(reqs)          # a new page",
+            "    for one in reqs:\n        manager.allocate_paged([one])\n    # a new page",
+            "pages mapped one request at a time"),
+    Rewrite("insert_prefix", "    while cached_len < insert_len and tuple(input_ids[:cached_len + P]) in store:\n"
+            "        cached_len += P  # this page is already there: our copy is a duplicate\n",
+            "    for end in range(P, insert_len + 1, P):\n"
+            "        if tuple(input_ids[:end]) not in store:\n            break\n"
+            "        cached_len = end\n",
+            "cached pages counted with a for loop and break"),
+    Rewrite("alloc_extend_part2",
+            "        page_start * page_size + offset_many_page % page_size,\n",
+            "        page_start * page_size + (offset_many_page - offset_many_page // page_size * page_size),\n",
+            "k % P written as k - k // P * P"),
+]
+
+
+@pytest.mark.parametrize("rewrite", REWRITES, ids=lambda r: f"{r.exercise}: {r.why}")
+def test_a_correct_rewrite_passes(rewrite, mutant_dir, capsys):
+    good = build_mutant(rewrite.exercise, rewrite.old, rewrite.new, mutant_dir)
+    assert getattr(kvlab.check, rewrite.exercise)(good) > 0
+
+
+def vectorised_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens):
+    """All requests at once: gather every column of the rows, mask positions >= seq_len."""
+    import math
+
+    rows = page_table[table_idx.long()].long()  # [batch, max_len]; -1 past each request's end
+    k, v = k_pool[rows].float(), v_pool[rows].float()  # [batch, max_len, heads, head_dim]
+    scores = torch.einsum("bhd,bnhd->bhn", q.float(), k) / math.sqrt(q.shape[-1])
+    past = torch.arange(rows.shape[1]) >= seq_lens[:, None]  # [batch, max_len]
+    scores = scores.masked_fill(past[:, None, :], float("-inf"))
+    return torch.einsum("bhn,bnhd->bhd", torch.softmax(scores, dim=-1), v)
+
+
+def write_page_table_by_rows(page_table, allocated, allocation_info, page_size):
+    """Slice assignment row by row instead of one scatter."""
+    at = 0
+    for table_idx, first_page, last_page in allocation_info:
+        n = (last_page - first_page) * page_size
+        page_table[table_idx, first_page * page_size:last_page * page_size] = allocated[at:at + n]
+        at += n
+
+
+def cache_req_regions_with_a_loop(row_slots, old_cached_len, already_cached_len, req_cached_len,
+                                  page_size, finished):
+    new = req_cached_len - req_cached_len % page_size
+    regions = {"hit": [0, old_cached_len], "duplicate": [old_cached_len, already_cached_len],
+               "inserted": [already_cached_len, new], "tail": [new, req_cached_len]}
+    free = []
+    for name in ("duplicate", "tail") if finished else ("duplicate",):
+        start, end = regions[name]
+        free += [row_slots[p] for p in range(start, end) if p % page_size == 0]
+    return {**regions, "free": free}
+
+
+@pytest.mark.parametrize("exercise, answer", [("paged_attention", vectorised_attention),
+                                              ("write_page_table", write_page_table_by_rows),
+                                              ("cache_req_regions", cache_req_regions_with_a_loop)])
+def test_a_correct_answer_of_another_shape_passes(exercise, answer, capsys):
+    assert getattr(kvlab.check, exercise)(answer) > 0
+
+
+def test_there_are_enough_rewrites():
+    assert len(REWRITES) + 3 >= 8
 
 
 def _one_exercise_per_solution() -> list[str]:
@@ -236,14 +557,14 @@ def _one_exercise_per_solution() -> list[str]:
 def test_the_unmutated_solution_passes(exercise, mutant_dir, capsys):
     # the mutant builder itself changes nothing else: a no-op "mutation" still passes
     solution = kvlab.solutions.get(exercise)
-    first_line = _source(solution).splitlines()[-1]
-    same = build_mutant(exercise, first_line, first_line + "  ", mutant_dir)
+    last_line = _source(solution).splitlines()[-1]
+    same = build_mutant(exercise, last_line, last_line + "  ", mutant_dir)
     checker = getattr(kvlab.check, exercise)
     fewer = {"n_random": 1} if "n_random" in inspect.signature(checker).parameters else {}
     assert checker(same, **fewer) > 0
 
 
-# --- the safety net on a planted bug in an exercise kernel ------------------------------------
+# --- the safety net on planted bugs in an exercise kernel, called directly ---------------------
 
 
 def test_out_of_bounds_store_in_an_exercise_kernel_is_reported(mutant_dir):
@@ -254,72 +575,31 @@ def test_out_of_bounds_store_in_an_exercise_kernel_is_reported(mutant_dir):
     last_loc, free_pages = extend_case_inputs(pre, seq, P)
     with pytest.raises(CheckFailed) as info:
         run_extend_kernel(bad, pre, seq, last_loc, free_pages, P)
-    assert "`out_indices`: 2 value(s) written past the end, up to 2 element(s) out" in str(info.value)
+    assert "a write past the end of `out_indices` (2 writes, up to 2 elements out)" in str(info.value)
 
 
-def test_wild_load_in_an_exercise_kernel_is_reported(mutant_dir):
+def test_a_wild_load_in_an_exercise_kernel_is_reported(mutant_dir):
     from kvlab.check.ch03_alloc_extend import run_extend_kernel
 
     # part 2 reads the page one further on: the last token reads past the free list
     bad = build_mutant("alloc_extend_part2", "new_page_start_loc + offset_many_page // page_size,",
                        "new_page_start_loc + offset_many_page // page_size + 1,", mutant_dir)
-    pre, seq, P = [0], [3], 1
     with pytest.raises(CheckFailed) as info:
-        run_extend_kernel(bad, pre, seq, [-1], [7, 2, 5], P)  # exactly 3 free pages
-    msg = str(info.value)
-    assert "`out_indices[2]` holds the guard sentinel" in msg
-    assert "read past the end of `free_page_ptr`" in msg
+        run_extend_kernel(bad, [0], [3], [-1], [7, 2, 5], 1)  # exactly 3 free pages
+    assert "a read past the end of `free_page_ptr`" in str(info.value)
 
 
-@pytest.mark.skipif(not sandbox.can_fork(), reason="a crash is only survivable in a child process")
-def test_a_crashing_exercise_kernel_is_reported_and_the_process_survives(mutant_dir):
-    # part 3 takes its page from far outside free_pages: a segfault in the interpreter
+def test_a_far_away_load_is_reported_and_the_process_survives(mutant_dir):
+    # part 3 takes its page from far outside free_pages: the interpreter's audit switches the
+    # load off (on a GPU: an illegal address in the spawned child, found again in the interpreter)
     bad = build_mutant("alloc_extend_part3", "start_loc = tl.load(free_page_ptr + new_page_start_loc",
                        "start_loc = tl.load(free_page_ptr + (1 << 40) + new_page_start_loc", mutant_dir)
     with pytest.raises(CheckFailed) as info:
         kvlab.check.alloc_extend_part3(bad)
     msg = str(info.value)
-    assert "crashed the interpreter" in msg and "alloc_extend_kernel" in msg
+    assert "a read far outside every tensor" in msg and "by request 0, part 3" in msg
+    assert "start_loc = tl.load(free_page_ptr + (1 << 40)" in msg
     assert torch.arange(3).sum() == 3  # still alive
-
-
-# --- chapters 05-06: match_req drops the last token; cache_req remaps the duplicate region ------
-
-CH05_06_REQ = [
-    Mutant("match_req", "input_ids[: len(input_ids) - 1]", "input_ids",
-           ("[whole prompt cached (page_size 4)] matched 16 tokens; expected 12",
-            "the prompt's last token must be recomputed so the prefill produces logits"),
-           "matches all of input_ids instead of dropping the last token"),
-    Mutant("match_req", "input_ids[: len(input_ids) - 1]",
-           "input_ids[: len(input_ids) - prefix_cache.page_size]",
-           ("[cached prompt ends inside a page] matched 8 tokens; expected 12",
-            "dropped more than the last token"),
-           "drops a whole page instead of the last token"),
-    Mutant("cache_req_remap",
-           "    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]\n",
-           "", ("(region: duplicate)", "region 'duplicate'", "the row would point at freed pages"),
-           "frees the duplicate region without remapping the row"),
-    Mutant("cache_req_remap", "= cached_slots[old_cached_len:already_cached_len]",
-           "= cached_slots[0:already_cached_len - old_cached_len]",
-           ("[page_size 1]", "(region: duplicate)", "the cached slot of the same position"),
-           "remaps the duplicate region to the cache's slots of the wrong positions"),
-    Mutant("cache_req_remap", "free = list(row_slots[old_cached_len:already_cached_len:page_size])",
-           "free = list(row_slots[old_cached_len:already_cached_len])",
-           ("free:", "one page start per page"), "frees token slots of the duplicate region, not page starts"),
-]
-
-
-@pytest.mark.parametrize("mutant", CH05_06_REQ, ids=lambda m: f"{m.exercise}: {m.why}")
-def test_match_req_and_remap_mutants_are_rejected(mutant, mutant_dir):
-    _reject(mutant, mutant_dir)
-
-
-@pytest.mark.parametrize("exercise", ["match_req", "cache_req_remap"])
-def test_the_unmutated_match_req_and_remap_solutions_pass(exercise, mutant_dir, capsys):
-    solution = kvlab.solutions.get(exercise)
-    last_line = _source(solution).splitlines()[-1]
-    same = build_mutant(exercise, last_line, last_line + "  ", mutant_dir)
-    assert getattr(kvlab.check, exercise)(same, n_random=1) > 0
 
 
 def test_the_remap_checker_expects_the_row_the_cache_manager_leaves():
@@ -344,3 +624,13 @@ def test_the_remap_checker_expects_the_row_the_cache_manager_leaves():
                                         regions.already_cached_len, P)
         assert mine["row"] == regions.row_after.tolist()
         assert sorted(mine["free"]) == sorted(regions.freed_pages.tolist())
+
+
+@pytest.mark.parametrize("why", ["part 2's page load unmasked (the store still masked): a read that "
+                                 "never reaches an output", "every decode program stores ret_values: a race",
+                                 "keeps walking after the prompt left a node part-way"])
+def test_a_spawned_child_gives_the_same_findings(why, mutant_dir, monkeypatch):
+    # KVLAB_SANDBOX=spawn: the kernel travels to a new Python by its source; the audit, the
+    # program orders and the lines quoted work there as in a fork
+    monkeypatch.setenv("KVLAB_SANDBOX", "spawn")
+    _reject(next(m for m in MUTANTS if m.why == why), mutant_dir)

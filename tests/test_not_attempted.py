@@ -64,10 +64,10 @@ def test_a_kernel_starter_is_recognised_by_its_marker_without_running(capsys, mo
 
 
 def test_a_marker_of_another_exercise_does_not_count():
-    assert core.not_attempted(starter_decode_kernel, "alloc_decode") is not None
-    assert core.not_attempted(starter_decode_kernel, "alloc_decod") is None
-    assert core.not_attempted(starter_decode_kernel, "alloc_extend_part1") is None
-    assert core.not_attempted(right_page_to_token, "page_to_token") is None
+    assert check.not_attempted(starter_decode_kernel, "alloc_decode") is not None
+    assert check.not_attempted(starter_decode_kernel, "alloc_decod") is None
+    assert check.not_attempted(starter_decode_kernel, "alloc_extend_part1") is None
+    assert check.not_attempted(right_page_to_token, "page_to_token") is None
 
 
 def test_a_wrong_answer_still_fails_and_a_right_one_passes(capsys):

@@ -1,7 +1,8 @@
 #!/bin/sh
-# Everything with compiled Triton on a CUDA machine: the unit tests, then every notebook
-# executed with nbval, in the current Python (no venv). `make gpu-check` runs this; it also
-# runs without make:
+# Everything with compiled Triton on a CUDA machine: the unit tests (the GPU-only ones included:
+# the checkers' spawned child survives a planted illegal address), what the checkers' safety net
+# costs per check (tools/gpu_check_sandbox.py), then every notebook executed with nbval, in the
+# current Python (no venv). `make gpu-check` runs this; it also runs without make:
 #
 #   sh tools/gpu_check.sh                          # python3 with Jupyter packages installed
 #   GPU_WHEELS=.gpuwheels sh tools/gpu_check.sh    # offline box: unpack these wheels first
@@ -45,6 +46,7 @@ else
 fi
 # shellcheck disable=SC2086  # GPU_TESTS / GPU_NOTEBOOKS may name several paths
 "$PYTHON" -m pytest -q -p no:cacheprovider -m "not ui" --ignore=tests/ui $GPU_TESTS
+"$PYTHON" tools/gpu_check_sandbox.py
 # shellcheck disable=SC2086
 "$PYTHON" -m pytest -q -p no:cacheprovider --nbval-lax --nbval-current-env $GPU_NOTEBOOKS
 echo "gpu_check.sh: unit tests and notebooks passed (GPU_REQUIRE=$GPU_REQUIRE)"

@@ -14,6 +14,7 @@ import torch
 from .. import runtime
 from ..reference import page_to_token_ref
 from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
+from .failures import Layout
 
 
 def page_to_token_solution(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -71,7 +72,8 @@ def page_to_token(fn, *, seed: int = 0, n_random: int = 8) -> int:
         starts = torch.tensor([p * page_size for p in case.args["page_ids"]], dtype=dtype,
                               device=runtime.DEVICE)
         expected = page_to_token_ref(starts.tolist(), page_size)
-        got = call_learner(fn, starts.clone(), page_size)
+        inputs = f"page_starts={starts.tolist()} ({dtype}), page_size={page_size}"
+        got = call_learner(fn, starts.clone(), page_size, layout=Layout(inputs=inputs))
         if not isinstance(got, torch.Tensor):
             raise CheckFailed(f"[{case.name}] return a torch.Tensor, not {type(got).__name__}",
                               case=case.name)

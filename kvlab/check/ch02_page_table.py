@@ -17,6 +17,7 @@ from .. import runtime
 from ..paging import new_page_table
 from ..reference import write_page_table_ref
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
+from .failures import Layout
 
 
 def write_page_table_solution(page_table: torch.Tensor, allocated: torch.Tensor,
@@ -105,7 +106,10 @@ def write_page_table(fn, *, seed: int = 0, n_random: int = 8) -> int:
         expected = torch.tensor(write_page_table_ref(table.tolist(), allocated.tolist(), info, page_size),
                                 dtype=torch.int64)
         got_table = table.clone()
-        call_learner(fn, got_table, allocated.clone(), list(info), page_size)
+        inputs = (f"page_table {tuple(table.shape)}, allocation_info={info}, "
+                  f"page_size={page_size}")
+        call_learner(fn, got_table, allocated.clone(), list(info), page_size,
+                     layout=Layout(inputs=inputs))
         got = got_table.detach().cpu().to(torch.int64)
         if got.shape != expected.shape:
             raise CheckFailed(f"[{case.name}] the page table changed shape: {tuple(got.shape)}, "

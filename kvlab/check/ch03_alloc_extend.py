@@ -14,7 +14,10 @@ seeded random batches, and compares only the slots of *its* part with
 * ``alloc_extend_part3`` - the partly filled new last page, and the packed ``ret_values``.
 
 ``out_indices`` starts filled with -1, so a slot the kernel never wrote shows as -1. A failure
-names the case, the request and the part, the first wrong slot, expected vs got.
+names the case, the request and the part, the first wrong slot, expected vs got; a load or
+store outside an argument is named with the request and part that made it. Some cases use
+page ids whose slots pass 2**31 (slot arithmetic must stay in int64), and the programs run in
+a changed order (a race on ``ret_values`` shows).
 """
 from __future__ import annotations
 
@@ -26,10 +29,13 @@ from .. import runtime
 from ..kernels.alloc import alloc_extend_kernel
 from ..reference.alloc import (ExtendPlan, alloc_extend_ref, pages_for, pages_needed_extend,
                                unpack_ret_value)
-from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
 from ..solutions import solution_part
+from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
+from .failures import Layout
 
 NOT_WRITTEN = -1
+#: a first page id whose slots (page * page_size) are at or past 2**31 for every page size used
+BIG_PAGE = 2**31
 
 
 def _next_pow2(n: int) -> int:
@@ -37,17 +43,19 @@ def _next_pow2(n: int) -> int:
 
 
 def extend_case_inputs(prefix_lens: list[int], seq_lens: list[int], page_size: int, seed: int = 0,
-                       spare_pages: int = 2) -> tuple[list[int], list[int]]:
+                       spare_pages: int = 2, big: bool = False) -> tuple[list[int], list[int]]:
     """``(last_loc, free_pages)`` for a batch: every prefix on pages of its own, a shuffled free list.
 
     Prefix pages are drawn first (request by request), the free list gets the remaining
     pages in a seeded random order: exactly enough for the batch plus ``spare_pages``.
+    ``big``: page ids start at ``2**31 // page_size``, so every slot is at least 2**31.
     """
     rng = random.Random(seed)
     P = page_size
     n_prefix = sum(pages_for(p, P) for p in prefix_lens)
     n_new = pages_needed_extend(prefix_lens, seq_lens, P)
-    pages = list(range(n_prefix + n_new + spare_pages))
+    first = BIG_PAGE // P if big else 0
+    pages = list(range(first, first + n_prefix + n_new + spare_pages))
     rng.shuffle(pages)
     last_loc, at = [], 0
     for p in prefix_lens:
@@ -58,7 +66,8 @@ def extend_case_inputs(prefix_lens: list[int], seq_lens: list[int], page_size: i
     return last_loc, pages[at:]
 
 
-def run_extend_kernel(kernel, prefix_lens, seq_lens, last_loc, free_pages, page_size):
+def run_extend_kernel(kernel, prefix_lens, seq_lens, last_loc, free_pages, page_size,
+                      layout: Layout | None = None):
     """Launch ``kernel`` the way the allocator does; return ``(out_indices, ret_value)`` on the CPU."""
     dev = runtime.DEVICE
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
@@ -67,7 +76,7 @@ def run_extend_kernel(kernel, prefix_lens, seq_lens, last_loc, free_pages, page_
     ret = torch.zeros(1, dtype=torch.int64, device=dev)
     bs = len(prefix_lens)
     call_learner(kernel, as_t(prefix_lens), as_t(seq_lens), as_t(last_loc), as_t(free_pages), out, ret,
-                 _next_pow2(bs), page_size, _next_pow2(n_tokens), grid=(bs,))
+                 _next_pow2(bs), page_size, _next_pow2(n_tokens), grid=(bs,), layout=layout)
     return out.cpu(), int(ret.cpu()[0])
 
 
@@ -77,8 +86,9 @@ def plan_segments(plan: ExtendPlan) -> list[Segment]:
 
 
 def _case(name: str, pre: list[int], seq: list[int], page_size: int, kind: str = "edge",
-          seed: int = 0) -> Case:
-    return Case(name, {"pre": pre, "seq": seq, "page_size": page_size, "seed": seed}, kind)
+          seed: int = 0, big: bool = False) -> Case:
+    return Case(name, {"pre": pre, "seq": seq, "page_size": page_size, "seed": seed, "big": big},
+                kind)
 
 
 def _cases(part: int, seed: int, n_random: int) -> list[Case]:
@@ -91,6 +101,8 @@ def _cases(part: int, seed: int, n_random: int) -> list[Case]:
         _case("empty extends between others", [6, 3, 9], [6, 13, 9], 4),
         _case("stays inside the old page", [1, 17], [3, 20], 16),
         _case("many requests", [3, 0, 16, 7, 1, 30, 12, 5], [9, 16, 40, 7, 33, 31, 12, 20], 16),
+        _case("slots past 2**31 (page ids from 2**31 // page_size: int64 slot arithmetic)",
+              [70, 128, 5], [190, 260, 200], 64, big=True),
     ]
     rng = random.Random(seed * 1000 + part)
     for i in range(n_random):
@@ -101,23 +113,24 @@ def _cases(part: int, seed: int, n_random: int) -> list[Case]:
         if sum(seq) == sum(pre):
             seq[0] += 1  # at least one new token, so there is something to launch for
         cases.append(_case(f"random {i + 1} (page_size {P}, {bs} requests)", pre, seq, P,
-                           kind="random", seed=rng.randrange(2**16)))
+                           kind="random", seed=rng.randrange(2**16), big=i % 2 == 1))
     return cases
 
 
 def _check_part(kernel, part: int, case: Case) -> tuple[ExtendPlan, int]:
     a = case.args
     pre, seq, P = a["pre"], a["seq"], a["page_size"]
-    last_loc, free_pages = extend_case_inputs(pre, seq, P, a["seed"])
+    last_loc, free_pages = extend_case_inputs(pre, seq, P, a["seed"], big=a["big"])
     plan = alloc_extend_ref(pre, seq, last_loc, free_pages, P)
-    got, ret = run_extend_kernel(kernel, pre, seq, last_loc, free_pages, P)
+    context = (f"pre={pre}, seq={seq}, last_loc={last_loc}, free_pages={free_pages[:8]}"
+               f"{'...' if len(free_pages) > 8 else ''}, page_size={P}")
+    layout = Layout("request", {"out_indices": plan_segments(plan)}, context)
+    got, ret = run_extend_kernel(kernel, pre, seq, last_loc, free_pages, P, layout)
     exp = torch.tensor(plan.out_indices, dtype=torch.int64)
     if got.numel() == exp.numel():
         # only this part's slots are checked: elsewhere "expected" is whatever the kernel wrote
         mine = torch.tensor([p == part for _, p in plan.parts], dtype=torch.bool)
         exp = torch.where(mine, exp, got)
-    context = (f"pre={pre}, seq={seq}, last_loc={last_loc}, free_pages={free_pages[:8]}"
-               f"{'...' if len(free_pages) > 8 else ''}, page_size={P}")
     try:
         compare_flat(exp, got, case=case.name, what="out_indices", segments=plan_segments(plan))
     except CheckFailed as e:

@@ -8,7 +8,8 @@ that gives every request one slot for its new token: ``last_loc + 1`` while the 
 room, the first slot of the next free page when ``(seq - 1) % page_size == 0``. It is run
 on named edge cases and seeded random batches against
 :func:`kvlab.reference.alloc.alloc_decode_ref`; a failure names the request and whether it
-should have taken a new page.
+should have taken a new page. Some cases use page ids whose slots pass 2**31 (slot arithmetic
+must stay in int64), and the programs run in a changed order (a race on ``ret_values`` shows).
 """
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from .. import runtime
 from ..kernels.alloc import alloc_decode_kernel
 from ..reference.alloc import alloc_decode_ref, pages_for
 from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
+from .failures import Layout
 
 NOT_WRITTEN = -1
+BIG_PAGE = 2**31  # page ids from BIG_PAGE // page_size: every slot at least 2**31
 
 
 def _next_pow2(n: int) -> int:
@@ -29,14 +32,18 @@ def _next_pow2(n: int) -> int:
 
 
 def decode_case_inputs(seq_lens: list[int], page_size: int, seed: int = 0,
-                       spare_pages: int = 2) -> tuple[list[int], list[int]]:
-    """``(last_loc, free_pages)``: each request's first ``seq - 1`` tokens on pages of its own."""
+                       spare_pages: int = 2, big: bool = False) -> tuple[list[int], list[int]]:
+    """``(last_loc, free_pages)``: each request's first ``seq - 1`` tokens on pages of its own.
+
+    ``big``: page ids start at ``2**31 // page_size``, so every slot is at least 2**31.
+    """
     rng = random.Random(seed)
     P = page_size
     pre = [s - 1 for s in seq_lens]
     n_prefix = sum(pages_for(p, P) for p in pre)
     n_new = sum(1 for s in seq_lens if (s - 1) % P == 0)
-    pages = list(range(n_prefix + n_new + spare_pages))
+    first = BIG_PAGE // P if big else 0
+    pages = list(range(first, first + n_prefix + n_new + spare_pages))
     rng.shuffle(pages)
     last_loc, at = [], 0
     for p in pre:
@@ -47,7 +54,8 @@ def decode_case_inputs(seq_lens: list[int], page_size: int, seed: int = 0,
     return last_loc, pages[at:]
 
 
-def run_decode_kernel(kernel, seq_lens, last_loc, free_pages, page_size):
+def run_decode_kernel(kernel, seq_lens, last_loc, free_pages, page_size,
+                      layout: Layout | None = None):
     """Launch ``kernel`` as the allocator does; return ``(out_indices, ret_value)`` on the CPU."""
     dev = runtime.DEVICE
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
@@ -55,12 +63,13 @@ def run_decode_kernel(kernel, seq_lens, last_loc, free_pages, page_size):
     out = torch.full((bs,), NOT_WRITTEN, dtype=torch.int64, device=dev)
     ret = torch.zeros(1, dtype=torch.int64, device=dev)
     call_learner(kernel, as_t(seq_lens), as_t(last_loc), as_t(free_pages), out, ret,
-                 _next_pow2(bs), page_size, grid=(bs,))
+                 _next_pow2(bs), page_size, grid=(bs,), layout=layout)
     return out.cpu(), int(ret.cpu()[0])
 
 
-def _case(name: str, seq: list[int], page_size: int, kind: str = "edge", seed: int = 0) -> Case:
-    return Case(name, {"seq": seq, "page_size": page_size, "seed": seed}, kind)
+def _case(name: str, seq: list[int], page_size: int, kind: str = "edge", seed: int = 0,
+          big: bool = False) -> Case:
+    return Case(name, {"seq": seq, "page_size": page_size, "seed": seed, "big": big}, kind)
 
 
 def _cases(seed: int, n_random: int) -> list[Case]:
@@ -70,7 +79,8 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         _case("page_size 1: every token takes a page", [1, 2, 7], 1),
         _case("first token of a request (seq == 1, last_loc == -1)", [1, 3], 4),
         _case("several cross at once", [5, 9, 2, 13, 4], 4),
-        _case("page_size 64", [65, 64, 129, 2], 64),
+        _case("page_size 64, slots past 2**31 (page ids from 2**31 // page_size: int64 slot "
+              "arithmetic)", [65, 64, 129, 2], 64, big=True),
     ]
     rng = random.Random(seed * 1000 + 4)
     for i in range(n_random):
@@ -78,7 +88,7 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         bs = rng.randint(1, 8)
         seq = [rng.choice([rng.randint(1, 3 * P + 1), rng.randint(0, 3) * P + 1]) for _ in range(bs)]
         cases.append(_case(f"random {i + 1} (page_size {P}, {bs} requests)", seq, P, kind="random",
-                           seed=rng.randrange(2**16)))
+                           seed=rng.randrange(2**16), big=i % 2 == 1))
     return cases
 
 
@@ -103,18 +113,19 @@ def alloc_decode(kernel, *, seed: int = 0, n_random: int = 4) -> int:
 
     def run_one(case: Case) -> None:
         seq, P = case.args["seq"], case.args["page_size"]
-        last_loc, free_pages = decode_case_inputs(seq, P, case.args["seed"])
+        last_loc, free_pages = decode_case_inputs(seq, P, case.args["seed"], big=case.args["big"])
         plan = alloc_decode_ref(seq, last_loc, free_pages, P)
-        got, ret = run_decode_kernel(kernel, seq, last_loc, free_pages, P)
+        inputs = f"seq_lens={seq}, last_loc={last_loc}, free_pages={free_pages}, page_size={P}"
         segments = [Segment(f"request {r}, " + ("new page: free_pages[{}] * page_size".format(plan.page_reads[r])
                                                 if plan.takes_new_page[r] else "same page: last_loc + 1"),
                             r, r + 1) for r in range(len(seq))]
+        got, ret = run_decode_kernel(kernel, seq, last_loc, free_pages, P,
+                                     Layout("request", {"out_indices": segments}, inputs))
         try:
             compare_flat(torch.tensor(plan.out_indices, dtype=torch.int64), got, case=case.name,
                          what="out_indices", segments=segments)
         except CheckFailed as e:
-            note = (f"\n  inputs: seq_lens={seq}, last_loc={last_loc}, free_pages={free_pages}, "
-                    f"page_size={P}\n  ({NOT_WRITTEN} = a slot your kernel never wrote)")
+            note = f"\n  inputs: {inputs}\n  ({NOT_WRITTEN} = a slot your kernel never wrote)"
             raise CheckFailed(str(e) + note, case=e.case, expected=e.expected, got=e.got,
                               wrong=e.wrong, label=e.label, shape=e.shape, segments=e.segments,
                               what=e.what) from None

@@ -1,5 +1,5 @@
-"""Chapter 05's exercises: ``kvlab.check.match_prefix(fn)``, ``kvlab.check.match_req(fn)`` and
-``kvlab.check.insert_prefix(fn)``.
+"""Chapter 05's exercises: ``kvlab.check.match_prefix(fn)`` and ``kvlab.check.match_req(fn)``
+(``insert_prefix`` is in :mod:`kvlab.check.ch05_page_store`).
 
 ``match_prefix``: the learner walks a real :class:`~kvlab.radix_cache.RadixPrefixCache`
 (read only: ``cache.root``, ``node.children`` keyed by a node's first page of tokens,
@@ -9,11 +9,6 @@
 does: ``prefix_cache.match_prefix(input_ids[:len(input_ids) - 1])``. The last prompt token
 is never taken from the cache, so the prefill always computes at least one position and
 gets the logits of the next token from it.
-
-``insert_prefix``: the learner inserts into the *page store* of the chapter's build-up: a
-dict with one entry per cached page, keyed by the tokens from the start of the prompt to
-the end of that page, valued by that page's slots. It returns ``(cached_len, new_entries)``:
-how many tokens were already cached, and the entries to add (whole pages only).
 
 Both are checked on named edge cases and seeded random ones against
 :mod:`kvlab.reference.radix`.
@@ -25,7 +20,7 @@ import random
 import torch
 
 from ..radix_cache import RadixPrefixCache
-from ..reference.radix import PrefixStoreRef, page_aligned_len
+from ..reference.radix import PrefixStoreRef
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
 
 
@@ -65,29 +60,86 @@ def _tree_state(cache: RadixPrefixCache):
     return [(n.uid, n.key, n.ref_count) for n in cache.nodes()]
 
 
+#: a tree where a node ([1, 2, 3, 4]) has children whose first pages also occur inside it
+#:     root -- [1,2,3,4] --+-- [5,6]
+#:                         +-- [7,8]
+#:                         +-- [3,9,9,9]
+_FORK = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7, 8], [1, 2, 3, 4, 3, 9, 9, 9]]
+
+
 def _match_cases(seed: int, n_random: int) -> list[Case]:
     base = [1, 2, 3, 4, 5, 6, 7, 8]
+
+    def case(name, P, cached, query):
+        return Case(name, {"P": P, "cached": cached, "query": query})
+
     cases = [
-        Case("empty cache", {"P": 2, "cached": [], "query": [1, 2, 3]}),
-        Case("whole prompt cached (page_size 2)", {"P": 2, "cached": [base], "query": base}),
-        Case("match ends inside a page: round down", {"P": 4, "cached": [base], "query": [1, 2, 3, 4, 5, 6, 0, 0]}),
-        Case("query shorter than one page", {"P": 4, "cached": [base], "query": [1, 2, 3]}),
-        Case("first page differs", {"P": 2, "cached": [base], "query": [1, 9, 3, 4]}),
-        Case("page_size 1", {"P": 1, "cached": [[5, 6, 7], [5, 8]], "query": [5, 6, 9]}),
-        Case("two branches, take the right one", {"P": 2, "cached": [[1, 2, 3, 4], [1, 2, 5, 6, 7, 8]],
-                                                  "query": [1, 2, 5, 6, 7, 8, 9]}),
-        Case("walk through several nodes", {"P": 2, "cached": [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]],
-                                            "query": [1, 2, 3, 4, 5, 6, 7, 8]}),
-        Case("query ends in the middle of a node", {"P": 2, "cached": [base], "query": [1, 2, 3, 4, 5]}),
+        case("empty cache", 2, [], [1, 2, 3]),
+        case("whole prompt cached (page_size 2)", 2, [base], base),
+        case("match ends inside a page: round down", 4, [base], [1, 2, 3, 4, 5, 6, 0, 0]),
+        case("query shorter than one page", 4, [base], [1, 2, 3]),
+        case("first page differs", 2, [base], [1, 9, 3, 4]),
+        case("page_size 1", 1, [[5, 6, 7], [5, 8]], [5, 6, 9]),
+        case("two branches, take the right one", 2, [[1, 2, 3, 4], [1, 2, 5, 6, 7, 8]],
+             [1, 2, 5, 6, 7, 8, 9]),
+        case("walk through several nodes", 2, [[1, 2], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6]],
+             [1, 2, 3, 4, 5, 6, 7, 8]),
+        case("query ends in the middle of a node", 2, [base], [1, 2, 3, 4, 5]),
+        # every way a walk leaves a node: at its end, or inside it (out of prompt, or diverging
+        # on a page boundary or inside a page) - and a node's child must not be taken after
+        # the prompt has left the node part-way
+        case("leaves a node at its end: no child for the next page", 2, _FORK, [1, 2, 3, 4, 9, 9]),
+        case("leaves a node at its end, then part-way into a child", 2, _FORK, [1, 2, 3, 4, 5, 0]),
+        case("prompt runs out at a page boundary inside a node", 2, _FORK, [1, 2]),
+        case("diverges on a page boundary inside a node, where a child's first page follows: stop",
+             2, _FORK, [1, 2, 5, 6, 7, 8]),
+        case("diverges inside a page of a node, where a child's first page follows: stop",
+             2, _FORK, [1, 2, 3, 9, 9, 9]),
+        case("page_size 1: diverges inside a node, where a child's first token follows: stop",
+             1, [[1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 5]], [1, 2, 4, 4]),
+        case("page_size 4: diverges inside a node, where a child's first page follows: stop",
+             4, [list(range(1, 13)) + [20, 21, 22, 23], list(range(1, 13)) + [9, 10, 11, 12]],
+             [1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12]),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
         P = rng.choice([1, 2, 4])
         cached = [[rng.randrange(3) for _ in range(rng.randrange(0, 14))] for _ in range(rng.randrange(1, 5))]
         query = [rng.randrange(3) for _ in range(rng.randrange(0, 14))]
+        if i % 2 and any(cached):  # a cached prompt cut short, then a page copied from another
+            donor, other = rng.choice([c for c in cached if c]), rng.choice(cached)
+            at = rng.randrange(len(donor) + 1)
+            start = rng.randrange(max(1, len(other) - P + 1))
+            query = donor[:at] + other[start:start + P] + query[: rng.randrange(4)]
         cases.append(Case(f"random {i + 1} (page_size {P})", {"P": P, "cached": cached, "query": query},
                           "random"))
     return cases
+
+
+def _left_part_way(cache: RadixPrefixCache, query: list[int]) -> str | None:
+    """Explain a match that went on after the prompt left a node part-way, if it did."""
+    P = cache.page_size
+    node, matched = cache.root, 0
+    while len(query) - matched >= P:
+        child = node.children.get(tuple(query[matched:matched + P]))
+        if child is None:
+            return None
+        n = 0
+        while n < child.length and matched + n < len(query) and child.key[n] == query[matched + n]:
+            n += 1
+        if n < child.length:
+            at = matched + n // P * P
+            nxt = tuple(query[at:at + P])
+            if len(nxt) < P or nxt not in child.children:
+                return None
+            return (f" (the prompt leaves the node with key {list(child.key)} after {n} of its "
+                    f"{child.length} tokens, at position {matched + n}: the match stops there, "
+                    f"at {at}. The prompt's next page {list(nxt)} is also the first page of a "
+                    "child of that node, but a child continues the node's whole key, not the "
+                    "part the prompt matched)")
+        matched += n
+        node = child
+    return None
 
 
 @exercise(
@@ -126,7 +178,8 @@ def match_prefix(fn, *, seed: int = 0, n_random: int = 12) -> int:
             if got % P:
                 why = f" ({got} is not a whole number of pages of {P}: round down)"
             elif got > expected:
-                why = " (you counted tokens the cache does not hold for this prompt)"
+                why = (_left_part_way(cache, query) or
+                       " (you counted tokens the cache does not hold for this prompt)")
             raise CheckFailed(
                 f"[{case.name}] matched length: expected {expected}, got {got}{why}\n"
                 f"  page_size {P}; cached prompts: {cached}\n  query: {query}",
@@ -225,118 +278,3 @@ def match_req(fn, *, seed: int = 0, n_random: int = 12) -> int:
             case=case.name, expected=expected, got=got)
 
     return run_cases("match_req", _match_req_cases(seed, n_random), run_one)
-
-
-# --- insert_prefix on the page store ------------------------------------------------------
-
-
-def insert_prefix_solution(store: dict, input_ids: list[int], indices: list[int], page_size: int):
-    """Insert the whole pages of ``input_ids`` into the page store (without changing it).
-
-    ``store`` maps ``tuple(prefix up to the end of a page) -> that page's slots``. Returns
-    ``(cached_len, new_entries)``: tokens already cached from the start, and the entries to add.
-    """
-    P = page_size
-    insert_len = len(input_ids) // P * P  # only whole pages are cached
-    cached_len = 0
-    while cached_len < insert_len and tuple(input_ids[:cached_len + P]) in store:
-        cached_len += P  # this page is already there: our copy is a duplicate
-    new_entries = {}
-    for start in range(cached_len, insert_len, P):
-        new_entries[tuple(input_ids[:start + P])] = list(indices[start:start + P])
-    return cached_len, new_entries
-
-
-def page_store_ref(sequences_with_slots, page_size: int) -> dict:
-    """The page store after inserting each ``(ids, slots)`` in order (first insert wins)."""
-    store: dict = {}
-    for ids, slots in sequences_with_slots:
-        for start in range(0, page_aligned_len(len(ids), page_size), page_size):
-            store.setdefault(tuple(ids[:start + page_size]), list(slots[start:start + page_size]))
-    return store
-
-
-def _insert_cases(seed: int, n_random: int) -> list[Case]:
-    def case(name, P, before, ids, kind="edge"):
-        return Case(name, {"P": P, "before": before, "ids": ids}, kind)
-
-    cases = [
-        case("empty store, two whole pages", 4, [], [1, 2, 3, 4, 5, 6, 7, 8]),
-        case("partial last page is not inserted", 4, [], [1, 2, 3, 4, 5, 6]),
-        case("shorter than a page: nothing to insert", 4, [], [1, 2, 3]),
-        case("everything already cached", 2, [[1, 2, 3, 4]], [1, 2, 3, 4]),
-        case("first page cached, second new", 2, [[1, 2, 3, 4]], [1, 2, 7, 8, 9]),
-        case("same page tokens after a different first page", 2, [[1, 2, 3, 4]], [9, 9, 3, 4]),
-        case("page_size 1", 1, [[5, 6]], [5, 6, 7]),
-    ]
-    rng = random.Random(seed)
-    for i in range(n_random):
-        P = rng.choice([1, 2, 4])
-        before = [[rng.randrange(3) for _ in range(rng.randrange(0, 12))] for _ in range(rng.randrange(0, 4))]
-        ids = [rng.randrange(3) for _ in range(rng.randrange(0, 14))]
-        cases.append(case(f"random {i + 1} (page_size {P})", P, before, ids, "random"))
-    return cases
-
-
-@exercise(
-    "insert_prefix",
-    chapter="05",
-    hints=[
-        "Only whole pages are cached: insert_len = len(input_ids) // page_size * page_size.",
-        "Walk page by page from the start: while the prefix up to the end of the next page, "
-        "tuple(input_ids[:cached_len + P]), is a key of the store, that page is already cached "
-        "(cached_len += P). Stop at the first page that is not.",
-        "Every page from cached_len to insert_len is new: its key is the prefix up to the end of "
-        "that page, its value the slots indices[start:start + P]. Return (cached_len, new_entries) "
-        "and leave the store itself unchanged.",
-    ],
-    solution=insert_prefix_solution,
-)
-def insert_prefix(fn, *, seed: int = 0, n_random: int = 12) -> int:
-    """Check ``fn(store, input_ids, indices, page_size) -> (cached_len, new_entries)``."""
-
-    def run_one(case: Case) -> None:
-        P, before, ids = case.args["P"], case.args["before"], case.args["ids"]
-        with_slots, next_slot = [], 0
-        for seq in before:
-            with_slots.append((seq, list(range(next_slot, next_slot + len(seq)))))
-            next_slot += -(-len(seq) // P) * P
-        store = page_store_ref(with_slots, P)
-        indices = list(range(next_slot, next_slot + len(ids)))
-        exp_store = page_store_ref(with_slots + [(ids, indices)], P)
-        exp_cached = PrefixStoreRef(P)
-        for seq in before:
-            exp_cached.insert(seq)
-        expected_len = exp_cached.match_len(ids[:page_aligned_len(len(ids), P)])
-        expected_new = {k: v for k, v in exp_store.items() if k not in store}
-        snapshot = {k: list(v) for k, v in store.items()}
-        got = call_learner(fn, store, list(ids), list(indices), P)
-        if not (isinstance(got, tuple) and len(got) == 2):
-            raise CheckFailed(f"[{case.name}] return a pair (cached_len, new_entries), got {got!r}",
-                              case=case.name)
-        got_len, got_new = got
-        if got_len != expected_len:
-            raise CheckFailed(
-                f"[{case.name}] cached_len: expected {expected_len}, got {got_len}\n"
-                f"  page_size {P}; cached before: {before}; inserting {ids}", case=case.name,
-                expected=expected_len, got=got_len)
-        got_new = {tuple(k): [int(s) for s in v] for k, v in dict(got_new).items()}
-        missing = [k for k in expected_new if k not in got_new]
-        extra = [k for k in got_new if k not in expected_new]
-        if missing or extra:
-            what = (f"missing the page ending at position {len(missing[0])}: key {list(missing[0])}"
-                    if missing else f"an entry that should not be added: key {list(extra[0])}"
-                    + (" (already cached)" if extra[0] in store else
-                       " (not a whole page of the prompt)"))
-            raise CheckFailed(f"[{case.name}] new_entries: {what}\n  page_size {P}; inserting {ids}",
-                              case=case.name)
-        for k, v in expected_new.items():
-            if got_new[k] != v:
-                raise CheckFailed(f"[{case.name}] new_entries[{list(k)}]: expected slots {v}, got "
-                                  f"{got_new[k]} (the page's slots are indices[start:start + P])",
-                                  case=case.name)
-        if store != snapshot:
-            raise CheckFailed(f"[{case.name}] leave the store unchanged; return the new entries",
-                              case=case.name)
-
-    return run_cases("insert_prefix", _insert_cases(seed, n_random), run_one)

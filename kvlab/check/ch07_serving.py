@@ -11,7 +11,8 @@ the step produced (``req.append_token``) and advance it (``req.complete_one``), 
 requests marked ``done`` back with ``manager.cache_req(req, finished=True)``.
 
 The checker builds the same scenario twice (prefill through the real CacheManager, then a
-few reference decode steps), runs the reference on one copy and ``fn`` on the other, and
+few reference decode steps), runs the reference (the manager's own ``decode_step`` and
+``complete_step``) on one copy and ``fn`` on the other, and
 compares the page table, the free list, every request's lengths and tokens, and finally
 runs ``check_integrity()`` on the learner's manager.
 """
@@ -36,7 +37,8 @@ def decode_step_solution(manager, reqs, next_tokens, done):
 
 
 def _scenario(P: int, prompt_lens: list[int], warmup: int, seed: int, num_pages: int | None):
-    """A manager with running requests, each prefilled and ``warmup`` decode steps in."""
+    """A manager with running requests, each prefilled and ``warmup`` decode steps in, built
+    with the manager's own serving words (``prefill`` / ``decode_step`` / ``complete_step``)."""
     from ..cache_manager import CacheManager, Req
     from ..paging import div_ceil, new_page_table
 
@@ -49,18 +51,19 @@ def _scenario(P: int, prompt_lens: list[int], warmup: int, seed: int, num_pages:
     reqs = []
     for i, n in enumerate(prompt_lens):
         ids = shared[: n // 2] + [rng.randrange(50) for _ in range(n - n // 2)]
-        req = Req(ids, table_idx=i)
-        manager.admit(req)
-        reqs.append(req)
-    manager.allocate_paged(reqs)
-    for req in reqs:
-        req.append_token(rng.randrange(50))
-        req.complete_one()
-        manager.cache_req(req, finished=False)
+        reqs.append(Req(ids, table_idx=i))
+    batch = manager.prefill(reqs)
+    manager.complete_step(batch, [rng.randrange(50) for _ in reqs])  # caches each prompt too
     for _ in range(warmup):
-        decode_step_solution(manager, reqs, [rng.randrange(50) for _ in reqs], [False] * len(reqs))
+        batch = manager.decode_step(reqs)
+        manager.complete_step(batch, [rng.randrange(50) for _ in reqs])
     tokens = [rng.randrange(50) for _ in reqs]
     return manager, reqs, tokens
+
+
+def reference_step(manager, reqs, next_tokens, done) -> None:
+    """The step the learner writes, in the manager's own words: what the checker expects."""
+    manager.complete_step(manager.decode_step(reqs), list(next_tokens), list(done))
 
 
 def _cases(seed: int, n_random: int) -> list[Case]:
@@ -93,6 +96,78 @@ def _first_diff(a: torch.Tensor, b: torch.Tensor):
     return tuple(int(x) for x in bad[0]) if bad.numel() else None
 
 
+ORDER = ("the order of a decode step: 1. pages: manager.allocate_paged(reqs), once for the batch; "
+         "2. advance: for each request req.append_token(token), then req.complete_one(); "
+         "3. finish: manager.cache_req(req, finished=True) for each done request, after its "
+         "complete_one")
+_HAND_BACK = ("cache_req", "release_req", "abort")
+
+
+def record_calls(manager, reqs) -> list[tuple[str, int | None]]:
+    """Log ``(method, request index)`` of every call the learner makes on ``manager`` and ``reqs``."""
+    log: list[tuple[str, int | None]] = []
+    index = {id(r): i for i, r in enumerate(reqs)}
+
+    def wrap(obj, name, who):
+        original = getattr(obj, name, None)
+        if original is None:
+            return
+
+        def logged(*args, **kwargs):
+            log.append((name, who(args, kwargs)))
+            return original(*args, **kwargs)
+
+        setattr(obj, name, logged)
+
+    wrap(manager, "allocate_paged", lambda a, k: None)
+    for name in _HAND_BACK:
+        wrap(manager, name, lambda a, k: index.get(id(a[0] if a else k.get("req"))))
+    for i, req in enumerate(reqs):
+        for name in ("append_token", "complete_one"):
+            wrap(req, name, lambda a, k, i=i: i)
+    return log
+
+
+def order_problem(log: list[tuple[str, int | None]], done: list[bool]) -> str | None:
+    """The first call that breaks the order of a decode step, named by request and step."""
+    calls = "; ".join(f"{k + 1}. {name}" + (f" (request {i})" if i is not None else "")
+                      for k, (name, i) in enumerate(log[:16])) + ("; ..." if len(log) > 16 else "")
+    yours = f"\n  your calls: {calls or '(none)'}\n  {ORDER}"
+    pages = [k for k, (name, _) in enumerate(log) if name == "allocate_paged"]
+    advance = [(k, name, i) for k, (name, i) in enumerate(log) if name in ("append_token",
+                                                                            "complete_one")]
+    if not pages:
+        return "step 1 (pages): manager.allocate_paged(reqs) was never called" + yours
+    if len(pages) > 1:
+        return f"step 1 (pages): manager.allocate_paged was called {len(pages)} times" + yours
+    if advance and advance[0][0] < pages[0]:
+        k, name, i = advance[0]
+        return (f"request {i}, step 2 (advance): {name} (call {k + 1}) came before "
+                f"manager.allocate_paged(reqs) (call {pages[0] + 1}), which decides from the "
+                "lengths before the step" + yours)
+    for i, finished in enumerate(done):
+        mine = [(k, name) for k, (name, j) in enumerate(log) if j == i]
+        completes = [k for k, name in mine if name == "complete_one"]
+        back = [(k, name) for k, name in mine if name in _HAND_BACK]
+        for k, name in back:
+            if name != "cache_req":
+                return (f"request {i}, step 3 (finish): {name} (call {k + 1}) instead of "
+                        "manager.cache_req(req, finished=True): release_req aborts a request, "
+                        "freeing its pages without caching them; a request that is done hands "
+                        "its tokens to the prefix cache with cache_req" + yours)
+            if not finished:
+                return (f"request {i}, step 3 (finish): cache_req (call {k + 1}) for a request "
+                        "that is not done: it keeps decoding" + yours)
+            if not completes or k < completes[0]:
+                return (f"request {i}, step 3 (finish): cache_req (call {k + 1}) came before "
+                        "its complete_one" + (f" (call {completes[0] + 1})" if completes else "")
+                        + ": the step's last token would not be cached" + yours)
+        if finished and not back:
+            return (f"request {i}, step 3 (finish): it is done but was never handed back with "
+                    "manager.cache_req(req, finished=True)" + yours)
+    return None
+
+
 @exercise(
     "decode_step",
     chapter="07",
@@ -116,9 +191,27 @@ def decode_step(fn, *, seed: int = 0, n_random: int = 6) -> int:
         args = (a["P"], a["lens"], a["warmup"], a["seed"], a["num_pages"])
         ref_m, ref_reqs, tokens = _scenario(*args)
         got_m, got_reqs, _ = _scenario(*args)
-        decode_step_solution(ref_m, ref_reqs, list(tokens), list(a["done"]))
-        call_learner(fn, got_m, got_reqs, list(tokens), list(a["done"]))
+        reference_step(ref_m, ref_reqs, tokens, a["done"])
+        log = record_calls(got_m, got_reqs)
+        try:
+            call_learner(fn, got_m, got_reqs, list(tokens), list(a["done"]))
+        except Exception as e:  # noqa: BLE001 - a call in the wrong order may raise: say which
+            problem = None if isinstance(e, NotImplementedError) else order_problem(log, a["done"])
+            if problem is None:
+                raise
+            raise CheckFailed(f"[{case.name}] {problem}\n  and so your code raised "
+                              f"{type(e).__name__}: {e}", case=case.name) from e
         where = f"  page_size {a['P']}, prompt lengths {a['lens']}, done {a['done']}"
+        try:
+            _compare(case, ref_m, ref_reqs, got_m, got_reqs, where)
+        except CheckFailed as err:
+            problem = order_problem(log, list(a["done"]))
+            if problem is None:
+                raise
+            raise CheckFailed(f"[{case.name}] {problem}\n  and so: {err.message[len(case.name) + 3:]}",
+                              case=case.name, label=problem.split(":")[0]) from None
+
+    def _compare(case, ref_m, ref_reqs, got_m, got_reqs, where) -> None:
         for i, (r, g) in enumerate(zip(ref_reqs, got_reqs)):
             for attr in ("cached_len", "device_len"):
                 if getattr(r, attr) != getattr(g, attr):

@@ -23,6 +23,7 @@ import triton.language as tl
 from .. import runtime
 from ..reference.alloc import pages_for
 from .core import Case, CheckFailed, Segment, call_learner, compare_flat, exercise, run_cases
+from .failures import Layout
 
 NOT_WRITTEN = -1
 CHECK_BLOCK = 8  # small on purpose: a batch of 20 spans three blocks
@@ -59,14 +60,15 @@ def extend_scan_ref(prefix_lens: list[int], seq_lens: list[int], page_size: int)
     return token_start, page_start
 
 
-def run_scan_kernel(kernel, prefix_lens, seq_lens, page_size, block=CHECK_BLOCK):
+def run_scan_kernel(kernel, prefix_lens, seq_lens, page_size, block=CHECK_BLOCK,
+                    layout: Layout | None = None):
     dev = runtime.DEVICE
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
     bs = len(prefix_lens)
     token_start = torch.full((bs,), NOT_WRITTEN, dtype=torch.int64, device=dev)
     page_start = torch.full((bs,), NOT_WRITTEN, dtype=torch.int64, device=dev)
     call_learner(kernel, as_t(prefix_lens), as_t(seq_lens), token_start, page_start, bs, page_size,
-                 grid=(1,), BLOCK=block)
+                 grid=(1,), BLOCK=block, layout=layout)
     return token_start.cpu(), page_start.cpu()
 
 
@@ -116,11 +118,11 @@ def extend_scan(kernel, *, seed: int = 0, n_random: int = 4) -> int:
     def run_one(case: Case) -> None:
         pre, seq, P = case.args["pre"], case.args["seq"], case.args["page_size"]
         exp_tok, exp_pg = extend_scan_ref(pre, seq, P)
-        got_tok, got_pg = run_scan_kernel(kernel, pre, seq, P)
         B = CHECK_BLOCK
+        inputs = f"prefix_lens={pre}, seq_lens={seq}, page_size={P}, BLOCK={B}"
+        got_tok, got_pg = run_scan_kernel(kernel, pre, seq, P, layout=Layout(inputs=inputs))
         segments = [Segment(f"request {r} (block {r // B}, lane {r % B})", r, r + 1) for r in range(len(pre))]
-        note = (f"\n  inputs: prefix_lens={pre}, seq_lens={seq}, page_size={P}, BLOCK={B}"
-                f"\n  ({NOT_WRITTEN} = never written)")
+        note = f"\n  inputs: {inputs}\n  ({NOT_WRITTEN} = never written)"
         for what, exp, got in (("token_start", exp_tok, got_tok), ("page_start", exp_pg, got_pg)):
             try:
                 compare_flat(torch.tensor(exp, dtype=torch.int64), got, case=case.name, what=what,

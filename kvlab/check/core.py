@@ -1,4 +1,4 @@
-"""The machinery every exercise checker shares.
+"""The machinery every exercise checker shares: run cases, call learner code, compare.
 
 A checker runs the learner's function on *named edge cases* first, then on seeded random
 cases, against :mod:`kvlab.reference`. On the first wrong answer it raises
@@ -6,91 +6,38 @@ cases, against :mod:`kvlab.reference`. On the first wrong answer it raises
 which part or region, the first wrong slot, expected vs got). When everything passes it
 prints one line and returns.
 
-Checkers register themselves with :func:`exercise`, which also stores their step-by-step
-hints; :func:`hint` shows them and :mod:`kvlab.solutions` shows reference solutions.
+Writing a checker (``kvlab/check/chNN_*.py``, registered with
+:func:`kvlab.check.registry.exercise`):
 
-Writing a checker (``kvlab/check/chNN_*.py``):
-
-* run the learner's code only through :func:`call_learner` (``grid=`` for a kernel): that is
-  where :mod:`kvlab.check.sandbox` adds the safety net (child process, guard bands);
-* run the cases through :func:`run_cases`: it names the case, merges what the safety net saw
-  with the comparison, keeps one child process for all cases, and draws the failure;
+* run the learner's code only through :func:`call_learner` (``grid=`` for a kernel): it goes
+  through the safety net (:mod:`kvlab.check.sandbox`), and ``layout=`` (a :class:`Layout`)
+  says how to name what the net finds ("by request 1, part 2", the inputs line);
+* run the cases through :func:`run_cases`: it names the case, tells the safety net's findings
+  together with the comparison, runs each kernel's programs in a changed order (and says so
+  when only that order fails: a race), keeps one child process for all cases, and draws the
+  failure;
 * compare with :func:`compare_flat` and :class:`Segment` labels ("request 1, part 3"), or raise
   :class:`CheckFailed` yourself with ``expected=``/``got=`` (flat), ``wrong=``, ``label=``, and
-  for the picture ``shape=`` (a table), ``segments=``, ``what=`` and ``page_size=``
-  (a page table is then drawn by :func:`kvlab.viz.page_table_heatmap`).
+  for the picture ``shape=`` (a table), ``segments=``, ``what=`` and ``page_size=``.
+
+Imports go one way: ``core`` uses the sandbox, the sandbox never uses ``core``.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from .. import runtime
+from . import findings, picture, sandbox
+from .audit import Order
+from .failures import Case, CheckFailed, Layout, Segment, fmt_values, label_at
+from .guards import explain_value
+from .registry import EXERCISES, exercise  # noqa: F401  (kvlab.check.core.EXERCISES, as before)
 
-class CheckFailed(AssertionError):
-    """The learner's answer differs from the reference. The message says where and how."""
-
-    def __init__(self, message: str, *, case: str | None = None, expected: Any = None,
-                 got: Any = None, wrong: Sequence[int] | None = None, label: str | None = None,
-                 shape: Sequence[int] | None = None,
-                 segments: Sequence["Segment"] | None = None, what: str | None = None,
-                 page_size: int | None = None):
-        self.case = case
-        self.expected = expected
-        self.got = got
-        self.wrong = list(wrong) if wrong is not None else []
-        self.label = label  # e.g. "request 1, part 3" or "region: duplicate"
-        # for the failure picture (kvlab.check.picture): the output's shape before flattening,
-        # the labelled ranges of the flat output, and what the output is called
-        self.shape = tuple(shape) if shape is not None else None
-        self.segments = list(segments) if segments is not None else []
-        self.what = what
-        self.page_size = page_size  # a page table is drawn with page boundaries when given
-        super().__init__(message)
-
-    def add_case(self, case: str) -> "CheckFailed":
-        """Prefix the message with ``[case]`` (once) and remember the case; returns self."""
-        if self.case is None:
-            self.case = case
-        msg = str(self.args[0]) if self.args else ""
-        if not msg.startswith(f"[{case}]"):
-            self.args = (f"[{case}] {msg}",) + tuple(self.args[1:])
-        return self
-
-
-@dataclass(frozen=True)
-class Case:
-    """One named input for a checker. ``kind`` is "edge" or "random"."""
-
-    name: str
-    args: dict
-    kind: str = "edge"
-
-
-@dataclass(frozen=True)
-class Segment:
-    """A labelled range ``[start, end)`` of a flat output, e.g. one request's part 2."""
-
-    label: str
-    start: int
-    end: int
-
-
-def _fmt(values, limit: int = 12) -> str:
-    vals = [int(v) for v in values]
-    if len(vals) > limit:
-        return "[" + ", ".join(map(str, vals[:limit])) + f", ... ({len(vals)} in all)]"
-    return "[" + ", ".join(map(str, vals)) + "]"
-
-
-def label_at(index: int, segments: Iterable[Segment] | None) -> str | None:
-    for seg in segments or ():
-        if seg.start <= index < seg.end:
-            return seg.label
-    return None
+__all__ = ["Case", "CheckFailed", "Layout", "Segment", "call_learner", "compare_flat",
+           "run_cases", "EXERCISES", "exercise"]
 
 
 def compare_flat(expected, got, *, case: str, what: str = "output",
@@ -109,7 +56,7 @@ def compare_flat(expected, got, *, case: str, what: str = "output",
     if g.numel() != exp.numel():
         raise CheckFailed(
             f"[{case}] {what} has {g.numel()} values, expected {exp.numel()}\n"
-            f"  expected: {_fmt(exp)}\n  got:      {_fmt(g)}",
+            f"  expected: {fmt_values(exp)}\n  got:      {fmt_values(g)}",
             case=case, expected=exp, got=g, shape=shape, segments=segments, what=what,
         )
     wrong = (g != exp).nonzero().flatten().tolist()
@@ -122,108 +69,165 @@ def compare_flat(expected, got, *, case: str, what: str = "output",
         f"[{case}] {what} differs at {len(wrong)} of {exp.numel()} positions; "
         f"first at index {i}" + (f" ({where})" if where else "") + "\n"
         f"  expected[{i}] = {int(exp[i])}, got {int(g[i])}\n"
-        f"  expected[{lo}:{hi}] = {_fmt(exp[lo:hi])}\n"
-        f"  got[{lo}:{hi}]      = {_fmt(g[lo:hi])}"
+        f"  expected[{lo}:{hi}] = {fmt_values(exp[lo:hi])}\n"
+        f"  got[{lo}:{hi}]      = {fmt_values(g[lo:hi])}"
     )
     bad_labels = sorted({label_at(j, segments) for j in wrong} - {None})
     if len(bad_labels) > 1:
         msg += "\n  wrong values appear in: " + "; ".join(bad_labels)
     if len(shape) == 2 and shape[1] > 0:  # a table: say which row and column too
         msg += f"\n  (index {i} is row {i // shape[1]}, column {i % shape[1]} of the {what})"
-    why = _explain_value(int(g[i]))
+    why = explain_value(int(g[i]), _LAST_SENTINELS)
     if why:
         msg += "\n  " + why
     raise CheckFailed(msg, case=case, expected=exp, got=g, wrong=wrong, label=where,
                       shape=shape, segments=segments, what=what)
 
 
-def _explain_value(value: int) -> str | None:
-    """Say so when a wrong value is a guard sentinel of the safety net (a read outside a tensor)."""
-    from . import sandbox
+# --- running cases -------------------------------------------------------------------------------
 
-    return sandbox.explain_value(value)
+
+@dataclass
+class _Attempt:
+    """One run of one case: the program order it uses and what the safety net filed."""
+
+    order: Order
+    interpret: bool = False  # on a GPU: kernels run in Triton's interpreter (the audit pass)
+    pending: list[CheckFailed] = field(default_factory=list)
+    programs: int = 0  # the most programs of one kernel launch in this case
+
+
+_ATTEMPT: _Attempt | None = None  # the case running now (None: outside run_cases)
+_DEPTH = 0  # nested run_cases
+_LAST_SENTINELS: list = []  # the guard values of the latest call, to explain odd values
+
+
+def case_order(index: int) -> Order:
+    """The program order of a checker's ``index``-th case: reversed and shuffled by turns.
+
+    The interpreter otherwise runs programs 0, 1, 2, ... one after another, which hides a race
+    (two programs writing one place) that a GPU would show.
+    """
+    return Order("reversed") if index % 2 == 0 else Order("shuffled", seed=index)
 
 
 def run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case], None],
               *, quiet: bool = False) -> int:
-    """Run every case; stop at the first failure (re-raised with the case name). Returns the count."""
-    outermost = _PENDING is None
+    """Run every case; stop at the first failure (raised with the case name). Returns the count."""
+    global _DEPTH
+    _DEPTH += 1
     try:
-        return _run_cases(exercise_name, cases, run_one, quiet=quiet)
+        n_edge = n_random = 0
+        for index, case in enumerate(cases):
+            err = _run_case(case, run_one, case_order(index))
+            if err is not None:
+                _show_picture(err)
+                raise err
+            if case.kind == "edge":
+                n_edge += 1
+            else:
+                n_random += 1
     finally:
-        if outermost:
-            _end_checker_run()
-
-
-def _end_checker_run() -> None:
-    """Let the safety net end the child process it kept for this checker's cases."""
-    try:
-        from . import sandbox
-
-        sandbox.close_worker()
-    except Exception:  # noqa: BLE001 - cleanup only
-        pass
-
-
-def _run_cases(exercise_name: str, cases: Iterable[Case], run_one: Callable[[Case], None],
-               *, quiet: bool = False) -> int:
-    global _PENDING
-    n_edge = n_random = 0
-    for case in cases:
-        outer, _PENDING = _PENDING, []
-        pending = _PENDING
-        try:
-            try:
-                run_one(case)
-            finally:
-                _PENDING = outer
-        except CheckFailed as e:
-            _merge_pending(pending, e, case.name)
-            e.add_case(case.name)
-            _show_picture(e)
-            raise
-        except Exception as e:  # the learner's code raised: say which case and what
-            err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}",
-                              case=case.name)
-            _merge_pending(pending, err, case.name)
-            raise err from e
-        if pending:  # the answer was right, but the code touched memory outside a tensor
-            err = pending[0]
-            err.add_case(case.name)
-            _show_picture(err)
-            raise err
-        if case.kind == "edge":
-            n_edge += 1
-        else:
-            n_random += 1
+        _DEPTH -= 1
+        if _DEPTH == 0:
+            sandbox.close_worker()
     if not quiet:
         print(f"✓ {exercise_name}: all {n_edge + n_random} cases pass "
               f"({n_edge} edge cases, {n_random} random)")
     return n_edge + n_random
 
 
-# While run_cases runs a case, the safety net files memory-access problems (a write or read
-# outside a tensor) here instead of raising at once, so that the comparison which follows can
-# still say which part or region came out wrong. Outside run_cases it raises at once.
-_PENDING: list[CheckFailed] | None = None
+def _run_case(case: Case, run_one, order: Order) -> CheckFailed | None:
+    """The failure of ``case``, or None.
+
+    In the interpreter the case runs once, its kernels' programs in ``order``, every load and
+    store audited. On a GPU it runs compiled first (programs in the GPU's own order), then,
+    for a kernel, once more in Triton's interpreter under the audit (the *audit pass*), so a
+    stray read or a race is found there too.
+    """
+    if runtime.INTERPRET:
+        return _audited_case(case, run_one, order, interpret=False)
+    err, attempt = _attempt(case, run_one, Order())
+    if attempt.programs == 0 or not sandbox.audit_pass_enabled():
+        return err
+    audited = _audited_case(case, run_one, order, interpret=True)
+    if audited is None:
+        return err  # right in the interpreter: a wrong answer here is the GPU's own
+    if err is None or err.accesses or err.label == "crash" or audited.accesses or (
+            audited.label == "program order"):
+        return audited.extend("\n  (found by running your kernel again in Triton's "
+                              "interpreter, which checks every load and store and runs the "
+                              "programs in a changed order)")
+    return err
 
 
-def report_or_defer(err: CheckFailed) -> None:
-    """Raise ``err`` now, or, inside :func:`run_cases`, when the current case has been checked."""
-    if _PENDING is None:
-        raise err
-    _PENDING.append(err)
+def _audited_case(case: Case, run_one, order: Order, interpret: bool) -> CheckFailed | None:
+    """A failure in a changed program order that goes away when the programs run in order is
+    reported as what it is: the answer depends on the order (a race on a GPU)."""
+    err, attempt = _attempt(case, run_one, order, interpret)
+    if err is None or attempt.programs < 2 or order.kind == "natural":
+        return err
+    in_order, _ = _attempt(case, run_one, Order(), interpret)
+    if in_order is not None:
+        return in_order  # wrong whatever the order: the usual message, programs in order
+    return _order_dependent(err, case.name, order, attempt.programs)
 
 
-def _merge_pending(pending: list[CheckFailed], err: CheckFailed, case: str) -> None:
+def _attempt(case: Case, run_one, order: Order,
+             interpret: bool = False) -> tuple[CheckFailed | None, _Attempt]:
+    global _ATTEMPT
+    outer, attempt = _ATTEMPT, _Attempt(order, interpret)
+    _ATTEMPT = attempt
+    try:
+        try:
+            run_one(case)
+        finally:
+            _ATTEMPT = outer
+    except CheckFailed as e:
+        return _merge_pending(attempt.pending, e, case.name).add_case(case.name), attempt
+    except Exception as e:  # the learner's code raised: say which case and what
+        err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}", case=case.name)
+        err.__cause__ = e
+        return _merge_pending(attempt.pending, err, case.name), attempt
+    if attempt.pending:  # the answer was right, but the code touched memory outside a tensor
+        return attempt.pending[0].add_case(case.name), attempt
+    return None, attempt
+
+
+def _merge_pending(pending: list[CheckFailed], err: CheckFailed, case: str) -> CheckFailed:
     """Put the safety net's findings first in ``err``'s message: they are the likely cause."""
     if not pending:
-        return
-    head = "\n".join(str(p.args[0]) for p in pending)
-    body = str(err.args[0]) if err.args else ""
+        return err
+    body = err.message
+    told = set(body.splitlines())  # e.g. the inputs line, when the comparison gives it too
+    head = "\n".join(line for p in pending for line in p.message.splitlines()
+                     if line not in told)
     if body.startswith(f"[{case}] "):
         body = body[len(case) + 3:]
-    err.args = (f"{head}\n  and so the answer is wrong: {body}",) + tuple(err.args[1:])
+    then = "and then: " if err.label in ("crash", "timeout") else "and so the answer is wrong: "
+    err.args = (f"{head}\n  {then}{body}",) + tuple(err.args[1:])
+    if not err.band_writes:
+        err.band_writes = [w for p in pending for w in p.band_writes]
+    err.accesses = [a for p in pending for a in p.accesses] + err.accesses
+    return err
+
+
+def _order_dependent(err: CheckFailed, case: str, order: Order, programs: int) -> CheckFailed:
+    body = err.message
+    if body.startswith(f"[{case}] "):
+        body = body[len(case) + 3:]
+    text = (f"[{case}] your kernel's answer depends on the order in which its programs run: "
+            f"it is right when they run {Order().describe(programs)}, and wrong when they run "
+            f"{order.describe(programs)}:\n  {body}\n  On a GPU the programs of a grid run at "
+            "the same time, in no fixed order. Two programs must never write the same place "
+            "(let one program store a shared result, e.g. only the last one, pid == "
+            "tl.num_programs(0) - 1, stores ret_values), and no program may rely on what "
+            "another one writes.")
+    out = CheckFailed(text, case=case, expected=err.expected, got=err.got, wrong=err.wrong,
+                      label="program order", shape=err.shape, segments=err.segments, what=err.what,
+                      page_size=err.page_size)
+    out.__cause__ = err
+    return out
 
 
 def _show_picture(err: CheckFailed) -> None:
@@ -232,177 +236,39 @@ def _show_picture(err: CheckFailed) -> None:
         return
     err._picture_shown = True
     try:
-        from .picture import show_failure
-
-        show_failure(err)
+        picture.show_failure(err)
     except Exception:  # noqa: BLE001 - a picture is a bonus; the message says it all
         pass
 
 
-def call_learner(fn: Callable[..., Any], *args, grid=None, **kwargs):
+def call_learner(fn: Callable[..., Any], *args, grid=None, layout: Layout | None = None,
+                 **kwargs):
     """Run the learner's function, or Triton kernel when ``grid`` is given: ``fn[grid](*args)``.
 
-    Every checker runs learner code through here, so that :mod:`kvlab.check.sandbox` can
-    add its safety net in one place (child process, guard bands around tensor arguments).
-    Tensors written in place are visible to the caller afterwards; the return value is
-    passed back.
+    Every checker runs learner code through here, inside the safety net
+    (:mod:`kvlab.check.sandbox`). Tensors written in place are visible to the caller
+    afterwards; the return value is passed back. ``layout`` names the programs and the parts of
+    the outputs in what the safety net reports. Inside :func:`run_cases` a memory finding is
+    told after the comparison (which names the wrong part); outside, it is raised at once.
     """
-    impl = _CALL_LEARNER_IMPL
-    if impl is not None:
-        return impl(fn, *args, grid=grid, **kwargs)
-    return fn[grid](*args, **kwargs) if grid is not None else fn(*args, **kwargs)
-
-
-# kvlab.check.sandbox installs its guarded runner here when imported.
-_CALL_LEARNER_IMPL: Callable[..., Any] | None = None
-
-
-# --- registry of exercises: checker, hints, solution ------------------------------------
-
-
-@dataclass
-class Exercise:
-    name: str
-    chapter: str
-    checker: Callable[..., Any]
-    hints: list[str] = field(default_factory=list)
-    solution: Callable[..., Any] | None = None
-
-
-EXERCISES: dict[str, Exercise] = {}
-
-
-def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
-             solution: Callable[..., Any] | None = None):
-    """Decorator: register a checker under ``name`` with its hints and reference solution.
-
-    The registered checker first asks whether the learner has started (see
-    :func:`not_attempted`): an untouched starter is reported in one ``not attempted yet:``
-    line and the checker returns 0 without raising, so a learner can run a whole chapter
-    before writing anything. Every outcome is remembered for :func:`status` and :func:`choose`.
-    """
-
-    def register(checker):
-        @functools.wraps(checker)
-        def check(fn, *args, **kwargs):
-            why = not_attempted(fn, name)
-            if why is None:
-                try:
-                    result = checker(fn, *args, **kwargs)
-                except CheckFailed as err:
-                    if not _raised_not_implemented(err):
-                        _STATUS[name] = "failed"
-                        raise
-                    why = "it raises NotImplementedError"
-                else:
-                    _STATUS[name] = "passed"
-                    return result
-            _STATUS[name] = "not attempted"
-            print(f"not attempted yet: {name} ({why}). Write your answer, then run this cell "
-                  f"again; kvlab.check.hint({name!r}, 1) gives a first hint.")
-            return 0
-
-        EXERCISES[name] = Exercise(name, chapter, check, list(hints), solution)
-        check.exercise_name = name
-        check.hint = lambda level=1: hint(name, level)
-        return check
-
-    return register
-
-
-# --- the learner's progress: not attempted, failed, passed -----------------------------
-
-#: The line a starter carries in each region the learner writes: ``# YOUR CODE HERE: <exercise>``.
-STARTER_MARKER = "YOUR CODE HERE"
-
-#: exercise name -> "passed", "failed" or "not attempted" (the last check of it in this process)
-_STATUS: dict[str, str] = {}
-
-
-def _source_of(fn) -> str:
-    target = getattr(fn, "fn", fn)  # a @triton.jit kernel keeps the Python function in .fn
-    try:
-        return inspect.getsource(target)
-    except (OSError, TypeError):
-        return ""
-
-
-def not_attempted(fn, name: str) -> str | None:
-    """Why ``fn`` is still the untouched starter of exercise ``name``, or None when it is not.
-
-    A starter carries the line ``# YOUR CODE HERE: <name>`` where the answer goes (a Triton
-    kernel cannot raise, so for kernels the marker is the only sign); a plain function's
-    starter also raises ``NotImplementedError``, which the checker notices when it runs.
-    """
-    for line in _source_of(fn).splitlines():
-        text = line.strip()
-        if text.startswith("#") and text.lstrip("# ").startswith(f"{STARTER_MARKER}: {name}"):
-            rest = text.lstrip("# ")[len(f"{STARTER_MARKER}: {name}"):]
-            if rest == "" or not (rest[0].isalnum() or rest[0] == "_"):
-                return (f"the line '# {STARTER_MARKER}: {name}' is still there: replace it "
-                        "with your code")
-    return None
-
-
-def _raised_not_implemented(err: BaseException | None) -> bool:
-    """Whether a checker failure is the learner's code raising NotImplementedError (directly,
-    or in the safety net's child process, which sends the original exception back)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        seen.add(id(err))
-        if isinstance(err, NotImplementedError) or isinstance(getattr(err, "original", None),
-                                                                NotImplementedError):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
-def _qualified_name(obj) -> str:
-    target = getattr(obj, "fn", obj)  # a @triton.jit kernel keeps the Python function in .fn
-    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
-
-
-def status(name: str) -> str:
-    """``"passed"``, ``"failed"``, ``"not attempted"`` or ``"not checked"``: the last check of
-    exercise ``name`` in this process."""
-    _lookup(name)
-    return _STATUS.get(name, "not checked")
-
-
-def choose(name: str, yours: Callable[..., Any], package: Callable[..., Any]):
-    """``yours`` once it has passed ``kvlab.check.<name>``, else ``package``; says which.
-
-    Cells after an exercise call this, so that a chapter runs top to bottom before the learner
-    has written anything, and uses the learner's code from the moment it passes.
-    """
-    state = status(name)
-    mine = getattr(getattr(yours, "fn", yours), "__name__", repr(yours))
-    theirs = _qualified_name(package)
-    if state == "passed":
-        print(f"using your {mine} (it passed kvlab.check.{name})")
-        return yours
-    print(f"using {theirs} (your {mine} has not passed kvlab.check.{name} yet: {state})")
-    return package
-
-
-def _lookup(name: str) -> Exercise:
-    from . import _load_all
-
-    _load_all()
-    if name not in EXERCISES:
-        known = ", ".join(sorted(EXERCISES)) or "(none)"
-        raise KeyError(f"no exercise named {name!r}; known exercises: {known}")
-    return EXERCISES[name]
-
-
-def hint(name: str, level: int = 1) -> str:
-    """Show hint ``level`` (1, 2, ...) for exercise ``name``; later hints say more."""
-    ex = _lookup(name)
-    if not ex.hints:
-        text = f"No hints are written for {name!r}."
-    elif not 1 <= level <= len(ex.hints):
-        text = f"{name!r} has hints 1 to {len(ex.hints)}."
-    else:
-        text = f"Hint {level}/{len(ex.hints)} for {name}: {ex.hints[level - 1]}"
-    print(text)
-    return text
+    global _LAST_SENTINELS
+    attempt = _ATTEMPT
+    out = sandbox.guarded_call(fn, args, kwargs, grid, keep_worker=attempt is not None,
+                               order=attempt.order if attempt is not None else Order(),
+                               interpret=attempt is not None and attempt.interpret)
+    _LAST_SENTINELS = out.sentinels
+    if attempt is not None:
+        attempt.programs = max(attempt.programs, out.programs)
+    if out.accesses:
+        err = CheckFailed(findings.message(out.accesses, layout or Layout()),
+                          label="memory outside a tensor")
+        err.band_writes = out.band_writes
+        err.accesses = out.accesses
+        if attempt is None:
+            if out.error is not None:
+                err.extend(f"\n  and then: {out.error}")
+            raise err from out.error
+        attempt.pending.append(err)
+    if out.error is not None:
+        raise out.error
+    return out.value

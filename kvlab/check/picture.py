@@ -190,7 +190,7 @@ def _page_table_pair(expected: torch.Tensor, got: torch.Tensor, page_size: int, 
 
 def band_figure(writes, *, shown_data: int = 6, shown_band: int = 12):
     """Each argument written outside: its last (or first) data cells, then the guard band,
-    with the overwritten band cells in red. ``writes``: :class:`kvlab.check.sandbox.BandWrite`s."""
+    with the overwritten band cells in red. ``writes``: :class:`kvlab.check.guards.BandWrite`s."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 

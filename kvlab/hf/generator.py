@@ -11,8 +11,9 @@ One **step** of the loop::
     waiting ──admit──► new requests   (match the prompt in the radix cache, lock the hit)
                 │
                 ▼
-    allocate_paged(new + running)     (pages for the new prompts' uncached positions, and
-                │                      a page for each running request that crosses a boundary)
+    mixed_step(new, running)          (one allocate_paged: pages for the new prompts' uncached
+                │                      positions, and a page for each running request that
+                │                      crosses a boundary)
                 ▼
     one forward over the packed tokens of the step, one row of position ids:
         [ new A: positions 12..20 | new B: 16..30 | running C: 41 | running D: 7 ]
@@ -21,9 +22,9 @@ One **step** of the loop::
           one token of a request (decoding)       -> the Triton paged decode kernel (GQA)
                 │
                 ▼
-    greedy token per request; cache_req(finished=False) for the new ones (their prompt pages
-    join the prefix cache at once), cache_req(finished=True) for the finished ones (EOS or
-    max_new_tokens), whose rows go back to the waiting requests
+    greedy token per request; complete_step: cache_req(finished=False) for the new ones (their
+    prompt pages join the prefix cache at once), cache_req(finished=True) for the finished ones
+    (EOS or max_new_tokens), whose rows go back to the waiting requests
 
 A request is admitted only if the pages it may still need (prompt + ``max_new_tokens`` - 1
 positions, minus its cache hit) fit beside what the running requests may still need, counting
@@ -32,12 +33,12 @@ never fit raises :class:`~kvlab.OutOfPages` before anything changes. A request w
 shares whole pages with a request admitted in the same step waits one step, then reads those
 pages from the cache instead of computing them again (SGLang's in-batch prefix caching).
 
-The loop speaks to :class:`~kvlab.CacheManager` in its basic words (``match_req``, ``admit``,
-``available_pages``, ``allocate_paged``, ``cache_req``, ``release_req``) because a step here
-mixes a prefill of new requests with a decode of running ones in one forward pass, and new
-requests are admitted one by one (in-batch sharing, page reservations); the manager's
-``prefill`` / ``decode_step`` / ``complete_step`` describe the same moves for a step that is
-one or the other (chapter 08's engine).
+The loop speaks to :class:`~kvlab.CacheManager` in its serving words: ``admit`` and
+``available_pages`` to decide who runs (this loop's policy: one request at a time, with page
+reservations and in-batch sharing), ``mixed_step`` to map a step that prefills new requests
+and decodes running ones in one pass, and ``complete_step`` to record the tokens, cache the new
+prompts' pages and end the finished requests -- the same words the simulator (chapter 07) and
+chapter 08's engine use.
 """
 from __future__ import annotations
 
@@ -204,25 +205,31 @@ class PagedGenerator:
         try:
             with paged_attention_active(self.model), torch.inference_mode():
                 while waiting or running:
+                    # 1. admit waiting requests while rows and pages last (match + lock their hits)
                     new = self._admit(waiting, running, free_rows, max_new, stats)
                     live += new
                     batch = new + running
                     if not batch:  # _check made sure each request fits an idle pool: never spin
                         raise AssertionError("kvlab.hf: no request could be admitted to an idle pool")
-                    logits = self._step(batch)
-                    for seq, row_logits, token in zip(batch, logits, logits.argmax(-1).tolist()):
+                    # 2. map the new prompts and one more position of each running request
+                    step = self.manager.mixed_step([s.req for s in new], [s.req for s in running])
+                    # 3. one forward pass over the step's packed tokens
+                    logits = self._forward(step)
+                    tokens = logits.argmax(-1).tolist()
+                    done = []
+                    for seq, row_logits, token in zip(batch, logits, tokens):
                         seq.tokens.append(token)
                         if output_logits:
                             seq.logits.append(row_logits.float().cpu())
-                        seq.req.append_token(token)
-                        seq.req.complete_one()       # its K/V are in the pool; one more comes
                         if token in eos or len(seq.tokens) == max_new:
                             seq.finished_by = "eos" if token in eos else "length"
-                            self.manager.cache_req(seq.req, finished=True)
+                        done.append(bool(seq.finished_by))
+                    # 4. record the tokens; new prompts' pages join the cache, finished requests end
+                    self.manager.complete_step(step, tokens, done)
+                    for seq in batch:
+                        if seq.finished_by:
                             free_rows.append(seq.req.table_idx)
                             live.remove(seq)
-                        elif seq in new:
-                            self.manager.cache_req(seq.req, finished=False)  # prompt pages join the cache
                     running = [s for s in batch if not s.finished_by]
                     stats["steps"] += 1
                     stats["prefill_steps"] += bool(new)
@@ -320,34 +327,26 @@ class PagedGenerator:
 
     # --- one forward step ------------------------------------------------------------------
 
-    def _step(self, batch: list[_Seq]) -> torch.Tensor:
-        """Map pages, run the model once over every request's new tokens, return the logits
-        of each request's last token (``[len(batch), vocab]``)."""
-        reqs = [s.req for s in batch]
-        self.manager.allocate_paged(reqs)
+    def _forward(self, step) -> torch.Tensor:
+        """Run the model once over every request's new tokens of ``step`` (a
+        :class:`~kvlab.req.ForwardBatch`, pages mapped), return the logits of each request's
+        last token (``[len(step), vocab]``)."""
         device = self.page_table.device
-        ids, positions, rows, lengths = [], [], [], []
-        for req in reqs:
-            start, end = req.cached_len, req.device_len   # decode: end - start == 1
-            ids += req.input_ids[start:end]
-            positions += range(start, end)
-            rows += [req.table_idx] * (end - start)
-            lengths.append(end - start)
-        ends = torch.tensor([req.device_len for req in reqs], device=device)
-        req_rows = torch.tensor([req.table_idx for req in reqs], device=device)
+        lengths = list(step.extend_lens)               # decode: 1
+        ends = step.seq_lens()
+        req_rows = step.rows()
         check_rows_mapped(self.page_table, req_rows, ends, self.pool.num_slots)  # once per step
-        positions_t = torch.tensor(positions, device=device)
-        out_loc = self.page_table[torch.tensor(rows, device=device), positions_t].long()
-        offsets = [sum(lengths[:b]) for b in range(len(reqs))]
+        positions_t = step.positions()
+        out_loc = step.out_loc().long()
+        offsets = [sum(lengths[:b]) for b in range(len(step))]
         extends, extend_index, single = [], [], []
-        for b, req in enumerate(reqs):
+        for b in range(len(step)):
             if lengths[b] == 1:
                 single.append(b)
             else:
-                extends.append((offsets[b], lengths[b], req.cached_len,
-                                self.page_table[req.table_idx, :req.device_len].long()))
+                extends.append((offsets[b], lengths[b], step.start[b], step.slots(b).long()))
                 extend_index += range(offsets[b], offsets[b] + lengths[b])
-        step = StepBatch(
+        batch = StepBatch(
             pool=self.pool, page_table=self.page_table, out_loc=out_loc,
             extend_index=torch.tensor(extend_index, dtype=torch.long, device=device),
             extends=extends,
@@ -356,8 +355,8 @@ class PagedGenerator:
             single_positions=ends[single].long() - 1,
             decode_step=self.decode_step)
         last = torch.tensor([o + n - 1 for o, n in zip(offsets, lengths)], device=device)
-        out = self.model(input_ids=torch.tensor([ids], device=device), position_ids=positions_t[None],
-                         use_cache=False, logits_to_keep=last, kvlab_step=step)
+        out = self.model(input_ids=step.input_ids()[None], position_ids=positions_t[None],
+                         use_cache=False, logits_to_keep=last, kvlab_step=batch)
         return out.logits[0]
 
 

@@ -4,8 +4,8 @@
 # **Goal.** Build the prefix cache of mini-sglang: a tree of cached token sequences whose KV
 # pages a new request can reuse instead of recomputing. By the end you can say what
 # `match_prefix`, `insert_prefix`, `lock_handle` and `evict` do to the tree, why every key is
-# cut on **page boundaries**, why a request never matches its *last* prompt token, and which
-# cached pages an out-of-memory server may throw away.
+# cut on **page boundaries**, why a request never matches its *last* prompt token, who may
+# unlock what, and which cached pages an out-of-memory server may throw away.
 #
 # Chapters 01-04 gave every request pages of its own. But requests repeat themselves: every
 # turn of a chat re-sends the whole conversation, and thousands of requests start with the
@@ -20,7 +20,7 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, Req, RadixPrefixCache
-from kvlab.scenes.ch05_radix import radix_steps, shared_prefix_figure
+from kvlab.scenes.ch05_radix import shared_prefix_figure
 from kvlab.reference import PrefixStoreRef, page_aligned_len
 from kvlab.viz import draw_tree, draw_tree_steps
 
@@ -50,7 +50,8 @@ plt.show()
 # its own tokens, because the other half belongs to whoever wrote it.
 #
 # So the simplest correct store has one entry per cached page, keyed by *all the tokens from
-# the start up to the end of that page*:
+# the start up to the end of that page*. Here is the store after a server cached the prompt
+# `[1 2 3 4 5 6 7]`, whose KV it had computed into slots `6..12` (page size 2):
 #
 # ```
 # P = 2, cached prompt [1 2 3 4 5 6 7]          key (prefix up to page end)  ->  page's slots
@@ -58,20 +59,13 @@ plt.show()
 # only whole pages: the 7th token is not cached  (1, 2, 3, 4)                    [8, 9]
 #                                                (1, 2, 3, 4, 5, 6)              [10, 11]
 # ```
+#
+# Matching a new prompt against it walks page by page from the start, as long as the prefix
+# up to the end of the next page is a key:
 
 # %%
 P = 2
-
-
-def page_store_insert(store: dict, input_ids: list, indices: list, page_size: int):
-    """Insert the whole pages of input_ids; return (cached_len, new_entries), store unchanged."""
-    insert_len = len(input_ids) // page_size * page_size  # only whole pages
-    cached_len = 0
-    while cached_len < insert_len and tuple(input_ids[:cached_len + page_size]) in store:
-        cached_len += page_size  # already cached: the caller's slots here are duplicates
-    new_entries = {tuple(input_ids[:start + page_size]): list(indices[start:start + page_size])
-                   for start in range(cached_len, insert_len, page_size)}
-    return cached_len, new_entries
+store = {(1, 2): [6, 7], (1, 2, 3, 4): [8, 9], (1, 2, 3, 4, 5, 6): [10, 11]}
 
 
 def page_store_match(store: dict, input_ids: list, page_size: int) -> int:
@@ -82,30 +76,30 @@ def page_store_match(store: dict, input_ids: list, page_size: int) -> int:
     return matched
 
 
-store: dict = {}
-cached_len, new = page_store_insert(store, [1, 2, 3, 4, 5, 6, 7], list(range(6, 13)), P)
-store.update(new)
-for key, slots in store.items():
-    print(f"{str(key):22s} -> {slots}")
-print("cached before:", cached_len)
-assert cached_len == 0 and len(store) == 3  # 7 tokens = 3 whole pages + 1 token left over
-
-# %% [markdown]
-# A second prompt with the same first two pages finds them cached. `insert` says how many
-# tokens were *already* cached (4): the caller computed its own copy of those, and those
-# copies are now duplicates it must give back. Chapter 06 is about exactly that bookkeeping.
-
-# %%
-cached_len, new = page_store_insert(store, [1, 2, 3, 4, 8, 9, 10], list(range(20, 27)), P)
-print("already cached:", cached_len, "| new entries:", new)
-store.update(new)
-assert cached_len == 4 and list(new) == [(1, 2, 3, 4, 8, 9)]
 print("match [1 2 3 4 5 6 0]:", page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P))
 print("match [1 2 3]        :", page_store_match(store, [1, 2, 3], P), " (a lone half page never matches)")
+print("match [9 2 3 4]      :", page_store_match(store, [9, 2, 3, 4], P), " (the first page differs: nothing)")
 assert page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P) == 6
 assert page_store_match(store, [1, 2, 3], P) == 2
+assert page_store_match(store, [9, 2, 3, 4], P) == 0
 
 # %% [markdown]
+# **Inserting** is the other half. Say a second request with prompt `[1 2 3 4 8 9 10]` ran
+# with *its own* slots `20..26` and now offers them to the store. Its first two pages are
+# already there (keys `(1, 2)` and `(1, 2, 3, 4)`), so the insert reports **4 tokens already
+# cached**: the request's own copies of those (slots `20..23`) are duplicates that it must
+# give back (chapter 06 is about exactly that bookkeeping). Its third page is new: one entry
+# `(1, 2, 3, 4, 8, 9) -> [24, 25]`. The last token, `10`, is half a page and is not cached.
+# Writing that insert is the third exercise of this chapter; here is its effect:
+
+# %%
+store[(1, 2, 3, 4, 8, 9)] = [24, 25]  # the one new whole page of [1 2 3 4 8 9 10]
+print("match [1 2 3 4 8 9 10]:", page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P))
+assert page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P) == 6
+
+# %% [markdown]
+# ## Build-up 2: the radix tree
+#
 # This store is correct but wasteful: the key of page *k* repeats all *k* earlier pages, so
 # a prompt of *n* pages stores about *n²/2* pages of keys, and matching hashes ever longer
 # tuples. A **radix tree** stores each run of pages once: a node holds a sequence of whole
@@ -117,18 +111,22 @@ assert page_store_match(store, [1, 2, 3], P) == 2
 #   remaining tokens can never match;
 # * when a prompt leaves a node part-way, the node is **split** at the last whole matched page.
 #
-# `kvlab.RadixPrefixCache` is that tree (mini-sglang's `RadixPrefixCache`). Its nodes carry
-# two more fields: `ref_count` (how many running requests use the node: locked nodes are never
-# evicted) and `last_access` (an access counter for least-recently-used eviction; a counter
-# rather than wall time, so every run of this notebook draws the same trees).
+# `kvlab.RadixPrefixCache` is that tree (mini-sglang's `RadixPrefixCache`). Its answers come
+# as **handles**. A handle is the cache's receipt for a prefix it holds: `handle.cached_len`
+# says how many tokens the prefix has, `handle.node` is the tree node where it ends, and
+# `handle.get_matched_indices()` gathers the prefix's KV slots from the root down to that
+# node. A request keeps the handle of its cached prefix for as long as it runs (and locks it,
+# as we will see). `insert_prefix(ids, slots)` returns the length that was already cached and
+# a handle for the inserted prefix:
 
 # %%
 cache = RadixPrefixCache(page_size=2, device="cpu")
 r = cache.insert_prefix([1, 2, 3, 4, 5, 6, 7], torch.arange(6, 13, dtype=torch.int32))
-print(r)  # nothing was cached before; the handle covers the 6 inserted tokens
+print("already cached:", r.cached_len, "| the handle covers", r.handle.cached_len, "tokens:",
+      r.handle.get_matched_indices().tolist())
 r = cache.insert_prefix([1, 2, 3, 4, 8, 9, 10], torch.arange(20, 27, dtype=torch.int32))
-print("already cached:", r.cached_len, "| inserted handle covers", r.handle.cached_len, "tokens")
-print("its slots:", r.handle.get_matched_indices().tolist())
+print("already cached:", r.cached_len, "| the handle covers", r.handle.cached_len, "tokens:",
+      r.handle.get_matched_indices().tolist())
 for node in cache.nodes():
     print(f"  node {node.uid}: key {list(node.key)}, slots {node.value.tolist()}")
 assert r.cached_len == 4 and r.handle.get_matched_indices().tolist() == [6, 7, 8, 9, 24, 25]
@@ -140,29 +138,69 @@ plt.show()
 # while the prompt continues with `[8 9]`, and split the node after its second page. Its
 # `[8 9]` became a new child with the caller's slots `24, 25` (the caller's slots `20..23`
 # for the shared part were not taken: the cache already has `6..9`). The last token `10` is
-# half a page and is not cached.
+# half a page and is not cached. The handle of the second insert ends at the new node `[8 9]`
+# and its slots run through the shared node above it.
 #
-# ## Matching, and why `match_req` drops the last token
+# ## Matching, and the LRU clock
 #
-# `match_prefix(ids)` returns a **handle**: the matched length (`cached_len`) and the node it
-# ends at; `handle.get_matched_indices()` gathers the slots from the root down. A match that
-# ends inside a node splits it, so the handle always ends exactly at a node boundary.
+# `match_prefix(ids)` returns a handle too (inside a `MatchResult`, whose `cached_len` is the
+# handle's). A match that ends inside a node splits it, so a handle always ends exactly at a
+# node boundary.
+#
+# Every node also carries `last_access`, a stamp of the **LRU clock**: when memory runs short,
+# the cache evicts the *least recently used* pages first, and the stamps say which those are.
+# The clock is a counter, `cache.clock`, not wall time (mini-sglang stamps nodes with
+# `time.monotonic_ns()`; a counter makes every run of this notebook draw the same trees). It
+# ticks on every `match_prefix` and every `insert_prefix`, and that call stamps **only the
+# nodes it actually used** with the new value: the nodes whose tokens the matched prefix runs
+# through. A node the walk did not enter keeps its stamp. And when the prompt leaves the tree
+# in the middle of a node, the node is split: the upper, matched half gets the new stamp, the
+# lower half keeps the old one, because nobody just read it.
 
 # %%
+def stamps(cache):
+    return {tuple(node.key): node.last_access for node in cache.nodes()}
+
+
+before = stamps(cache)
 m = cache.match_prefix([1, 2, 3, 4, 5, 0, 0])
-print("cached_len:", m.cached_len, "slots:", m.handle.get_matched_indices().tolist())
+after = stamps(cache)
+print("cached_len:", m.cached_len, "slots:", m.handle.get_matched_indices().tolist(), "| clock now", cache.clock)
+for key in after:
+    print(f"  node {list(key)}: last_access {before[key]} -> {after[key]}")
 assert m.cached_len == 4  # [5 0] is a different page from [5 6]
-m = cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8])
-assert m.cached_len == 6
+assert after[(1, 2, 3, 4)] == cache.clock  # used: stamped
+assert after[(5, 6)] == before[(5, 6)] and after[(8, 9)] == before[(8, 9)]  # not entered: unchanged
+assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).cached_len == 6
 
 # %% [markdown]
-# A server does not match the whole prompt, though: `CacheManager.match_req` matches
-# `input_ids[:input_len - 1]`. The prefill's job is to produce the logits of the *next*
-# token, and those come out of the forward pass at the last prompt position. If every prompt
-# token were a cache hit there would be nothing to run the model on, and no next token. Cutting
-# the last token guarantees at least one position is computed. (With pages, the cut costs more
-# than one token when the prompt ends exactly on a page boundary: that whole last page is
-# recomputed.)
+# Now a match that ends *inside* a node. In a fresh cache holding one three-page node,
+# matching `[1 2 3 4 9 9]` uses two of its pages: the node is split into `[1 2|3 4]` (used,
+# stamped) and `[5 6]` (not used, keeps its old stamp).
+
+# %%
+small = RadixPrefixCache(page_size=2, device="cpu")
+small.insert_prefix([1, 2, 3, 4, 5, 6], torch.arange(6, dtype=torch.int32))
+old_stamp = small.nodes()[0].last_access
+m = small.match_prefix([1, 2, 3, 4, 9, 9])
+print(f"matched {m.cached_len}; clock {small.clock}; old stamp {old_stamp}")
+for node in small.nodes():
+    print(f"  node {list(node.key)}: last_access {node.last_access}")
+assert stamps(small) == {(1, 2, 3, 4): small.clock, (5, 6): old_stamp}
+
+# %% [markdown]
+# ## Why `match_req` drops the last token
+#
+# A server does not match the whole prompt, though. The object it matches for is a request,
+# `kvlab.Req` (mini-sglang's `Req`): its `input_ids`, its row in the page table `table_idx`,
+# and two lengths, `cached_len` (tokens whose KV is computed) and `device_len` (tokens that
+# will have KV after the coming step). `CacheManager.match_req(req)` (chapter 06 builds the
+# manager) matches `input_ids[:input_len - 1]`. The prefill's job (chapter 00) is to produce
+# the logits of the *next* token, and those come out of the forward pass at the last prompt
+# position. If every prompt token were a cache hit there would be nothing to run the model
+# on, and no next token. Cutting the last token guarantees at least one position is
+# computed. (With pages, the cut costs more than one token when the prompt ends exactly on a
+# page boundary: that whole last page is recomputed.)
 
 # %%
 cm = CacheManager(num_pages=16, page_size=2,
@@ -176,49 +214,102 @@ for prompt in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]):
 assert cm.match_req(Req([1, 2, 3, 4, 5, 6], 0)).cached_len == 4
 
 # %% [markdown]
-# ## Locks, reference counts and LRU eviction, step by step
+# ## Locks, owners and LRU eviction, step by step
 #
-# A running request **locks** its handle: `lock_handle` adds one to the `ref_count` of every
-# node from the handle's node up to the root, because the request reads all of them. Locked
-# tokens count as `protected_size`; everything else is `evictable_size`. When the pool runs
-# short, `evict(n)` removes **whole unlocked leaves**, least recently used first, until at least
-# `n` tokens are freed (it may free more: a leaf goes whole). Removing a leaf may expose its
-# parent as a new leaf, which can go next. A locked node is never a candidate, and its
-# ancestors are locked too, so a running request's prefix can never disappear under it.
+# A running request **locks** its handle: `lock_handle(handle, owner=req)` adds one to the
+# `ref_count` of every node from the handle's node up to the root, because the request reads
+# all of them. Locked tokens count as `protected_size`; everything else is `evictable_size`.
+# When the pool runs short, `evict(n)` removes **whole unlocked leaves**, smallest
+# `last_access` first, until at least `n` tokens are freed (it may free more: a leaf goes
+# whole). Removing a leaf may expose its parent as a new leaf, which can go next. A locked node
+# is never a candidate, and its ancestors are locked too, so a running request's prefix can
+# never disappear under it.
 #
-# The story below (page_size 2) inserts prompts A and D, inserts B (which shares A's system
-# prompt and splits A's node), locks B as if it were running, matches a prompt C (touching A's
-# branch, so it becomes *recently used*), evicts, then lets B finish (unlock) and evicts
-# again. Green border: new in that step; orange: locked; faded: evicted.
+# A lock has an **owner**: the request that took it (`owner=`; a cache manager passes the
+# `Req`). Only a holder may take its lock back: `lock_handle(handle, unlock=True, owner=...)`
+# by an owner that holds no lock on that handle raises `CacheMisuse` and changes nothing.
+# Reference counts alone cannot tell whose lock an unlock removes: one request unlocking twice
+# would silently unprotect pages another request is still reading. (mini-sglang's locks have
+# no owner: its unlock only asserts that no `ref_count` goes below zero.)
+#
+# The story below (page size 2) runs four prompts through one cache, the way a server would:
+# A and D are cached; B arrives, matches A's system prompt `[1 2|3 4]` (splitting A's node),
+# computes the rest on fresh pages, is cached and locked because it keeps running; C is
+# matched (touching A's branch, so it becomes *recently used*); memory runs short (`evict`);
+# B finishes (unlock) and memory runs short again. `fresh_slots` plays the page allocator.
 
 # %%
-steps, story_cache = radix_steps()
-for title, snap in steps:
-    print(f"{title:40s} evictable {snap.evictable_size:2d}  locked {snap.protected_size:2d}  "
-          f"nodes {len(snap.nodes)}")
+story = RadixPrefixCache(page_size=2, device="cpu")
+A, B, C, D = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6, 12, 13], [20, 21, 22, 23, 24]
+next_page = 3
+
+
+def fresh_slots(n):
+    """Slots of n tokens on new whole pages, handed out in order (the page allocator's job)."""
+    global next_page
+    start = next_page * story.page_size
+    next_page += -(-n // story.page_size)
+    return torch.arange(start, start + n, dtype=torch.int32)
+
+
+steps = []
+
+
+def record(title):
+    steps.append((title, story.snapshot()))
+    info = story.size_info
+    leaves = [f"{list(n.key)}@{n.last_access}" for n in story.nodes() if n.is_leaf() and n.ref_count == 0]
+    print(f"{title:38s} evictable {info.evictable_size:2d}  locked {info.protected_size:2d}  "
+          f"unlocked leaves (key@last_access): {', '.join(leaves)}")
+
+
+story.insert_prefix(A, fresh_slots(len(A)))
+record("insert A (7 tokens): 3 whole pages")
+story.insert_prefix(D, fresh_slots(len(D)))
+record("insert D: a second branch")
+
+hit_b = story.match_prefix(B[:-1])  # B is admitted: its match splits A's node after [1 2|3 4]
+slots_b = torch.cat([hit_b.handle.get_matched_indices(), fresh_slots(len(B) - hit_b.cached_len)])
+_, handle_b = story.insert_prefix(B, slots_b)  # after its prefill, B's whole pages are cached
+record("insert B: split after [1 2|3 4]")
+story.lock_handle(handle_b, owner="B")  # B keeps running: its prefix must stay
+record("lock B (owner B; B is running)")
+
+match_c = story.match_prefix(C[:-1])
+record(f"match C: {match_c.cached_len} tokens hit")
+freed_1 = story.evict(1)
+record("evict(1): least recently used leaf")
+story.lock_handle(handle_b, unlock=True, owner="B")  # B finishes
+record("B finishes: unlock (owner B)")
+freed_2 = story.evict(4)
+record("evict(4): B's leaf is older than [5 6]")
+
+print("evict(1) freed slots", freed_1.tolist(), "| evict(4) freed slots", freed_2.tolist())
+assert freed_1.numel() == 4 and freed_2.numel() == 4  # a leaf goes whole: 4 tokens for evict(1)
 draw_tree_steps(steps, ncols=4, panel_width=3.6, panel_height=2.9)
 plt.show()
 
 # %% [markdown]
-# Read the panels from "match C" on. After the match, the unlocked leaves are `[5 6]`
-# (touched at tick 8) and `[20 21|22 23]` (last touched at tick 4). `evict(1)` asks for a
-# single token, but a leaf goes whole, so 4 tokens of D come back; B's branch is locked and
-# stays. When B finishes, unlocking takes its ref counts back to 0 all the way up: now
-# `[8 9|10 11]` (tick 7) is older than `[5 6]` (tick 8), so it is the next to go.
+# Read the printed stamps from "match C" on. The match stamped A's system prompt and `[5 6]`;
+# the unlocked leaves are then `[5 6]` (just used) and `[20 21|22 23]` (D, untouched since
+# it was inserted). `evict(1)` asks for a single token, but a leaf goes whole, so D's 4
+# tokens come back; B's branch is locked and stays. When B finishes, unlocking takes its ref
+# counts back to 0 all the way up: now `[8 9|10 11]`, stamped when B was inserted, is older
+# than `[5 6]`, so it is the next to go.
 #
-# Finally, lock what is left of the system prompt (as a new request would) and ask for far
+# Finally, lock what is left of the system prompt (as a new request E would) and ask for far
 # more than is evictable: `evict` frees every unlocked leaf and returns what it got, and the
 # locked node stays.
 
 # %%
-keep = story_cache.match_prefix([1, 2, 3, 4, 0]).handle
-story_cache.lock_handle(keep)
-info_before = story_cache.size_info
-freed = story_cache.evict(100)  # more than is evictable: evict frees what it can
+keep = story.match_prefix([1, 2, 3, 4, 0]).handle
+story.lock_handle(keep, owner="E")
+info_before = story.size_info
+freed = story.evict(100)  # more than is evictable: kvlab's evict frees what it can
 print("freed slots:", freed.tolist())
-print("size before:", info_before, "after:", story_cache.size_info)
-assert story_cache.size_info.protected_size == info_before.protected_size == 4  # locked: untouched
-assert story_cache.size_info.evictable_size == 0
+print("size before:", info_before, "after:", story.size_info)
+assert story.size_info.protected_size == info_before.protected_size == 4  # locked: untouched
+assert story.size_info.evictable_size == 0
 assert freed.numel() == info_before.evictable_size
 assert keep.get_matched_indices().tolist() == [6, 7, 8, 9]
 
@@ -227,16 +318,29 @@ assert keep.get_matched_indices().tolist() == [6, 7, 8, 9]
 #
 # * `evict` returns **token slots** (`P` per page), while the free list holds **page starts**:
 #   the manager appends `evicted[::P]`. Keep that stride straight or pages leak or double up.
-# * `evict` in kvlab returns what it could when fewer tokens are evictable than asked. The
-#   manager therefore checks `size_info.evictable_size` *before* evicting: when even evicting
-#   everything would not be enough it raises `OutOfPages` without touching the cache.
+# * When fewer tokens are evictable than asked, kvlab's `evict` frees what it can and returns
+#   it; mini-sglang's `evict` instead asserts `size <= evictable_size` before it removes
+#   anything. Either way the caller must check first: kvlab's manager compares the need with
+#   `size_info.evictable_size` and raises `OutOfPages` without touching the cache.
 #
-# Unlocking something that is not locked is a bug in the caller, and kvlab says so:
+# Misuse of locks is a bug in the caller, and kvlab says so instead of corrupting the counts.
+# An unlock by a request that holds no lock on the handle is refused, and nothing changes:
 
 # %%
-_, handle = story_cache.insert_prefix([7, 7, 7, 7], torch.arange(40, 44, dtype=torch.int32))
+info_before = story.size_info
 try:
-    story_cache.lock_handle(handle, unlock=True)
+    story.lock_handle(keep, unlock=True, owner="B")  # B never locked this handle: E did
+except kvlab.CacheMisuse as e:
+    print("CacheMisuse:", e)
+else:
+    raise AssertionError("an unlock by a request that holds no lock must be refused")
+assert story.size_info == info_before and keep.node.ref_count == 1  # E's lock is untouched
+story.lock_handle(keep, unlock=True, owner="E")  # the holder may unlock
+assert story.size_info.protected_size == 0
+
+_, handle = story.insert_prefix([7, 7, 7, 7], torch.arange(40, 44, dtype=torch.int32))
+try:
+    story.lock_handle(handle, unlock=True)  # never locked at all
 except kvlab.CacheMisuse as e:
     print("CacheMisuse:", e)
 else:
@@ -280,10 +384,21 @@ for page_size in (1, 2, 4):
 # %% [markdown]
 # ## The picture: which rows share which pages
 #
-# Four requests from two conversations go through a `CacheManager` (chapter 06 builds it):
-# each is **admitted** (match, lock, map the hit into its row), gets pages for the rest, runs
-# its prefill, and is cached. Later arrivals map the earlier ones' pages. Colour = physical
-# page; equal colours in different rows are shared pages.
+# Four requests from two conversations go through a `CacheManager` (chapter 06 builds it).
+# Four of its calls appear here, in the order a server makes them:
+#
+# * `cm.admit(req)` starts a request: `match_req`, then **lock** the hit's handle with the
+#   request as owner, then write the hit's slots into the request's page-table row. It sets
+#   `req.cache_handle` and `req.cached_len` (the hit's length).
+# * `cm.allocate_paged([req])` maps pages for the rest of the prompt (chapter 02's write).
+# * The model's prefill would now compute the prompt's KV. `req.complete_one()` records that a
+#   forward step finished: `cached_len = device_len` (everything on the device now has KV) and
+#   `device_len += 1` (room for the token the step produced).
+# * `cm.cache_req(req, finished=False)` inserts the request's whole pages into the prefix
+#   cache, so later requests can share them; the request keeps running.
+#
+# Later arrivals map the earlier ones' pages. Colour = physical page; equal colours in
+# different rows are shared pages.
 
 # %%
 P4 = 4
@@ -307,29 +422,39 @@ assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 
 # %% [markdown]
 # ## Your turn
 #
+# Three exercises. Each checker runs your function on named edge cases and on seeded random
+# ones, and says which case failed and how. Here is what a failure looks like: a typical slip
+# in the second exercise, matching the whole prompt, is caught with the case it failed on.
+
+# %%
+def match_whole_prompt(prefix_cache, input_ids):  # the slip: the last token is matched too
+    return prefix_cache.match_prefix(input_ids)
+
+
+try:
+    kvlab.check.match_req(match_whole_prompt)
+except kvlab.check.CheckFailed as e:
+    print("CheckFailed:", str(e).splitlines()[0])
+else:
+    raise AssertionError("matching the whole prompt must be rejected")
+
+# %% [markdown]
 # **Exercise `match_prefix`.** Write `my_match_prefix(cache, input_ids) -> int`: walk a real
 # `RadixPrefixCache` from `cache.root`, find each child by the next whole page
 # (`node.children.get(tuple(...))`), count how far its `node.key` agrees with the prompt, round
-# down to whole pages, and stop when the prompt leaves the tree. Only read the tree (no splits).
-#
-# **Exercise `match_req`.** Write `my_match_req(prefix_cache, input_ids)`: how a server matches
-# a new request's prompt. Return what `prefix_cache.match_prefix` returns (a `MatchResult`; the
-# matched length as an int is accepted too). Remember what the prefill is for: the checker
-# tries a prompt that is cached whole, a one-token prompt, page size 1, and a prompt one page
-# longer than the cache.
-#
-# **Exercise `insert_prefix`.** `page_store_insert` from the build-up is the answer to the
-# second exercise; the checker runs it on edge cases (partial last pages, everything cached,
-# equal page contents after a different first page, page size 1) and random ones.
-#
-# The cells below are pre-filled with working answers so that they pass; clear them and
-# write your own. Stuck? `kvlab.check.hint("match_prefix", 1)` (then 2, 3) gives hints in
-# steps, and `kvlab.solutions.show("match_prefix")` prints a reference solution (the same for
-# `"match_req"`). A wrong answer is reported with the case it failed on, as below: the
-# whole prompt matched, when the prefill needs its last token.
+# down to whole pages, and stop when the prompt leaves the tree. Only read the tree (no splits,
+# no stamps). Stuck? `kvlab.check.hint("match_prefix", 1)` (then 2, 3) gives hints in steps,
+# and `kvlab.solutions.show("match_prefix")` prints a reference solution.
 
 # %%
 def my_match_prefix(cache, input_ids):
+    """The page-aligned length of the longest prefix of input_ids that the tree holds.
+
+    Start at cache.root; a child is node.children.get(tuple(<the next P tokens>)); compare
+    child.key with the prompt token by token, round down to whole pages, stop when the
+    prompt leaves the tree. Return an int. Do not change the tree.
+    """
+    ### BEGIN SOLUTION
     P = cache.page_size
     node, matched = cache.root, 0
     while len(input_ids) - matched >= P:
@@ -345,57 +470,101 @@ def my_match_prefix(cache, input_ids):
             break
         node = child
     return matched
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: match_prefix
+    raise NotImplementedError("walk the tree from cache.root, one whole page at a time")
+    ### END STARTER
 
 
-def my_match_req(prefix_cache, input_ids):
-    return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])  # the last token is computed
-
-
-kvlab.check.match_prefix(my_match_prefix)
-kvlab.check.match_req(my_match_req)
-kvlab.check.insert_prefix(page_store_insert)
+kvlab.check.match_prefix(my_match_prefix);
 
 # %%
-kvlab.check.hint("match_prefix", 1)
+kvlab.check.hint("match_prefix", 1);
 # kvlab.solutions.show("match_prefix")   # uncomment to read the reference solution
 
+# %% [markdown]
+# **Exercise `match_req`.** Write `my_match_req(prefix_cache, input_ids)`: how a server matches
+# a new request's prompt. Return what `prefix_cache.match_prefix` returns (a `MatchResult`; the
+# matched length as an int is accepted too). Remember what the prefill is for: the checker
+# tries a prompt that is cached whole, a one-token prompt, page size 1, and a prompt one page
+# longer than the cache. Hints: `kvlab.check.hint("match_req", 1)`.
 
-def match_whole_prompt(prefix_cache, input_ids):  # a typical slip: the last token is matched too
-    return prefix_cache.match_prefix(input_ids)
+# %%
+def my_match_req(prefix_cache, input_ids):
+    """Match a new request's prompt the way CacheManager.match_req does."""
+    ### BEGIN SOLUTION
+    return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])  # the last token is computed
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: match_req
+    raise NotImplementedError("match the prompt, keeping what the prefill needs")
+    ### END STARTER
 
 
-try:
-    kvlab.check.match_req(match_whole_prompt)
-except kvlab.check.CheckFailed as e:
-    print("CheckFailed:", str(e).splitlines()[0])
-else:
-    raise AssertionError("matching the whole prompt must be rejected")
+kvlab.check.match_req(my_match_req);
+
+# %% [markdown]
+# **Exercise `insert_prefix`** (the third). Write the insert of the page store from build-up 1:
+# `my_page_store_insert(store, input_ids, indices, page_size) -> (cached_len, new_entries)`.
+# `store` maps `tuple(prefix up to the end of a page) -> that page's slots`; `indices` holds
+# one slot per token of `input_ids`. Return how many tokens were already cached from the
+# start (whole pages), and a dict of the entries to add: one per new *whole* page. Leave
+# `store` itself unchanged. The checker tries partial last pages, everything cached, equal
+# page contents after a different first page, and page size 1.
+# Hints: `kvlab.check.hint("insert_prefix", 1)`.
+
+# %%
+def my_page_store_insert(store: dict, input_ids: list, indices: list, page_size: int):
+    """Insert the whole pages of input_ids; return (cached_len, new_entries), store unchanged."""
+    ### BEGIN SOLUTION
+    insert_len = len(input_ids) // page_size * page_size  # only whole pages
+    cached_len = 0
+    while cached_len < insert_len and tuple(input_ids[:cached_len + page_size]) in store:
+        cached_len += page_size  # already cached: the caller's slots here are duplicates
+    new_entries = {tuple(input_ids[:start + page_size]): list(indices[start:start + page_size])
+                   for start in range(cached_len, insert_len, page_size)}
+    return cached_len, new_entries
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: insert_prefix
+    raise NotImplementedError("walk the whole pages: which are in the store already, which are new?")
+    ### END STARTER
+
+
+kvlab.check.insert_prefix(my_page_store_insert);
 
 # %% [markdown]
 # ## Lift: the notebook's functions vs kvlab
 #
 # Your `my_match_prefix` must agree with `kvlab.RadixPrefixCache.match_prefix`, your
-# `my_match_req` with `kvlab.CacheManager.match_req`, and the page store's "already cached"
-# length with `insert_prefix`'s, on random prompts with shared beginnings.
+# `my_match_req` with `kvlab.CacheManager.match_req`, and your page store's "already cached"
+# length with `insert_prefix`'s, on random prompts with shared beginnings. Until an exercise
+# passes its checker, this cell uses the reference solution in its place (and says so).
 
 # %%
+match_prefix_fn = kvlab.check.choose("match_prefix", my_match_prefix, kvlab.solutions.get("match_prefix"))
+match_req_fn = kvlab.check.choose("match_req", my_match_req, kvlab.solutions.get("match_req"))
+insert_fn = kvlab.check.choose("insert_prefix", my_page_store_insert, kvlab.solutions.get("insert_prefix"))
+
 rng = random.Random(11)
 for page_size in (1, 2, 4, 16):
     tree, page_store, next_slot = RadixPrefixCache(page_size, device="cpu"), {}, 0
     beginnings = [[rng.randrange(3) for _ in range(3 * page_size)] for _ in range(2)]
     for _ in range(25):
         ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 2 * page_size))]
-        assert my_match_prefix(tree, ids) == tree.match_prefix(ids).cached_len == page_store_match(page_store, ids, page_size)
+        assert match_prefix_fn(tree, ids) == tree.match_prefix(ids).cached_len == page_store_match(page_store, ids, page_size)
         if ids:  # a request has at least one token
             manager = CacheManager(1, page_size, kvlab.paging.new_page_table(1, 8, page_size), prefix_cache=tree)
-            assert my_match_req(tree, ids).cached_len == manager.match_req(Req(ids, 0)).cached_len
+            mine = match_req_fn(tree, ids)
+            assert getattr(mine, "cached_len", mine) == manager.match_req(Req(ids, 0)).cached_len
         slots = list(range(next_slot, next_slot + len(ids)))
         next_slot += -(-len(ids) // page_size) * page_size
-        mine, new_entries = page_store_insert(page_store, ids, slots, page_size)
+        mine, new_entries = insert_fn(page_store, ids, slots, page_size)
         page_store.update(new_entries)
         theirs = tree.insert_prefix(ids, torch.tensor(slots, dtype=torch.int32))
         assert mine == theirs.cached_len
-print("my_match_prefix, my_match_req and page_store_insert agree with kvlab")
+print("match_prefix, match_req and the page-store insert agree with kvlab")
 
 # %% [markdown]
 # ## Summary
@@ -403,16 +572,62 @@ print("my_match_prefix, my_match_req and page_store_insert agree with kvlab")
 # * A cached page is reusable only by a request whose tokens agree **from the start** to the
 #   end of that page, and only **whole pages** are cached or shared: keys are page-aligned,
 #   children are found by their first page, nodes split only on page boundaries.
-# * `match_prefix` returns a handle (`cached_len`, slots via `get_matched_indices()`);
-#   `match_req` matches `input_ids[:-1]` so the prefill always computes at least one position.
+# * A **handle** names a cached prefix: its length (`cached_len`) and the node it ends at;
+#   `get_matched_indices()` gives its slots. `match_req` matches `input_ids[:-1]` so the
+#   prefill always computes at least one position.
 # * `insert_prefix` returns how much was **already cached**: the caller's copies of those
 #   tokens are duplicates it must free (chapter 06).
-# * `lock_handle` reference-counts the path to the root; locked tokens are protected, the rest
-#   evictable. `evict(n)` removes whole unlocked least-recently-used leaves, may free more
-#   than `n`, returns token slots (the free list wants `[::P]`), and in kvlab returns what it
-#   could rather than failing: the manager checks `evictable_size` first.
+# * The **LRU clock** ticks on every match and insert, which stamp only the nodes they used.
+# * `lock_handle` reference-counts the path to the root, and every lock has an **owner**: an
+#   unlock by a non-holder is refused. Locked tokens are protected, the rest evictable.
+#   `evict(n)` removes whole unlocked least-recently-used leaves, may free more than `n`,
+#   returns token slots (the free list wants `[::P]`), and in kvlab returns what it could
+#   rather than failing: the manager checks `evictable_size` first.
 # * Lifted into `kvlab.RadixPrefixCache` (`kvlab/radix_cache.py`); pictures in
 #   `kvlab.viz.draw_tree` / `draw_tree_steps`.
 #
 # Next: chapter 06 puts the cache, the free list and the page table together in
 # `CacheManager`, and follows `cache_req` through its four regions.
+#
+# ## Questions
+#
+# 1. Real servers often use pages of 16 tokens or more. With this tree, a prompt that shares
+#    30 tokens with a cached one reuses only 16 of them. What would it take to share the
+#    other 14? Who owns the rest of that page, and what would the new request do with it?
+# 2. LRU evicts the leaf used longest ago. Write a short sequence of requests in which LRU
+#    evicts exactly the pages that the next request needs. What would a better policy look
+#    at, and what would it cost to maintain?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# **1. Sharing part of a page.** The page holding tokens 16-31 of the cached prompt has KV for
+# 14 shared tokens and 2 others. The new request cannot map that page: its own tokens 30 and
+# 31 would have to go into slots that another prompt's KV occupies (and that other requests
+# may be reading). Two ways out, both with a cost:
+#
+# * **copy on write**: give the new request a fresh page, copy the 14 shared KV rows into it
+#   (one small copy kernel per layer), and compute only from token 30 on. Saves 14 tokens of
+#   prefill per hit at the price of a copy and a slightly more complex `match` (it must
+#   report the partial page and its slots);
+# * **smaller pages**: `P = 1` shares everything but multiplies page-table entries, free-list
+#   operations and attention's gathers (chapter 07 compares page sizes).
+#
+# The cell below shows what the chapter's tree gives at `P = 16`: 16 of the 30 shared tokens.
+
+# %% tags=["solution"]
+tree16 = RadixPrefixCache(page_size=16, device="cpu")
+cached_prompt = list(range(1000, 1048))
+tree16.insert_prefix(cached_prompt, torch.arange(48, dtype=torch.int32))
+new_prompt = cached_prompt[:30] + [7] * 18
+print("shared tokens:", 30, "| matched:", tree16.match_prefix(new_prompt).cached_len)
+
+# %% [markdown] tags=["solution"]
+# **2. When LRU is wrong.** A cache of two pages' room for prefixes, prompts with system
+# prompts X and Y, and a request stream `X Y Z X Y Z ...` where Z is unrelated and large: each
+# Z evicts the least recently used of X and Y, which is exactly the one coming next (the
+# classic cyclic pattern where LRU always misses). A better policy weighs how often a prefix
+# is hit and how expensive it is to recompute (its length), for example LFU with aging or
+# "cost-aware" eviction (length times hit count); it needs a hit counter per node and a
+# priority queue keyed on a score that changes on every hit, so eviction no longer pops
+# plain timestamps. Locks do not change: a locked node is never a candidate, whatever its score.

@@ -17,8 +17,8 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, Req
-from kvlab.scenes.ch06_cache_req import (P, SYSTEM, new_manager, prefill, scenarios, stale_row_demo,
-                                          wrong_reads, write_kv)
+from kvlab.paging import new_page_table
+from kvlab.scenes.ch06_cache_req import scenarios
 from kvlab.reference import cache_req_regions_ref
 from kvlab.viz import page_owner_strip, page_table_heatmap, region_bar, region_bars
 
@@ -36,22 +36,31 @@ random.seed(0)
 #           [ shared, locked by its handle      | allocate_paged gave them     ]
 # ```
 #
-# When a prefill (or a decode) has computed more tokens, `cache_req` hands the newly computed
-# **whole pages** to the prefix cache, so later requests can share them, and decides what the
-# request still owns. Over `[0, req.cached_len)` that makes four regions:
+# When a request's prefill has run (and again when it finishes), `cache_req` hands its newly
+# computed **whole pages** to the prefix cache, so later requests can share them, and decides
+# what the request still owns. Four lengths decide everything; the exercises of this chapter
+# use the same names:
+#
+# * `old` = `old_handle.cached_len`: the prefix the request found in the cache when admitted;
+# * `already` = what `insert_prefix` answers: how much of the request's tokens the cache held
+#   *before this insert* (mini-sglang calls it `cached_len`);
+# * `new` = `new_handle.cached_len`: the request's whole pages, `req.cached_len // P * P`;
+# * `req` = `req.cached_len`: every token whose KV the request has computed.
+#
+# Over `[0, req)` they make four regions:
 #
 # ```
-# 0          old.cached_len        cached_len        new.cached_len        req.cached_len
-# |   hit     |  duplicate (free it) |  newly inserted  |  tail (free if finished) |
+# 0            old                  already               new                    req
+# |    hit     |  duplicate (free it) |  newly inserted     |  tail (free if finished) |
 # ```
 #
-# * **hit** `[0, old.cached_len)`: in the cache before the prefill; the request's handle covers it.
-# * **duplicate** `[old.cached_len, cached_len)`: the request computed these, but *meanwhile
-#   another request inserted the same tokens*. `insert_prefix` answers `cached_len` (already
-#   cached) and keeps its own copy, so the request's pages here must be freed or they leak.
-# * **newly inserted** `[cached_len, new.cached_len)`: the request's pages now belong to the cache.
-# * **tail** `[new.cached_len, req.cached_len)`: less than a page, not cacheable. A finished
-#   request frees it; an unfinished one keeps decoding into it.
+# * **hit** `[0, old)`: in the cache before the prefill; the request's handle covers it.
+# * **duplicate** `[old, already)`: the request computed these, but *meanwhile another request
+#   inserted the same tokens*. The cache keeps its own copy, so the request's pages here must
+#   be freed or they leak.
+# * **newly inserted** `[already, new)`: the request's pages now belong to the cache.
+# * **tail** `[new, req)`: less than a page, not cacheable. A finished request frees it; an
+#   unfinished one keeps decoding into it.
 #
 # Here are the four cache_req calls this chapter walks through, drawn as region bars (numbers:
 # the slot each position mapped before the call; hatched: returned to the free list).
@@ -77,15 +86,28 @@ plt.show()
 # free pages + pages in the cache + pages owned by running requests = all pages, each exactly once.
 # `page_owners()` says where every page is; `check_integrity()` raises `IntegrityError` naming
 # the first page that is lost or owned twice.
+#
+# A request starts with `admit(req)` (chapter 05): `match_req`, then lock the hit's handle
+# with **the request as its owner**, then write the hit's slots into the request's row. Every
+# lock the manager takes belongs to a request, and only that request's calls take it back.
 
 # %%
+P = 4
+SYSTEM = list(range(100, 108))  # two pages of shared system prompt
+
+
+def new_manager(num_pages, rows=4, remap_duplicates=True):
+    """This chapter's managers: page_size 4, `rows` request rows of 32 positions."""
+    return CacheManager(num_pages, P, new_page_table(rows, 32, P), remap_duplicates=remap_duplicates)
+
+
 cm = new_manager(num_pages=12)
 print("free_slots:", cm.free_slots.tolist(), "(page starts, P =", P, ")")
 print("available tokens:", cm.available_size)
 cm.check_integrity()
 
 a = Req(SYSTEM + [1, 2], table_idx=0)  # 10 tokens
-match = cm.admit(a)  # match_req + lock the hit + map it into the row
+match = cm.admit(a)  # match_req + lock the hit (owner: a) + map it into the row
 print(f"admit A: {match.cached_len} tokens hit; cached_len={a.cached_len}, device_len={a.device_len}")
 cm.allocate_paged([a])
 print("A's row:", cm.page_table[0, :12].tolist())
@@ -100,10 +122,12 @@ assert cm.page_table[0, :12].tolist() == list(range(12)) and cm.num_free_pages =
 # (everything on the device is now computed) and `device_len += 1` (room for the next token).
 # `cache_req(req, finished=False)` does, in order:
 #
-# 1. `insert_prefix(input_ids[:cached_len], row[:cached_len])` → `(cached_len, new_handle)`;
-# 2. unlock the old handle (only now: the insert walked the nodes the old handle protects);
-# 3. free the duplicate region `row[old.cached_len : cached_len]`, one entry per page;
-# 4. finished: free the tail `row[new.cached_len:]`; unfinished: lock `new_handle` and keep it.
+# 1. `insert_prefix(input_ids[:req], row[:req])` → `(already, new_handle)`;
+# 2. unlock the old handle, as its owner, the request (only now: the insert walked the nodes
+#    the old handle protects);
+# 3. free the duplicate region `row[old:already]`, one entry per page;
+# 4. finished: free the tail `row[new:]`; unfinished: lock `new_handle` (owner: the request)
+#    and keep it as the request's handle.
 #
 # Let's do these steps by hand on A, on a scratch copy of the cache (inserting A's own slots
 # into the manager's real cache behind its back would make them look like duplicates of
@@ -117,8 +141,7 @@ scratch = copy.deepcopy(cm.prefix_cache)
 row = cm.page_table[0, : a.cached_len].clone()
 old_len = a.cache_handle.cached_len
 already, new_handle = scratch.insert_prefix(a.input_ids[: a.cached_len], row)
-print(f"old.cached_len={old_len}  already cached={already}  new.cached_len={new_handle.cached_len}  "
-      f"req.cached_len={a.cached_len}")
+print(f"old={old_len}  already={already}  new={new_handle.cached_len}  req={a.cached_len}")
 duplicate_pages = row[old_len:already][::P]
 tail = row[new_handle.cached_len:]
 print("duplicate pages to free:", duplicate_pages.tolist(), "| tail slots (kept, unfinished):", tail.tolist())
@@ -146,7 +169,7 @@ plt.show()
 b = Req(SYSTEM + [3, 4, 5], table_idx=1)
 hit = cm.admit(b).cached_len
 cm.allocate_paged([b])
-b.complete_one()
+b.complete_one()  # (the prefill computed positions 8-10)
 regions_b = cm.cache_req(b, finished=False)
 print(f"B: hit {hit} tokens;", regions_b)
 print("A's row:", cm.page_table[0, :12].tolist())
@@ -156,6 +179,26 @@ assert regions_b.hit == (0, 8) and regions_b.duplicate == (8, 8)
 assert torch.equal(cm.page_table[0, :8], cm.page_table[1, :8])  # the very same slots
 
 # %% [markdown]
+# A and B now both lock the system prompt's node, each with a lock of its own. A lock is
+# taken back only by the request that holds it: `cache_req` and `release_req` unlock as the
+# request they are settling. An unlock on behalf of a request that holds no lock on the
+# handle is refused with `CacheMisuse`, and nothing changes. Without owners a stray unlock
+# would just lower a reference count: the pages would look evictable while A and B still
+# read them, and the next eviction would hand them to someone else.
+
+# %%
+stranger = Req([1, 2, 3], table_idx=2)  # never admitted: it holds no lock
+before = cm.prefix_cache.size_info
+try:
+    cm.unlock(a.cache_handle, owner=stranger)
+except kvlab.CacheMisuse as e:
+    print("CacheMisuse:", e)
+else:
+    raise AssertionError("an unlock by a request that holds no lock must be refused")
+assert cm.prefix_cache.size_info == before
+cm.check_integrity()
+
+# %% [markdown]
 # ## Scenario 2: one prompt, twice in one batch → the duplicate region
 #
 # C and D arrive together with the same 13-token prompt. Both are admitted *before* either is
@@ -163,9 +206,33 @@ assert torch.equal(cm.page_table[0, :8], cm.page_table[1, :8])  # the very same 
 # 8-12. After the prefill, C is cached first and inserts positions 8-11. When D is cached,
 # `insert_prefix` answers "12 already cached": D's page for positions 8-11 is a **duplicate**.
 
+# %% [markdown]
+# From here on, a prefill is the same four calls for a whole batch. `write_kv` stands in for
+# the model: it records, for every slot a step writes, *which tokens* its KV was computed
+# from. Then anyone can check whether a row reads the KV of its own tokens.
+
 # %%
+def write_kv(cm, req, kv):
+    """Pretend to run the model: the slot of position p gets 'the KV of tokens [0, p]'."""
+    if kv is None:
+        return
+    row = cm.page_table[req.table_idx, : req.device_len].tolist()
+    for pos in range(req.cached_len, req.device_len):
+        kv[row[pos]] = tuple(req.input_ids[: pos + 1])
+
+
+def run_prefill(cm, reqs, kv=None):
+    """One prefill batch: admit every request, one allocation, the model step, complete_one."""
+    for r in reqs:
+        cm.admit(r)
+    cm.allocate_paged(reqs)
+    for r in reqs:
+        write_kv(cm, r, kv)
+        r.complete_one()
+
+
 c, d = Req(SYSTEM + [7, 7, 7, 7, 8], 2), Req(SYSTEM + [7, 7, 7, 7, 8], 3)
-prefill(cm, [c, d])
+run_prefill(cm, [c, d])
 print("C's row before:", cm.page_table[2, :16].tolist())
 print("D's row before:", cm.page_table[3, :16].tolist())
 regions_c = cm.cache_req(c, finished=False)
@@ -187,20 +254,45 @@ assert not {s - s % P for s in cm.page_table[3, :13].tolist()} & free_pages  # n
 # ## Scenario 3: the source design's stale row, and the fix
 #
 # In mini-sglang's `cache_req`, the duplicate pages are freed while the request's page-table
-# row still points at them. If the request is finished, nobody reads that row again. But with
-# `finished=False` (after every prefill, and for chunked prefill) the request keeps decoding,
-# and its attention reads positions 8-11 through the row: from pages that are free, and that
-# the next allocation hands to somebody else, who overwrites them.
+# row still points at them. If the request is finished, nobody reads that row again. But
+# mini-sglang's scheduler calls `cache_req(req, finished=False)` right after a request's
+# prefill (it skips a chunked request that is still part-way through its prompt, and decode
+# steps do not call it; the other call is `finished=True` when the request ends). After that
+# call the request keeps decoding, and its attention reads every position through the row:
+# also the duplicate positions, from pages that are free, and that the next allocation hands
+# to somebody else, who overwrites them.
 #
-# `CacheManager(..., remap_duplicates=False)` reproduces the source's behaviour. We run the
-# story with a tiny pool, pretend to run the model (each slot's "KV" records which tokens it
-# was computed from), and let a newcomer take the freed pages.
+# `CacheManager(..., remap_duplicates=False)` reproduces the source's behaviour. Here is the
+# whole story, with a tiny pool of 6 pages: two requests with the same prompt in one prefill
+# batch, both cached unfinished, then a newcomer that needs two pages. `wrong_reads` compares
+# what each slot of a row holds with the KV of the row's own tokens.
 
 # %%
-cm_src, kv_src, prompt = stale_row_demo(remap_duplicates=False)
-bad = wrong_reads(cm_src, kv_src, prompt)
-print("row 1 (source design):", cm_src.page_table[1, :10].tolist())
-print("row 2 (the newcomer): ", cm_src.page_table[2, :8].tolist())
+def wrong_reads(cm, kv, prompt, row):
+    """Positions of `row` (over the prompt) whose slot holds KV of other tokens."""
+    slots = cm.page_table[row, : len(prompt)].tolist()
+    return torch.tensor([kv.get(s) != tuple(prompt[: p + 1]) for p, s in enumerate(slots)])
+
+
+def stale_row_story(remap_duplicates):
+    manager, kv = new_manager(num_pages=6, rows=3, remap_duplicates=remap_duplicates), {}
+    prompt = SYSTEM + [1, 2]
+    first, second = Req(prompt, 0), Req(list(prompt), 1)
+    run_prefill(manager, [first, second], kv)  # one batch: neither found the other in the cache
+    print("  rows 0 and 1 after the prefill:", manager.page_table[0, :10].tolist(), manager.page_table[1, :10].tolist())
+    manager.cache_req(first, finished=False)
+    regions = manager.cache_req(second, finished=False)
+    print(f"  row 1 cached: duplicate {tuple(regions.duplicate)}, freed pages {regions.freed_pages.tolist()}; "
+          f"row 1 now {manager.page_table[1, :10].tolist()}")
+    newcomer = Req([50 + i for i in range(8)], 2)  # needs two pages: exactly the ones row 1 gave back
+    run_prefill(manager, [newcomer], kv)
+    print("  the newcomer's row 2:", manager.page_table[2, :8].tolist())
+    return manager, kv, prompt
+
+
+print("source design (remap_duplicates=False):")
+cm_src, kv_src, prompt = stale_row_story(remap_duplicates=False)
+bad = wrong_reads(cm_src, kv_src, prompt, row=1)
 print("positions of row 1 whose slot now holds another request's KV:", bad.nonzero().flatten().tolist())
 assert bad.any()
 try:
@@ -217,15 +309,15 @@ else:
 # same range, so the row reads the cached copy, which is locked and safe:
 
 # %%
-cm_fix, kv_fix, prompt = stale_row_demo(remap_duplicates=True)
-print("row 1 (kvlab):", cm_fix.page_table[1, :10].tolist())
-assert not wrong_reads(cm_fix, kv_fix, prompt).any()
+print("kvlab (remap_duplicates=True):")
+cm_fix, kv_fix, prompt = stale_row_story(remap_duplicates=True)
+assert not wrong_reads(cm_fix, kv_fix, prompt, row=1).any()
 cm_fix.check_integrity()
 
 fig, axes = plt.subplots(2, 1, figsize=(8, 4.2))
 for ax, (name, manager, kv) in zip(axes, [("source design", cm_src, kv_src), ("kvlab", cm_fix, kv_fix)]):
     wrong = torch.zeros(3, 12, dtype=torch.bool)
-    wrong[1, : len(prompt)] = wrong_reads(manager, kv, prompt)
+    wrong[1, : len(prompt)] = wrong_reads(manager, kv, prompt, row=1)
     page_table_heatmap(manager.page_table[:3, :12], P, ax=ax, highlight=wrong, page_range=(0, 5),
                        title=f"{name}: {int(wrong.sum())} positions of row 1 read another request's KV")
 fig.tight_layout()
@@ -268,10 +360,20 @@ else:
 # %% [markdown]
 # ## Out of pages: decide first, then evict
 #
-# When free pages run short, `allocate_paged` evicts unlocked cached pages. But if even
-# evicting *all* of them would not be enough, the source design evicts, then fails an assert:
-# the cache is gone and nothing was allocated. kvlab compares the need with
-# `free + evictable` first and raises `OutOfPages` with every piece of state unchanged.
+# When free pages run short, `allocate_paged` evicts unlocked cached pages. What if even
+# evicting *all* of them would not be enough? mini-sglang's `_allocate` asks the cache to
+# `evict((needed - free) * P)` tokens, and its `evict` starts with
+# `assert size <= self.evictable_size`. With asserts on (Python's default) that check comes
+# before anything is removed: nothing is lost, but the caller gets a bare `AssertionError`
+# ("Cannot evict ...") rather than an error it could recognise and act on. Under `python -O`
+# asserts are stripped, and the same call removes every evictable leaf and then fails with
+# an `IndexError` from popping an empty heap: the cache is emptied, and the pages it gave up
+# never reach the free list (the line that would append them is never run), so they are lost.
+# (mini-sglang's scheduler normally never gets there: it admits a request only when its
+# memory fits, chapter 07.)
+#
+# kvlab compares the need with `free + evictable` first and raises `OutOfPages`, a named
+# error, with every piece of state unchanged, asserts or not.
 
 # %%
 big = Req(list(range(300, 330)), table_idx=1)  # B's row is free again; 30 tokens = 8 pages
@@ -286,7 +388,7 @@ else:
     raise AssertionError("8 pages cannot fit")
 assert torch.equal(state[0], cm.free_slots) and torch.equal(state[1], cm.page_table)
 assert state[2] == cm.prefix_cache.size_info
-cm.release_req(big)  # give up on it: unlock its handle, free its pages (none)
+cm.release_req(big)  # give up on it: unlock its handle (as big), free its pages (none)
 cm.check_integrity()
 page_owner_strip(cm, title="after the refused allocation: nothing moved")
 plt.show()
@@ -394,14 +496,17 @@ for page_size in (1, 4, 16):
 #         "free": [page starts to return to the free list]}
 # ```
 #
-# Work out `new_cached_len` yourself (what does `insert_prefix` keep?), then the four regions,
-# then which pages go back: one entry per page, duplicates always, the tail only when finished.
-# The checker names the first wrong region. The cell is pre-filled with a working answer;
-# clear it and write your own. Hints: `kvlab.check.hint("cache_req_regions", 1)` (then 2, 3);
-# a solution: `kvlab.solutions.show("cache_req_regions")`.
+# The lengths are the diagram's `old`, `already` and `req`; `row_slots` is the request's row
+# over `[0, req)`. Work out `new` yourself (what does `insert_prefix` keep?), then the four
+# regions, then which pages go back: one entry per page, duplicates always, the tail only when
+# finished. The checker names the first wrong region. Hints:
+# `kvlab.check.hint("cache_req_regions", 1)` (then 2, 3); a solution:
+# `kvlab.solutions.show("cache_req_regions")`.
 
 # %%
 def my_cache_req_regions(row_slots, old_cached_len, already_cached_len, req_cached_len, page_size, finished):
+    """The four regions of [0, req_cached_len) as (start, end) pairs, and the page starts to free."""
+    ### BEGIN SOLUTION
     new_cached_len = req_cached_len // page_size * page_size
     free = list(row_slots[old_cached_len:already_cached_len:page_size])
     if finished:
@@ -409,19 +514,24 @@ def my_cache_req_regions(row_slots, old_cached_len, already_cached_len, req_cach
     return {"hit": (0, old_cached_len), "duplicate": (old_cached_len, already_cached_len),
             "inserted": (already_cached_len, new_cached_len), "tail": (new_cached_len, req_cached_len),
             "free": free}
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: cache_req_regions
+    raise NotImplementedError("find new_cached_len, the four regions, and the pages to free")
+    ### END STARTER
 
 
-kvlab.check.cache_req_regions(my_cache_req_regions)
+kvlab.check.cache_req_regions(my_cache_req_regions);
 
 # %%
-kvlab.check.hint("cache_req_regions", 1)
+kvlab.check.hint("cache_req_regions", 1);
 # kvlab.solutions.show("cache_req_regions")   # uncomment to read the reference solution
 
 # %% [markdown]
 # **Exercise `cache_req_remap`.** Now the row of a request that goes on running
 # (`finished=False`). After the insert, the cache holds its own copy of the duplicate
 # region's tokens: `cached_slots` (the new handle's `get_matched_indices()`, one slot per
-# position of `[0, new_cached_len)`). Write
+# position of `[0, new)`). Write
 #
 # ```python
 # fn(row_slots, cached_slots, old_cached_len, already_cached_len, page_size)
@@ -430,22 +540,8 @@ kvlab.check.hint("cache_req_regions", 1)
 #
 # so that the duplicate pages go back to the free list *and* the row never points at them
 # again (scenario 3's bug). The checker draws the row it expected over the one you returned,
-# region by region. Hints: `kvlab.check.hint("cache_req_remap", 1)`; a solution:
-# `kvlab.solutions.show("cache_req_remap")`.
-
-# %%
-def my_cache_req_remap(row_slots, cached_slots, old_cached_len, already_cached_len, page_size):
-    free = list(row_slots[old_cached_len:already_cached_len:page_size])
-    row = list(row_slots)
-    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]
-    return {"free": free, "row": row}
-
-
-kvlab.check.cache_req_remap(my_cache_req_remap)
-
-# %% [markdown]
-# This is what the source design's row looks like to the checker: the duplicate pages are
-# freed and the row is left as it was.
+# region by region. This is what it says about the source design's behaviour, which frees
+# the duplicate pages and leaves the row as it was:
 
 # %%
 def free_without_remap(row_slots, cached_slots, old_cached_len, already_cached_len, page_size):
@@ -460,14 +556,39 @@ else:
     raise AssertionError("a row left pointing at freed pages must be rejected")
 
 # %% [markdown]
+# Your turn. Hints: `kvlab.check.hint("cache_req_remap", 1)`; a solution:
+# `kvlab.solutions.show("cache_req_remap")`.
+
+# %%
+def my_cache_req_remap(row_slots, cached_slots, old_cached_len, already_cached_len, page_size):
+    """Free the duplicate region's pages; return them and the row the request reads afterwards."""
+    ### BEGIN SOLUTION
+    free = list(row_slots[old_cached_len:already_cached_len:page_size])
+    row = list(row_slots)
+    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]
+    return {"free": free, "row": row}
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: cache_req_remap
+    raise NotImplementedError("free the duplicate pages, and make the row stop pointing at them")
+    ### END STARTER
+
+
+kvlab.check.cache_req_remap(my_cache_req_remap);
+
+# %% [markdown]
 # ## Lift: your accounting vs `kvlab.CacheManager.cache_req`
 #
 # On random traces, every `cache_req` call's `CacheRegions` must match what your functions
 # compute from the same row and lengths: the four regions, and, for the duplicate region and
 # the tail, the pages freed; and for a request that goes on running, the row that
-# `cache_req` leaves (`row_after`) must be the one your `my_cache_req_remap` returns.
+# `cache_req` leaves (`row_after`) must be the one your `my_cache_req_remap` returns. Until
+# an exercise passes its checker, the reference solution stands in for it (the cell says so).
 
 # %%
+regions_fn = kvlab.check.choose("cache_req_regions", my_cache_req_regions, kvlab.solutions.get("cache_req_regions"))
+remap_fn = kvlab.check.choose("cache_req_remap", my_cache_req_remap, kvlab.solutions.get("cache_req_remap"))
+
 rng = random.Random(21)
 checked = remapped = 0
 for page_size in (1, 2, 4, 16):
@@ -475,27 +596,27 @@ for page_size in (1, 2, 4, 16):
     prompts = [[rng.randrange(2) for _ in range(rng.randrange(2, 40))] for _ in range(2)]
     for _ in range(8):
         batch = [Req(rng.choice(prompts)[: rng.randrange(1, 40)] + [7], row) for row in range(rng.randrange(1, 5))]
-        prefill(cm, batch)
+        run_prefill(cm, batch)
         for r in batch:
             finished = rng.random() < 0.5
             got = cm.cache_req(r, finished=finished)
             if not finished:
-                mine_row = my_cache_req_remap(got.row_before.tolist(), r.cache_handle.get_matched_indices().tolist(),
-                                              got.old_cached_len, got.already_cached_len, page_size)
+                mine_row = remap_fn(got.row_before.tolist(), r.cache_handle.get_matched_indices().tolist(),
+                                    got.old_cached_len, got.already_cached_len, page_size)
                 assert mine_row["row"] == got.row_after.tolist()
                 assert sorted(mine_row["free"]) == sorted(got.freed_pages.tolist())
                 remapped += got.remapped
                 cm.cache_req(r, finished=True)
-            mine = my_cache_req_regions(got.row_before.tolist(), got.old_cached_len, got.already_cached_len,
-                                        got.req_cached_len, page_size, finished)
+            mine = regions_fn(got.row_before.tolist(), got.old_cached_len, got.already_cached_len,
+                              got.req_cached_len, page_size, finished)
             assert all(tuple(mine[k]) == tuple(v) for k, v in got.regions().items())
             own_tail = got.row_before[got.new_cached_len:][::page_size].tolist() if finished else []
             assert sorted(mine["free"]) == sorted(got.duplicate_slots[::page_size].tolist() + own_tail)
             assert set(mine["free"]) <= set(got.freed_pages.tolist())
             checked += 1
         cm.check_integrity()
-print(f"my_cache_req_regions agrees with kvlab.CacheManager.cache_req on {checked} calls; "
-      f"my_cache_req_remap on the rows of the unfinished ones ({remapped} of them remapped)")
+print(f"the regions agree with kvlab.CacheManager.cache_req on {checked} calls; "
+      f"the remapped rows on the unfinished ones ({remapped} of them remapped)")
 assert remapped > 0
 
 # %% [markdown]
@@ -511,9 +632,56 @@ assert remapped > 0
 #   that part of the row to the cached slots (`remap_duplicates=True`, the default), as your
 #   `my_cache_req_remap` does.
 # * `OutOfPages` is decided before anything is evicted; misuse (unlocking twice, caching a
-#   finished request again, bad lengths) raises a clear error and changes nothing.
+#   finished request again, bad lengths, an unlock by a request that holds no lock) raises a
+#   clear error and changes nothing.
 # * The conservation law, free + cached + running = all pages, each once, is `check_integrity()`.
 # * Lifted into `kvlab.CacheManager`, `kvlab.Req`, `kvlab.CacheRegions` (`kvlab/cache_manager.py`);
 #   pictures in `kvlab.viz.region_bar(s)` and `page_owner_strip`.
 #
 # Next: chapter 07 runs a whole serving loop on this manager and lets you scrub through it.
+#
+# ## Questions
+#
+# 1. `CacheManager._allocate` appends `evicted[::P]` to the free list. Drop the `[::P]`
+#    stride (append every evicted token slot) and predict what breaks first: the next
+#    allocation, the page table, or `check_integrity`? Then try it.
+# 2. The duplicate region exists because two requests with the same prompt were admitted in
+#    one batch, before either was cached. Could a server avoid computing the duplicate in the
+#    first place? Sketch two ways, and say what each costs.
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# **1. Without the stride.** `evict` returns `P` token slots per page: `p*P, p*P+1, ...`. The
+# free list is supposed to hold one page start per page. Without `[::P]` it gains `P` entries
+# per evicted page, `P - 1` of which are not page starts. The first thing that notices is the
+# conservation check (slot `p*P + 1` is "not the start of a page"); without the check, the
+# next allocations hand out "pages" that start in the middle of another page, so two requests
+# write the same slots, and one physical page appears in the free list up to `P` times. The
+# cell below evicts one cached page and appends its slots the wrong way, on a copy:
+
+# %% tags=["solution"]
+demo = new_manager(num_pages=4, rows=1)
+r0 = Req(SYSTEM + [1], 0)
+run_prefill(demo, [r0])
+demo.cache_req(r0, finished=True)  # its two system pages stay in the cache, unlocked
+evicted = demo.prefix_cache.evict(1)  # one leaf: both pages, 8 token slots
+demo.free_slots = torch.cat([demo.free_slots, evicted.to(torch.int32)])  # no [::P]
+print("evicted slots:", evicted.tolist(), "| free list now:", demo.free_slots.tolist())
+try:
+    demo.check_integrity()
+except kvlab.IntegrityError as e:
+    print("IntegrityError:", e)
+
+# %% [markdown] tags=["solution"]
+# **2. Avoiding the duplicate.** (a) *Deduplicate within a batch*: when building a prefill
+# batch, insert (or at least register) each admitted request's prompt before admitting the
+# next one, so a second request with the same prefix matches the first one's pages and
+# waits for them to be computed instead of computing its own; this needs a notion of "pages
+# being computed" (readable after this step) and makes the second request depend on the
+# first one's prefill. (b) *Delay the second request by one step*: admit at most one
+# request per distinct prefix per batch; the second request is prefilled a step later and
+# then hits the cache. Simple, costs the second request one step of latency. Either way the
+# memory for the duplicate is never allocated, which matters when memory is short. Both
+# need the scheduler to look at prefixes across the batch, which mini-sglang's scheduler
+# does not do: it matches each request on its own and lets `cache_req` free the duplicate.

@@ -31,18 +31,22 @@ random.seed(0)
 # %% [markdown]
 # ## Intuition: one step of a server
 #
-# A server runs in **steps**. Each step is one forward pass over a batch: requests that are
-# already generating each compute one more token (*decode*), and newly admitted requests
-# compute their whole prompt (*prefill*). Between steps, the memory manager does its work:
+# As chapter 00 put it, a server runs in **scheduler steps**: each step puts a batch through
+# the model. Newly admitted requests compute their prompt (*prefill*), running requests compute
+# one more token each (*decode*); either way each request is *extended* by the tokens the step
+# computes. mini-sglang runs a step as a prefill batch or as a decode batch; this chapter's
+# simulator, `kvlab.sim`, does both in one step (decode the running requests, then prefill
+# the newly admitted ones), which keeps runs short. Around each forward pass, the memory
+# manager does its work:
 #
 # ```
 #             arrivals ──► waiting queue ──admit──► running ──finish──► prefix cache
 #                           (FIFO)        │          │  ▲                (pages stay,
 #                                         │          │  └─ decode: +1 token per step
 #   admit  = match_req + lock the hit     │          │     (a new page at each page boundary)
-#            + map the hit into its row   │          └─ preempted when a decode needs a page
-#   prefill = allocate_paged(batch)       │             and none is left: back to the queue
-#            then cache_req(finished=False)
+#            + map the hit into its row   │          └─ kvlab.sim only: preempted when a decode
+#   prefill = allocate_paged(batch)       │             needs a page and none is left: back
+#            then cache_req(finished=False)             to the queue (see "The simulator")
 # ```
 #
 # Here is what that looks like for a mixed workload squeezed into 24 pages of 4 slots. Every
@@ -144,23 +148,56 @@ manager.release_req(req2)  # (abort it: we only wanted to see the hit)
 manager.check_integrity()
 
 # %% [markdown]
-# ## The loop, by hand
+# ## Your turn: one decode step
 #
-# Now the whole loop, written out. Each step: arrivals join the queue; every running request
-# decodes one token (your exercise below writes `decode_step`); then waiting requests are
-# admitted while a page-table row is free, and prefilled in **one** `allocate_paged` call.
-# (This version has memory to spare; the kvlab version below adds the token budget, aborts,
-# eviction-aware admission and preemption.)
+# Build-up 2 decoded one request by hand. A server does it for a whole batch at once, and
+# some of the batch finish in that step. Write `my_decode_step(manager, reqs, next_tokens,
+# done)`: for running requests `reqs` (each with `cached_len == device_len - 1`: the step
+# computes the KV of its last token), map new pages where needed, record each request's token
+# (`next_tokens[i]`) and advance it, and hand the requests marked `done[i]` back to the cache
+# as finished. The order of the calls matters. `kvlab.check.decode_step` runs it against the
+# reference on named scenarios (page size 1, page boundaries, requests finishing, exactly
+# enough memory) and random ones, and compares the page table, the free list, every request's
+# lengths, and the integrity check. Your function then drives the serving loop below.
+# Hints: `kvlab.check.hint("decode_step", 1)` (up to 3); the reference:
+# `kvlab.solutions.show("decode_step")`.
 
 # %%
-def decode_step(manager, reqs, next_tokens, done):
-    manager.allocate_paged(reqs)
+def my_decode_step(manager, reqs, next_tokens, done):
+    """One decode step for a batch of running requests; the done ones finish."""
+    ### BEGIN SOLUTION
+    manager.allocate_paged(reqs)              # pages first: decided from the lengths before the step
     for req, token in zip(reqs, next_tokens):
         req.append_token(token)
         req.complete_one()
     for req, finished in zip(reqs, done):
         if finished:
             manager.cache_req(req, finished=True)
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: decode_step
+    raise NotImplementedError("pages, then tokens, then finishing")
+    ### END STARTER
+
+
+kvlab.check.decode_step(my_decode_step);
+
+# %%
+kvlab.check.hint("decode_step", 1);
+# kvlab.solutions.show("decode_step")   # uncomment to read the reference solution
+
+# %% [markdown]
+# ## The loop, by hand
+#
+# Now the whole loop, written out. Each step: arrivals join the queue; every running request
+# decodes one token, with **your** `my_decode_step` once it has passed its checker (until
+# then the reference stands in, and the cell says which one runs); then waiting requests are
+# admitted while a page-table row is free, and prefilled in **one** `allocate_paged` call.
+# (This version has memory to spare; the kvlab version below adds the token budget, aborts,
+# eviction-aware admission and preemption.)
+
+# %%
+decode_step = kvlab.check.choose("decode_step", my_decode_step, kvlab.solutions.get("decode_step"))
 
 
 def run_by_hand(workload, page_size, num_pages, max_running):
@@ -238,6 +275,20 @@ print(f"{len(steps)} steps; free pages at the end: {len(steps[-1][1])} of 64 "
 # * **a client that gives up** (`abort_after`) is released: nothing of it is cached;
 # * **after every step** it runs `check_integrity()` and checks that no running row maps a free
 #   page; a broken invariant stops the run with an error naming the step and the request.
+#
+# **How a real server avoids preemption, and why this simulator does not.** mini-sglang never
+# preempts a running request. Its prefill scheduler admits a request only when the tokens it
+# will need in all, the part of its prompt still to compute plus its whole output length
+# (`max_tokens`), fits in `available_size` (free plus evictable tokens) together with what
+# every running request may still generate and what this step has already admitted. Memory
+# for the whole answer is set aside at admission, so no decode step can run short. The price:
+# a reservation sits idle until the answer grows into it, and is never used at all when the
+# answer stops early (an end-of-sequence token), so fewer requests run at once. (SGLang, for
+# comparison, can also *retract* running requests when a decode step runs short.)
+# `kvlab.sim` admits on the prompt's pages alone and preempts when a decode runs short. That
+# packs memory tighter, and it is the interesting case for this course: eviction under
+# pressure, preemption and re-prefill from the cache all happen in small runs, where the
+# integrity checks watch every step.
 #
 # Let us step through the pressured run for a few steps, then run it to the end.
 
@@ -346,42 +397,18 @@ step_views_figure()
 plt.show()
 
 # %% [markdown]
-# ## Your turn: one decode step
-#
-# Write `my_decode_step(manager, reqs, next_tokens, done)`: for running requests `reqs`
-# (each with `cached_len == device_len - 1`), map new pages where needed, record each
-# request's token and advance it, and hand the requests marked `done` back to the cache.
-# `kvlab.check.decode_step` runs it against the reference on named scenarios (page size 1,
-# page boundaries, requests finishing, exactly enough memory) and random ones, and compares
-# the page table, the free list, every request's lengths, and the integrity check.
-#
-# The cell below is pre-filled with a correct answer so that the notebook runs end to end;
-# replace the body with your own. Hints: `kvlab.check.hint("decode_step", 1)` (up to 3);
-# the reference: `kvlab.solutions.show("decode_step")`.
-
-# %%
-def my_decode_step(manager, reqs, next_tokens, done):
-    manager.allocate_paged(reqs)              # pages first: decided from the lengths before the step
-    for req, token in zip(reqs, next_tokens):
-        req.append_token(token)
-        req.complete_one()
-    for req, finished in zip(reqs, done):
-        if finished:
-            manager.cache_req(req, finished=True)
-
-
-kvlab.check.decode_step(my_decode_step)
-
-# %%
-kvlab.check.hint("decode_step", 1)
-# kvlab.solutions.show("decode_step")   # uncomment to read the reference solution
-
-# %% [markdown]
 # ## Lift: the loop by hand vs `kvlab.sim`
 #
 # With memory to spare (no eviction, no preemption, no budget limit), the simulator must make
 # exactly the same decisions as `run_by_hand`: the same page table and the same free list,
 # in the same order, after every step — on every workload without aborts, for random seeds.
+#
+# The simulator drives the manager through the same calls as your `my_decode_step`, split in
+# two around the forward pass, as a server must: `CacheManager.decode_step(reqs)` maps the
+# step's pages and returns a `ForwardBatch` (the positions the model computes, and the KV
+# slots `out_loc` it writes them to); `CacheManager.complete_step(batch, next_tokens, done)`
+# then appends the produced tokens, calls `complete_one` and caches the finished requests.
+# Your decode step is those two calls with nothing in between.
 
 # %%
 rng = random.Random(7)
@@ -403,7 +430,9 @@ for trial in range(6):
 #
 # * A server step = decode for the running requests + prefill for newly admitted ones; the
 #   memory manager's calls come in a fixed order: `admit` (match + lock + map),
-#   `allocate_paged` (one per batch), `append_token` + `complete_one`, `cache_req`.
+#   `allocate_paged` (one per batch), `append_token` + `complete_one`, `cache_req`. kvlab's
+#   `CacheManager.decode_step` / `prefill` and `complete_step` package them around the
+#   forward pass.
 # * Under memory pressure a waiting request waits; a running one that needs a page evicts
 #   unlocked cache pages first, then preempts the youngest request (whose prompt stays cached).
 # * Every page is always in exactly one place: free, cached (evictable or locked), or private
@@ -411,6 +440,53 @@ for trial in range(6):
 #   happen, naming the request — the stale-row hazard of chapter 06 among them.
 # * Page size trades hit granularity and empty slots (small pages win both here) against the
 #   cost of managing more pages.
+# * A real server like mini-sglang reserves each request's whole output at admission and
+#   never preempts; `kvlab.sim` admits on the prompt alone and preempts, to pack memory
+#   tighter and to show the hard cases.
 #
 # Next, chapter 08 puts a tiny transformer on top and proves the whole manager correct: the
 # tokens it generates through the page table equal those of a plain contiguous KV cache.
+#
+# ## Questions
+#
+# 1. Pick a page size for this workload: the shared-system-prompt traffic of the pictures
+#    above, with 512 slots of KV memory. What do you gain and lose between `P = 1`, `4`,
+#    `16`, `32` and `64`? Which would you choose, and what would change your mind?
+# 2. Give `kvlab.sim` mini-sglang's admission rule (reserve each request's output at
+#    admission). Which of this chapter's pictures change, and how? When is reserving the
+#    better policy?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# **1. A page size.** Run the same traffic at more page sizes and look at both sides:
+# what small pages buy (prefix hits, no empty slots) and what big pages buy (fewer entries
+# to manage: page-table entries per request, free-list operations, and, on a GPU, longer
+# contiguous reads in attention).
+
+# %% tags=["solution"]
+sizes = page_size_runs(page_sizes=(1, 4, 16, 32, 64))
+for P_, tl in sizes.items():
+    s_ = tl.summary()
+    entries = max(div_ceil(r.prompt_len + r.output_len, P_) for r in tl.requests.values())
+    print(f"P={P_:2d}: hit rate {s_.hit_rate:4.0%}, prompt tokens computed {s_.prefill_tokens:4d}, "
+          f"mean empty slots {s_.mean_wasted_slots:5.1f}, pages of the longest request {entries:3d}")
+
+# %% [markdown] tags=["solution"]
+# The 40-token system prompt decides most of it: any `P` that divides 40 caches all of it
+# (`P = 1, 4`, and `8` would too); `P = 16` keeps 32 tokens, `P = 32` 32, `P = 64` none. So
+# `P = 4` (or 8) gets almost the hit rate of `P = 1` with a quarter (an eighth) of the pages
+# to manage, and far fewer empty slots than `P = 16`. What would change the choice: a GPU attention kernel
+# that wants at least 16 tokens per page to read memory efficiently, much longer requests
+# (the page-table cost grows), or a system prompt whose length is not under our control
+# (then the expected loss is about `P / 2` tokens per shared prefix).
+#
+# **2. Reserving at admission.** With reservation, a request is admitted only when its whole
+# output fits, so fewer requests run at once: the purple band gets thinner, the grey (free)
+# band wider, the ▼ preemption marks disappear, and requests wait longer in the queue before
+# their first token. Evictions still happen (the reservation counts evictable pages as
+# available). Reserving is the better policy when outputs are short and predictable, when a
+# preempted request is expensive to resume (a long prompt evicted from the cache must be
+# prefilled again), or when latency guarantees matter more than throughput. Admitting on the
+# prompt alone wins when outputs often end early, because the reserved tail is then memory
+# that nobody uses.

@@ -3,8 +3,9 @@
 #
 # **Goal.** Close the loop. Chapters 01-07 hand out KV *slots*; here a model finally writes
 # its keys and values into those slots and reads them back through the page table. You will
-# build a KV pool, a paged decode-attention kernel in Triton (one program per request and
-# head, an online softmax over the request's tokens in blocks), and then serve a tiny
+# build a KV pool, paged attention in plain torch (a warm-up exercise), a paged
+# decode-attention kernel in Triton (one program per request and head, an online softmax over
+# the request's tokens in blocks: its update is the main exercise), and then serve a tiny
 # transformer through kvlab's `CacheManager`. The proof that the whole memory manager is
 # right: the tokens it generates are **identical** to those of a plain contiguous KV cache,
 # the logits agree to `1e-4`, and a batch that shares a cached prefix computes **fewer**
@@ -103,13 +104,52 @@ for req, (k, v) in zip(reqs, contiguous_kv):
 print("attention through the page table == attention over the contiguous K/V")
 
 # %% [markdown]
+# ## Warm-up exercise: paged attention in plain torch
+#
+# Now for a whole batch. Write `my_paged_attention_torch(q, k_pool, v_pool, page_table,
+# table_idx, seq_lens)` that returns `[batch, heads, head_dim]`: request `b` attends to
+# positions `[0, seq_lens[b])` of row `table_idx[b]` (rows need not be in request order).
+# `kvlab.check.paged_attention` compares it with the reference on edge cases and random
+# layouts and, when it recognises a mistake (reading the pool without the row, using row `b`
+# instead of `table_idx[b]`, forgetting the scale), says so. Hints:
+# `kvlab.check.hint("paged_attention", 1)` (up to 3); the reference:
+# `kvlab.solutions.show("paged_attention")`.
+
+# %%
+def my_paged_attention_torch(q, k_pool, v_pool, page_table, table_idx, seq_lens):
+    """Decode attention for a batch: request b attends to positions [0, seq_lens[b]) of row table_idx[b]."""
+    ### BEGIN SOLUTION
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for b in range(q.shape[0]):
+        slots = page_table[int(table_idx[b]), :int(seq_lens[b])].long()
+        k, v = k_pool[slots], v_pool[slots]
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) / math.sqrt(q.shape[-1]), dim=-1)
+        out[b] = torch.einsum("hn,nhd->hd", weights, v)
+    return out
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: paged_attention
+    raise NotImplementedError("one request at a time: its row, its length, gather, attend")
+    ### END STARTER
+
+
+kvlab.check.paged_attention(my_paged_attention_torch);
+
+# %% [markdown]
 # ## Build-up 3: the same softmax, one block at a time
 #
 # A GPU program cannot hold the scores of an arbitrarily long request at once. It walks the
 # request's tokens in blocks of `BLOCK_N` and keeps three running values: the largest score
 # so far `m`, the sum of `exp(score - m)` so far `l`, and the `exp`-weighted sum of V rows so
 # far `acc`. When a block brings a larger maximum `m_new`, everything summed so far is scaled
-# by `exp(m - m_new)` — the **online softmax**. At the end, `out = acc / l`.
+# by `alpha = exp(m - m_new)` — the **online softmax**. At the end, `out = acc / l`.
+#
+# Why keep a maximum at all? `exp` of a float32 overflows past about 88: a score of 100 would
+# turn into `inf` and the result into `NaN`. Softmax does not change when every score is
+# shifted by the same number, so subtracting the largest score keeps every `exp` in `(0, 1]`.
+# The running max is that trick for scores that arrive a block at a time. Below, the blocked
+# version agrees with the all-at-once one, and a block of small scores followed by a block of
+# large ones shows the rescale at work:
 
 # %%
 def online_softmax_attention(q, k_pool, v_pool, row_slots, block_n=4):
@@ -134,8 +174,19 @@ print("block by block:", blocked[:4].tolist())
 print("all at once:   ", whole[:4].tolist())
 torch.testing.assert_close(blocked, whole)
 
+k_toy = torch.zeros(8, HEAD_DIM)
+k_toy[:, 0] = torch.tensor([1.0, 2.0, 0.0, 1.0, 90.0, 91.0, 89.0, 92.0])  # block 2's scores are huge
+q_toy = torch.zeros(HEAD_DIM)
+q_toy[0] = math.sqrt(HEAD_DIM)  # so that score = k[:, 0]
+v_toy = torch.randn(8, HEAD_DIM, generator=g)
+slots_toy = torch.arange(8)
+print("naive exp of the scores:", torch.exp(k_toy[:, 0]).tolist()[4:], "(overflow)")
+torch.testing.assert_close(online_softmax_attention(q_toy, k_toy, v_toy, slots_toy, block_n=4),
+                           torch.softmax(k_toy[:, 0], 0) @ v_toy)
+print("online softmax with a rescale between the blocks: no overflow, same answer")
+
 # %% [markdown]
-# ## The kernel
+# ## The kernel, and your turn
 #
 # One program per `(request, head)`. It reads its row index and length, loads its query,
 # and loops over the request's tokens in blocks — `range(0, seq_len, BLOCK_N)` with a
@@ -143,6 +194,28 @@ torch.testing.assert_close(blocked, whole)
 # beyond the request's length, `mask_d` beyond `head_dim` when it is not a power of two), and
 # the host checks before launch that every slot the row names for `[0, seq_len)` is inside the
 # pool (`check_paged_attention_inputs`): an unmapped `-1` would otherwise be read as a slot.
+#
+# In one block, with `BLOCK_N = 4` and a request of 9 tokens, the third block looks like this:
+#
+# ```
+# offs_n   = [ 8     9     10    11   ]      start + tl.arange(0, BLOCK_N)
+# mask_n   = [ T     F     F     F    ]      offs_n < seq_len
+# slots    = [ 41    0     0     0    ]      page_table[row, offs_n] (other=0 where masked)
+# scores   = [ 0.7  -inf  -inf  -inf  ]      q . k * scale, -inf where masked
+# v        = [ v41   0     0     0    ]      one row of head_dim per lane
+# ```
+#
+# **Exercise `paged_attention_kernel`.** The kernel below is complete except for the online
+# softmax update inside the loop: from `scores` and `v`, compute `m_new`, `alpha` and `p`,
+# then the new `acc`, `l_i` and `m_i`, as build-up 3 did in torch. In Triton: `tl.max(x, 0)`
+# and `tl.sum(x, 0)` reduce a block to a scalar, `tl.maximum` and `tl.exp` work lane by lane,
+# and `p[:, None] * v` weighs each row of `v` by its lane's `p`. The masked lanes need no
+# care if you get the order right: their score is `-inf`, so their `p` is `exp(-inf) = 0`.
+# `kvlab.check.paged_attention_kernel` launches your kernel on blocks smaller than most
+# requests, with scores that rise from block to block, fall, and are large enough that a plain
+# `exp` overflows, and names the mistake when it recognises it. Hints:
+# `kvlab.check.hint("paged_attention_kernel", 1)` (up to 3); the reference:
+# `kvlab.solutions.show("paged_attention_kernel")`.
 
 # %%
 @triton.jit
@@ -157,9 +230,9 @@ def my_paged_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, tab
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
     q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d, mask=mask_d, other=0.0)
-    m_i = -float("inf")
-    l_i = 0.0
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    m_i = -float("inf")  # running max of the scores so far
+    l_i = 0.0  # running sum of exp(score - m_i)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # running sum of exp(score - m_i) * v
     for start in range(0, seq_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < seq_len
@@ -168,13 +241,19 @@ def my_paged_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, tab
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_pool_ptr + kv_offs, mask=kv_mask, other=0.0)
         scores = tl.where(mask_n, tl.sum(q[None, :] * k, 1) * scale, -float("inf"))
+        v = tl.load(v_pool_ptr + kv_offs, mask=kv_mask, other=0.0)
+        ### BEGIN SOLUTION
         m_new = tl.maximum(tl.max(scores, 0), m_i)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(scores - m_new)
-        v = tl.load(v_pool_ptr + kv_offs, mask=kv_mask, other=0.0)
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         l_i = l_i * alpha + tl.sum(p, 0)
         m_i = m_new
+        ### END SOLUTION
+        ### BEGIN STARTER
+        # YOUR CODE HERE: paged_attention_kernel
+        # the online-softmax update: m_new, alpha and p from scores; then acc, l_i and m_i
+        ### END STARTER
     tl.store(out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h + offs_d, acc / l_i, mask=mask_d)
 
 
@@ -193,10 +272,11 @@ def my_paged_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens, block
     return out
 
 
-qs = torch.randn(2, HEADS, HEAD_DIM, generator=g).to(DEVICE)
-rows, lens = torch.tensor([0, 1]), torch.tensor([r.device_len for r in reqs])
-out = my_paged_attention(qs, pool.k[0], pool.v[0], table, rows, lens, block_n=4)
-print("out:", tuple(out.shape))
+kvlab.check.paged_attention_kernel(my_paged_attention_kernel);
+
+# %%
+kvlab.check.hint("paged_attention_kernel", 1);
+# kvlab.solutions.show("paged_attention_kernel")   # uncomment to read the reference solution
 
 # %% [markdown]
 # ## Validate against `kvlab.reference`
@@ -205,8 +285,13 @@ print("out:", tuple(out.shape))
 # compare on the named edge cases — page size 1, page-aligned and unaligned lengths, a single
 # one-token request, many requests with rows out of order, a `head_dim` that is not a power
 # of two, blocks smaller than a page and larger than a request — and on seeded random layouts.
+# From here on the chapter uses your kernel once it has passed its checker; until then,
+# kvlab's `paged_decode_attention` stands in (the next cell says which one runs).
 
 # %%
+attend = kvlab.check.choose("paged_attention_kernel", my_paged_attention, paged_decode_attention)
+
+
 def random_layout(seed, page_size, seq_lens, heads=2, head_dim=16):
     """Random K/V; each request's tokens on shuffled, disjoint pages; rows in shuffled order."""
     rng = random.Random(seed)
@@ -242,7 +327,7 @@ edge_cases = {
 }
 for name, (page_size, seq_lens, head_dim, block_n) in edge_cases.items():
     args = random_layout(0, page_size, seq_lens, head_dim=head_dim)
-    torch.testing.assert_close(my_paged_attention(*args, block_n=block_n),
+    torch.testing.assert_close(attend(*args, block_n=block_n),
                                paged_decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
     print(f"✓ {name}")
 rng = random.Random(1)
@@ -250,7 +335,7 @@ for i in range(N_RANDOM):
     page_size = rng.choice([1, 2, 4, 16])
     seq_lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 4))]
     args = random_layout(100 + i, page_size, seq_lens)
-    torch.testing.assert_close(my_paged_attention(*args, block_n=rng.choice([4, 16])),
+    torch.testing.assert_close(attend(*args, block_n=rng.choice([4, 16])),
                                paged_decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
 print(f"✓ {N_RANDOM} random layouts")
 
@@ -347,53 +432,26 @@ shared = photos["prefill"][:N_REQ, :12]
 assert (shared == shared[0]).all()   # every row maps the same 12 cached slots
 
 # %% [markdown]
-# ## Your turn: paged attention in plain torch
-#
-# Write `my_paged_attention_torch(q, k_pool, v_pool, page_table, table_idx, seq_lens)` that
-# returns `[batch, heads, head_dim]`: for request `b`, attend to positions `[0, seq_lens[b])`
-# of row `table_idx[b]`. `kvlab.check.paged_attention` compares it with the reference on edge
-# cases and random layouts and, when it recognises a mistake (reading the pool without the
-# row, using row `b` instead of `table_idx[b]`, forgetting the scale), says so.
-#
-# The cell is pre-filled with a correct answer so the notebook runs end to end; replace it
-# with your own. Hints: `kvlab.check.hint("paged_attention", 1)` (up to 3); the reference:
-# `kvlab.solutions.show("paged_attention")`.
-
-# %%
-def my_paged_attention_torch(q, k_pool, v_pool, page_table, table_idx, seq_lens):
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for b in range(q.shape[0]):
-        slots = page_table[int(table_idx[b]), :int(seq_lens[b])].long()
-        k, v = k_pool[slots], v_pool[slots]
-        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) / math.sqrt(q.shape[-1]), dim=-1)
-        out[b] = torch.einsum("hn,nhd->hd", weights, v)
-    return out
-
-
-kvlab.check.paged_attention(my_paged_attention_torch)
-
-# %%
-kvlab.check.hint("paged_attention", 1)
-# kvlab.solutions.show("paged_attention")   # uncomment to read the reference solution
-
-# %% [markdown]
 # ## Lift: the notebook's kernel vs `kvlab.attention.paged_decode_attention`
 #
 # The kernel above lives on as `kvlab.kernels.attention.paged_decode_attention_kernel`, with
 # its checked wrapper `kvlab.attention.paged_decode_attention` (which picks `BLOCK_N` by
-# runtime). On random layouts both must agree with each other and with the reference.
+# runtime). On random layouts your kernel must agree with it, and your torch warm-up with the
+# reference (each one stands in for yours until yours has passed its checker).
 
 # %%
+attention_torch = kvlab.check.choose("paged_attention", my_paged_attention_torch, paged_decode_attention_reference)
 rng = random.Random(2)
 for i in range(N_RANDOM):
     page_size = rng.choice([1, 4, 16])
     args = random_layout(500 + i, page_size, [rng.randint(1, 48) for _ in range(rng.randint(1, 3))])
-    ours = my_paged_attention(*args, block_n=16)
+    ours = attend(*args, block_n=16)
     lifted = paged_decode_attention(*args)
     torch.testing.assert_close(ours, lifted, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(my_paged_attention_torch(*args), paged_decode_attention_reference(*args),
+    torch.testing.assert_close(attention_torch(*args), paged_decode_attention_reference(*args),
                                atol=1e-5, rtol=1e-5)
-print(f"✓ notebook kernel == kvlab kernel, notebook torch == kvlab reference, on {N_RANDOM} random layouts")
+print(f"✓ the notebook's kernel == kvlab's kernel, the torch version == kvlab's reference, "
+      f"on {N_RANDOM} random layouts")
 
 # %% [markdown]
 # ## Summary
@@ -401,10 +459,41 @@ print(f"✓ notebook kernel == kvlab kernel, notebook torch == kvlab reference, 
 # * A KV pool is one tensor per layer indexed by **token slot**; the allocator's `out_loc` says
 #   where a step's new K/V go, and the page-table row says where every earlier token's went.
 # * Paged decode attention = gather through the row + softmax + weighted sum. The Triton
-#   kernel does it per `(request, head)` with an online softmax over blocks of the row, a
-#   runtime loop bound, masked loads, and host-side checks that every slot it will read exists.
+#   kernel does it per `(request, head)` with an online softmax over blocks of the row (a
+#   running max, and a rescale of what came before whenever it grows), a runtime loop bound,
+#   masked loads, and host-side checks that every slot it will read exists.
 # * Served through `CacheManager` — prefix matching, locking, page allocation at boundaries,
 #   `cache_req` with the duplicate-row fix — a tiny model produces exactly the tokens of a
 #   contiguous cache, while a shared prefix is computed once.
 #
 # Chapter 09 makes the allocation kernels fast.
+#
+# ## Questions
+#
+# 1. Many models use *grouped-query attention*: `H` query heads share `H / G` K/V heads (each
+#    group of `G` query heads reads the same K and V). What changes in the pool's shape, in
+#    the kernel's grid and in its loads? What does the kernel then read less of?
+# 2. `PagedEngine` runs decode attention in Triton but prefill attention in torch, by
+#    gathering the row. What would a paged *prefill* (extend) attention kernel have to do
+#    that this decode kernel does not?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# **1. Grouped-query attention.** The pools shrink to `[num_slots, H / G, head_dim]`: `G`
+# times less KV memory per token, so `G` times more tokens fit in the same pages, which is
+# the point of GQA for a server. In the kernel, program `(b, h)` reads K/V head `h // G`
+# (`h // G * stride_kv_h` instead of `h * stride_kv_h`); everything else stays. Better still,
+# one program can serve a whole group: load the block's K and V rows once and compute the
+# `G` query heads' scores against them (a `[G, head_dim]` query tile), which divides the
+# memory traffic of the loads, the kernel's main cost, by `G`. The grid becomes
+# `(batch, H / G)`, and `m_i`, `l_i`, `acc` become vectors of `G` running values.
+#
+# **2. Paged prefill.** A prefill (extend) has many queries per request: positions
+# `[cached_len, seq_len)`, each attending causally to positions up to its own. A kernel for
+# it tiles the queries too (a block of query positions per program, like FlashAttention),
+# reads K/V through the row for the whole prefix (cached pages and the new ones the step
+# has just written with `store_kv`), applies the causal mask per (query, key) pair, and has
+# to handle requests whose number of new tokens differs widely in one batch (an offset
+# table of where each request's queries start, as chapter 09's scan computes for slots).
+# The decode kernel is the special case of one query at the last position.

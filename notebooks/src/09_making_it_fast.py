@@ -2,9 +2,9 @@
 # # 09 · Making it fast
 #
 # **Goal.** Chapters 03 and 04 rebuilt SGLang's `alloc_extend_kernel` and `alloc_decode_kernel`
-# as they are. They are correct, and they carry three costs that only show up on a GPU under
-# load. This chapter measures each one, removes it, and checks that the faster kernels hand out
-# exactly the same slots:
+# as the source design wrote them. They are correct, and they carry three costs that only show
+# up on a GPU under load. This chapter measures each one, removes it, and checks that the faster
+# kernels hand out exactly the same slots:
 #
 # 1. **The recompile trap.** `tl.arange(0, next_power_of_2(extend_num_tokens))` is a
 #    *compile-time* size. Every new power of two of tokens (or of the batch size) compiles a new
@@ -16,6 +16,22 @@
 # The numbers in this chapter were measured on an H200 by `python -m kvlab.bench` and saved in
 # `figures/bench.json`, so the plots read the same on a laptop. On a GPU the chapter also
 # re-measures a few cases live.
+#
+# > **SGLang today.** The source design is a snapshot. SGLang's allocator
+# > (`python/sglang/srt/mem_cache/allocator.py` on its main branch, read at commit `02e29cb`)
+# > has since fixed part of what this chapter measures, and kept the rest:
+# >
+# > | | the source design (chapters 03-04, this chapter's "teaching" path) | SGLang today |
+# > |---|---|---|
+# > | part 2 of `alloc_extend_kernel` | `tl.arange(0, max_num_extend_tokens)`, a `constexpr`: a compilation per power of two of tokens | a loop with a runtime bound over blocks of `BLOCK_EXTEND = 4096` lanes: one compilation for every extend length |
+# > | how many pages were taken | the last program packs them into `ret_values`; the host reads it back (`.item()`: a sync) | `ret_values` and `max_num_extend_tokens` are gone: the host counts the new pages from `seq_lens_cpu` and `prefix_lens_cpu` (`get_num_new_pages`), no sync |
+# > | the batch size | `bs_upper = next_power_of_2(bs)`, a `constexpr` | the same: a compilation per power of two of the batch size |
+# > | where a request's output starts | every program re-sums the lengths of the batch: O(bs²) | the same |
+# > | out of pages | decided after the launch, once the kernel has read `free_pages` | the same: the kernel is launched first, and `alloc_extend` returns `None` afterwards if the pages were short |
+# >
+# > So cost 1 is half gone upstream (tokens no longer recompile, batch sizes still do), cost 3's
+# > sync is gone but its check still comes after the launch, and cost 2 is untouched. The fast
+# > path of this chapter removes all three.
 
 # %%
 import inspect
@@ -66,8 +82,9 @@ plt.show()
 #
 # Triton compiles a kernel once for every distinct set of `tl.constexpr` values. The teaching
 # kernel has three: `bs_upper = next_power_of_2(bs)`, `page_size`, and
-# `max_num_extend_tokens = next_power_of_2(extend_num_tokens)`. A server sees batches of every
-# size. How many different kernels does a realistic stream of batches need?
+# `max_num_extend_tokens = next_power_of_2(extend_num_tokens)` (SGLang today has dropped the
+# third, see the box above). A server sees batches of every size. How many different kernels
+# does a realistic stream of batches need?
 
 # %%
 def teaching_compile_key(bs: int, extend_num_tokens: int, page_size: int):
@@ -141,7 +158,8 @@ plt.show()
 # After the launch, the teaching path reads `ret_values.item()`: the host waits until the GPU has
 # run the kernel, to learn how many pages were taken. That wait costs tens of microseconds per
 # batch, and it is also the *safety* hazard of chapter 03: the page count is known only after the
-# kernel has already read `free_pages`.
+# kernel has already read `free_pages`. (SGLang today counts the pages on the host instead, so
+# it does not wait, but it still compares them with `free_pages` only after the launch.)
 #
 # But the scheduler that builds a batch *already knows* its lengths on the host: it decided them.
 # So the fast path takes the counts (`extend_num_tokens`, `num_new_pages`, or the host lengths
@@ -207,6 +225,31 @@ print("A:", slots[:3].tolist(), "...", slots[57:60].tolist(), "... | B:", slots[
       slots[-4:].tolist())
 
 # %% [markdown]
+# `out_indices` is one flat list; what it means shows in the page table. Put each request's
+# prefix in its row (A's 70 tokens on pages 0 and 1, so its last prefix token is slot
+# `1 * 64 + 5`; B's 128 tokens on pages 4 and 2, ending at slot `2 * 64 + 63`), then write
+# each request's part of `out_indices` at its new positions `[pre, seq)`. Every position must
+# land at its own offset within a page (`slot % P == position % P`): that is what makes the
+# row readable page by page.
+
+# %%
+rows = torch.full((2, int(seq.max())), -1, dtype=torch.int64)
+rows[0, :70] = torch.cat([0 * P + torch.arange(64), 1 * P + torch.arange(6)])    # A's prefix: pages 0, 1
+rows[1, :128] = torch.cat([4 * P + torch.arange(64), 2 * P + torch.arange(64)])  # B's prefix: pages 4, 2
+assert [int(rows[0, 69]), int(rows[1, 127])] == last_loc.tolist()
+for r_ in range(2):
+    n_new = int(extend[r_])
+    rows[r_, int(pre[r_]):int(seq[r_])] = slots[int(token_start[r_]):int(token_start[r_]) + n_new]
+mapped = rows >= 0
+assert bool(((rows % P) == (torch.arange(rows.shape[1]) % P))[mapped].all())
+for r_, name in enumerate("AB"):
+    print(f"{name}'s row, page by page:", (rows[r_, : int(seq[r_])][::P] // P).tolist())
+fig, ax = plt.subplots(figsize=(11, 1.8))
+kvlab.viz.page_table_heatmap(rows, P, ax=ax, row_label="request (A, B)",
+                             title="the worked example written into a page table: prefix pages, then out_indices")
+plt.show()
+
+# %% [markdown]
 # `torch.searchsorted` found each token's request by binary search in `token_start`: `log2(bs)`
 # steps per token, so the work is linear in the number of tokens. Empty requests (`seq == pre`)
 # need no care: their `token_start` equals the next one's, and "the *last* `r` with
@@ -239,24 +282,28 @@ def extend_slots_torch(pre, seq, last_loc, free_pages, page_size):
 #
 # `kvlab.kernels.fast_alloc` does the same on the GPU, in one of two shapes:
 #
-# - **Two launches** (any batch): `extend_scan_kernel`, one program, walks the batch in blocks of
-#   1024 requests with a running *carry* and writes `token_start` and `page_start`; then
-#   `extend_fill_kernel`, one program per 1024 output tokens, applies the formula above.
-# - **One launch** (up to 1024 requests, counts known on the host): a launch costs more host time
-#   than the whole scan, so `extend_fused_kernel` lets each program scan the batch itself (one
-#   vector `cumsum`, O(bs) per 1024 tokens, never O(bs²)) into its own scratch row before filling.
+# - **Two launches** (large batches): `extend_scan_kernel`, one program, walks the batch in blocks
+#   of 1024 requests with a running *carry*, checks each request and writes `token_start` and
+#   `page_start`; then `extend_fill_kernel`, one program per 1024 output tokens, applies the formula
+#   above.
+# - **One launch** (up to `FUSED_MAX_BATCH` = 4096 requests, while the repeated scans stay small): a
+#   launch costs more host time than the whole scan, so `extend_fused_kernel` lets each program
+#   check and scan the batch itself (vector `cumsum`s, O(bs) per 1024 tokens, never O(bs²)) into its
+#   own scratch row before filling.
 #
-# Both compile once per page size. Here is the fill, the heart of it:
+# Both compile once per page size, when the allocator is built. Here is the fill, the heart of it:
 
 # %%
 print(inspect.getsource(fast_alloc._fill_tokens.fn))
 
 # %% [markdown]
-# And the host side decides everything that can fail *before* it launches anything:
+# And the host side decides everything it can judge *before* it launches anything: the counts
+# the host lengths give, and out of pages (the rules only the device can read, such as `last_loc`
+# lying on an allocated page, are judged in the kernel's own pass before it writes a slot):
 
 # %%
 src = inspect.getsource(alloc_extend_fast)
-print(src[src.index("    if extend_num_tokens is not None:"):src.index("    if bs == 0:")])
+print(src[src.index("    if prefix_lens_cpu is not None:"):src.index("    if bs == 0:")])
 
 # %% [markdown]
 # ## Validate against the reference
@@ -368,10 +415,25 @@ else:
 # kernel[(1,)](prefix_lens, seq_lens, token_start, page_start, bs, page_size, BLOCK=BLOCK)
 # token_start[r] = sum of (seq - pre) over requests before r
 # page_start[r]  = sum of (ceil(seq/P) - ceil(pre/P)) over requests before r
+#
+# BLOCK = 4, extend = [5 0 3 7 | 2 4]
+#   block 0: cumsum [5 5 8 15] - extend -> [0 5 5 8],   + carry 0   -> token_start[0:4]
+#            carry = 0 + 15
+#   block 1: cumsum [2 6]      - extend -> [0 2],       + carry 15  -> token_start[4:6] = [15 17]
 # ```
 #
-# The checker runs it with `BLOCK = 8`, so most batches span several blocks. The cell below is
-# filled in with a working answer so that the notebook runs; replace the body with your own.
+# **The carry is an int64 scalar, from the start.** A value carried from one loop iteration
+# to the next must keep one type for the whole loop. Write `carry = 0` and Triton makes it an
+# `int32` scalar; after `carry += tl.sum(extend, axis=0)` it is `int64` (the lengths are loaded
+# and converted with `.to(tl.int64)`, so their sums are `int64`). Compiled Triton refuses such a
+# kernel: *"Loop-carried variable carry has initial type int32 but is re-assigned to int64 in
+# loop! Please make sure that the type stays consistent."* The interpreter does not check
+# this and runs the kernel without complaint, so a scan that passes the checker here can fail
+# to compile on a GPU. Start the carry as an `int64` scalar instead, the sum of a block of
+# `int64` zeros: `tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)` (the kernels in
+# `kvlab.kernels.fast_alloc` do the same).
+#
+# The checker runs your kernel with `BLOCK = 8`, so most batches span several blocks.
 # Stuck? `kvlab.check.hint("extend_scan", 1)` (then 2, 3, 4), and as a last resort
 # `kvlab.solutions.show("extend_scan")`.
 
@@ -382,6 +444,8 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def my_extend_scan(prefix_lens_ptr, seq_lens_ptr, token_start_ptr, page_start_ptr, bs,
                    page_size: tl.constexpr, BLOCK: tl.constexpr):
+    """Exclusive prefix sums of extend lengths and of new pages, BLOCK requests at a time."""
+    ### BEGIN SOLUTION
     lanes = tl.arange(0, BLOCK)
     carry_tokens = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
     carry_pages = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
@@ -396,6 +460,11 @@ def my_extend_scan(prefix_lens_ptr, seq_lens_ptr, token_start_ptr, page_start_pt
         tl.store(page_start_ptr + offs, carry_pages + tl.cumsum(pages, axis=0) - pages, mask=mask)
         carry_tokens += tl.sum(extend, axis=0)
         carry_pages += tl.sum(pages, axis=0)
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: extend_scan
+    pass
+    ### END STARTER
 
 
 kvlab.check.extend_scan(my_extend_scan);
@@ -542,3 +611,48 @@ else:
 #
 # `kvlab.PagedTokenAllocator` uses the fast path by default (`impl="fast"`); `impl="teaching"`
 # keeps the chapter 03-04 kernels. The full table is in `figures/bench.md`.
+#
+# ## Questions
+#
+# 1. SGLang today loops over part 2 in blocks of 4096 and counts pages on the host, but keeps
+#    `bs_upper` as a `constexpr`. For a server whose prefill batches have 1 to 256 requests,
+#    how many versions of its extend kernel get compiled (per page size)? How would you get
+#    that down to one, and what would each option cost?
+# 2. The fast path uses one launch (`extend_fused_kernel`, every program scans the batch
+#    itself) for batches of up to 1024 requests, and two launches (scan, then fill) above.
+#    Which batches make the one-launch version do more work than the two-launch one, and why
+#    is one launch still the better choice for most batches a server sees?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# **1. Compilations per batch size.** `bs_upper = next_power_of_2(bs)` takes 9 values for
+# `bs` in 1..256, so 9 compilations per page size, each paid the first time a batch of that
+# size class arrives (in the middle of serving, unless the server warms them up at start):
+
+# %% tags=["solution"]
+print("versions for bs = 1..256:", len({triton.next_power_of_2(bs) for bs in range(1, 257)}))
+
+# %% [markdown] tags=["solution"]
+# To get to one: (a) make `bs` a runtime argument and compute the offsets with a scan that
+# walks the batch in fixed blocks with a carry (this chapter's `extend_scan_kernel`, one more
+# launch, or each program scanning for itself as `extend_fused_kernel` does: O(bs) per
+# program instead of O(bs²) in all); (b) compute `token_start` and `page_start` on the host,
+# where `seq_lens_cpu` and `prefix_lens_cpu` already are, and pass them as tensors: no scan
+# on the GPU at all, at the cost of a host-to-device copy of `2 × bs` integers per batch;
+# (c) warm up all 9 versions at start-up: no code change, but start-up time and nine
+# binaries per page size.
+#
+# **2. One launch or two.** In the fused kernel each of the `cdiv(T, 1024)` fill programs
+# scans all `bs` lengths itself, so the batch as a whole does `bs × cdiv(T, 1024)` loads of
+# lengths; the two-launch version does `bs` (one scan) plus a second launch. The fused one
+# does more work when both are large, e.g. 1024 requests with 1024 tokens each: 1024
+# programs each re-reading 1024 lengths, a million loads, about as many as the slots it
+# writes. But most prefill batches are small (a few to a few hundred requests), and for
+# those the repeated scan is a handful of vector loads per program, while a second launch
+# costs host time on every call; a serving loop of small launches is bound by the host, as
+# the benchmark above shows for the torch version with its twenty launches. Saving a launch
+# wins there. The
+# switch sits at 1024 requests because the fused program scans the batch as *one* vector of
+# `BATCH_BLOCK = 1024` lanes (one `tl.cumsum`); a larger batch would need the scan's loop and
+# carry in every program, and the two-launch version is then simpler and cheaper.

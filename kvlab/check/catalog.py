@@ -1,0 +1,89 @@
+"""Every exercise of the course, found by importing each chapter's checker module.
+
+``kvlab.check.hint``, ``status`` and ``choose`` live here: they name exercises of any chapter,
+so they load every ``kvlab/check/chNN_*.py`` first (once). A module that fails to import is
+recorded (:func:`broken_modules`) instead of taking the other chapters down with it.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+from .registry import EXERCISES, STATUS, Exercise, show_hint
+
+_loaded = False
+#: chapter checker modules that failed to import: module name -> the error
+_BROKEN: dict[str, BaseException] = {}
+
+
+def load_all() -> None:
+    """Import every chapter's checker module so that all exercises are registered."""
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    for mod in pkgutil.iter_modules([str(Path(__file__).parent)]):
+        if mod.name.startswith("ch"):
+            try:
+                importlib.import_module(f"{__package__}.{mod.name}")
+            except Exception as e:  # noqa: BLE001 - keep the other chapters usable
+                _BROKEN[mod.name] = e
+                warnings.warn(f"kvlab.check.{mod.name} could not be imported ({type(e).__name__}: "
+                              f"{e}); its exercises are unavailable", RuntimeWarning, stacklevel=2)
+
+
+def broken_modules() -> dict[str, BaseException]:
+    """Chapter checker modules that failed to import, with their errors (empty when all is well)."""
+    load_all()
+    return dict(_BROKEN)
+
+
+def exercises() -> list[str]:
+    """Names of every exercise in the course, in chapter order."""
+    load_all()
+    return sorted(EXERCISES, key=lambda n: (EXERCISES[n].chapter, n))
+
+
+def lookup(name: str) -> Exercise:
+    load_all()
+    if name not in EXERCISES:
+        known = ", ".join(sorted(EXERCISES)) or "(none)"
+        raise KeyError(f"no exercise named {name!r}; known exercises: {known}")
+    return EXERCISES[name]
+
+
+def hint(name: str, level: int = 1) -> str:
+    """Show hint ``level`` (1, 2, ...) for exercise ``name``; later hints say more."""
+    lookup(name)
+    return show_hint(name, level)
+
+
+def status(name: str) -> str:
+    """``"passed"``, ``"failed"``, ``"not attempted"`` or ``"not checked"``: the last check of
+    exercise ``name`` in this process."""
+    lookup(name)
+    return STATUS.get(name, "not checked")
+
+
+def _qualified_name(obj) -> str:
+    target = getattr(obj, "fn", obj)  # a @triton.jit kernel keeps the Python function in .fn
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
+
+
+def choose(name: str, yours: Callable[..., Any], package: Callable[..., Any]):
+    """``yours`` once it has passed ``kvlab.check.<name>``, else ``package``; says which.
+
+    Cells after an exercise call this, so that a chapter runs top to bottom before the learner
+    has written anything, and uses the learner's code from the moment it passes.
+    """
+    state = status(name)
+    mine = getattr(getattr(yours, "fn", yours), "__name__", repr(yours))
+    if state == "passed":
+        print(f"using your {mine} (it passed kvlab.check.{name})")
+        return yours
+    print(f"using {_qualified_name(package)} (your {mine} has not passed kvlab.check.{name} "
+          f"yet: {state})")
+    return package
