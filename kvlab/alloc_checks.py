@@ -5,7 +5,9 @@ Where each rule is checked, and what it costs::
 
     rule                                      where                         cost
     tensors: type, 1-D, int dtype, device     host, attributes only         ~1 us
-    host lengths: pre >= 0, seq >= pre, ...   host, NumPy over the batch    ~10-25 us at bs 4096
+    host lengths: pre >= 0, seq >= pre, ...   host: Python ints up to       a few Python builtins;
+                                                SMALL_BATCH requests, else    else about nine NumPy
+                                                NumPy over the whole batch    calls (~1 us each)
     the caller's counts match the lengths     host (from host lengths)      (in the above)
     enough free pages                         host (from host lengths)      one comparison
     last_loc on an allocated page, host       inside the kernel's pass,     no extra launch,
@@ -18,6 +20,7 @@ host would have raised, naming the argument, the request and the rule.
 """
 from __future__ import annotations
 
+from operator import gt, mul
 from typing import NamedTuple
 
 import numpy as np
@@ -78,7 +81,7 @@ def host_lengths(name: str, values, bs: int | None = None) -> np.ndarray:
     element by element (about 30 ns each); a CPU tensor costs a microsecond at any size.
     """
     if type(values) is torch.Tensor and values.dtype is torch.int64 and values.is_cpu \
-            and values.dim() == 1 and (bs is None or len(values) == bs):
+            and values.dim() == 1 and (bs is None or values.numel() == bs):
         return values.numpy()  # what a scheduler passes: judged in one line, no copy
     if isinstance(values, torch.Tensor):
         if not values.is_cpu:
@@ -112,16 +115,6 @@ def checksum_weights(n: int) -> np.ndarray:
     return _WEIGHTS[:n]
 
 
-def _page_sum(x: np.ndarray, page_size: int) -> int:
-    """``sum(ceil(x / page_size))``: a shift for a power of two, a division otherwise."""
-    if page_size & (page_size - 1) == 0:
-        c = x + (page_size - 1)
-        c >>= page_size.bit_length() - 1
-    else:
-        c = (x + (page_size - 1)) // page_size
-    return int(c.sum())
-
-
 class HostCounts(NamedTuple):
     """What an allocation needs, from host lengths, and the checksums the kernel compares."""
 
@@ -131,44 +124,146 @@ class HostCounts(NamedTuple):
     sum_seq: int
 
 
+_EMPTY = HostCounts(0, 0, 0, 0)
+_min, _sum = np.minimum.reduce, np.add.reduce  # (``a.min()`` goes through a Python wrapper)
+
+#: Host lengths of at most this many requests are counted in plain Python: a NumPy call
+#: costs about a microsecond whatever the size, a Python step about 30-60 ns per request.
+SMALL_BATCH: int = 32
+#: below this, no int64 sum or ``x + page_size - 1`` of valid lengths can wrap
+_SAFE_TOTAL = 1 << 62
+_INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
+_SMALL_WEIGHTS: list[int] = []
+
+
+def _wrap64(x: int) -> int:
+    """``x`` as a wrapping int64 would hold it (what NumPy's int64 sums give)."""
+    return ((x + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63)
+
+
+def _int64_lengths(values, bs: int | None):
+    """The common case judged in one line: an int64 CPU tensor or NumPy array, 1-D, of ``bs``
+    entries (when given) comes back as a list of ints (at most :data:`SMALL_BATCH` entries)
+    or a NumPy array (no copy); a short list or tuple of int64-sized ints as itself; anything
+    else as ``None`` (:func:`host_lengths` judges it, and names what is wrong)."""
+    kind = type(values)
+    if kind is torch.Tensor:
+        if not (values.dtype is torch.int64 and values.is_cpu and values.dim() == 1):
+            return None
+        n = values.numel()
+    elif kind is np.ndarray:
+        if not (values.dtype == np.int64 and values.ndim == 1):
+            return None
+        n = values.shape[0]
+    elif kind is list or kind is tuple:
+        n = len(values)
+        if n > SMALL_BATCH or (bs is not None and n != bs) or not all(type(x) is int for x in values):
+            return None  # (long lists, bools, floats, NumPy scalars: the NumPy path)
+        return values if not values or _INT64_MIN <= min(values) and max(values) <= _INT64_MAX else None
+    else:
+        return None
+    if bs is not None and n != bs:
+        return None
+    if n <= SMALL_BATCH:
+        return values.tolist()
+    return values.numpy() if kind is torch.Tensor else values
+
+
+def _small_weights() -> list[int]:
+    global _SMALL_WEIGHTS
+    if not _SMALL_WEIGHTS:
+        _SMALL_WEIGHTS = checksum_weights(SMALL_BATCH).tolist()
+    return _SMALL_WEIGHTS
+
+
+def _extend_counts_small(pre: list, seq: list, page_size: int) -> HostCounts | None:
+    """:func:`extend_counts` of a small batch, in Python ints; ``None`` if a rule is broken or
+    a total is huge (the NumPy path then raises, or wraps, exactly as it always did)."""
+    if not pre:
+        return _EMPTY
+    total = sum(seq)  # with 0 <= pre <= seq (checked next) every length is at most this
+    if min(pre) < 0 or total >= _SAFE_TOTAL or any(map(gt, pre, seq)):
+        return None
+    m = page_size - 1
+    if page_size & m == 0:
+        s = page_size.bit_length() - 1
+        pages = sum([((b + m) >> s) - ((a + m) >> s) for a, b in zip(pre, seq)])
+    else:
+        pages = sum([(b + m) // page_size - (a + m) // page_size for a, b in zip(pre, seq)])
+    w = _small_weights()  # (map stops at the shorter list)
+    return HostCounts(total - sum(pre), pages, _wrap64(sum(map(mul, pre, w))), _wrap64(sum(map(mul, seq, w))))
+
+
 def extend_counts(prefix_lens_cpu, seq_lens_cpu, page_size: int, bs: int | None = None) -> HostCounts:
     """Tokens, new pages and checksums of an extend, checking ``0 <= pre <= seq`` per request.
 
-    A handful of NumPy operations over the batch; the request that breaks a rule is looked
-    for only once a rule is known to be broken.
+    Up to :data:`SMALL_BATCH` requests given as int64 tensors, arrays or lists of ints: a
+    few Python builtins over the lists. Otherwise five NumPy passes over one ``[pre | seq | extend]``
+    block (min, checksums, ceil, sums); the request that breaks a rule is looked for only
+    once a rule is known to be broken.
     """
-    pre = host_lengths("prefix_lens_cpu", prefix_lens_cpu, bs)
-    seq = host_lengths("seq_lens_cpu", seq_lens_cpu, len(pre))
-    if not len(pre):
-        return HostCounts(0, 0, 0, 0)
+    pre = _int64_lengths(prefix_lens_cpu, bs)
+    seq = None if pre is None else _int64_lengths(seq_lens_cpu, len(pre))
+    if type(seq) is list or type(seq) is tuple:  # (then so is pre: same length)
+        counts = _extend_counts_small(pre, seq, page_size)
+        if counts is not None:
+            return counts
+    if type(seq) is not np.ndarray:  # other containers, bad input, a broken rule: judged here
+        pre = host_lengths("prefix_lens_cpu", prefix_lens_cpu, bs)
+        seq = host_lengths("seq_lens_cpu", seq_lens_cpu, len(pre))
+    n = len(pre)
+    if not n:
+        return _EMPTY
     extend = seq - pre
-    if pre.min() < 0 or extend.min() < 0:  # rare: only now look for the first offender
-        r = int(np.argmax((pre < 0) | (extend < 0)))
+    rows = np.array((pre, seq, extend))  # one block: each pass below is one NumPy call
+    if _min(rows, None) < 0:  # (seq >= 0 as well: then seq - pre cannot wrap)
+        r = int(np.argmax((pre < 0) | (extend < 0) | (seq < 0)))  # rare: the first offender
         if pre[r] < 0:
             raise InvalidArgument(f"prefix_lens_cpu[{r}]", "prefix_lens >= 0", f"got {int(pre[r])}")
         raise InvalidArgument(f"seq_lens_cpu[{r}]", "seq_lens >= prefix_lens",
                               f"got seq {int(seq[r])} < pre {int(pre[r])}")
-    w = checksum_weights(len(pre))
-    pages = _page_sum(seq, page_size) - _page_sum(pre, page_size)
-    return HostCounts(int(extend.sum()), pages, int(pre @ w), int(seq @ w))
+    lens = rows[:2]
+    sum_pre, sum_seq = np.dot(lens, checksum_weights(n)).tolist()
+    lens += page_size - 1  # lens becomes ceil(pre / P), ceil(seq / P): a shift for a power of two
+    if page_size & (page_size - 1) == 0:
+        lens >>= page_size.bit_length() - 1
+    else:
+        lens //= page_size
+    pages_pre, pages_seq, tokens = _sum(rows, 1).tolist()
+    return HostCounts(tokens, pages_seq - pages_pre, sum_pre, sum_seq)
+
+
+def _decode_pages_small(seq: list, page_size: int) -> int:
+    if page_size == 1:
+        return len(seq)
+    if page_size & (page_size - 1) == 0:
+        m = page_size - 1
+        return [x & m for x in seq].count(1)
+    return [x % page_size for x in seq].count(1)
 
 
 def decode_counts(seq_lens_cpu, page_size: int, bs: int | None = None) -> HostCounts:
     """New pages and checksum of a decode step (``seq >= 1``): ``#{r : (seq_r - 1) % P == 0}``."""
-    seq = host_lengths("seq_lens_cpu", seq_lens_cpu, bs)
-    if not len(seq):
-        return HostCounts(0, 0, 0, 0)
-    if seq.min() < 1:
+    seq = _int64_lengths(seq_lens_cpu, bs)
+    if (type(seq) is list or type(seq) is tuple) and (not seq or min(seq) >= 1):
+        return HostCounts(len(seq), _decode_pages_small(seq, page_size), 0,
+                          _wrap64(sum(map(mul, seq, _small_weights()))))
+    if type(seq) is not np.ndarray:
+        seq = host_lengths("seq_lens_cpu", seq_lens_cpu, bs)
+    n = len(seq)
+    if not n:
+        return _EMPTY
+    if _min(seq, None) < 1:
         r = int(np.argmax(seq < 1))
         raise InvalidArgument(f"seq_lens_cpu[{r}]", "seq_lens >= 1 (the length after the new token)",
                               f"got {int(seq[r])}")
     if page_size == 1:
-        pages = len(seq)
+        pages = n
     elif page_size & (page_size - 1) == 0:  # (seq - 1) % P == 0  <=>  seq % P == 1, for P > 1
         pages = int(np.count_nonzero((seq & (page_size - 1)) == 1))
     else:
         pages = int(np.count_nonzero(seq % page_size == 1))
-    return HostCounts(len(seq), pages, 0, int(seq @ checksum_weights(len(seq))))
+    return HostCounts(n, pages, 0, int(np.dot(seq, checksum_weights(n))))
 
 
 # --- the kernels' verdict ---------------------------------------------------------------------

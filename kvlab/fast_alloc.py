@@ -80,17 +80,25 @@ def _check_report(report, device: torch.device) -> None:
 
 
 def _check_tensors(owner: str, page_size, **tensors) -> None:
-    """Every tensor rule in one expression for good input; the named checks say which failed."""
+    """Every tensor rule in one pass for good input (1-D int32/int64 tensors on one device, all
+    but the last with one entry per request); the named checks say which rule failed."""
     ts = list(tensors.values())
     first = ts[0]
-    if (type(page_size) is int and page_size >= 1 and all(isinstance(t, Tensor) for t in ts)
-            and all(t.dim() == 1 and t.dtype in INDEX_DTYPES for t in ts)
-            and all(t.device == first.device for t in ts)):
-        return
+    if type(page_size) is int and page_size >= 1 and isinstance(first, Tensor):
+        device, shape = first.device, first.shape
+        for i, t in enumerate(ts):
+            if not (isinstance(t, Tensor) and t.dtype in INDEX_DTYPES and t.dim() == 1 and t.device == device
+                    and (t.shape == shape or i == len(ts) - 1)):
+                break
+        else:
+            return
     check_page_size(page_size)
     for name, t in tensors.items():
         check_index_tensor(name, t)
     check_devices(owner, first.device, **tensors)
+    bs = first.numel()
+    for name, t in list(tensors.items())[1:-1]:
+        check_index_tensor(name, t, bs)
 
 
 def alloc_extend_fast(prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor, free_pages: Tensor,
@@ -107,8 +115,6 @@ def alloc_extend_fast(prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor, f
     _check_tensors("prefix_lens", page_size, prefix_lens=prefix_lens, seq_lens=seq_lens,
                    last_loc=last_loc, free_pages=free_pages)
     bs, device = prefix_lens.numel(), prefix_lens.device
-    check_index_tensor("seq_lens", seq_lens, bs)
-    check_index_tensor("last_loc", last_loc, bs)
     _check_report(report, device)
     host = None
     if (prefix_lens_cpu is None) != (seq_lens_cpu is None):
@@ -136,7 +142,8 @@ def alloc_extend_fast(prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor, f
 
     status, spare, no_pool = _aux(device)
     report = spare if report is None else report
-    pre, seq, last, free = (t.contiguous() for t in (prefix_lens, seq_lens, last_loc, free_pages))
+    pre, seq, last = prefix_lens.contiguous(), seq_lens.contiguous(), last_loc.contiguous()
+    free = free_pages.contiguous()
     sums = (host.sum_pre, host.sum_seq) if host else (0, 0)
     host_pages = -1 if num_new_pages is None else num_new_pages
     # free_head, num_free, pool_pages (none), host_pages, host_copies, sums, call_id, sticky (no)
@@ -175,7 +182,6 @@ def alloc_decode_fast(seq_lens: Tensor, last_loc: Tensor, free_pages: Tensor, pa
     """
     _check_tensors("seq_lens", page_size, seq_lens=seq_lens, last_loc=last_loc, free_pages=free_pages)
     bs, device = seq_lens.numel(), seq_lens.device
-    check_index_tensor("last_loc", last_loc, bs)
     _check_report(report, device)
     host = None
     if seq_lens_cpu is not None:
@@ -192,7 +198,7 @@ def alloc_decode_fast(seq_lens: Tensor, last_loc: Tensor, free_pages: Tensor, pa
     if bs == 0:
         return FastDecode(out, 0)
     status, spare, no_pool = _aux(device)
-    seq, last, free = (t.contiguous() for t in (seq_lens, last_loc, free_pages))
+    seq, last, free = seq_lens.contiguous(), last_loc.contiguous(), free_pages.contiguous()
     K.launch_decode(seq, last, free, no_pool, status, spare if report is None else report, out, bs, 0,
                     free.numel(), 0, -1 if num_new_pages is None else num_new_pages,
                     int(host is not None), host.sum_seq if host else 0, 0, 0, 1, page_size)

@@ -176,14 +176,15 @@ class PagedTokenAllocator:
 
     def _device_lengths(self, names: tuple, tensors: tuple) -> tuple:
         """1-D integer tensors on this device, one entry per request, as contiguous int64."""
-        bs = tensors[0].numel() if isinstance(tensors[0], Tensor) else -1
-        dev = self.device
-        for t in tensors:  # the common case, judged in one pass
-            if not (isinstance(t, Tensor) and t.dtype is torch.int64 and t.dim() == 1 and t.numel() == bs
-                    and t.device == dev and t.is_contiguous()):
-                break
-        else:
-            return tensors
+        first, dev, i64 = tensors[0], self.device, torch.int64
+        if isinstance(first, Tensor):  # the common case, judged in one pass
+            shape = first.shape
+            for t in tensors:
+                if not (isinstance(t, Tensor) and t.dtype is i64 and t.shape == shape and len(shape) == 1
+                        and t.device == dev and t.is_contiguous()):
+                    break
+            else:
+                return tensors
         for name, t in zip(names, tensors):
             check_index_tensor(name, t)
             if not same_device(t.device, dev):
@@ -217,9 +218,9 @@ class PagedTokenAllocator:
 
     def check_device_errors(self) -> None:
         """Raise a refusal a kernel recorded since the host last looked (one sync)."""
-        rep = self._read_status()
-        if rep.code:
-            self._raise_refusal(rep, None)
+        words = self._status.tolist()  # a device -> host sync
+        if words[0]:  # the refusal code
+            self._raise_refusal(DeviceReport.from_words(words), None)
 
     def _settle(self, call_id: int) -> int:
         """The verdict of the call just launched: one word, one sync. The kernels write
@@ -241,9 +242,9 @@ class PagedTokenAllocator:
         free, with the allocator unchanged (see the module docstring for when).
         """
         pre, seq, last = self._device_lengths(_EXTEND_NAMES, (prefix_lens, seq_lens, last_loc))
-        bs, P = pre.numel(), self.page_size
+        bs, P, head = pre.numel(), self.page_size, self._head
         n_tokens = check_count("extend_num_tokens", extend_num_tokens)
-        num_free = self._free_list.numel() - self._head
+        num_free = self._free_list.numel() - head
         host = None
         if prefix_lens_cpu is not None or seq_lens_cpu is not None:
             if prefix_lens_cpu is None or seq_lens_cpu is None:
@@ -263,17 +264,17 @@ class PagedTokenAllocator:
             raise InvalidArgument("extend_num_tokens", f"next_power_of_2(extend_num_tokens) and "
                                   f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
                                   f"got {n_tokens} tokens, {bs} requests")
-        out = torch.empty(n_tokens, dtype=torch.int64, device=self.device)
+        out = self.ret_values.new_empty(n_tokens)  # int64 on this device (no dtype/device to parse)
         self._calls += 1
         call = 2 * self._calls  # even: an extend (the kind of call rides in the lowest bit)
-        checks = (bs, n_tokens, self._head, num_free, self.num_pages) + (
-            (host.pages, 1, host.sum_pre, host.sum_seq) if host else (-1, 0, 0, 0)) + (call, 1)
+        host_checks = (host.pages, 1, host.sum_pre, host.sum_seq) if host else (-1, 0, 0, 0)
         if self.impl == "fast":
             K.launch_extend(pre, seq, last, self._free_list, self._page_free, self._status, self.ret_values,
-                            self._scratch_for(K.extend_scratch_words(bs, n_tokens)), out, *checks, P,
-                            self._extend_key)
+                            self._scratch_for(K.extend_scratch_words(bs, n_tokens)), out, bs, n_tokens, head,
+                            num_free, self.num_pages, *host_checks, call, 1, P, self._extend_key)
             pages = self._settle(call) if host is None else host.pages
         else:
+            checks = (bs, n_tokens, head, num_free, self.num_pages) + host_checks + (call, 1)
             pages = self._extend_teaching(pre, seq, last, out, checks, call)
         self._head += pages
         if self.eager_errors and host is not None:
@@ -286,14 +287,14 @@ class PagedTokenAllocator:
         ``seq_lens_cpu``: a host copy of ``seq_lens``; with it the call makes no sync.
         """
         seq, last = self._device_lengths(_DECODE_NAMES, (seq_lens, last_loc))
-        bs, P = seq.numel(), self.page_size
-        num_free = self._free_list.numel() - self._head
+        bs, P, head = seq.numel(), self.page_size, self._head
+        num_free = self._free_list.numel() - head
         host = None
         if seq_lens_cpu is not None:
             host = decode_counts(seq_lens_cpu, P, bs)
             if host.pages > num_free:
                 raise OutOfPages(host.pages, num_free, "decode step")  # before any launch
-        out = torch.empty(bs, dtype=torch.int64, device=self.device)
+        out = self.ret_values.new_empty(bs)
         if bs == 0:
             return out
         if self.impl == "teaching" and next_pow2(bs) > _MAX_BLOCK:
@@ -301,7 +302,7 @@ class PagedTokenAllocator:
                                   f"got {bs} requests")
         self._calls += 1
         call = 2 * self._calls + 1  # odd: a decode step
-        checks = (bs, self._head, num_free, self.num_pages) + (
+        checks = (bs, head, num_free, self.num_pages) + (
             (host.pages, 1, host.sum_seq) if host else (-1, 0, 0)) + (call, 1)
         if self.impl == "fast":
             K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,

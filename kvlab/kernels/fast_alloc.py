@@ -285,18 +285,19 @@ def int64_key(page_size: int, n: int) -> tuple:
 
 def fill_programs(num_tokens: int) -> int:
     """Fill programs of an extend of ``num_tokens`` (at least one: the checks always run)."""
-    return max(1, -(-num_tokens // EXTEND_BLOCK))  # ceil division in plain ints
+    return (num_tokens + EXTEND_BLOCK - 1) // EXTEND_BLOCK or 1  # ceil division in plain ints
 
 
 def fused(bs: int, num_tokens: int) -> bool:
     """Whether an extend takes one launch (each program scans the batch) or two."""
-    return bs <= FUSED_MAX_BATCH and fill_programs(num_tokens) * bs <= FUSED_MAX_SCANS
+    return bs <= FUSED_MAX_BATCH and ((num_tokens + EXTEND_BLOCK - 1) // EXTEND_BLOCK or 1) * bs <= FUSED_MAX_SCANS
 
 
 def extend_scratch_words(bs: int, num_tokens: int) -> int:
     """int64 words of scratch one extend needs (a private row per program when fused)."""
-    if fused(bs, num_tokens):
-        return fill_programs(num_tokens) * 2 * bs
+    programs = (num_tokens + EXTEND_BLOCK - 1) // EXTEND_BLOCK or 1
+    if bs <= FUSED_MAX_BATCH and programs * bs <= FUSED_MAX_SCANS:
+        return programs * 2 * bs
     return 2 * bs + 1
 
 
@@ -305,16 +306,16 @@ def launch_extend(prefix_lens, seq_lens, last_loc, free_pages, page_free, status
                   host_pages: int, host_copies: int, host_sum_pre: int, host_sum_seq: int,
                   call_id: int, sticky: int, page_size: int, key: tuple | None = None) -> None:
     """Check, scan and fill one extend: one launch up to FUSED_MAX_BATCH requests, else two.
-    ``key``: :func:`int64_key` when the caller knows every tensor is int64 (saves looking)."""
-    search_steps = max(1, (bs - 1).bit_length())
-    grid = (fill_programs(num_tokens),)
+    ``key``: :func:`int64_key` when the caller knows every tensor is int64 (saves looking).
+    (The sizes are plain arithmetic here, not calls: this runs on every allocation.)"""
+    programs = (num_tokens + EXTEND_BLOCK - 1) // EXTEND_BLOCK or 1
     if key is None:
         key = _key(page_size, prefix_lens, seq_lens, last_loc, free_pages)
-    if fused(bs, num_tokens):
-        _FUSED(grid, (prefix_lens, seq_lens, last_loc, free_pages, page_free, status, report, scratch, out,
-                      bs, num_tokens, free_head, num_free, pool_pages, host_pages, host_copies,
-                      host_sum_pre, host_sum_seq, call_id, sticky, search_steps,
-                      page_size, EXTEND_BLOCK, BATCH_BLOCK), key)
+    if bs <= FUSED_MAX_BATCH and programs * bs <= FUSED_MAX_SCANS:
+        _FUSED((programs,), (prefix_lens, seq_lens, last_loc, free_pages, page_free, status, report, scratch,
+                             out, bs, num_tokens, free_head, num_free, pool_pages, host_pages, host_copies,
+                             host_sum_pre, host_sum_seq, call_id, sticky, (bs - 1).bit_length() or 1,
+                             page_size, EXTEND_BLOCK, BATCH_BLOCK), key)
         return
     launch_extend_check(prefix_lens, seq_lens, last_loc, page_free, status, report, scratch, bs, num_tokens,
                         free_head, num_free, pool_pages, host_pages, host_copies, host_sum_pre,
