@@ -44,25 +44,28 @@ def _key(name: str) -> str:
 
 
 def _closure(names: list[str]) -> dict[str, md.Distribution]:
-    """The installed distributions ``names`` need (their requirements, recursively)."""
-    from packaging.markers import Marker
+    """The installed distributions ``names`` need (their requirements, with the extras they ask
+    for, recursively)."""
+    from packaging.requirements import Requirement
 
     seen: dict[str, md.Distribution] = {}
-    todo = list(names)
+    done: set[tuple[str, str]] = set()
+    todo = [(name, "") for name in names]
     while todo:
-        name = todo.pop()
-        if _key(name) in seen:
+        name, extra = todo.pop()
+        if (_key(name), extra) in done:
             continue
+        done.add((_key(name), extra))
         try:
             dist = md.distribution(name)
         except md.PackageNotFoundError:
             continue
         seen[_key(name)] = dist
-        for req in dist.requires or []:
-            spec, _, marker = req.partition(";")
-            if marker and not Marker(marker).evaluate({"extra": ""}):
+        for text in dist.requires or []:
+            req = Requirement(text)
+            if req.marker and not req.marker.evaluate({"extra": extra}):
                 continue
-            todo.append(re.match(r"\s*([A-Za-z0-9_.\-]+)", spec).group(1))
+            todo += [(req.name, e) for e in ("", *sorted(req.extras))]
     return seen
 
 

@@ -24,6 +24,7 @@ import random
 
 import torch
 
+from .. import runtime
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
 
 ATOL = 1e-4
@@ -208,11 +209,12 @@ def paged_attention_step(fn, *, seed: int = 0, n_random: int = 4) -> int:
         args = step_layout(c["P"], c["lens"], c["seed"], c["heads"], c["kv_heads"], c["head_dim"])
         a = {**c, "args": args}
         want_k, want_v, want = expected_step(args)
-        k_pool, v_pool = args["k_pool"].clone(), args["v_pool"].clone()
-        got = call_learner(fn, args["q"].clone(), args["k"].clone(), args["v"].clone(), k_pool, v_pool,
-                           args["page_table"].clone(), args["rows"].clone(),
-                           args["positions"].clone(), args["scale"])
-        _check_pools(case.name, a, want_k, want_v, k_pool, v_pool)
+        # the case and the reference live on the CPU; the learner's step runs on the runtime's device
+        on = {name: args[name].to(runtime.DEVICE, copy=True) for name in
+              ("q", "k", "v", "k_pool", "v_pool", "page_table", "rows", "positions")}
+        got = call_learner(fn, on["q"], on["k"], on["v"], on["k_pool"], on["v_pool"],
+                           on["page_table"], on["rows"], on["positions"], args["scale"])
+        _check_pools(case.name, a, want_k, want_v, on["k_pool"].cpu(), on["v_pool"].cpu())
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
             raise CheckFailed(f"[{case.name}] return a tensor of shape {tuple(want.shape)} "

@@ -49,7 +49,11 @@ def invoke(fn, call: dict, accesses: list):
     try:
         with audited(audit) if audit is not None else contextlib.nullcontext(), (
                 torch.cuda.device(cuda[0]) if cuda else contextlib.nullcontext()):
-            ret = fn[grid](*args, **kwargs) if grid is not None else fn(*args, **kwargs)
+            if grid is not None:
+                fn[grid](*args, **kwargs)
+                ret = None  # a launch returns no result (compiled Triton hands back its kernel handle)
+            else:
+                ret = fn(*args, **kwargs)
             if cuda:
                 torch.cuda.synchronize()
         return ret
