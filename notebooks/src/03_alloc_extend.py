@@ -372,8 +372,9 @@ fig = before_after_figure(table_before, table, 4,
 plt.show()
 for r, n in enumerate(seq_b):  # every position mapped; each logical page in one physical page
     row = table[r, :n]
-    assert (row >= 0).all() and (row // 4 == row[(torch.arange(n) // 4) * 4] // 4).all()
-    assert (row % 4 == torch.arange(n) % 4).all()  # position t sits at offset t % P
+    pos = torch.arange(n, device=row.device)
+    assert (row >= 0).all() and (row // 4 == row[(pos // 4) * 4] // 4).all()
+    assert (row % 4 == pos % 4).all()  # position t sits at offset t % P
 print("each row maps exactly its seq_len positions; position t sits at offset t % 4 of its page")
 
 # %% [markdown]

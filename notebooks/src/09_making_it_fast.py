@@ -527,8 +527,9 @@ plt.show()
 # %% [markdown]
 # Read the picture against the two lines, one launch and one launch plus one sync. No public
 # call reaches the floor: besides its launch the allocator checks the arguments, counts pages
-# from the host copies and allocates the output, and that host work costs about as much as a
-# sync. What the host lengths buy is the *wait*: with them the call never stops for the GPU, so
+# from the host copies and allocates the output, and on small batches that host work, not the
+# GPU, sets the time of a call (compare the bars with the two lines). What the host lengths buy
+# is the *wait*: with them the call never stops for the GPU, so
 # a serving loop goes on preparing the next step while the kernel runs; without them it waits
 # once, for the page count it needs before it may hand out pages. The seed wrapper waits once
 # too, and its kernel recompiles per power of two and sums in O(bs²): its bars grow with the
