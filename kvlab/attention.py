@@ -11,7 +11,7 @@ Two operations the tiny model of :mod:`kvlab.engine` uses:
 
 Memory picture (one layer; the V pool has the same layout)::
 
-    page_table (int32)                 k_pool  [num_slots, heads, head_dim]
+    page_table (int32)                 k_pool  [num_slots, kv_heads, head_dim]
     row = table_idx, col = position    ┌──────────────────────────────┐
     ┌───┬───┬───┬───┬────┐             │ slot 0                       │
     │ 8 │ 9 │10 │11 │ 20 │ ──────────► │ ...                          │
@@ -29,64 +29,95 @@ from .args import is_int, next_pow2
 from .errors import InvalidArgument
 from .runtime import pick
 
-__all__ = ["check_paged_attention_inputs", "paged_decode_attention", "causal_attention"]
+__all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_decode_attention",
+           "causal_attention"]
 
 
 def check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens) -> None:
     """Every rule the kernel relies on, checked on the host before any launch.
 
-    Rules: ``q`` is ``[batch, heads, head_dim]``; pools are ``[num_slots, heads, head_dim]``;
-    ``table_idx`` names existing rows; ``1 <= seq_lens[b] <= page_table.shape[1]``; and every
-    entry ``page_table[table_idx[b], :seq_lens[b]]`` is a slot in ``[0, num_slots)`` (an
-    unmapped -1 or a stale slot would be read as K/V otherwise).
+    ``q`` is ``[batch, heads, head_dim]``; the pools are ``[num_slots, kv_heads, head_dim]``
+    with ``heads % kv_heads == 0``; ``table_idx`` names existing rows;
+    ``1 <= seq_lens[b] <= page_table.shape[1]``; every entry of
+    ``page_table[table_idx[b], :seq_lens[b]]`` is a slot in ``[0, num_slots)``.
     """
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table)):
+        if not isinstance(t, torch.Tensor):
+            raise InvalidArgument(name, "must be a torch.Tensor", f"got {type(t).__name__}")
     if q.dim() != 3:
         raise InvalidArgument("q", "shape [batch, heads, head_dim]", f"got {list(q.shape)}")
     batch, heads, head_dim = q.shape
-    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if pool.dim() != 3 or tuple(pool.shape[1:]) != (heads, head_dim):
-            raise InvalidArgument(name, f"shape [num_slots, {heads}, {head_dim}] (heads, head_dim of q)",
-                                  f"got {list(pool.shape)}")
-    if k_pool.shape != v_pool.shape:
+    if k_pool.dim() != 3 or k_pool.shape[2] != head_dim:
+        raise InvalidArgument("k_pool", f"shape [num_slots, kv_heads, {head_dim}] (head_dim of q)",
+                              f"got {list(k_pool.shape)}")
+    kv_heads = k_pool.shape[1]
+    if kv_heads == 0 or heads % kv_heads:
+        raise InvalidArgument("k_pool", f"kv_heads must divide the {heads} query heads "
+                              "(grouped-query attention)", f"got {kv_heads} K/V heads")
+    if v_pool.shape != k_pool.shape:
         raise InvalidArgument("v_pool", "same shape as k_pool",
                               f"{list(v_pool.shape)} vs {list(k_pool.shape)}")
-    if page_table.dim() != 2:
-        raise InvalidArgument("page_table", "2-D [rows, cols]", f"got {list(page_table.shape)}")
-    table_idx = torch.as_tensor(table_idx).flatten().cpu()
-    seq_lens = torch.as_tensor(seq_lens).flatten().cpu()
-    if table_idx.numel() != batch or seq_lens.numel() != batch:
-        raise InvalidArgument("table_idx/seq_lens", "one entry per query",
-                              f"batch {batch}, table_idx {table_idx.numel()}, seq_lens {seq_lens.numel()}")
+    if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
+        raise InvalidArgument("page_table", "a 2-D int32/int64 tensor [rows, cols]",
+                              f"got {page_table.dtype} {list(page_table.shape)}")
+    table_idx = torch.as_tensor(table_idx).flatten()
+    seq_lens = torch.as_tensor(seq_lens).flatten()
+    for name, t in (("table_idx", table_idx), ("seq_lens", seq_lens)):
+        if t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise InvalidArgument(name, "integers", f"got {t.dtype}")
+        if t.numel() != batch:
+            raise InvalidArgument(name, f"one entry per query (batch {batch})", f"got {t.numel()}")
+    if batch:
+        check_rows_mapped(page_table, table_idx, seq_lens, k_pool.shape[0])
+
+
+def check_rows_mapped(page_table, table_idx, seq_lens, num_slots: int) -> None:
+    """Rows exist, ``1 <= seq_lens[b] <= columns``, and every slot of
+    ``page_table[table_idx[b], :seq_lens[b]]`` is in ``[0, num_slots)`` (a few host syncs)."""
     rows, cols = page_table.shape
-    num_slots = k_pool.shape[0]
-    for b in range(batch):
-        row, n = int(table_idx[b]), int(seq_lens[b])
-        if not 0 <= row < rows:
-            raise InvalidArgument(f"table_idx[{b}]", f"0 <= row < {rows} (page_table rows)", f"got {row}")
-        if not 1 <= n <= cols:
-            raise InvalidArgument(f"seq_lens[{b}]", f"1 <= seq_len <= {cols} (page_table columns)",
-                                  f"got {n}")
-        slots = page_table[row, :n]
-        lo, hi = int(slots.min()), int(slots.max())
-        if lo < 0 or hi >= num_slots:
-            bad = int(((slots < 0) | (slots >= num_slots)).nonzero()[0])
-            raise InvalidArgument(
-                f"page_table[{row}, {bad}]", f"a mapped slot in [0, {num_slots}) for every position < seq_len",
-                f"request {b} has seq_len {n} but position {bad} holds {int(slots[bad])}")
+    table_idx = torch.as_tensor(table_idx).to(page_table.device, torch.int64).flatten()
+    seq_lens = torch.as_tensor(seq_lens).to(page_table.device, torch.int64).flatten()
+    bad_row = (table_idx < 0) | (table_idx >= rows)
+    if bool(bad_row.any()):
+        b = int(bad_row.nonzero()[0])
+        raise InvalidArgument(f"table_idx[{b}]", f"0 <= row < {rows} (page_table rows)",
+                              f"got {int(table_idx[b])}")
+    bad_len = (seq_lens < 1) | (seq_lens > cols)
+    if bool(bad_len.any()):
+        b = int(bad_len.nonzero()[0])
+        raise InvalidArgument(f"seq_lens[{b}]", f"1 <= seq_len <= {cols} (page_table columns)",
+                              f"got {int(seq_lens[b])}")
+    slots = page_table[table_idx]                                     # [batch, cols]
+    used = torch.arange(cols, device=slots.device)[None, :] < seq_lens[:, None]
+    bad = used & ((slots < 0) | (slots >= num_slots))
+    if bool(bad.any()):
+        b, t = (int(x) for x in bad.nonzero()[0])
+        row = int(table_idx[b])
+        raise InvalidArgument(
+            f"page_table[{row}, {t}]", f"a mapped slot in [0, {num_slots}) for every position < seq_len",
+            f"request {b} has seq_len {int(seq_lens[b])} but position {t} holds {int(slots[b, t])}")
 
 
 def paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens,
-                           scale: float | None = None, *, block_n: int | None = None) -> torch.Tensor:
+                           scale: float | None = None, *, block_n: int | None = None,
+                           check: bool = True) -> torch.Tensor:
     """Triton paged decode attention (one program per request and head), checked first.
 
     Same contract as the oracle :func:`kvlab.reference.paged_decode_attention_reference`. ``block_n`` (a power of two)
     is how many token columns a program reads per loop iteration; by default 32 on a GPU
     and 64 in the interpreter (fewer, wider iterations: the interpreter pays per operation).
+
+    Grouped-query attention (chapter 10): the pools may hold ``kv_heads`` heads for ``heads``
+    query heads (``heads % kv_heads == 0``); query head ``h`` reads K/V head
+    ``h // (heads // kv_heads)``. ``check=False`` skips the host checks, for a caller that
+    checked the same page table and lengths already (a serving loop checks once per step,
+    not once per layer).
     """
     from .kernels.attention import paged_decode_attention_kernel
 
     block_n = pick(cpu=64, gpu=32) if block_n is None else block_n
-    check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
+    if check:
+        check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
     if not is_int(block_n) or block_n < 1 or block_n & (block_n - 1):
         raise InvalidArgument("block_n", "a power of two", f"got {block_n!r}")
     batch, heads, head_dim = q.shape
@@ -105,6 +136,7 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
         out.stride(0), out.stride(1), head_dim,
         BLOCK_N=int(block_n), BLOCK_D=max(16, next_pow2(head_dim)),
+        KV_GROUP=heads // k_pool.shape[1],
     )
     return out
 

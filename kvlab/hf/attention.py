@@ -18,7 +18,8 @@ Shapes (one layer; GQA: ``heads = kv_heads * group``)::
 
 * :func:`paged_attention_reference` -- the obviously-right version (gather, repeat each K/V
   head for its group, softmax);
-* :func:`paged_decode_attention` -- the Triton kernel, behind host checks;
+* :func:`kvlab.attention.paged_decode_attention` -- chapter 08's Triton kernel behind its host
+  checks, which takes grouped-query attention (re-exported here);
 * :func:`paged_attention_step` -- one decode step of one layer for a batch: write the new K/V
   at the slots the page table names, then paged attention over ``[0, position]`` (the
   chapter's exercise, and what :class:`kvlab.hf.PagedGenerator` runs for every decode token);
@@ -31,81 +32,14 @@ import math
 
 import torch
 
+from ..attention import check_paged_attention_inputs, check_rows_mapped, paged_decode_attention
 from ..errors import InvalidArgument
 
-__all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_attention_reference", "paged_decode_attention",
-           "check_step_inputs", "paged_attention_step", "prefill_attention"]
+__all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_attention_reference",
+           "paged_decode_attention", "check_step_inputs", "paged_attention_step", "prefill_attention"]
 
 
-# --- host checks ------------------------------------------------------------------------
-
-
-def check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens) -> None:
-    """Every rule the kernel relies on, checked on the host before any launch.
-
-    ``q`` is ``[batch, heads, head_dim]``; the pools are ``[num_slots, kv_heads, head_dim]``
-    with ``heads % kv_heads == 0``; ``table_idx`` names existing rows;
-    ``1 <= seq_lens[b] <= page_table.shape[1]``; every entry of
-    ``page_table[table_idx[b], :seq_lens[b]]`` is a slot in ``[0, num_slots)``.
-    """
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table)):
-        if not isinstance(t, torch.Tensor):
-            raise InvalidArgument(name, "must be a torch.Tensor", f"got {type(t).__name__}")
-    if q.dim() != 3:
-        raise InvalidArgument("q", "shape [batch, heads, head_dim]", f"got {list(q.shape)}")
-    batch, heads, head_dim = q.shape
-    if k_pool.dim() != 3 or k_pool.shape[2] != head_dim:
-        raise InvalidArgument("k_pool", f"shape [num_slots, kv_heads, {head_dim}] (head_dim of q)",
-                              f"got {list(k_pool.shape)}")
-    kv_heads = k_pool.shape[1]
-    if kv_heads == 0 or heads % kv_heads:
-        raise InvalidArgument("k_pool", f"kv_heads must divide the {heads} query heads "
-                              "(grouped-query attention)", f"got {kv_heads} K/V heads")
-    if v_pool.shape != k_pool.shape:
-        raise InvalidArgument("v_pool", "same shape as k_pool",
-                              f"{list(v_pool.shape)} vs {list(k_pool.shape)}")
-    if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
-        raise InvalidArgument("page_table", "a 2-D int32/int64 tensor [rows, cols]",
-                              f"got {page_table.dtype} {list(page_table.shape)}")
-    table_idx = torch.as_tensor(table_idx).flatten()
-    seq_lens = torch.as_tensor(seq_lens).flatten()
-    for name, t in (("table_idx", table_idx), ("seq_lens", seq_lens)):
-        if t.dtype.is_floating_point or t.dtype == torch.bool:
-            raise InvalidArgument(name, "integers", f"got {t.dtype}")
-        if t.numel() != batch:
-            raise InvalidArgument(name, f"one entry per query (batch {batch})", f"got {t.numel()}")
-    if batch:
-        check_rows_mapped(page_table, table_idx, seq_lens, k_pool.shape[0])
-
-
-def check_rows_mapped(page_table, table_idx, seq_lens, num_slots: int) -> None:
-    """Rows exist, ``1 <= seq_lens[b] <= columns``, and every slot of
-    ``page_table[table_idx[b], :seq_lens[b]]`` is in ``[0, num_slots)`` (a few host syncs)."""
-    rows, cols = page_table.shape
-    table_idx = torch.as_tensor(table_idx).to(page_table.device, torch.int64).flatten()
-    seq_lens = torch.as_tensor(seq_lens).to(page_table.device, torch.int64).flatten()
-    bad_row = (table_idx < 0) | (table_idx >= rows)
-    if bool(bad_row.any()):
-        b = int(bad_row.nonzero()[0])
-        raise InvalidArgument(f"table_idx[{b}]", f"0 <= row < {rows} (page_table rows)",
-                              f"got {int(table_idx[b])}")
-    bad_len = (seq_lens < 1) | (seq_lens > cols)
-    if bool(bad_len.any()):
-        b = int(bad_len.nonzero()[0])
-        raise InvalidArgument(f"seq_lens[{b}]", f"1 <= seq_len <= {cols} (page_table columns)",
-                              f"got {int(seq_lens[b])}")
-    slots = page_table[table_idx]                                     # [batch, cols]
-    used = torch.arange(cols, device=slots.device)[None, :] < seq_lens[:, None]
-    bad = used & ((slots < 0) | (slots >= num_slots))
-    if bool(bad.any()):
-        b, t = (int(x) for x in bad.nonzero()[0])
-        row = int(table_idx[b])
-        raise InvalidArgument(
-            f"page_table[{row}, {t}]", f"a mapped slot in [0, {num_slots}) for every position < seq_len",
-            f"request {b} has seq_len {int(seq_lens[b])} but position {t} holds {int(slots[b, t])}")
-
-
-# --- the reference and the kernel --------------------------------------------------------
+# --- the reference ----------------------------------------------------------------------
 
 
 def paged_attention_reference(q, k_pool, v_pool, page_table, table_idx, seq_lens,
@@ -126,45 +60,6 @@ def paged_attention_reference(q, k_pool, v_pool, page_table, table_idx, seq_lens
         v = v_pool[slots].float().repeat_interleave(group, dim=1)
         weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b].float(), k) * scale, dim=-1)
         out[b] = torch.einsum("hn,nhd->hd", weights, v)
-    return out
-
-
-def paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens,
-                           scale: float | None = None, *, block_n: int | None = None,
-                           check: bool = True) -> torch.Tensor:
-    """The Triton paged decode attention, with grouped-query attention; checked first.
-
-    Same contract as :func:`paged_attention_reference` (float32 out). One program per
-    ``(request, query head)``; query head ``h`` reads K/V head ``h // group``. ``check=False``
-    skips the host checks, for a caller that has checked the same page table and lengths
-    already (the serving loop checks once per step, not once per layer).
-    """
-    from ..kernels.attention import paged_decode_attention_kernel
-    from ..runtime import pick
-
-    block_n = pick(cpu=64, gpu=32) if block_n is None else block_n
-    if check:
-        check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
-    if not isinstance(block_n, int) or block_n < 1 or block_n & (block_n - 1):
-        raise InvalidArgument("block_n", "a power of two", f"got {block_n}")
-    batch, heads, head_dim = q.shape
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    device = q.device
-    q = q.contiguous().float()
-    k_pool, v_pool = k_pool.contiguous(), v_pool.contiguous()
-    page_table = page_table.contiguous()
-    table_idx = torch.as_tensor(table_idx).to(device=device, dtype=torch.int64).contiguous()
-    seq_lens = torch.as_tensor(seq_lens).to(device=device, dtype=torch.int64).contiguous()
-    out = torch.empty((batch, heads, head_dim), dtype=torch.float32, device=device)
-    if batch == 0:
-        return out
-    paged_decode_attention_kernel[(batch, heads)](
-        q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
-        out.stride(0), out.stride(1), head_dim,
-        BLOCK_N=block_n, BLOCK_D=max(16, 1 << (head_dim - 1).bit_length()),
-        KV_GROUP=heads // k_pool.shape[1],
-    )
     return out
 
 

@@ -22,9 +22,9 @@ query has heads, and ``KV_GROUP`` consecutive query heads read the same K/V head
 
 ``KV_GROUP = 1`` (the default) is ordinary multi-head attention: one K/V head per query head.
 
-Every load is masked; the host (:func:`kvlab.attention.paged_decode_attention`, and
-:func:`kvlab.hf.paged_decode_attention` for GQA) checks before launch that rows, lengths and
-every slot the kernel will read are in range.
+Every load is masked; the host (:func:`kvlab.attention.paged_decode_attention`, which chapter
+10 also uses for GQA) checks before launch that rows, lengths and every slot the kernel will
+read are in range.
 """
 from __future__ import annotations
 
