@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime  # noqa: F401  (decides compiled vs interpreter before @triton.jit)
-from .core import Case, CheckFailed, call_learner, exercise, run_cases
+from .core import Case, CheckFailed, call_learner, exercise, looks_like, run_cases
 from .failures import Layout
 
 ATOL = 1e-4
@@ -110,14 +110,7 @@ def _diagnose(args, got) -> str:
         "it forgets the 1/sqrt(head_dim) scale":
             lambda: paged_attention_solution(q * math.sqrt(q.shape[-1]), k, v, table, rows, lens),
     }
-    for message, make in tries.items():
-        try:
-            wrong = make()
-        except Exception:  # noqa: BLE001 - a wrong variant may not even run on this input
-            continue
-        if wrong.shape == got.shape and torch.allclose(wrong, got, atol=ATOL):
-            return "\n  looks like " + message
-    return ""
+    return looks_like(got, tries, ATOL)
 
 
 @exercise(

@@ -25,7 +25,7 @@ import random
 import torch
 
 from .. import runtime
-from .core import Case, CheckFailed, call_learner, exercise, run_cases
+from .core import Case, CheckFailed, call_learner, exercise, looks_like, run_cases
 
 ATOL = 1e-4
 
@@ -175,14 +175,7 @@ def _diagnose_output(a: dict, want_k, want_v, got) -> str:
                 want_v.repeat(1, q.shape[1] // want_v.shape[1], 1), table, rows, positions + 1,
                 args["scale"]),
     }
-    for message, make in tries.items():
-        try:
-            wrong = make()
-        except Exception:  # noqa: BLE001 - a wrong variant may not even run on this input
-            continue
-        if wrong.shape == got.shape and torch.allclose(wrong, got, atol=ATOL):
-            return "\n  looks like " + message
-    return ""
+    return looks_like(got, tries, ATOL)
 
 
 @exercise(

@@ -272,3 +272,16 @@ def call_learner(fn: Callable[..., Any], *args, grid=None, layout: Layout | None
     if out.error is not None:
         raise out.error
     return out.value
+
+
+def looks_like(got: torch.Tensor, slips: dict[str, Callable[[], torch.Tensor]], atol: float) -> str:
+    """``"\n  looks like <slip>"`` for the first known slip whose output ``make()`` matches
+    ``got`` (within ``atol``), else ``""``: a checker names the mistake it recognises."""
+    for message, make in slips.items():
+        try:
+            wrong = make()
+        except Exception:  # noqa: BLE001 - a wrong variant may not even run on this input
+            continue
+        if wrong.shape == got.shape and torch.allclose(wrong, got, atol=atol):
+            return "\n  looks like " + message
+    return ""
