@@ -132,7 +132,7 @@ def bench_public_extend(case_list, page_sizes, smoke: bool, log=print) -> list[d
             pre_cpu, seq_cpu = torch.tensor(b.prefix_cpu), torch.tensor(b.seq_cpu)
             row = {"case": f"{bs}x{mean}", "bs": bs, "tokens": b.extend_num_tokens, "page_size": P,
                    "new_pages": b.num_new_pages, "paths": {}, "agree": True}
-            fns, resets, outs = {}, {}, {}
+            fns, resets = {}, {}
             lanes = next_pow2(b.extend_num_tokens)
             full = None
             for impl in ("fast", "teaching"):
@@ -158,12 +158,7 @@ def bench_public_extend(case_list, page_sizes, smoke: bool, log=print) -> list[d
                 resets["seed_wrapper"] = seed_reset
             else:
                 row["paths"]["seed_wrapper"] = {"skipped": f"its kernel would compile for {lanes} lanes"}
-            for name, fn in fns.items():
-                resets[name]()
-                outs[name] = fn()
-                resets[name]()
-                row["paths"][name] = {"syncs": count_syncs(fn)}
-            _loops_and_agreement(row, fns, resets, outs, smoke)
+            _measure_paths(row, fns, resets, smoke)
             log(f"public extend {row['case']:>9} P={P:<3} " + _summary(row))
             rows.append(row)
     return rows
@@ -176,7 +171,7 @@ def bench_public_decode(batches, page_sizes, smoke: bool, log=print) -> list[dic
             d = C.make_decode_batch(bs, P)
             seq_cpu = torch.tensor(d.seq_cpu)
             row = {"bs": bs, "page_size": P, "new_pages": d.num_new_pages, "paths": {}, "agree": True}
-            fns, resets, outs = {}, {}, {}
+            fns, resets = {}, {}
             for impl in ("fast", "teaching"):
                 alloc, full, reset = _pool(d.free_pages, d.num_new_pages, P, impl)
                 fns[impl] = lambda a=alloc: a.alloc_decode(d.seq_lens, d.last_loc)
@@ -190,18 +185,21 @@ def bench_public_decode(batches, page_sizes, smoke: bool, log=print) -> list[dic
 
             fns["seed_wrapper"] = lambda s=seed: s.alloc_decode(d.seq_lens, d.last_loc)
             resets["seed_wrapper"] = seed_reset
-            for name, fn in fns.items():
-                resets[name]()
-                outs[name] = fn()
-                resets[name]()
-                row["paths"][name] = {"syncs": count_syncs(fn)}
-            _loops_and_agreement(row, fns, resets, outs, smoke)
+            _measure_paths(row, fns, resets, smoke)
             log(f"public decode bs={bs:<5} P={P:<3} " + _summary(row))
             rows.append(row)
     return rows
 
 
-def _loops_and_agreement(row: dict, fns: dict, resets: dict, outs: dict, smoke: bool) -> None:
+def _measure_paths(row: dict, fns: dict, resets: dict, smoke: bool) -> None:
+    """Each path of a case: its output and syncs per call (from a fresh state), then the
+    interleaved loop timings, and whether every output agrees with the fast path's."""
+    outs = {}
+    for name, fn in fns.items():
+        resets[name]()
+        outs[name] = fn()
+        resets[name]()
+        row["paths"][name] = {"syncs": count_syncs(fn)}
     for name, entry in interleaved_loop_us(fns, smoke, resets=resets).items():
         row["paths"][name].update(entry)
     ref = outs["fast"]
