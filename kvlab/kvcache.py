@@ -14,13 +14,16 @@ in all layers::
 """
 from __future__ import annotations
 
+import random
+from typing import NamedTuple
+
 import torch
 
 from .args import check_int, check_int_vector
 from .errors import InvalidArgument
 from .runtime import default_device
 
-__all__ = ["KVPool"]
+__all__ = ["KVPool", "PagedLayout", "random_paged_layout"]
 
 
 class KVPool:
@@ -69,3 +72,49 @@ class KVPool:
         idx = out_loc.to(device=self.device, dtype=torch.int64)
         self.k[layer].index_copy_(0, idx, k.to(device=self.device, dtype=self.k.dtype))
         self.v[layer].index_copy_(0, idx, v.to(device=self.device, dtype=self.v.dtype))
+
+
+class PagedLayout(NamedTuple):
+    """One decode step's input to paged attention (unpacks in the kernels' argument order)."""
+
+    q: torch.Tensor           # [batch, heads, head_dim]   one new query per request
+    k_pool: torch.Tensor      # [num_slots, kv_heads, head_dim]
+    v_pool: torch.Tensor
+    page_table: torch.Tensor  # [batch + 1, cols] int32: request b in row table_idx[b], -1 unmapped
+    table_idx: torch.Tensor   # [batch]
+    seq_lens: torch.Tensor    # [batch]  request b attends to positions [0, seq_lens[b])
+
+
+def random_paged_layout(seed: int, page_size: int, seq_lens, *, heads: int = 2,
+                        kv_heads: int | None = None, head_dim: int = 16, spare_pages: int = 2,
+                        device=None) -> PagedLayout:
+    """A seeded pool of random K/V and a page table as an allocator leaves it after some churn:
+    each request's tokens on shuffled, disjoint pages, its row chosen at random (the tests,
+    the checkers and chapters 08 and 10 all draw their attention inputs from here).
+
+    ``kv_heads`` (default ``heads``) K/V heads, for grouped-query attention.
+    """
+    kv_heads = heads if kv_heads is None else kv_heads
+    seq_lens = [int(n) for n in seq_lens]
+    rng = random.Random(seed)
+    per_req = [-(-n // page_size) for n in seq_lens]
+    num_pages = sum(per_req) + spare_pages
+    pages = list(range(num_pages))
+    rng.shuffle(pages)
+    row_of = list(range(len(seq_lens) + 1))
+    rng.shuffle(row_of)
+    table = torch.full((len(seq_lens) + 1, max(per_req, default=1) * page_size), -1, dtype=torch.int32)
+    taken = 0
+    for b, n in enumerate(seq_lens):
+        mine = pages[taken:taken + per_req[b]]
+        taken += per_req[b]
+        table[row_of[b], :n] = torch.tensor([p * page_size + o for p in mine for o in range(page_size)][:n],
+                                            dtype=torch.int32)
+    gen = torch.Generator().manual_seed(seed)
+    k = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen)
+    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
+    device = default_device(device) if device is not None else torch.device("cpu")
+    return PagedLayout(q.to(device), k.to(device), v.to(device), table.to(device),
+                       torch.tensor(row_of[:len(seq_lens)], device=device),
+                       torch.tensor(seq_lens, device=device))

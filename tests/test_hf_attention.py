@@ -7,7 +7,6 @@ two. Bad input is refused before anything is launched or written. No transformer
 """
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
@@ -18,32 +17,15 @@ import kvlab
 from kvlab import InvalidArgument
 from kvlab.hf.attention import (paged_attention_reference, paged_attention_step,
                                 paged_decode_attention, prefill_attention)
+from kvlab.kvcache import random_paged_layout
 
 DEVICE = kvlab.DEVICE
 
 
 def layout(seed, page_size, seq_lens, heads=4, kv_heads=2, head_dim=16, spare_pages=2):
     """Random K/V; each request on shuffled, disjoint pages; rows in shuffled order."""
-    rng = random.Random(seed)
-    per_req = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(per_req) + spare_pages
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    rows = list(range(len(seq_lens) + 1))
-    rng.shuffle(rows)
-    table = torch.full((len(seq_lens) + 1, max(per_req) * page_size), -1, dtype=torch.int32)
-    taken = 0
-    for b, n in enumerate(seq_lens):
-        mine = pages[taken:taken + per_req[b]]
-        taken += per_req[b]
-        table[rows[b], :n] = torch.tensor([p * page_size + o for p in mine for o in range(page_size)][:n],
-                                          dtype=torch.int32)
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=g)
-    v = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=g)
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=g)
-    return (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), table.to(DEVICE),
-            torch.tensor(rows[:len(seq_lens)]), torch.tensor(seq_lens))
+    return random_paged_layout(seed, page_size, seq_lens, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, spare_pages=spare_pages, device=DEVICE)
 
 
 def repeated_heads_reference(q, k, v, table, rows, lens):

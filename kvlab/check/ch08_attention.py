@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from .. import runtime  # noqa: F401  (decides compiled vs interpreter before @triton.jit)
+from ..kvcache import random_paged_layout
 from .core import Case, CheckFailed, call_learner, exercise, looks_like, run_cases
 from .failures import Layout
 
@@ -58,24 +59,7 @@ def paged_attention_solution(q, k_pool, v_pool, page_table, table_idx, seq_lens)
 
 def _layout(P: int, lens: list[int], seed: int, heads: int = 2, head_dim: int = 8):
     """Random K/V, and rows mapping each request to shuffled, disjoint pages (rows shuffled too)."""
-    rng = random.Random(seed)
-    per_req = [-(-n // P) for n in lens]
-    num_pages = sum(per_req) + 2
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    rows = list(range(len(lens) + 1))
-    rng.shuffle(rows)
-    table = torch.full((len(lens) + 1, max(per_req) * P), -1, dtype=torch.int32)
-    taken = 0
-    for b, n in enumerate(lens):
-        mine = pages[taken:taken + per_req[b]]
-        taken += per_req[b]
-        table[rows[b], :n] = torch.tensor([p * P + o for p in mine for o in range(P)][:n], dtype=torch.int32)
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_pages * P, heads, head_dim, generator=g)
-    v = torch.randn(num_pages * P, heads, head_dim, generator=g)
-    q = torch.randn(len(lens), heads, head_dim, generator=g)
-    return q, k, v, table, torch.tensor(rows[:len(lens)]), torch.tensor(lens)
+    return tuple(random_paged_layout(seed, P, lens, heads=heads, head_dim=head_dim))
 
 
 def _cases(seed: int, n_random: int) -> list[Case]:

@@ -25,6 +25,7 @@ import random
 import torch
 
 from .. import runtime
+from ..kvcache import random_paged_layout
 from .core import Case, CheckFailed, call_learner, exercise, looks_like, run_cases
 
 ATOL = 1e-4
@@ -46,29 +47,14 @@ def step_layout(P: int, lens: list[int], seed: int, heads: int = 4, kv_heads: in
     """One decode step: request ``b`` has ``lens[b]`` tokens mapped in a shuffled row on
     shuffled pages; its last one (position ``lens[b] - 1``) is the new token, whose slot
     holds stale values until the step writes it. Returns the step's arguments (a dict)."""
-    rng = random.Random(seed)
-    per_req = [-(-n // P) for n in lens]
-    num_pages = sum(per_req) + 2
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    row_of = list(range(len(lens) + 1))
-    rng.shuffle(row_of)
-    table = torch.full((len(lens) + 1, max(per_req) * P), -1, dtype=torch.int32)
-    taken = 0
-    for b, n in enumerate(lens):
-        mine = pages[taken:taken + per_req[b]]
-        taken += per_req[b]
-        table[row_of[b], :n] = torch.tensor([p * P + o for p in mine for o in range(P)][:n],
-                                            dtype=torch.int32)
-    g = torch.Generator().manual_seed(seed)
+    layout = random_paged_layout(seed, P, lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    g = torch.Generator().manual_seed(seed + 1)  # the new tokens' K/V
     return dict(
-        q=torch.randn(len(lens), heads, head_dim, generator=g),
+        q=layout.q,
         k=torch.randn(len(lens), kv_heads, head_dim, generator=g),
         v=torch.randn(len(lens), kv_heads, head_dim, generator=g),
-        k_pool=torch.randn(num_pages * P, kv_heads, head_dim, generator=g),
-        v_pool=torch.randn(num_pages * P, kv_heads, head_dim, generator=g),
-        page_table=table, rows=torch.tensor(row_of[:len(lens)]),
-        positions=torch.tensor(lens) - 1, scale=1.0 / math.sqrt(head_dim))
+        k_pool=layout.k_pool, v_pool=layout.v_pool, page_table=layout.page_table,
+        rows=layout.table_idx, positions=layout.seq_lens - 1, scale=1.0 / math.sqrt(head_dim))
 
 
 def expected_step(a: dict):

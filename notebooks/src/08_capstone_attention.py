@@ -24,7 +24,7 @@ import kvlab
 from kvlab import CacheManager, InvalidArgument, Req
 from kvlab.attention import causal_attention, check_paged_attention_inputs, paged_decode_attention
 from kvlab.engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous
-from kvlab.kvcache import KVPool
+from kvlab.kvcache import KVPool, random_paged_layout
 from kvlab.reference import paged_decode_attention_reference
 from kvlab.scenes.ch08_attention import gather_figure, prefill_bars, shared_prompt_batches
 from kvlab.paging import new_page_table
@@ -294,26 +294,7 @@ attend = kvlab.check.choose("paged_attention_kernel", my_paged_attention, paged_
 
 def random_layout(seed, page_size, seq_lens, heads=2, head_dim=16):
     """Random K/V; each request's tokens on shuffled, disjoint pages; rows in shuffled order."""
-    rng = random.Random(seed)
-    per_req = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(per_req) + 2
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    row_of = list(range(len(seq_lens) + 1))
-    rng.shuffle(row_of)
-    table = torch.full((len(seq_lens) + 1, max(per_req) * page_size), -1, dtype=torch.int32)
-    taken = 0
-    for b, n in enumerate(seq_lens):
-        mine = pages[taken:taken + per_req[b]]
-        taken += per_req[b]
-        table[row_of[b], :n] = torch.tensor([p * page_size + o for p in mine for o in range(page_size)][:n],
-                                            dtype=torch.int32)
-    gen = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_pages * page_size, heads, head_dim, generator=gen)
-    v = torch.randn(num_pages * page_size, heads, head_dim, generator=gen)
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=gen)
-    return (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), table.to(DEVICE),
-            torch.tensor(row_of[:len(seq_lens)]), torch.tensor(seq_lens))
+    return random_paged_layout(seed, page_size, seq_lens, heads=heads, head_dim=head_dim, device=DEVICE)
 
 
 edge_cases = {

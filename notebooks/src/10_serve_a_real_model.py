@@ -135,29 +135,13 @@ print(f"{heads} query heads share {kv_heads} K/V heads: {heads // kv_heads} quer
 # %%
 import random
 
+from kvlab.kvcache import random_paged_layout
+
 
 def random_layout(seed, page_size, seq_lens, heads=4, kv_heads=2, head_dim=16):
     """Random K/V; each request on shuffled, disjoint pages; rows in shuffled order."""
-    rng = random.Random(seed)
-    per_req = [-(-n // page_size) for n in seq_lens]
-    num_pages = sum(per_req) + 2
-    pages = list(range(num_pages))
-    rng.shuffle(pages)
-    rows = list(range(len(seq_lens) + 1))
-    rng.shuffle(rows)
-    table = torch.full((len(seq_lens) + 1, max(per_req) * page_size), -1, dtype=torch.int32)
-    taken = 0
-    for b, n in enumerate(seq_lens):
-        mine = pages[taken:taken + per_req[b]]
-        taken += per_req[b]
-        table[rows[b], :n] = torch.tensor([p * page_size + o for p in mine for o in range(page_size)][:n],
-                                          dtype=torch.int32)
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=g)
-    v = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=g)
-    q = torch.randn(len(seq_lens), heads, head_dim, generator=g)
-    return (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), table.to(DEVICE),
-            torch.tensor(rows[:len(seq_lens)]), torch.tensor(seq_lens))
+    return random_paged_layout(seed, page_size, seq_lens, heads=heads, kv_heads=kv_heads,
+                               head_dim=head_dim, device=DEVICE)
 
 
 edge_cases = {                       # page size, lengths, query heads, K/V heads
