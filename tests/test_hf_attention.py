@@ -7,7 +7,6 @@ two. Bad input is refused before anything is launched or written. No transformer
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given
