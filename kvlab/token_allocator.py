@@ -39,6 +39,9 @@ Such a refusal is raised by the next call that reads the device: any call withou
 lengths, :meth:`free`, or :meth:`check_device_errors`; every allocation in between was
 refused too, and the allocator is rolled back to just before the refused call. On a CPU,
 where reading the device costs nothing, it is raised by the call itself (``eager_errors``).
+On a GPU ``ret_values`` (the kernels' packed report) lives in pinned host memory that the
+kernels write directly, so the one wait of a call without host lengths copies nothing; read it
+only after a call that waited (or ``torch.cuda.synchronize()``).
 
 ``impl`` picks the kernels: ``"fast"`` (chapter 09, the default; one compilation per page
 size, made in the constructor, serves every batch) or ``"teaching"`` (chapters 03-04; its
@@ -60,6 +63,7 @@ from .args import check_int, check_page_size, next_pow2
 from .errors import InvalidArgument, OutOfPages
 from .kernels import fast_alloc as K
 from .kernels.alloc_checks import STATUS_WORDS
+from .kernels.launch import launch_ready, raw_stream
 
 #: the implementations of the launch step: "fast" (chapter 09, the default) and "teaching"
 IMPLS: tuple[str, ...] = ("fast", "teaching")
@@ -117,18 +121,26 @@ class PagedTokenAllocator:
                                   f"got {self.device}")
         self.eager_errors = self.device.type == "cpu" if eager_errors is None else bool(eager_errors)
         i64 = dict(dtype=torch.int64, device=self.device)
-        self._free_list = torch.arange(num_pages, **i64)    # free pages: _free_list[_head:]
         self._head = 0
         self._page_free = torch.ones(num_pages, dtype=torch.int8, device=self.device)
         self._status = torch.zeros(STATUS_WORDS, **i64)   # refusals, for the host
-        self._scratch, self._scratch_words = torch.empty(0, **i64), 0
+        self._scratch, self._scratch_words, self._scratch_addr = torch.empty(0, **i64), 0, 0
         self._calls = 0
         self._extend_key, self._decode_key = K.int64_key(page_size, 4), K.int64_key(page_size, 3)
-        # the kernels' packed report: (new pages << 32) | new tokens; decode: new pages
-        self.ret_values = torch.zeros(1, **i64)
+        # The kernels' packed report: (new pages << 32) | new tokens; decode: new pages. On a GPU
+        # it lives in pinned host memory, which the kernel writes directly: after the one sync
+        # of a call without host lengths the host reads it with no copy (.item() would copy).
+        cuda = self.device.type == "cuda"
+        self.ret_values = torch.zeros(1, dtype=torch.int64, pin_memory=cuda) if cuda else torch.zeros(1, **i64)
+        self._report_host = self.ret_values.numpy() if cuda else None
+        self._stream_handle, self._stream = None, None
         #: seconds each kernel took to compile here (0.0: it came from Triton's cache, or the
         #: interpreter): after this, no call compiles
         self.compile_seconds = K.warm_up(page_size, self.device, fill=impl == "fast")
+        # the fused extend and the decode kernel, called through Triton's C launcher with
+        # addresses (None: the interpreter, or a Triton whose launcher kvlab does not know)
+        self._direct = K.direct_kernels(page_size, self.device) if impl == "fast" else None
+        self._set_free_list(torch.arange(num_pages, **i64))    # free pages: _free_list[_head:]
 
     # --- inspection (no device reads) -----------------------------------------------------
 
@@ -157,7 +169,7 @@ class PagedTokenAllocator:
             if lo < 0 or hi >= self.num_pages or distinct != pages.numel():
                 raise InvalidArgument("free_pages", f"distinct page ids in [0, {self.num_pages})",
                                       f"got min {lo}, max {hi}, {distinct} distinct of {pages.numel()}")
-        self._free_list, self._head = pages, 0
+        self._set_free_list(pages)
         self._page_free.zero_()
         self._page_free[pages] = 1
         self._status.zero_()
@@ -197,7 +209,15 @@ class PagedTokenAllocator:
         if self._scratch_words < words:  # grows, never shrinks: one allocation for many calls
             self._scratch_words = max(words, 2 * self._scratch_words)
             self._scratch = torch.empty(self._scratch_words, dtype=torch.int64, device=self.device)
+            self._scratch_addr = self._scratch.data_ptr()
         return self._scratch
+
+    def _set_free_list(self, pages: Tensor) -> None:
+        """A new free list (int64, contiguous), from its start; the kernels' addresses follow."""
+        self._free_list, self._head = pages, 0
+        # what the direct launches pass for free_pages, page_free, status and report
+        self._pool_addrs = (pages.data_ptr(), self._page_free.data_ptr(), self._status.data_ptr(),
+                            self.ret_values.data_ptr())
 
     # --- steps 2-3: the device's verdict, and refusals ---------------------------------------
 
@@ -225,7 +245,14 @@ class PagedTokenAllocator:
     def _settle(self, call_id: int) -> int:
         """The verdict of the call just launched: one word, one sync. The kernels write
         ``ret_values`` = ``(pages << 32) | tokens`` (decode: ``pages``), or -1 if refused."""
-        word = self.ret_values.item()
+        if self._report_host is None:
+            word = self.ret_values.item()
+        else:  # pinned host memory the kernel wrote: wait for the stream, then read it in place
+            handle = raw_stream(self.device.index)
+            if handle != self._stream_handle:  # (a Stream object per stream, not per call)
+                self._stream, self._stream_handle = torch.cuda.current_stream(self.device), handle
+            self._stream.synchronize()  # the one sync (torch's sync debug mode counts it)
+            word = int(self._report_host[0])
         if word < 0:
             self._raise_refusal(self._read_status(), call_id)
         return word if call_id & 1 else word >> 32
@@ -264,14 +291,23 @@ class PagedTokenAllocator:
             raise InvalidArgument("extend_num_tokens", f"next_power_of_2(extend_num_tokens) and "
                                   f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
                                   f"got {n_tokens} tokens, {bs} requests")
-        out = self.ret_values.new_empty(n_tokens)  # int64 on this device (no dtype/device to parse)
+        out = self._status.new_empty(n_tokens)  # int64 on this device (no dtype/device to parse)
         self._calls += 1
         call = 2 * self._calls  # even: an extend (the kind of call rides in the lowest bit)
         host_checks = (host.pages, 1, host.sum_pre, host.sum_seq) if host else (-1, 0, 0, 0)
         if self.impl == "fast":
-            K.launch_extend(pre, seq, last, self._free_list, self._page_free, self._status, self.ret_values,
-                            self._scratch_for(K.extend_scratch_words(bs, n_tokens)), out, bs, n_tokens, head,
-                            num_free, self.num_pages, *host_checks, call, 1, P, self._extend_key)
+            direct, programs = self._direct, K.fill_programs(n_tokens)
+            stream = launch_ready(direct.device) if direct and K.fused(bs, n_tokens) else None
+            if stream is not None:  # the hot path: the fused kernel, with addresses (same arguments)
+                self._scratch_for(programs * 2 * bs)
+                direct.extend(programs, stream, (pre.data_ptr(), seq.data_ptr(), last.data_ptr(),
+                              *self._pool_addrs, self._scratch_addr, out.data_ptr(), bs, n_tokens, head,
+                              num_free, self.num_pages, *host_checks, call, 1, K.search_steps(bs), P,
+                              K.EXTEND_BLOCK, K.BATCH_BLOCK))
+            else:
+                K.launch_extend(pre, seq, last, self._free_list, self._page_free, self._status, self.ret_values,
+                                self._scratch_for(K.extend_scratch_words(bs, n_tokens)), out, bs, n_tokens,
+                                head, num_free, self.num_pages, *host_checks, call, 1, P, self._extend_key)
             pages = self._settle(call) if host is None else host.pages
         else:
             checks = (bs, n_tokens, head, num_free, self.num_pages) + host_checks + (call, 1)
@@ -294,7 +330,7 @@ class PagedTokenAllocator:
             host = decode_counts(seq_lens_cpu, P, bs)
             if host.pages > num_free:
                 raise OutOfPages(host.pages, num_free, "decode step")  # before any launch
-        out = self.ret_values.new_empty(bs)
+        out = self._status.new_empty(bs)
         if bs == 0:
             return out
         if self.impl == "teaching" and next_pow2(bs) > _MAX_BLOCK:
@@ -305,8 +341,14 @@ class PagedTokenAllocator:
         checks = (bs, head, num_free, self.num_pages) + (
             (host.pages, 1, host.sum_seq) if host else (-1, 0, 0)) + (call, 1)
         if self.impl == "fast":
-            K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
-                            *checks, 1, P, self._decode_key)
+            direct = self._direct
+            stream = launch_ready(direct.device) if direct else None
+            if stream is not None:  # the hot path (see alloc_extend)
+                direct.decode(1, stream, (seq.data_ptr(), last.data_ptr(), *self._pool_addrs, out.data_ptr(),
+                                          *checks, 1, P, K.BATCH_BLOCK))
+            else:
+                K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
+                                *checks, 1, P, self._decode_key)
             pages = self._settle(call) if host is None else host.pages
         else:
             K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
@@ -373,5 +415,5 @@ class PagedTokenAllocator:
             raise InvalidArgument("indices", "free only pages that are allocated",
                                   f"page {free_page} (slots {free_page * P}..{(free_page + 1) * P - 1}) "
                                   "is already free")
-        self._free_list, self._head = torch.cat([self.free_pages, pages]), 0
+        self._set_free_list(torch.cat([self.free_pages, pages]))
         self._page_free[pages] = 1

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab import InvalidArgument, PagedTokenAllocator, alloc_checks
+from kvlab import InvalidArgument, PagedTokenAllocator, alloc_checks, token_allocator
 from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast
 from kvlab.kernels import fast_alloc as K
 from kvlab.kernels import launch
@@ -117,15 +117,21 @@ def device_reads(monkeypatch):
 
     def guard(name, method):
         def wrapper(self, *args, **kwargs):
-            if self.data_ptr() not in host_ptrs:
+            if self.data_ptr() not in host_ptrs and not self.is_pinned():  # (pinned: host memory)
                 reads.append(name)
             return method(self, *args, **kwargs)
         return wrapper
 
     for name in _READS:
         monkeypatch.setattr(torch.Tensor, name, guard(name, getattr(torch.Tensor, name)))
+    if torch.cuda.is_available():  # on a GPU the allocator waits for its stream, then reads pinned memory
+        wait = torch.cuda.Stream.synchronize
+        monkeypatch.setattr(torch.cuda.Stream, "synchronize",
+                            lambda self: (reads.append("synchronize"), wait(self))[1])
     for name in ("launch_extend", "launch_decode", "launch_extend_check", "launch_extend_fill"):
         monkeypatch.setattr(K, name, lambda *a, _n=name, **k: launches.append(_n))
+    # on a GPU the allocator's hot path calls Triton's C launcher directly: send it the same way
+    monkeypatch.setattr(token_allocator, "launch_ready", lambda device: None)
 
     def host(values):
         copy = torch.tensor(values, dtype=torch.int64)
@@ -151,7 +157,7 @@ def test_host_lengths_path_reads_nothing_back(device_reads, bs):
     assert reads == []
     # the guard sees a read when there is one: without host lengths the call reads its page count
     alloc.alloc_decode(t([7] * bs), t([5] * bs))
-    assert reads == ["item"]
+    assert reads == (["item"] if alloc._report_host is None else ["synchronize"])
 
 
 # --- the launcher: compiled kernel kept, device / stream / hooks asked for on every call -------
@@ -229,3 +235,46 @@ def test_launcher_keeps_the_kernel_but_asks_for_device_stream_and_hooks_each_cal
     assert launcher.warmup((1,), (0,), ("other",)) >= 0 and log[-1][0] == "warmup"
     launcher((5,), (11,), ("other",))
     assert log[-1] == ("run", (5, 1, 1, 200), (11,))
+
+
+class _FakeRun:
+    """What c_entry reads of a compiled kernel's launcher (``compiled.run``)."""
+
+    def __init__(self, launch_fn, **attrs):
+        self.launch, self.launch_cooperative_grid, self.launch_pdl = launch_fn, False, False
+        self.global_scratch_size = self.profile_scratch_size = 0
+        self.__dict__.update(attrs)
+
+
+class _FakeCompiledForEntry:
+    def __init__(self, run):
+        self.run, self.function, self.packed_metadata = run, 77, (4, 1, 0)
+
+
+def test_c_entries_call_each_tritons_launcher_in_its_own_order():
+    """The argument order of each known launcher (read from that Triton's driver.py)."""
+    seen = []
+    record = lambda *a: seen.append(a)  # noqa: E731
+    launch._entry_triton36(_FakeRun(record), 77, (4, 1, 0))(5, 123, ("p", 9))
+    assert seen[-1] == (5, 1, 1, 123, 77, False, False, None, None, (4, 1, 0), None, None, None, "p", 9)
+    launch._entry_triton37(_FakeRun(record, arg_annotations="ann", kernel_signature=b"sig"), 77, (4, 1, 0))(
+        5, 123, ("p", 9))
+    assert seen[-1] == (5, 1, 1, 123, 77, False, False, (4, 1, 0), None, None, None, None, None, "ann", b"sig",
+                        ("p", 9))
+
+
+def test_c_entry_only_where_the_launcher_is_known(monkeypatch):
+    builtin = len  # a C function, as Triton's launchers are
+    compiled = _FakeCompiledForEntry(_FakeRun(builtin))
+    monkeypatch.setattr(launch, "TRITON_VERSION", (3, 6))
+    assert launch.c_entry(compiled) is not None
+    for attrs in ({"global_scratch_size": 64}, {"profile_scratch_size": 8}, {"gsan_enabled": True}):
+        assert launch.c_entry(_FakeCompiledForEntry(_FakeRun(builtin, **attrs))) is None  # buffers to allocate
+    assert launch.c_entry(_FakeCompiledForEntry(_FakeRun(lambda *a: None))) is None  # a Python wrapper
+    monkeypatch.setattr(launch, "TRITON_VERSION", (3, 8))
+    assert launch.c_entry(compiled) is None  # 3.7+ launchers take annotations: this one has none
+    assert launch.c_entry(_FakeCompiledForEntry(_FakeRun(builtin, arg_annotations=(), kernel_signature=b""))) \
+        is not None
+    monkeypatch.setattr(launch, "TRITON_VERSION", (4, 0))  # a Triton nobody has read: its own wrapper
+    assert launch.c_entry(compiled) is None
+    assert launch._version("3.10.0rc1") == (3, 10) and launch._version("3.6.0+git1") == (3, 6)

@@ -589,3 +589,57 @@ def test_no_call_after_construction_compiles():
     alloc.check_device_errors()
     assert [len(k.compiled_keys) for k in launchers] == compiled
     assert [sum(len(c[0]) for c in k.kernel.device_caches.values()) for k in launchers] == jit_cache
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("P", [1, 16])
+def test_direct_launch_gives_what_the_launcher_gives(P):
+    """The hot path (Triton's C launcher called directly, pointers as addresses) and the
+    ordinary launch give the same slots and leave the same state, call after call; a launch
+    hook (a profiler) sends calls back through Triton's own launcher."""
+    import random
+
+    from kvlab.kernels import launch
+
+    allocs = [PagedTokenAllocator(1 << 12, P) for _ in range(2)]
+    if launch.TRITON_VERSION in launch.C_ENTRIES:
+        assert allocs[0]._direct is not None  # the Tritons kvlab knows take the hot path
+    allocs[1]._direct = None
+    assert allocs[0].ret_values.is_pinned()
+    rng = random.Random(P)
+    lens = [0] * 40
+    lasts = [[-1] * 40 for _ in allocs]
+    for step in range(12):
+        bs = rng.choice([1, 7, 40])
+        pre = lens[:bs]
+        seq = [p + rng.randrange(0, 3 * P + 2) for p in pre] if step % 3 else [p + 1 for p in pre]
+        outs = []
+        for a, last in zip(allocs, lasts):
+            if step % 3:
+                host = dict(prefix_lens_cpu=torch.tensor(pre), seq_lens_cpu=torch.tensor(seq)) if step % 2 else {}
+                out = a.alloc_extend(t(pre), t(seq), t(last[:bs]), sum(seq) - sum(pre), **host)
+                ends = torch.tensor(seq) - torch.tensor(pre)
+                for r in range(bs):
+                    if ends[r] > 0:
+                        last[r] = int(out[int(ends[:r + 1].sum()) - 1])
+            else:
+                out = a.alloc_decode(t(seq), t(last[:bs]), **({"seq_lens_cpu": seq} if step % 2 else {}))
+                last[:bs] = out.tolist()
+            outs.append(out.tolist())
+        assert outs[0] == outs[1]
+        assert allocs[0].free_pages.tolist() == allocs[1].free_pages.tolist()
+        assert allocs[0].ret_values.item() == allocs[1].ret_values.item()
+        lens[:bs] = seq
+    for a in allocs:
+        a.check_device_errors()
+    knobs = launch._KNOBS
+    if knobs is not None and hasattr(getattr(knobs, "launch_enter_hook", None), "add"):
+        seen = []
+        hook = lambda *a: seen.append(1)  # noqa: E731
+        knobs.launch_enter_hook.add(hook)
+        try:
+            assert launch.launch_ready(allocs[0].device.index) is None
+            allocs[0].alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu=[3])
+        finally:
+            knobs.launch_enter_hook.remove(hook)
+        assert seen  # the profiler saw the launch

@@ -40,6 +40,8 @@ The checks inside the kernels' own pass are in :mod:`kvlab.kernels.alloc_checks`
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -47,7 +49,7 @@ import triton.language as tl
 from .. import runtime  # noqa: F401  (decides compiled vs interpreter before @triton.jit)
 from .alloc_checks import (NONE_BAD, bad_request, check_and_scan, checksum_weight, decode_lane_code,
                            first_bad_key, record, verdict)
-from .launch import Launcher, jit_options
+from .launch import Entry, Launcher, jit_options
 
 #: Output tokens one fill program writes (a power of two; lanes of one vector).
 EXTEND_BLOCK = 1024
@@ -283,6 +285,11 @@ def int64_key(page_size: int, n: int) -> tuple:
     return (page_size,) + (torch.int64,) * n
 
 
+def search_steps(bs: int) -> int:
+    """Steps of the fill's binary search over ``bs`` requests' token starts."""
+    return (bs - 1).bit_length() or 1
+
+
 def fill_programs(num_tokens: int) -> int:
     """Fill programs of an extend of ``num_tokens`` (at least one: the checks always run)."""
     return (num_tokens + EXTEND_BLOCK - 1) // EXTEND_BLOCK or 1  # ceil division in plain ints
@@ -314,7 +321,7 @@ def launch_extend(prefix_lens, seq_lens, last_loc, free_pages, page_free, status
     if bs <= FUSED_MAX_BATCH and programs * bs <= FUSED_MAX_SCANS:
         _FUSED((programs,), (prefix_lens, seq_lens, last_loc, free_pages, page_free, status, report, scratch,
                              out, bs, num_tokens, free_head, num_free, pool_pages, host_pages, host_copies,
-                             host_sum_pre, host_sum_seq, call_id, sticky, (bs - 1).bit_length() or 1,
+                             host_sum_pre, host_sum_seq, call_id, sticky, search_steps(bs),
                              page_size, EXTEND_BLOCK, BATCH_BLOCK), key)
         return
     launch_extend_check(prefix_lens, seq_lens, last_loc, page_free, status, report, scratch, bs, num_tokens,
@@ -343,7 +350,7 @@ def launch_extend_fill(prefix_lens, last_loc, free_pages, page_free, scratch, ou
         return
     _FILL((fill_programs(num_tokens),),
           (prefix_lens, last_loc, free_pages, page_free, scratch, out, bs, num_tokens, free_head,
-           num_free, pool_pages, max(1, (bs - 1).bit_length()), page_size, EXTEND_BLOCK),
+           num_free, pool_pages, search_steps(bs), page_size, EXTEND_BLOCK),
           _key(page_size, prefix_lens, last_loc, free_pages))
 
 
@@ -356,6 +363,27 @@ def launch_decode(seq_lens, last_loc, free_pages, page_free, status, report, out
                    num_free, pool_pages, host_pages, host_copies, host_sum_seq, call_id, sticky,
                    write_out, page_size, BATCH_BLOCK),
             key if key is not None else _key(page_size, seq_lens, last_loc, free_pages))
+
+
+class DirectKernels(NamedTuple):
+    """The allocator's two hot kernels, compiled for one CUDA device, as C entries
+    (:data:`kvlab.kernels.launch.Entry`): ``entry(programs, stream, args)`` with ``args`` the
+    kernel's parameters in signature order, pointers as tensors or addresses. Launch only after
+    :func:`kvlab.kernels.launch.launch_ready` gives the stream."""
+
+    device: int
+    extend: Entry    # extend_fused_kernel (int64 inputs): batches where fused(bs, tokens)
+    decode: Entry    # decode_fast_kernel (int64 inputs)
+
+
+def direct_kernels(page_size: int, device: torch.device) -> DirectKernels | None:
+    """The :class:`DirectKernels` of ``page_size`` on ``device`` after :func:`warm_up`, or None
+    (the interpreter, another device type, a Triton whose launcher kvlab does not know)."""
+    if device.type != "cuda":
+        return None
+    extend = _FUSED.entry_for(device.index, int64_key(page_size, 4))
+    decode = _DECODE.entry_for(device.index, int64_key(page_size, 3))
+    return DirectKernels(device.index, extend, decode) if extend and decode else None
 
 
 def warm_up(page_size: int, device: torch.device, fill: bool = True) -> dict[str, float]:

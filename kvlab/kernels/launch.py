@@ -10,12 +10,20 @@ an already compiled kernel::
 
     first call, per key:   kernel[grid](*args)  ->  compiles (or loads from the cache),
                            launches, returns the CompiledKernel  ->  kept under `key`
-    later calls:           compiled.run(grid, stream, ..., *args)   (launch only)
+    later calls:           the compiled kernel's C launcher, called directly   (launch only)
 
 A later call asks what may change between calls, as ``compiled[grid]`` would: the current
 device (part of the key) and stream from Triton's driver, and whether a launch hook (a
 profiler) is installed, in which case it goes through ``compiled[grid](*args)``. What cannot
 change once a kernel is loaded (its launcher, function handle and metadata) is kept with it.
+
+The compiled kernel's launcher (``compiled.run``) is a Python object around a C function; its
+``__call__`` only adds scratch buffers these kernels do not use. Where kvlab knows how that C
+function is called in the installed Triton (:data:`C_ENTRIES`, read from each version's
+``backends/nvidia/driver.py``), it is called directly; a pointer argument may then be a tensor
+or a plain address (``tensor.data_ptr()``): an address skips the ``data_ptr()`` call and the
+driver query (is this a device pointer?) the C launcher makes for a tensor, about a third of
+a microsecond each. The caller vouches that an address is of a tensor on the right device.
 
 The key is what the caller knows to change the compiled code: the device, the tensors'
 dtypes, the constexprs. In the interpreter, or where Triton cannot skip alignment
@@ -24,8 +32,11 @@ specialisation, every call takes the ordinary path.
 from __future__ import annotations
 
 import inspect
-from typing import NamedTuple, Sequence
+import re
+import types
+from typing import Callable, NamedTuple, Sequence
 
+import torch
 import triton
 
 from .. import runtime
@@ -71,6 +82,81 @@ def _no_launch_hooks() -> bool:
     return _KNOBS is not None and _no_hook(_KNOBS.launch_enter_hook) and _no_hook(_KNOBS.launch_exit_hook)
 
 
+#: ``entry(programs, stream, args)``: a compiled kernel launched on a 1-D grid, no hooks
+Entry = Callable[[int, int, tuple], None]
+
+
+def _entry_triton36(run, function, metadata) -> Entry:
+    # triton 3.6: launch(gx, gy, gz, stream, function, cooperative, pdl, global_scratch,
+    #                    profile_scratch, packed_metadata, launch_metadata, enter_hook, exit_hook, *args)
+    launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+
+    def entry(programs: int, stream: int, args: tuple) -> None:
+        launch(programs, 1, 1, stream, function, coop, pdl, None, None, metadata, None, None, None, *args)
+    return entry
+
+
+def _entry_triton37(run, function, metadata) -> Entry:
+    # triton 3.7-3.9: launch(gx, gy, gz, stream, function, cooperative, pdl, packed_metadata,
+    #                        launch_metadata, enter_hook, exit_hook, global_scratch, profile_scratch,
+    #                        arg_annotations, kernel_signature, args)
+    launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+    annotations, signature = run.arg_annotations, run.kernel_signature
+
+    def entry(programs: int, stream: int, args: tuple) -> None:
+        launch(programs, 1, 1, stream, function, coop, pdl, metadata, None, None, None, None, None,
+               annotations, signature, args)
+    return entry
+
+
+#: How the C launcher of a compiled kernel is called, per Triton (major, minor): the versions
+#: whose ``driver.py`` kvlab has read. Any other takes ``compiled.run``, Triton's own wrapper.
+C_ENTRIES: dict[tuple[int, int], Callable[..., Entry]] = {
+    (3, 6): _entry_triton36, (3, 7): _entry_triton37, (3, 8): _entry_triton37, (3, 9): _entry_triton37}
+
+
+def _version(text: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", text)
+    return (int(match[1]), int(match[2])) if match else (0, 0)
+
+
+TRITON_VERSION: tuple[int, int] = _version(triton.__version__)
+
+
+def c_entry(compiled) -> Entry | None:
+    """The compiled kernel's C launcher as an :data:`Entry`, or None where kvlab does not know
+    how to call it here (another Triton, scratch buffers to allocate, a sanitizer, a wrapper)."""
+    make = C_ENTRIES.get(TRITON_VERSION)
+    run = getattr(compiled, "run", None)
+    launch = getattr(run, "launch", None)
+    if make is None or not isinstance(launch, types.BuiltinFunctionType):
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) \
+            or getattr(run, "gsan_enabled", False):
+        return None
+    if make is _entry_triton37 and not hasattr(run, "arg_annotations"):
+        return None
+    return make(run, compiled.function, compiled.packed_metadata)
+
+
+def launch_ready(device: int) -> int | None:
+    """The current stream of CUDA device ``device`` if a kept kernel may be launched there right
+    now through its :data:`Entry` (the device is current, no launch hook is installed), else None.
+    (``torch._C`` directly: Triton's CUDA driver asks torch for both, through Python wrappers.)"""
+    if _get_device() != device or not _no_launch_hooks():
+        return None
+    return _get_stream(device)
+
+
+_get_device = getattr(torch._C, "_cuda_getDevice", lambda: -1)
+_get_stream = getattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 0)
+
+
+def raw_stream(device: int) -> int:
+    """The handle of CUDA device ``device``'s current stream (what a launch goes to)."""
+    return _get_stream(device)
+
+
 class _Kept(NamedTuple):
     """A compiled kernel and what launching it reads, looked up once instead of per call."""
 
@@ -80,6 +166,7 @@ class _Kept(NamedTuple):
     run: object        # the compiled kernel's launcher (``compiled.run``)
     function: object
     metadata: object
+    entry: Entry | None  # its C launcher, called directly (None: go through ``run``)
 
 
 class Launcher:
@@ -101,7 +188,8 @@ class Launcher:
         if hasattr(compiled, "result"):  # a future, under Triton's async compile mode
             compiled = compiled.result()
         compiled._init_handles()  # loaded onto the device: ``run`` and ``function`` are final
-        kept = _Kept(device, key, compiled, compiled.run, compiled.function, compiled.packed_metadata)
+        kept = _Kept(device, key, compiled, compiled.run, compiled.function, compiled.packed_metadata,
+                     c_entry(compiled))
         self._compiled[(device, key)] = kept
         return kept
 
@@ -120,8 +208,11 @@ class Launcher:
             self._last = kept
         if _no_launch_hooks():
             # what the compiled kernel's own launcher does, minus the hook metadata nobody reads
-            kept.run(grid[0], 1, 1, driver.get_current_stream(device), kept.function, kept.metadata,
-                     None, None, None, *args)
+            if kept.entry is not None:
+                kept.entry(grid[0], driver.get_current_stream(device), args)
+            else:
+                kept.run(grid[0], 1, 1, driver.get_current_stream(device), kept.function, kept.metadata,
+                         None, None, None, *args)
         else:
             kept.compiled[grid + (1,) * (3 - len(grid))](*args)  # a compiled kernel takes a 3-D grid
 
@@ -137,6 +228,13 @@ class Launcher:
         t0 = time.perf_counter()
         self._keep(full_key[0], key, self.kernel.warmup(*args, grid=grid))  # the first launch only launches
         return time.perf_counter() - t0
+
+    def entry_for(self, device: int, key: tuple = ()) -> Entry | None:
+        """The C entry of the kernel kept for ``(device, key)`` (after :meth:`warmup` or a first
+        launch), or None. Launching through it is the caller's job: the device must be current,
+        :func:`launch_ready` must say so, and the stream must be the current one."""
+        kept = self._compiled.get((device, key)) if self.direct else None
+        return None if kept is None else kept.entry
 
     @property
     def compiled_keys(self) -> list:
