@@ -26,6 +26,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import native_counts
 from .args import check_int
 from .errors import InvalidArgument, OutOfPages
 from .kernels.alloc_checks import MIX, STATUS_FIELDS, Refusal
@@ -103,16 +104,56 @@ def host_lengths(name: str, values, bs: int | None = None) -> np.ndarray:
 
 
 _WEIGHTS = np.zeros(0, dtype=np.int64)
+_WEIGHTS_AT = (_WEIGHTS, 0)  # the array and its address, replaced together (for the C helper)
 
 
 def checksum_weights(n: int) -> np.ndarray:
     """``w[i] = h ^ (h >> 29)`` with ``h = (i + 1) * MIX`` in wrapping int64: the weights the
     kernels use to compare host copies with device tensors (``sum(x * w)``, wrapping)."""
-    global _WEIGHTS
+    global _WEIGHTS, _WEIGHTS_AT
     if len(_WEIGHTS) < n:
         h = np.arange(1, max(n, 2 * len(_WEIGHTS)) + 1, dtype=np.int64) * np.int64(MIX)
         _WEIGHTS = h ^ (h >> 29)
+        _WEIGHTS_AT = (_WEIGHTS, _WEIGHTS.ctypes.data)
     return _WEIGHTS[:n]
+
+
+def _weights_at(n: int) -> tuple[np.ndarray, int]:
+    """At least ``n`` checksum weights and their address (the caller keeps the array while it
+    uses the address: a concurrent call may replace the module's copy)."""
+    kept = _WEIGHTS_AT
+    if len(kept[0]) < n:
+        checksum_weights(n)
+        kept = _WEIGHTS_AT
+    return kept
+
+
+def _native_extend(pre, seq, page_size: int, bs: int | None) -> HostCounts | None:
+    """:func:`extend_counts` in C, for what the helper reads: contiguous 1-D int64 CPU tensors
+    (of ``bs``), P a power of two, every rule kept; else None (the NumPy code judges)."""
+    if not (type(pre) is type(seq) is torch.Tensor and pre.dtype is seq.dtype is torch.int64
+            and pre.is_cpu and seq.is_cpu and pre.dim() == 1 and pre.shape == seq.shape
+            and pre.is_contiguous() and seq.is_contiguous() and page_size & (page_size - 1) == 0):
+        return None
+    n = pre.shape[0]
+    if bs is not None and n != bs:
+        return None
+    weights, at = _weights_at(n)
+    counts = native_counts.extend(pre.data_ptr(), seq.data_ptr(), at, n, page_size.bit_length() - 1)
+    return None if counts is None else HostCounts(*counts)
+
+
+def _native_decode(seq, page_size: int, bs: int | None) -> HostCounts | None:
+    """:func:`decode_counts` in C (see :func:`_native_extend`), else None."""
+    if not (type(seq) is torch.Tensor and seq.dtype is torch.int64 and seq.is_cpu and seq.dim() == 1
+            and seq.is_contiguous() and page_size & (page_size - 1) == 0):
+        return None
+    n = seq.shape[0]
+    if bs is not None and n != bs:
+        return None
+    weights, at = _weights_at(n)
+    counts = native_counts.decode(seq.data_ptr(), at, n, page_size.bit_length() - 1)
+    return None if counts is None else HostCounts(n, counts[0], 0, counts[1])
 
 
 class HostCounts(NamedTuple):
@@ -202,6 +243,9 @@ def extend_counts(prefix_lens_cpu, seq_lens_cpu, page_size: int, bs: int | None 
     block (min, checksums, ceil, sums); the request that breaks a rule is looked for only
     once a rule is known to be broken.
     """
+    counts = _native_extend(prefix_lens_cpu, seq_lens_cpu, page_size, bs)  # CPU tensors, in C
+    if counts is not None:
+        return counts
     pre = _int64_lengths(prefix_lens_cpu, bs)
     seq = None if pre is None else _int64_lengths(seq_lens_cpu, len(pre))
     if type(seq) is list or type(seq) is tuple:  # (then so is pre: same length)
@@ -244,6 +288,9 @@ def _decode_pages_small(seq: list, page_size: int) -> int:
 
 def decode_counts(seq_lens_cpu, page_size: int, bs: int | None = None) -> HostCounts:
     """New pages and checksum of a decode step (``seq >= 1``): ``#{r : (seq_r - 1) % P == 0}``."""
+    counts = _native_decode(seq_lens_cpu, page_size, bs)  # a CPU tensor, in C
+    if counts is not None:
+        return counts
     seq = _int64_lengths(seq_lens_cpu, bs)
     if (type(seq) is list or type(seq) is tuple) and (not seq or min(seq) >= 1):
         return HostCounts(len(seq), _decode_pages_small(seq, page_size), 0,

@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from . import runtime  # first: decides compiled Triton vs the interpreter
+from . import native_counts
 import triton.language as tl  # noqa: E402,I001
 from .alloc_checks import (DeviceReport, check_count, check_devices, check_index_tensor, decode_counts,
                            extend_counts, refusal_error, same_device)
@@ -137,6 +138,7 @@ class PagedTokenAllocator:
         #: seconds each kernel took to compile here (0.0: it came from Triton's cache, or the
         #: interpreter): after this, no call compiles
         self.compile_seconds = K.warm_up(page_size, self.device, fill=impl == "fast")
+        native_counts.load()  # the host counts' C helper: built once per machine, loaded here
         # the fused extend and the decode kernel, called through Triton's C launcher with
         # addresses (None: the interpreter, or a Triton whose launcher kvlab does not know)
         self._direct = K.direct_kernels(page_size, self.device) if impl == "fast" else None
