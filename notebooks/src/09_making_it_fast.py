@@ -500,11 +500,19 @@ print("the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 #   nothing. `kernel[grid](...)` binds every argument and looks the compiled kernel up on every
 #   call; the allocator keeps the compiled kernel and launches it directly
 #   (`kvlab.kernels.launch.Launcher`), which is allowed because its kernels compile once for
-#   every batch (integers typed `tl.int64`, no value or alignment specialisation);
+#   every batch (integers typed `tl.int64`, no value or alignment specialisation). On its hot
+#   path it goes one step further: it calls the compiled kernel's C launcher itself (skipping
+#   the Python object around it) and passes its pointers as addresses, because for a tensor the
+#   launcher calls `data_ptr()` and asks the CUDA driver whether the address is a device
+#   pointer, a third of a microsecond per pointer, nine pointers per launch;
 # - **syncs**: `.item()`, `int(tensor)`, `.tolist()`, `if tensor.any():` on a GPU tensor make
 #   the host wait until the GPU has finished everything queued, then copy the answer back. The
 #   host cannot queue the next launch meanwhile, so the two stop overlapping;
-# - **the host's own work**: checks, counting pages, allocating the output.
+# - **the host's own work**: checks, counting pages, allocating the output. Counting is the
+#   surprise: in NumPy it takes about ten calls, and a NumPy call costs about a microsecond of
+#   dispatch whatever the batch size, so counting 64 requests cost more than the launch. The
+#   same pass as one C loop is one call (`kvlab.native_counts`, built once per machine with
+#   the C compiler Triton uses for its own launchers; NumPy does it where there is none).
 #
 # The saved H200 run times each public call side by side with the seed wrapper (the source
 # design's host code: one launch, `ret_values.item()`, the slice) and with the floor:
@@ -546,13 +554,20 @@ plt.show()
 # KV into another's page. So the checks stay, and move to where they cost nothing:
 #
 # - rules on the lengths run on the **host copies** the scheduler already has
-#   (`prefix_lens_cpu=`, `seq_lens_cpu=`), a few NumPy operations over the whole batch;
+#   (`prefix_lens_cpu=`, `seq_lens_cpu=`), one pass over the whole batch (in C, or a few NumPy
+#   operations);
 # - rules that need device data (`last_loc` on an allocated page, host copies equal to the
 #   device tensors, via a checksum) run **inside the kernel's own pass**: every program checks
 #   the whole batch before it writes anything and reaches the same verdict; a refused batch gets
 #   slots of -1 and takes no page. The refusal is recorded on the device and raised by the next
 #   call that reads the device anyway (a call without host lengths, `free`,
 #   `check_device_errors()`), with the allocator rolled back to just before the refused call.
+#
+# And where a call must wait (no host lengths: the page count has to come from the GPU), it
+# waits once and copies nothing: the kernel writes its verdict into `ret_values`, which on a GPU
+# is *pinned* host memory the GPU can write directly, so after the one wait for the stream the
+# host reads the word where it lies. `.item()` on a GPU tensor would queue a copy and wait for
+# that too.
 #
 # Here is that path on a small allocator (`eager_errors=False` makes it behave as on a GPU even
 # in the interpreter, where reading the device would cost nothing):
@@ -573,6 +588,27 @@ assert alloc.state().equals(before)
 good = alloc.alloc_extend(t([3]), t([6]), t([2]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])
 print("with last_loc on the request's own page:", good.tolist())
 alloc.check_device_errors()
+
+# %% [markdown]
+# Counting runs on the host, so it can be timed here on any machine: the same batch of 1024
+# requests counted by the C helper and by the NumPy code (a NumPy array takes the NumPy path),
+# with identical answers.
+
+# %%
+import timeit
+
+from kvlab import alloc_checks, native_counts
+
+print("host counts:", native_counts.status())
+pre_cpu = torch.tensor([rng.randrange(0, 500) for _ in range(1024)])
+seq_cpu = pre_cpu + torch.tensor([rng.randrange(0, 300) for _ in range(1024)])
+in_c = alloc_checks.extend_counts(pre_cpu, seq_cpu, 16)
+in_numpy = alloc_checks.extend_counts(pre_cpu.numpy(), seq_cpu.numpy(), 16)
+assert in_c == in_numpy
+print(f"tokens {in_c.tokens}, new pages {in_c.pages}")
+for label, args in [("CPU tensors (C if built)", (pre_cpu, seq_cpu)), ("NumPy arrays", (pre_cpu.numpy(), seq_cpu.numpy()))]:
+    runs = timeit.repeat(lambda: alloc_checks.extend_counts(*args, 16), number=200, repeat=5)
+    print(f"{label:>26}: {min(runs) / 200 * 1e6:5.1f} µs per count")
 
 # %% [markdown]
 # On a GPU the next cell measures it live: the floor, then one batch of 64 requests through every
@@ -609,6 +645,9 @@ else:
 # - **Launches cost host time.** On small batches the kernels finish in microseconds and the
 #   host's launch overhead dominates; that is why the fast path uses one launch where it can,
 #   and why the vectorised torch version (twenty launches) is the slowest of all.
+# - **Host work is counted in calls, not elements.** A NumPy or Python-wrapper call costs about
+#   a microsecond whatever it does: count the batch in one C call, launch through the C
+#   launcher with addresses, and wait (when a call must) on pinned memory instead of `.item()`.
 #
 # `kvlab.PagedTokenAllocator` uses the fast path by default (`impl="fast"`); `impl="teaching"`
 # keeps the chapter 03-04 kernels. The full table is in `figures/bench.md`.
@@ -620,7 +659,8 @@ else:
 #    how many versions of its extend kernel get compiled (per page size)? How would you get
 #    that down to one, and what would each option cost?
 # 2. The fast path uses one launch (`extend_fused_kernel`, every program scans the batch
-#    itself) for batches of up to 1024 requests, and two launches (scan, then fill) above.
+#    itself) for batches of up to 4096 requests (while programs × requests stays under 2²¹),
+#    and two launches (scan, then fill) above.
 #    Which batches make the one-launch version do more work than the two-launch one, and why
 #    is one launch still the better choice for most batches a server sees?
 
@@ -654,6 +694,7 @@ print("versions for bs = 1..256:", len({triton.next_power_of_2(bs) for bs in ran
 # costs host time on every call; a serving loop of small launches is bound by the host, as
 # the benchmark above shows for the torch version with its twenty launches. Saving a launch
 # wins there. The
-# switch sits at 1024 requests because the fused program scans the batch as *one* vector of
-# `BATCH_BLOCK = 1024` lanes (one `tl.cumsum`); a larger batch would need the scan's loop and
-# carry in every program, and the two-launch version is then simpler and cheaper.
+# switch (`FUSED_MAX_BATCH = 4096` requests, `FUSED_MAX_SCANS = 2²¹` repeated loads) bounds that
+# repeated work: each fused program walks the batch in blocks of `BATCH_BLOCK = 1024` lanes with
+# a carry, and past the bounds the repeated scans would cost the GPU more than a second launch
+# costs the host.
