@@ -12,10 +12,14 @@ class InvalidArgument(KvlabError, ValueError):
     def __init__(self, argument: str, rule: str, detail: str = ""):
         self.argument = argument
         self.rule = rule
+        self.detail = detail
         msg = f"{argument}: {rule}"
         if detail:
             msg += f" ({detail})"
         super().__init__(msg)
+
+    def __reduce__(self):  # pickled with its own arguments (a checker's child process sends it back)
+        return type(self), (self.argument, self.rule, self.detail)
 
 
 class OutOfPages(KvlabError, RuntimeError):
@@ -24,9 +28,13 @@ class OutOfPages(KvlabError, RuntimeError):
     def __init__(self, needed: int, free: int, what: str = "allocation"):
         self.needed = needed
         self.free = free
+        self.what = what
         super().__init__(
             f"out of pages: this {what} needs {needed} new page(s) but only {free} are free"
         )
+
+    def __reduce__(self):
+        return type(self), (self.needed, self.free, self.what)
 
 
 class CacheMisuse(KvlabError, RuntimeError):
@@ -44,3 +52,6 @@ class IntegrityError(KvlabError, AssertionError):
     def __init__(self, message: str, *, row: int | None = None):
         self.row = row
         super().__init__(message)
+
+    def __reduce__(self):  # (``row`` is keyword-only: it travels as state)
+        return type(self), (self.args[0],), {"row": self.row}

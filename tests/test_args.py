@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from kvlab.args import (check_int, check_int_vector, check_page_size, check_token_ids, div_ceil,
                         is_int, next_pow2)
-from kvlab.errors import InvalidArgument
+from kvlab.errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
+from kvlab.sim.scheduler import SimIntegrityError
 
 
 @given(st.integers(0, 10**6), st.integers(1, 4096))
@@ -71,3 +72,20 @@ def test_int_vector():
     for bad in ([1, 2], torch.zeros(2, 2, dtype=torch.int64), torch.zeros(2)):
         with pytest.raises(InvalidArgument, match=r"^x: must"):
             check_int_vector("x", bad)
+
+
+@pytest.mark.parametrize("error", [
+    InvalidArgument("seq_lens[3]", "seq_lens >= prefix_lens", "got seq 2 < pre 5"),
+    InvalidArgument("page_size", "a power of two"),
+    OutOfPages(7, 2, "decode step"),
+    IntegrityError("page 4 is owned twice", row=3),
+    CacheMisuse("unlock by a non-holder"),
+    SimIntegrityError(12, 5, "page 9 leaked", row=2),
+])
+def test_errors_travel_through_pickle(error):
+    """A checker's child process sends errors back pickled: they arrive whole, fields and all."""
+    import pickle
+
+    back = pickle.loads(pickle.dumps(error))
+    assert type(back) is type(error) and str(back) == str(error)
+    assert vars(back) == vars(error)

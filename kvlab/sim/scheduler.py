@@ -51,8 +51,12 @@ class SimIntegrityError(IntegrityError):
     def __init__(self, step: int, rid: int | None, message: str, row: int | None = None):
         self.step = step
         self.rid = rid
+        self.message = message
         who = f"request {rid}" if rid is not None else "no single request"
         super().__init__(f"step {step}, {who}: {message}", row=row)
+
+    def __reduce__(self):
+        return type(self), (self.step, self.rid, self.message, self.row)
 
 
 @dataclass(frozen=True)
