@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -99,7 +100,8 @@ def _load():
     if os.environ.get("KVLAB_NO_NATIVE"):
         return None, "off (KVLAB_NO_NATIVE is set): NumPy counts"
     cc = _compiler()
-    tag = hashlib.sha256((SOURCE + sys.platform + (cc or "")).encode()).hexdigest()[:16]
+    machine = f"{sys.platform}-{platform.machine()}"  # (a shared home may serve other machines)
+    tag = hashlib.sha256((SOURCE + machine + (cc or "")).encode()).hexdigest()[:16]
     path = os.path.join(cache_dir(), f"counts-{tag}.so")
     try:
         if not os.path.exists(path):
