@@ -504,7 +504,7 @@ print("the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 #   path it goes one step further: it calls the compiled kernel's C launcher itself (skipping
 #   the Python object around it) and passes its pointers as addresses, because for a tensor the
 #   launcher calls `data_ptr()` and asks the CUDA driver whether the address is a device
-#   pointer, a third of a microsecond per pointer, nine pointers per launch;
+#   pointer, a third of a microsecond per pointer, seven to nine pointers per launch;
 # - **syncs**: `.item()`, `int(tensor)`, `.tolist()`, `if tensor.any():` on a GPU tensor make
 #   the host wait until the GPU has finished everything queued, then copy the answer back. The
 #   host cannot queue the next launch meanwhile, so the two stop overlapping;
