@@ -5,9 +5,11 @@ Where each rule is checked, and what it costs::
 
     rule                                      where                         cost
     tensors: type, 1-D, int dtype, device     host, attributes only         ~1 us
-    host lengths: pre >= 0, seq >= pre, ...   host: Python ints up to       a few Python builtins;
-                                                SMALL_BATCH requests, else    else about nine NumPy
-                                                NumPy over the whole batch    calls (~1 us each)
+    host lengths: pre >= 0, seq >= pre, ...   host: int64 CPU tensors in    one C call (~2 us);
+                                                one C loop (native_counts);   a few Python builtins;
+                                                else Python ints up to        else about nine NumPy
+                                                SMALL_BATCH requests, else    calls (~1 us each)
+                                                NumPy over the whole batch
     the caller's counts match the lengths     host (from host lengths)      (in the above)
     enough free pages                         host (from host lengths)      one comparison
     last_loc on an allocated page, host       inside the kernel's pass,     no extra launch,
@@ -138,7 +140,7 @@ def _native_extend(pre, seq, page_size: int, bs: int | None) -> HostCounts | Non
     n = pre.shape[0]
     if bs is not None and n != bs:
         return None
-    weights, at = _weights_at(n)
+    weights, at = _weights_at(n)  # (``weights`` held: the address stays valid during the call)
     counts = native_counts.extend(pre.data_ptr(), seq.data_ptr(), at, n, page_size.bit_length() - 1)
     return None if counts is None else HostCounts(*counts)
 
@@ -238,7 +240,9 @@ def _extend_counts_small(pre: list, seq: list, page_size: int) -> HostCounts | N
 def extend_counts(prefix_lens_cpu, seq_lens_cpu, page_size: int, bs: int | None = None) -> HostCounts:
     """Tokens, new pages and checksums of an extend, checking ``0 <= pre <= seq`` per request.
 
-    Up to :data:`SMALL_BATCH` requests given as int64 tensors, arrays or lists of ints: a
+    Contiguous int64 CPU tensors (what a scheduler passes): one call of the C helper
+    (:mod:`kvlab.native_counts`), when it is built and every rule holds. Otherwise, up to
+    :data:`SMALL_BATCH` requests given as int64 tensors, arrays or lists of ints: a
     few Python builtins over the lists. Otherwise five NumPy passes over one ``[pre | seq | extend]``
     block (min, checksums, ceil, sums); the request that breaks a rule is looked for only
     once a rule is known to be broken.
