@@ -105,28 +105,25 @@ def host_lengths(name: str, values, bs: int | None = None) -> np.ndarray:
     return values.astype(np.int64, copy=False)
 
 
-_WEIGHTS = np.zeros(0, dtype=np.int64)
-_WEIGHTS_AT = (_WEIGHTS, 0)  # the array and its address, replaced together (for the C helper)
+#: the checksum weights and their address (what the C helper reads), replaced together
+_WEIGHTS_AT: tuple[np.ndarray, int] = (np.zeros(0, dtype=np.int64), 0)
 
 
 def checksum_weights(n: int) -> np.ndarray:
     """``w[i] = h ^ (h >> 29)`` with ``h = (i + 1) * MIX`` in wrapping int64: the weights the
     kernels use to compare host copies with device tensors (``sum(x * w)``, wrapping)."""
-    global _WEIGHTS, _WEIGHTS_AT
-    if len(_WEIGHTS) < n:
-        h = np.arange(1, max(n, 2 * len(_WEIGHTS)) + 1, dtype=np.int64) * np.int64(MIX)
-        _WEIGHTS = h ^ (h >> 29)
-        _WEIGHTS_AT = (_WEIGHTS, _WEIGHTS.ctypes.data)
-    return _WEIGHTS[:n]
+    return _weights_at(n)[0][:n]
 
 
 def _weights_at(n: int) -> tuple[np.ndarray, int]:
     """At least ``n`` checksum weights and their address (the caller keeps the array while it
     uses the address: a concurrent call may replace the module's copy)."""
+    global _WEIGHTS_AT
     kept = _WEIGHTS_AT
     if len(kept[0]) < n:
-        checksum_weights(n)
-        kept = _WEIGHTS_AT
+        h = np.arange(1, max(n, 2 * len(kept[0])) + 1, dtype=np.int64) * np.int64(MIX)
+        weights = h ^ (h >> 29)
+        kept = _WEIGHTS_AT = (weights, weights.ctypes.data)
     return kept
 
 

@@ -208,11 +208,11 @@ class Launcher:
             self._last = kept
         if _no_launch_hooks():
             # what the compiled kernel's own launcher does, minus the hook metadata nobody reads
+            stream = driver.get_current_stream(device)
             if kept.entry is not None:
-                kept.entry(grid[0], driver.get_current_stream(device), args)
+                kept.entry(grid[0], stream, args)
             else:
-                kept.run(grid[0], 1, 1, driver.get_current_stream(device), kept.function, kept.metadata,
-                         None, None, None, *args)
+                kept.run(grid[0], 1, 1, stream, kept.function, kept.metadata, None, None, None, *args)
         else:
             kept.compiled[grid + (1,) * (3 - len(grid))](*args)  # a compiled kernel takes a 3-D grid
 
