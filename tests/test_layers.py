@@ -19,7 +19,7 @@ CORE = ["errors", "radix_node", "radix_cache", "hash_chain", "hash_cache", "req"
         "sim.scheduler", "sim.timeline", "sim.workloads", "sim.caches", "reference",
         "reference.attention", "reference.radix", "reference.hashchain", "viz.tree",
         "scenes.ch05_radix", "scenes.ch06_cache_req", "scenes.ch07_serving_loop",
-        "scenes.ch08_attention"]
+        "scenes.ch08_attention", "scenes.ch11_hash_cache", "sim.compare"]
 
 
 def _modules() -> dict[str, Path]:

@@ -2,8 +2,9 @@
 
 ``SimConfig(prefix_cache=...)`` picks one; each is the real cache with two things added: the
 tokens eviction took from it, and the host time of every ``match_prefix`` and
-``insert_prefix`` (``time.perf_counter_ns`` around the call, so the numbers include Python's
-call overhead and say nothing about a GPU)::
+``insert_prefix`` (``time.perf_counter_ns`` around the call; the median is reported, as a
+shared machine adds outliers; the numbers include Python's call overhead and say nothing
+about a GPU)::
 
     "radix"                 chapter 05's tree (mini-sglang): free pages first, then whole
                             least-recently-used leaves
@@ -14,6 +15,7 @@ call overhead and say nothing about a GPU)::
 """
 from __future__ import annotations
 
+import statistics
 import time
 from typing import NamedTuple
 
@@ -27,28 +29,36 @@ PREFIX_CACHES = ("radix", "hash", "hash_uncached_first")
 
 
 class CacheOpStats(NamedTuple):
-    """How often the cache was asked, and the mean host time of one call, in microseconds."""
+    """How often the cache was asked, and the median host time of one call, in microseconds."""
 
     matches: int
     match_us: float
     inserts: int
     insert_us: float
+    asked_tokens: int = 0  # tokens the manager asked eviction for (it may take more: whole leaves)
+
+
+def _median_us(ns: list[int]) -> float:
+    return statistics.median(ns) / 1e3 if ns else 0.0
 
 
 class _Timed:
-    """Counts calls and host nanoseconds of ``match_prefix`` / ``insert_prefix``."""
+    """Keeps the host nanoseconds of every ``match_prefix`` / ``insert_prefix`` call."""
 
     def _init_counts(self) -> None:
-        self._ns = {"match": [0, 0], "insert": [0, 0]}
+        self._ns: dict[str, list[int]] = {"match": [], "insert": []}
+        self.asked_tokens = 0
+
+    def evict_leaves(self, num_tokens: int):
+        self.asked_tokens += num_tokens
+        return super().evict_leaves(num_tokens)
 
     def _timed(self, what: str, call, *args):
         start = time.perf_counter_ns()
         try:
             return call(*args)
         finally:
-            tally = self._ns[what]
-            tally[0] += 1
-            tally[1] += time.perf_counter_ns() - start
+            self._ns[what].append(time.perf_counter_ns() - start)
 
     def match_prefix(self, input_ids):
         return self._timed("match", super().match_prefix, input_ids)
@@ -57,8 +67,8 @@ class _Timed:
         return self._timed("insert", super().insert_prefix, input_ids, indices)
 
     def op_stats(self) -> CacheOpStats:
-        (m, m_ns), (i, i_ns) = self._ns["match"], self._ns["insert"]
-        return CacheOpStats(m, m_ns / m / 1e3 if m else 0.0, i, i_ns / i / 1e3 if i else 0.0)
+        m, i = self._ns["match"], self._ns["insert"]
+        return CacheOpStats(len(m), _median_us(m), len(i), _median_us(i), self.asked_tokens)
 
 
 class CountingRadixCache(_Timed, RadixPrefixCache):
