@@ -183,8 +183,9 @@ plt.show()
 # duplicate) has nothing to offer a later prompt, but in nano-vllm's queue it waits its turn
 # like any other, so a cached page ahead of it is handed out first. vLLM's `BlockPool.free_blocks`
 # (at `c59cb794`) puts such "fresh" blocks at the **front** of the queue (`prepend_n`) and cached
-# ones at the back; its older `kv_cache_utils.py` (`001cabc1`) has only `append`. kvlab offers
-# both: `HashPrefixCache(..., uncached_first=True)` is vLLM's order.
+# ones at the back; the older `FreeKVCacheBlockQueue` in `kv_cache_utils.py` at `001cabc1` has
+# no `prepend_n` (blocks join at the back only). kvlab offers both orders:
+# `HashPrefixCache(..., uncached_first=True)` is vLLM's newer one.
 
 # %%
 for uncached_first in (False, True):
@@ -217,7 +218,8 @@ assert dec.match(ids + [9]).cached_len == 6  # the decoded pages are shared like
 # **When** a page is cached differs between the engines. nano-vllm registers a page's hash when
 # it *allocates* the page, before the forward pass has computed its KV; vLLM's `allocate_slots`
 # caches the full blocks of the tokens it schedules for this step (`cache_blocks`), also before
-# the pass. A request scheduled in the same batch can then already hit them. kvlab's
+# the pass. In nano-vllm's scheduler, which calls `allocate` for one waiting sequence after the
+# other, a sequence admitted to the same batch can then already hit them. kvlab's
 # `CacheManager` keeps mini-sglang's order: `cache_req` inserts a page after the pass computed
 # it. And the last prompt token is never a hit: `match_req` matches `input_ids[:-1]`, as
 # vLLM's `get_computed_blocks` does (`max_cache_hit_length = request.num_tokens - 1`), so the
