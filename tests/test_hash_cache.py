@@ -326,3 +326,30 @@ def test_the_simulator_runs_on_the_hash_cache_under_pressure(kind):
     assert s.evicted_tokens > 0 and s.hit_tokens > 0 and s.finished + s.aborted == len(workload)
     assert all(r.memory.total == 20 for r in timeline.steps)
     assert timeline.cache_ops.matches > 0 and timeline.cache_ops.insert_us > 0
+
+
+def test_a_prefix_cache_is_named_or_refused():
+    from kvlab.sim import SimConfig, make_workload, simulate
+
+    with pytest.raises(InvalidArgument, match="config.prefix_cache"):
+        simulate(make_workload("random_prompts", seed=0, n_requests=2), SimConfig(prefix_cache="tree"))
+    with pytest.raises(InvalidArgument, match='"radix", "hash"'):
+        CacheManager(4, 2, new_page_table(1, 8, 2), prefix_cache="tree")
+    with pytest.raises(InvalidArgument, match="page_size"):
+        CacheManager(4, 2, new_page_table(1, 8, 2), prefix_cache=HashPrefixCache(4, 4))
+
+
+def test_the_chapter_scenes_tell_the_story_they_draw():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.scenes.ch11_hash_cache import free_queue_figure, free_queue_steps, hash_chain_figure
+
+    steps, cache = free_queue_steps()
+    (_, first, taken), (_, second, _), (_, third, _) = steps
+    assert first.free_queue == (6, 7, 3, 5, 4, 2, 1, 0) and list(taken) == [6, 7, 3, 5, 4]
+    assert 4 not in dict(second.hashes) and second.free_queue == (2, 1, 0)  # B's [7 8 9 10] evicted
+    assert {0, 1, 2} <= {p for p, r in enumerate(third.ref_counts) if r}  # D hit the system prompt
+    cache.check_integrity()
+    for fig in (hash_chain_figure(), free_queue_figure()):
+        assert fig.axes
