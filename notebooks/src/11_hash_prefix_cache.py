@@ -311,6 +311,12 @@ assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 
 # * `hash`: this chapter in nano-vllm's order: one free queue, in the order pages were released.
 # * `hash_uncached_first`: the same, with pages that hold no hash queued at the head (vLLM).
 #
+# One caveat on the `hash` runs: they go through `CacheManager`, which settles a finished request
+# in mini-sglang's order (insert its pages into the cache, then free its partial tail page),
+# so the tail page joins the queue *behind* the request's own cached pages; nano-vllm's
+# `deallocate` releases the tail page first, ahead of them. The `hash_uncached_first` runs are
+# not affected: a page without a hash goes to the head either way.
+#
 # Five workloads (chapter 07's generators), each in three pools: `tight` (the longest request's
 # pages: preemptions), `half` (twice that) and `ample` (every request's pages at once: nothing
 # ever has to be evicted). Page size 4. Columns: hit tokens (prompt tokens taken from the
