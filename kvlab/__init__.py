@@ -42,11 +42,15 @@ _EXPORTS = {
     "TimelineExplorer": "widgets",
     "alloc_extend_fast": "fast_alloc",  # chapter 09
     "alloc_decode_fast": "fast_alloc",
+    "HashPrefixCache": "hash_cache",  # chapter 11
+    "HashCacheHandle": "hash_chain",
+    "chain_hash": "hash_chain",
+    "page_hashes": "hash_chain",
 }
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
     "kvcache", "attention", "engine", "bench", "paging", "token_allocator", "radix_cache",
-    "cache_manager", "scenes", "runtime", "errors",
+    "cache_manager", "scenes", "runtime", "errors", "native_counts", "hash_cache", "hash_chain",
     "hf",  # chapter 10 (needs the optional transformers: pip install 'kvlab[hf]')
 }
 

@@ -46,6 +46,7 @@ from .cache_manager_checks import CacheManagerChecks, _Running
 from .cache_regions import CacheRegions, Region
 from .errors import CacheMisuse, InvalidArgument, OutOfPages
 from .paging import UNMAPPED, page_to_token, write_page_table, write_page_table_triton
+from .hash_cache import HashPrefixCache
 from .radix_cache import MatchResult, RadixCacheHandle, RadixNode, RadixPrefixCache
 from .req import ForwardBatch, Req
 
@@ -60,10 +61,15 @@ class CacheManager(CacheManagerChecks):
     :meth:`allocate_paged` writes the page table: ``"triton"`` (one launch,
     :func:`kvlab.paging.write_page_table_triton`, the default) or ``"host"`` (host index
     tensors and one scatter, :func:`kvlab.paging.write_page_table`).
+
+    ``prefix_cache``: ``"radix"`` (chapter 05's tree, the default), ``"hash"`` (chapter 11's
+    hash-chained cache, :class:`~kvlab.hash_cache.HashPrefixCache`), or such a cache. A cache
+    that keeps the free pages itself (``keeps_free_pages``: the hash cache, whose free queue is
+    its eviction order) leaves ``free_slots`` empty: pages come from it and go back to it.
     """
 
     def __init__(self, num_pages: int, page_size: int, page_table: torch.Tensor,
-                 prefix_cache: "str | RadixPrefixCache" = "radix", *,
+                 prefix_cache: "str | RadixPrefixCache | HashPrefixCache" = "radix", *,
                  page_table_writer: str = "triton", remap_duplicates: bool = True):
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.page_size = check_page_size(page_size)
@@ -76,34 +82,49 @@ class CacheManager(CacheManagerChecks):
                                   f"got {page_table_writer!r}")
         if not isinstance(remap_duplicates, bool):
             raise InvalidArgument("remap_duplicates", "must be a bool", f"got {remap_duplicates!r}")
-        if isinstance(prefix_cache, RadixPrefixCache):
+        if isinstance(prefix_cache, (RadixPrefixCache, HashPrefixCache)):
             if prefix_cache.page_size != self.page_size:
                 raise InvalidArgument("prefix_cache", "must use the manager's page_size",
                                       f"{prefix_cache.page_size} != {self.page_size}")
+            if getattr(prefix_cache, "num_pages", self.num_pages) != self.num_pages:
+                raise InvalidArgument("prefix_cache", "must hold the manager's num_pages",
+                                      f"{prefix_cache.num_pages} != {self.num_pages}")
         elif prefix_cache == "radix":
             prefix_cache = RadixPrefixCache(self.page_size, device=page_table.device)
+        elif prefix_cache == "hash":
+            prefix_cache = HashPrefixCache(self.num_pages, self.page_size, device=page_table.device)
         else:
-            raise InvalidArgument("prefix_cache", 'must be "radix" or a RadixPrefixCache',
+            raise InvalidArgument("prefix_cache", 'must be "radix", "hash" or a prefix cache',
                                   f"got {prefix_cache!r}")
         self.device = page_table.device
         self.page_table = page_table
         self.page_table_writer = page_table_writer
         self.remap_duplicates = remap_duplicates
         self.prefix_cache = prefix_cache
-        # |p0*P|p1*P|p2*P|...: one entry per free page, taken from the front
+        # |p0*P|p1*P|p2*P|...: one entry per free page, taken from the front (empty when the
+        # cache keeps the free pages: then every page starts in its free queue)
         self.free_slots = torch.arange(num_pages, dtype=torch.int32, device=self.device) * page_size
+        if self._cache_keeps_free_pages:
+            self.free_slots = self.free_slots[:0]
         self._running: dict[int, _Running] = {}  # table_idx -> record
 
     # --- sizes: the page budget -------------------------------------------------------
 
     @property
+    def _cache_keeps_free_pages(self) -> bool:
+        return getattr(self.prefix_cache, "keeps_free_pages", False)
+
+    @property
     def num_free_pages(self) -> int:
+        """Free pages that hold no cached prefix (in the free list, or the cache's free queue)."""
+        if self._cache_keeps_free_pages:
+            return len(self.free_slots) + self.prefix_cache.num_free_uncached
         return len(self.free_slots)
 
     @property
     def available_pages(self) -> int:
         """Pages an allocation could get now: free pages plus evictable cached pages."""
-        return len(self.free_slots) + self.prefix_cache.size_info.evictable_size // self.page_size
+        return self.num_free_pages + self.prefix_cache.size_info.evictable_size // self.page_size
 
     @property
     def available_size(self) -> int:
@@ -305,7 +326,9 @@ class CacheManager(CacheManagerChecks):
     def _free(self, slots: torch.Tensor) -> torch.Tensor:
         """Return the pages of ``slots`` (page-aligned runs of token slots) to the free list."""
         pages = slots[:: self.page_size].to(device=self.device, dtype=torch.int32)
-        if pages.numel():
+        if pages.numel() and self._cache_keeps_free_pages:
+            self.prefix_cache.free((pages // self.page_size).tolist())  # back to its free queue
+        elif pages.numel():
             self.free_slots = torch.cat([self.free_slots, pages])
         return pages
 

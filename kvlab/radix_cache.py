@@ -33,7 +33,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .args import check_int, check_int_vector, check_page_size, check_token_ids, is_int
+from .args import check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
 from .errors import CacheMisuse, IntegrityError, InvalidArgument
 from .radix_node import (InsertResult, MatchResult, NodeInfo, RadixCacheHandle, RadixNode, SizeInfo,
                          TreeSnapshot)
@@ -235,32 +235,11 @@ class RadixPrefixCache:
     @staticmethod
     def _check_indices(indices) -> torch.Tensor:
         """Slots as a 1-D integer tensor: a tensor, or a list/tuple of ints (not bools or floats)."""
-        if isinstance(indices, torch.Tensor):
-            return check_int_vector("indices", indices)
-        if isinstance(indices, (str, bytes)) or not isinstance(indices, (list, tuple)):
-            raise InvalidArgument("indices", "must be a 1-D integer tensor or a list of int slots",
-                                  f"got {type(indices).__name__}")
-        for i, s in enumerate(indices):
-            if not is_int(s):
-                raise InvalidArgument(f"indices[{i}]", "must be an int slot (not a bool or a float)",
-                                      f"got {type(s).__name__} {s!r}")
-        return torch.tensor([int(s) for s in indices], dtype=torch.int64)
+        return check_slots("indices", indices)
 
     def _check_whole_pages(self, slots: torch.Tensor) -> None:
         """Each page of slots must be one physical page: p*P, p*P+1, ..., p*P+P-1."""
-        P = self.page_size
-        if slots.numel() and int(slots.min()) < 0:
-            raise InvalidArgument("indices", "slots are >= 0", f"got {int(slots.min())}")
-        if P == 1 or slots.numel() == 0:
-            return
-        pages = slots.view(-1, P).to(torch.int64)
-        starts = pages[:, :1]
-        ok = bool(((starts % P) == 0).all()) and bool(
-            (pages == starts + torch.arange(P, device=pages.device)).all())
-        if not ok:
-            raise InvalidArgument("indices", "each page of slots must be one whole physical page "
-                                  f"(p*{P}, p*{P}+1, ..., p*{P}+{P - 1})",
-                                  f"got {slots.tolist()[:2 * P]}...")
+        check_whole_pages("indices", slots, self.page_size)
 
     # --- locking ----------------------------------------------------------------------
 

@@ -422,7 +422,53 @@ CH08_KERNEL = [
            "the page-table row loaded past the request's length"),
 ]
 
-MUTANTS = CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
+# --- chapter 11: the hash-chained cache --------------------------------------------------
+
+CH11 = [
+    Mutant("page_hashes", "chain_hash(parent, input_ids", "chain_hash(None, input_ids",
+           ("hash of page 1", "your hash ignores the parent"), "a page hash that ignores the parent"),
+    Mutant("page_hashes", "len(input_ids) - page_size + 1", "len(input_ids)",
+           ("[a partial last page has no hash]", "a partial page, which has no hash"),
+           "hashes the partial last page"),
+    Mutant("hash_match", "parent = chain_hash(parent, tokens)", "parent = chain_hash(None, tokens)",
+           ("matched pages: expected 4, got 1", "hash each page with the hash you computed"),
+           "match hashes each page without its parent"),
+    Mutant("hash_match", "            break  #", "            continue  #",
+           ("[stop at the first miss, though later pages are cached]", "walk past a page"),
+           "match walks past a page that is not cached"),
+    Mutant("hash_match", "slots = [page * P + i for page in pages for i in range(P)]", "slots = list(pages)",
+           ("slots of the matched pages",), "returns page ids instead of slots"),
+    Mutant("allocate_pages", "h = chain_hash(parent, tokens) if full else None",
+           "h = chain_hash(None, tokens) if full else None",
+           ("page 1 is cached under", "the chained hash of every token up to its end"),
+           "allocation caches pages under a hash that ignores the parent"),
+    Mutant("allocate_pages", "full = len(tokens) == P", "full = len(tokens) > 0",
+           ("holds a partial page", "only full pages are cached"), "allocation caches (and matches) a partial page"),
+    Mutant("allocate_pages", "            hitting = False  #", "            pass  #",
+           ("[a later page cached, an earlier one not: stop at the miss]", "cached_len should be 0"),
+           "allocation keeps hitting after a miss"),
+    Mutant("allocate_pages", "cache.take_cached(page)  #", "cache.ref_count[page] += 1  #",
+           ("[hits on free cached pages: they leave the queue]", "takes it out of the queue"),
+           "a hit on a free page stays in the free queue"),
+    Mutant("allocate_pages", "            if full:\n                cache.cache_page",
+           "            if False:\n                cache.cache_page",
+           ("should be findable under hash", "a new full page is cached"), "new full pages are never cached"),
+    Mutant("free_pages", "if cache.ref_count[page] < list(pages).count(page):", "if False:",
+           ("[pages freed already: refuse, change nothing]", "no count goes below zero"),
+           "a reference count that goes negative"),
+    Mutant("free_pages", "cache.free_queue.append(page)  #",
+           "cache.free_queue.append(page); del cache.hash_to_page[cache.page_hash[page]]; "
+           "cache.page_hash[page] = None  #",
+           ("should be findable under hash", "a freed page keeps its hash"),
+           "a freed page dropped from the hash map"),
+    Mutant("free_pages", "for page in reversed(pages):", "for page in pages:",
+           ("[free one sequence: last page first]", "free queue (head first) should be"),
+           "frees the first page first (the chain's beginning is evicted before its end)"),
+    Mutant("free_pages", "if cache.ref_count[page] == 0:", "if cache.ref_count[page] <= 1:",
+           ("[shared pages stay out of the queue]", "free queue"), "queues a page another sequence still holds"),
+]
+
+MUTANTS = CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL + CH11
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -440,7 +486,8 @@ def test_there_are_enough_mutants_on_every_exercise():
 COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_extend_part1", "alloc_extend_part2",
                     "alloc_extend_part3", "alloc_decode", "match_prefix", "match_req",
                     "insert_prefix", "cache_req_regions", "cache_req_remap", "decode_step",
-                    "paged_attention", "paged_attention_kernel", "extend_scan"]
+                    "paged_attention", "paged_attention_kernel", "extend_scan", "page_hashes",
+                    "hash_match", "allocate_pages", "free_pages"]
 
 
 # --- correct answers written differently must pass -----------------------------------------------
@@ -488,6 +535,17 @@ REWRITES = [
             "        if tuple(input_ids[:end]) not in store:\n            break\n"
             "        cached_len = end\n",
             "cached pages counted with a for loop and break"),
+    Rewrite("page_hashes", "    for start in range(0, len(input_ids) - page_size + 1, page_size):\n",
+            "    for start in range(0, len(input_ids) // page_size * page_size, page_size):\n",
+            "the full pages counted by floor division"),
+    Rewrite("hash_match", "        page = cache.lookup(parent, tokens)\n",
+            "        page = cache.hash_to_page.get(parent)\n"
+            "        if page is not None and cache.page_tokens[page] != tuple(tokens):\n"
+            "            page = None\n",
+            "the lookup written out: the dict, then the page's tokens"),
+    Rewrite("free_pages", "            raise ValueError(f\"page {page} has no reference left to drop\")",
+            "            raise RuntimeError(f\"page {page}: nothing to drop\")",
+            "refuses with another error"),
     Rewrite("alloc_extend_part2",
             "        page_start * page_size + offset_many_page % page_size,\n",
             "        page_start * page_size + (offset_many_page - offset_many_page // page_size * page_size),\n",

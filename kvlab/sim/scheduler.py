@@ -38,7 +38,7 @@ from ..args import check_page_size, div_ceil
 from ..cache_manager import CacheManager, ForwardBatch, Req
 from ..errors import IntegrityError, InvalidArgument
 from ..paging import new_page_table
-from ..radix_cache import RadixNode, RadixPrefixCache
+from .caches import counting_cache, free_page_ids
 from .timeline import MemorySplit, RequestStats, StepRecord, Timeline
 from .workloads import RequestSpec, Workload
 
@@ -72,17 +72,7 @@ class SimConfig:
     remap_duplicates: bool = True        # False: the source design's stale row (caught by checks)
     page_table_writer: str = "host"      # "host" scatter (no kernel launch: fast in the interpreter) or "triton"
     max_steps: int = 5000
-
-
-class _CountingCache(RadixPrefixCache):
-    """The real radix cache, counting what eviction frees (for the timeline)."""
-
-    evicted_tokens = 0
-
-    def evict_leaves(self, num_tokens: int) -> list[RadixNode]:
-        evicted = super().evict_leaves(num_tokens)
-        self.evicted_tokens += sum(node.length for node in evicted)
-        return evicted
+    prefix_cache: str = "radix"          # or "hash" / "hash_uncached_first" (chapter 11; kvlab.sim.caches)
 
 
 @dataclass
@@ -135,7 +125,7 @@ class Simulator:
         self.workload = workload
         self.config = config
         self.page_table = new_page_table(config.max_running, max_seq_len, P, device)
-        self.cache = _CountingCache(P, device=self.page_table.device)
+        self.cache = counting_cache(config.prefix_cache, P, config.num_pages, self.page_table.device)
         self.manager = CacheManager(config.num_pages, P, self.page_table, self.cache,
                                     page_table_writer=config.page_table_writer,
                                     remap_duplicates=config.remap_duplicates)
@@ -147,7 +137,8 @@ class Simulator:
         self._finish_step: dict[int, int] = {}
         self._admits = 0
         self._last_regions: tuple = (None, -1, -1)   # (CacheRegions, rid, step) of the latest cache_req
-        self.timeline = Timeline(workload.name, P, config.num_pages, config.max_running)
+        self.timeline = Timeline(workload.name, P, config.num_pages, config.max_running,
+                                 prefix_cache=config.prefix_cache)
         for r in workload.requests:
             self.timeline.requests[r.rid] = RequestStats(r.rid, r.tag, len(r.prompt), len(r.output))
 
@@ -281,7 +272,7 @@ class Simulator:
     def check(self) -> None:
         """Every invariant, naming the step and the request when one breaks."""
         P = self.config.page_size
-        free = set((self.manager.free_slots // P).tolist())
+        free = set(free_page_ids(self.manager, cached_too=True))  # no running row reads these
         for rid, live in self._running.items():
             req = live.req
             row = self.page_table[req.table_idx, : req.cached_len].tolist()
@@ -322,7 +313,7 @@ class Simulator:
             prompt_tokens=log.prompt_tokens, evicted_tokens=log.evicted_tokens,
             memory=memory, wasted_slots=wasted,
             page_table=self.page_table[: self.config.max_running].clone().cpu(),
-            row_rids=tuple(row_rids), free_pages=tuple((self.manager.free_slots // P).tolist()),
+            row_rids=tuple(row_rids), free_pages=free_page_ids(self.manager),
             tree=self.cache.snapshot(), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
             last_regions=self._last_regions[0], last_regions_rid=self._last_regions[1],
             last_regions_step=self._last_regions[2])
@@ -343,6 +334,7 @@ class Simulator:
         self.check()
         record = self._snapshot(log)
         self.timeline.steps.append(record)
+        self.timeline.cache_ops = self.cache.op_stats()
         self.step_no += 1
         return record
 

@@ -78,7 +78,8 @@ def draw_tree(tree, ax=None, *, previous: TreeSnapshot | None = None, title: str
     """
     import matplotlib.pyplot as plt
 
-    snap = tree if isinstance(tree, TreeSnapshot) else tree.snapshot()
+    # a cache, a TreeSnapshot, or chapter 11's HashSnapshot (one-page nodes; t = place in the queue)
+    snap = tree.snapshot() if hasattr(tree, "snapshot") else tree
     now = {n.uid for n in snap.nodes}
     ghosts: list[NodeInfo] = []
     if previous is not None:
@@ -129,7 +130,8 @@ def draw_tree(tree, ax=None, *, previous: TreeSnapshot | None = None, title: str
                           lw=2.0 if (ec in (NEW_EDGE, "#d62728")) else 1.0,
                           ls="--" if ghost else "-"))
     if title is None:
-        title = (f"radix cache (P={snap.page_size}): {snap.evictable_size} evictable, "
+        kind = "hash cache" if hasattr(snap, "free_queue") else "radix cache"
+        title = (f"{kind} (P={snap.page_size}): {snap.evictable_size} evictable, "
                  f"{snap.protected_size} locked tokens")
     ax.set_title(title, fontsize=fontsize + 1)
     return ax
