@@ -55,10 +55,10 @@ def lookup(name: str) -> Exercise:
     return EXERCISES[name]
 
 
-def hint(name: str, level: int = 1) -> str:
+def hint(name: str, level: int = 1) -> None:
     """Show hint ``level`` (1, 2, ...) for exercise ``name``; later hints say more."""
     lookup(name)
-    return show_hint(name, level)
+    show_hint(name, level)
 
 
 def status(name: str) -> str:
