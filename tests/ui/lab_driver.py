@@ -232,11 +232,14 @@ class NotebookPage:
 
     # -- editing ------------------------------------------------------------------------
     def code_cell(self, containing: str):
-        """The code cell whose source contains ``containing`` (exactly one must)."""
-        cells = self.page.locator(".jp-NotebookPanel .jp-CodeCell").filter(
-            has=self.page.locator(".jp-InputArea-editor", has_text=containing))
-        assert cells.count() == 1, f"{self.name}: {cells.count()} code cells contain {containing!r}"
-        return cells.first
+        """The code cell whose source contains ``containing`` (exactly one must), by position:
+        the locator still finds it after its source is edited."""
+        cells = self.page.locator(".jp-NotebookPanel .jp-CodeCell")
+        sources = cells.evaluate_all(
+            "els => els.map(e => e.querySelector('.jp-InputArea-editor').innerText)")
+        hits = [i for i, text in enumerate(sources) if containing in text.replace("\u00a0", " ")]
+        assert len(hits) == 1, f"{self.name}: code cells {hits} contain {containing!r}"
+        return cells.nth(hits[0])
 
     def type_into(self, cell, source: str) -> None:
         """Replace ``cell``'s source by ``source``, typed into its editor as a learner would
@@ -247,7 +250,9 @@ class NotebookPage:
         self.page.keyboard.press("Control+A")
         self.page.keyboard.press("Delete")
         self.page.keyboard.insert_text(source)
-        typed = editor.inner_text().replace("\u00a0", " ").rstrip()
+        typed = editor.evaluate("el => [...el.querySelectorAll('.cm-line')]"
+                                ".map(line => line.textContent).join('\\n')")
+        typed = typed.replace("\u00a0", " ").rstrip()
         assert typed == source.rstrip(), f"{self.name}: the editor holds {typed!r}"
 
     # -- running ------------------------------------------------------------------------

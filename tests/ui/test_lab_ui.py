@@ -153,4 +153,5 @@ def test_ch01_a_wrong_answer_reads_at_a_glance_and_run_all_goes_on(open_notebook
     last = nb.page.locator(".jp-NotebookPanel .jp-CodeCell").last
     assert "kvlab.check.recheck" in last.locator(".jp-InputArea-editor").inner_text()
     assert "1 failing (page_to_token)" in last.locator(".jp-OutputArea").first.inner_text()
-    nb.screenshot("wrong-answer-ran")
+    last.scroll_into_view_if_needed()
+    last.screenshot(path=str(nb.shots / f"{Path(nb.name).stem}-wrong-answer-recheck.png"))
