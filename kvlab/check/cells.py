@@ -14,8 +14,8 @@ reaches the top of a cell, seen by IPython's ``post_run_cell`` event::
 
 Only failures of a registered check (``checked_by`` set) are treated so; any other error
 stops Run All as usual. A failure caught inside the cell never reaches the event, so it is not
-recorded. A test that must fail on a wrong answer still does: nbval and nbclient see the error
-output, and the solutions build is run under nbval.
+recorded. A test that must fail on a wrong answer still does: nbval fails a cell on its error
+output whatever the reply says, and the solutions build runs under nbval.
 """
 from __future__ import annotations
 
