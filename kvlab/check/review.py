@@ -6,7 +6,8 @@
   The setup cell of every chapter prints its one-line summary.
 * :func:`recheck` ends every chapter: it runs each exercise of the chapter again on the
   function the learner last checked in this kernel, so a chapter's last cell says what holds
-  now (after an answer was changed further up, say).
+  now (after an answer was changed further up, say). ``tools/build_notebooks.py`` appends that
+  cell (:func:`closing_cells`) to every chapter with a registered exercise.
 """
 from __future__ import annotations
 
@@ -57,6 +58,23 @@ def progress(*, brief: bool = False) -> None:
         when = saved.get(name, {}).get("at", "") if state != "not attempted" else ""
         print(f"  {EXERCISES[name].chapter}  {name:<{width}}  {state:<13}  {when}".rstrip())
     print(f"  (kept in {progress_file.path()})")
+
+
+def chapters() -> list[str]:
+    """The chapters ("00", "01", ...) that have at least one registered exercise."""
+    return sorted({EXERCISES[name].chapter for name in exercises()})
+
+
+def closing_cells(chapter) -> tuple[str, str]:
+    """(markdown, code) of the cells that end ``chapter``'s notebooks: the recheck."""
+    return (CLOSING_TEXT, f'kvlab.check.recheck("{_chapter(chapter)}")')
+
+
+CLOSING_TEXT = """## Where you stand
+
+The last cell checks this chapter's exercises again, each on the function you last checked
+(run it after changing an answer further up). Its last line counts your exercises in the whole
+course, kept between sessions on this machine; `kvlab.check.progress()` lists them all."""
 
 
 def _chapter(chapter) -> str:

@@ -406,13 +406,3 @@ kvlab.check.hint("pages_needed", 1);
 #    page, and two requests can share only whole 4096-token pages of identical prompt (chapter
 #    05's radix cache matches whole pages). Chapter 07 lets you measure the trade-off on a
 #    workload.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("00")

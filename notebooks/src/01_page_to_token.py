@@ -445,13 +445,3 @@ print("notebook == kvlab.page_to_token == kvlab.paging.page_to_token_triton")
 #    of 16 lanes are small: a GPU schedules threads in groups of 32, so half of each group would
 #    idle. Small inputs waste lanes either way; large inputs favour blocks of a few hundred
 #    lanes.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("01")

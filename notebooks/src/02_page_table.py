@@ -501,13 +501,3 @@ assert all((big[r] != kvlab.UNMAPPED).sum().item() == lengths[r] for r in range(
 #    Triton path copies four `int64` numbers per request: 64 × 4 × 8 = 2048 bytes, a thousand
 #    times less, and the GPU expands them. The allocated slots themselves are already on the
 #    GPU in both.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("02")

@@ -730,13 +730,3 @@ except kvlab.check.CheckFailed as err:
 #    is `cdiv(num_part2, 4096)` per program: 2 iterations for the long request, 0 for the
 #    others, so 8192 lanes are touched instead of up to 524,288, and the kernel compiles once
 #    for every length.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("03")

@@ -435,13 +435,3 @@ except kvlab.check.CheckFailed as err:
 #    The allocator then pops `bs` entries from `free_pages` every step, versus `bs / 64` on
 #    average with pages of 64, and the page table and the radix cache work with 64 times more
 #    entries; in exchange there is no waste in last pages.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("04")

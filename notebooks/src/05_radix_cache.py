@@ -631,13 +631,3 @@ print("shared tokens:", 30, "| matched:", tree16.match_prefix(new_prompt).cached
 # "cost-aware" eviction (length times hit count); it needs a hit counter per node and a
 # priority queue keyed on a score that changes on every hit, so eviction no longer pops
 # plain timestamps. Locks do not change: a locked node is never a candidate, whatever its score.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("05")

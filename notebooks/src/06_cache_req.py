@@ -685,13 +685,3 @@ except kvlab.IntegrityError as e:
 # memory for the duplicate is never allocated, which matters when memory is short. Both
 # need the scheduler to look at prefixes across the batch, which mini-sglang's scheduler
 # does not do: it matches each request on its own and lets `cache_req` free the duplicate.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("06")

@@ -490,13 +490,3 @@ for P_, tl in sizes.items():
 # prefilled again), or when latency guarantees matter more than throughput. Admitting on the
 # prompt alone wins when outputs often end early, because the reserved tail is then memory
 # that nobody uses.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("07")

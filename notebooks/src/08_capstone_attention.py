@@ -478,13 +478,3 @@ print(f"✓ the notebook's kernel == kvlab's kernel, the torch version == kvlab'
 # to handle requests whose number of new tokens differs widely in one batch (an offset
 # table of where each request's queries start, as chapter 09's scan computes for slots).
 # The decode kernel is the special case of one query at the last position.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("08")

@@ -698,13 +698,3 @@ print("versions for bs = 1..256:", len({triton.next_power_of_2(bs) for bs in ran
 # repeated work: each fused program walks the batch in blocks of `BATCH_BLOCK = 1024` lanes with
 # a carry, and past the bounds the repeated scans would cost the GPU more than a second launch
 # costs the host.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("09")

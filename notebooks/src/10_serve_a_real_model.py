@@ -468,13 +468,3 @@ print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as
 #    steers how aggressive admission may be with one number, `new_token_ratio` (the share of
 #    `max_new_tokens` it reserves): raised after a retraction, lowered a little at every step
 #    without one.
-
-# %% [markdown]
-# ## Where you stand
-#
-# The last cell checks this chapter's exercises again, each on the function you last checked
-# (run it after changing an answer further up). Its last line counts your exercises in the whole
-# course, kept between sessions on this machine; `kvlab.check.progress()` lists them all.
-
-# %%
-kvlab.check.recheck("10")
