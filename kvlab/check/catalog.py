@@ -63,7 +63,8 @@ def hint(name: str, level: int = 1) -> None:
 
 def status(name: str) -> str:
     """``"passed"``, ``"failed"``, ``"not attempted"`` or ``"not checked"``: the last check of
-    exercise ``name`` in this process."""
+    exercise ``name`` in this process (in IPython, a failure caught inside its cell does not
+    count: see :mod:`kvlab.check.cells`)."""
     lookup(name)
     return STATUS.get(name, "not checked")
 
