@@ -4,18 +4,32 @@
   each exercise whose starter it holds (a ``# YOUR CODE HERE: <exercise>`` line) is reported
   exactly once as ``not attempted yet: <exercise>``, and nothing else is.
 * A solutions notebook (``notebooks/solutions/NN_*.ipynb``) never prints ``not attempted yet``:
-  every checker in it ran on an answer (and passed, or its cell would have raised).
+  every checker in it ran on an answer (and passed: a failed check shows an error output, which
+  nbval reports, although in a notebook it does not stop Run All).
+* No cell echoes what a call of ``kvlab.check`` or ``kvlab.solutions`` returned (an ``Out[..]``
+  under a checker, a hint or a solution that was printed already): :func:`stray_echo`.
 
-The check runs when the last cell of a notebook has run, on the outputs nbval collected.
+The first two checks run when the last cell of a notebook has run, on the outputs nbval
+collected; the third after each cell. The notebooks' kernels record the learner's progress in
+a folder of their own (``KVLAB_PROGRESS_FILE``), never in the real home.
 """
 from __future__ import annotations
 
+import ast
+import atexit
+import os
 import re
+import shutil
+import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import nbformat
 import pytest
+
+_PROGRESS_DIR = tempfile.mkdtemp(prefix="kvlab-progress-")
+atexit.register(shutil.rmtree, _PROGRESS_DIR, True)
+os.environ["KVLAB_PROGRESS_FILE"] = os.path.join(_PROGRESS_DIR, "progress.json")
 
 _NOT_ATTEMPTED = re.compile(r"^not attempted yet: (\w+)", re.M)
 _MARKER = re.compile(r"#\s*YOUR CODE HERE: (\w+)")
@@ -35,6 +49,34 @@ def _text(output) -> str:
     else:
         text = output.get("data", {}).get("text/plain", "")
     return "".join(text) if isinstance(text, list) else text
+
+
+def _dotted(node) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def stray_echo(source: str, outputs) -> str | None:
+    """What a cell echoed from a call of kvlab.check / kvlab.solutions ending it, if anything.
+
+    Such a call prints what it has to say and returns None; an ``Out[..]`` under it (a 0, a
+    hint or a solution printed a second time) is noise a learner has to read past.
+    """
+    try:
+        body = ast.parse(source).body
+    except SyntaxError:  # IPython syntax (magics): not a kvlab call
+        return None
+    last = body[-1] if body else None
+    if not (isinstance(last, ast.Expr) and isinstance(last.value, ast.Call)):
+        return None
+    name = _dotted(last.value.func)
+    if not name.startswith(("kvlab.check.", "kvlab.solutions.")):
+        return None
+    echoed = [_text(o) for o in outputs if o.get("output_type") == "execute_result"]
+    if echoed:
+        return f"the cell ending with {name}(...) echoed what it returned: {echoed[0][:200]!r}"
+    return None
 
 
 def _problem(path: Path) -> str | None:
@@ -65,6 +107,10 @@ def pytest_runtest_makereport(item, call):
         return
     for output in getattr(item, "test_outputs", None) or []:
         _reported[path].update(_NOT_ATTEMPTED.findall(_text(output)))
+    cell = getattr(item, "cell", None)
+    echo = stray_echo(cell.source, getattr(item, "test_outputs", None) or []) if cell else None
+    if echo and not report.failed:
+        report.outcome, report.longrepr = "failed", f"{path.name}: {echo}"
     if report.failed:
         _failed.add(path)
     n_code = sum(c.cell_type == "code" for c in item.parent.nb.cells)

@@ -5,7 +5,9 @@
 
 One source, ``notebooks/src/NN_name.py`` (jupytext's percent format: ``# %%`` starts a code
 cell, ``# %% [markdown]`` a markdown cell), gives two notebooks, both opening with the
-setup cell (:data:`kvlab.colab.SETUP_CELL`) and stored without outputs:
+setup cell (:data:`kvlab.colab.SETUP_CELL`), ending (when chapter NN has a registered exercise)
+with a cell that checks the chapter's exercises again (:func:`kvlab.check.review.closing_cells`),
+and stored without outputs:
 
 * ``notebooks/NN_name.ipynb``, the **learner's**: every answer region is replaced by its
   starter, so the exercise cells hold a signature, a docstring and what to fill in;
@@ -41,6 +43,7 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from kvlab.check.review import chapters, closing_cells  # noqa: E402
 from kvlab.colab import SETUP_CELL  # noqa: E402
 
 SRC = ROOT / "notebooks" / "src"
@@ -109,6 +112,9 @@ def build(src_path: Path, which: str) -> nbformat.NotebookNode:
         if tags - {"solution", "learner"}:
             new.metadata["tags"] = sorted(tags - {"solution", "learner"})
         cells.append(new)
+    if src_path.name[:2] in chapters():
+        text, code = closing_cells(src_path.name[:2])
+        cells += [nbformat.v4.new_markdown_cell(text), nbformat.v4.new_code_cell(code)]
     for i, c in enumerate(cells):
         c["id"] = f"cell-{i:03d}"
     nb.cells = cells

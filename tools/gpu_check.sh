@@ -37,7 +37,9 @@ PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}"
 KVLAB_REQUIRE_GPU=$GPU_REQUIRE
 MPLBACKEND=${MPLBACKEND:-Agg}
 PYTHONHASHSEED=0
-export PYTHONPATH KVLAB_REQUIRE_GPU MPLBACKEND PYTHONHASHSEED
+# checks record the learner's progress: a check run must never write into the real home
+KVLAB_PROGRESS_FILE="$(mktemp -d)/progress.json"
+export PYTHONPATH KVLAB_REQUIRE_GPU MPLBACKEND PYTHONHASHSEED KVLAB_PROGRESS_FILE
 
 if [ "$GPU_REQUIRE" = "1" ]; then
     "$PYTHON" tools/gpu_check_env.py --require-gpu

@@ -34,6 +34,7 @@ from . import findings, picture, sandbox
 from .audit import Order
 from .failures import Case, CheckFailed, Layout, Segment, fmt_values, label_at
 from .guards import explain_value
+from .messages import learner_traceback
 from .registry import EXERCISES, exercise  # noqa: F401  (kvlab.check.core.EXERCISES, as before)
 
 __all__ = ["Case", "CheckFailed", "Layout", "Segment", "call_learner", "compare_flat",
@@ -185,8 +186,10 @@ def _attempt(case: Case, run_one, order: Order,
             _ATTEMPT = outer
     except CheckFailed as e:
         return _merge_pending(attempt.pending, e, case.name).add_case(case.name), attempt
-    except Exception as e:  # the learner's code raised: say which case and what
-        err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}", case=case.name)
+    except Exception as e:  # the learner's code raised: say which case, what, and where
+        where = learner_traceback(e)
+        err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}"
+                          + (f"\n{where}" if where else ""), case=case.name)
         err.__cause__ = e
         return _merge_pending(attempt.pending, err, case.name), attempt
     if attempt.pending:  # the answer was right, but the code touched memory outside a tensor

@@ -18,18 +18,15 @@ from typing import Sequence
 
 import torch
 
+from . import cells
+
 #: Cells drawn at most per strip; a longer output shows a window around the first wrong cell.
 MAX_CELLS = 48
 
 
 def front_end_present() -> bool:
     """True inside a Jupyter kernel (something can display a figure), False in plain Python."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
+    return cells.in_kernel()
 
 
 def show_failure(err) -> bool:
