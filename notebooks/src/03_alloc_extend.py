@@ -36,8 +36,8 @@ import triton.language as tl
 
 import kvlab
 from kvlab.scenes.ch02_page_table import before_after_figure
-from kvlab.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, draw_pool,
-                                            prefill_then_extend, small_example, worked_example)
+from kvlab.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, prefill_then_extend,
+                                            small_example, two_views_figure, worked_example)
 from kvlab.kernels import alloc_extend_kernel
 from kvlab.reference.alloc import (alloc_extend_ref, kernel_page_reads_extend, pages_needed_extend,
                                    part_lengths, unpack_ret_value)
@@ -66,11 +66,8 @@ print("device:", device)
 
 # %%
 pic = small_example()
-fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 4.2))
-draw_logical(pic, top, names=["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"], annotate=True)
-draw_pool(pic, 12, bottom, names=["r0", "r1", "r2"], annotate=True)
-bottom.get_legend().remove()
-fig.tight_layout()
+fig = two_views_figure(pic, 12, ["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"], ["r0", "r1", "r2"],
+                       annotate=True)
 plt.show()
 print("free_pages before the extend:", pic.free_before)
 print("out_indices:", pic.plan.out_indices)
@@ -387,13 +384,9 @@ print("each row maps exactly its seq_len positions; position t sits at offset t 
 
 # %%
 pic = worked_example()
-fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 4.4))
-draw_logical(pic, top, names=["A: 70 -> 190", "B: 128 -> 260"],
-             title="logical view: row = request, column = token position (page_size 64)")
-draw_pool(pic, 10, bottom, names=["A", "B"],
-          title="physical view: row = request, column = slot in the KV pool (10 pages)")
-bottom.get_legend().remove()
-fig.tight_layout()
+fig = two_views_figure(pic, 10, ["A: 70 -> 190", "B: 128 -> 260"], ["A", "B"],
+                       logical_title="logical view: row = request, column = token position (page_size 64)",
+                       pool_title="physical view: row = request, column = slot in the KV pool (10 pages)")
 plt.show()
 
 # %% [markdown]
@@ -406,9 +399,10 @@ seq_r = [p + rng.randint(0, 40) for p in pre_r]
 free_r = list(range(24))
 rng.shuffle(free_r)
 pic_r = prefill_then_extend(pre_r, seq_r, 16, free_r)
-fig, ax = plt.subplots(figsize=(11, 2.8))
+fig, ax = plt.subplots(figsize=(9.6, 2.8))
 draw_logical(pic_r, ax, names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)],
              title="logical view: row = request (pre -> seq), column = token position (page_size 16)")
+fig.tight_layout()
 plt.show()
 assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
     int(pic_r.table[r, p - 1]) if p else -1 for r, p in enumerate(pre_r)], pic_r.free_before, 16).out_indices

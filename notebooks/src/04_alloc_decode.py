@@ -243,7 +243,7 @@ import ipywidgets as widgets
 
 
 def show_step(step=1):
-    fig, ax = plt.subplots(figsize=(9, 1.9))
+    fig, ax = plt.subplots(figsize=(8.6, 1.9))
     draw_decode_steps([hist[step - 1]], 4, [ax], first_step=step)
     plt.show()
 

@@ -286,7 +286,7 @@ record("evict(4): B's leaf is older than [5 6]")
 
 print("evict(1) freed slots", freed_1.tolist(), "| evict(4) freed slots", freed_2.tolist())
 assert freed_1.numel() == 4 and freed_2.numel() == 4  # a leaf goes whole: 4 tokens for evict(1)
-draw_tree_steps(steps, ncols=4, panel_width=3.6, panel_height=2.9)
+draw_tree_steps(steps, ncols=2)
 plt.show()
 
 # %% [markdown]
