@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 00 · A tour: why an LLM server keeps its KV cache in pages
 #
+# **Time:** about 30 minutes. **Assumes:** Python and PyTorch basics (tensors, matrix
+# products); nothing about serving, Triton or GPUs.
+#
 # **Goal.** By the end of this chapter you know *why* a server keeps a KV cache at all, the
 # words the rest of the course uses for what a server does with it (**prefill**, **decode**,
 # **extend**, a **scheduler step**), *why* it cuts the cache into fixed-size pages, what a
@@ -10,6 +13,15 @@
 # **KV cache**. A server keeps those vectors in one big preallocated pool on the GPU and hands
 # pieces of it to requests as they arrive, grow and finish. How it hands out those pieces
 # decides how many requests fit at once, and that decides throughput.
+#
+# **Two real engines, one source design.** The course rebuilds the memory manager of two
+# serving engines: mini-sglang's `CacheManager` (whole pages, driven from the host) and
+# SGLang's `PagedTokenToKVPoolAllocator` (token slots for a whole batch in one Triton launch).
+# It rebuilds them as the study notes it is made from describe them, and calls that snapshot
+# **the source design**. The engines have moved on since: chapters say what SGLang does today
+# where it differs, and mark as **Departure** every place where kvlab deliberately does
+# something else, with the reason. Words like these are collected, one or two sentences each,
+# in the [glossary](glossary.md).
 
 # %%
 import random
@@ -156,8 +168,12 @@ assert bytes_per_token == 128 * 1024
 #
 # A serving engine runs a loop. Each turn of the loop is a **scheduler step**: the scheduler picks
 # a batch of requests, the allocator finds KV slots for the tokens this step adds, the model runs
-# one forward pass over the batch, and each request that produced a token gets it appended
-# (requests that are done give their KV back). Two kinds of batches:
+# one forward pass over the batch, and each request that produced a token gets it appended.
+# A request that is done hands its KV back: its whole pages go to the prefix cache (chapter 05),
+# where a later request with the same beginning can use them, and only what the cache does not
+# keep is freed: the partly filled last page, and pages another request cached first
+# (mini-sglang's `cache_req(finished=True)` in `python/minisgl/scheduler/cache.py`; chapter 06).
+# Two kinds of batches:
 #
 # - **prefill**: a new request's prompt goes through the model in one pass, all its tokens at
 #   once. That writes the prompt's keys and values into the cache and produces the first output
@@ -349,21 +365,22 @@ kvlab.check.hint("pages_needed", 1);
 #
 # | # | chapter | you build (lifted into kvlab) |
 # |---|---|---|
-# | 00 | tour: why a KV cache, why pages; which runtime am I on | runtime report, first heatmap |
-# | 01 | pages → token slots (and a Triton primer) | `page_to_token` (torch + Triton) |
-# | 02 | the page table | `write_page_table` (pinned host indices + scatter; Triton) |
-# | 03 | the three-part `alloc_extend_kernel` | `PagedTokenAllocator.alloc_extend` |
-# | 04 | decode, one token at a time | `alloc_decode` |
-# | 05 | the radix prefix cache | `RadixPrefixCache` |
-# | 06 | `cache_req` region accounting | `CacheManager` |
-# | 07 | a serving loop you can scrub through | simulator + ipywidgets explorer |
-# | 08 | capstone: attention through the page table | paged decode attention, tiny model |
-# | 09 | making it fast | benchmarks, scalable kernels |
+# | 00 | [tour: why a KV cache, why pages; which runtime am I on](00_tour.ipynb) | runtime report, first heatmap |
+# | 01 | [pages → token slots (and a Triton primer)](01_page_to_token.ipynb) | `page_to_token` (torch + Triton) |
+# | 02 | [the page table](02_page_table.ipynb) | `write_page_table` (pinned host indices + scatter; Triton) |
+# | 03 | [the three-part `alloc_extend_kernel`](03_alloc_extend.ipynb) | `PagedTokenAllocator.alloc_extend` |
+# | 04 | [decode, one token at a time](04_alloc_decode.ipynb) | `alloc_decode` |
+# | 05 | [the radix prefix cache](05_radix_cache.ipynb) | `RadixPrefixCache` |
+# | 06 | [`cache_req` region accounting](06_cache_req.ipynb) | `CacheManager` |
+# | 07 | [a serving loop you can scrub through](07_serving_loop.ipynb) | simulator + ipywidgets explorer |
+# | 08 | [capstone: attention through the page table](08_capstone_attention.ipynb) | paged decode attention, tiny model |
+# | 09 | [making it fast](09_making_it_fast.ipynb) | benchmarks, scalable kernels |
+# | 10 | [serve a real model](10_serve_a_real_model.ipynb) | `kvlab.hf.PagedGenerator`: a transformers model through `CacheManager` |
+# | 11 | the hash-chained prefix cache (coming: `11_hash_prefix_cache.ipynb`) | vLLM's and nano-vllm's prefix cache |
 #
-# Two real designs guide the course: mini-sglang's `CacheManager` (whole pages, driven from the
-# host) and SGLang's `PagedTokenToKVPoolAllocator` (token slots for a whole batch in one Triton
-# launch). We rebuild both, test them against plain-Python references, and fix the hazards
-# they carry.
+# Both source designs, mini-sglang's `CacheManager` and SGLang's `PagedTokenToKVPoolAllocator`,
+# are rebuilt, tested against plain-Python references, and cleared of the hazards they carry.
+# The [glossary](glossary.md) has every term of the course.
 #
 # ## Summary
 #

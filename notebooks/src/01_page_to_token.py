@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 01 · Pages → token slots
 #
+# **Time:** about 60 minutes. **Assumes:** chapter 00; PyTorch indexing and broadcasting. No
+# Triton yet: this chapter introduces it.
+#
 # **Goal.** Build mini-sglang's `_page_to_token`: given the pages a request was just handed,
 # list every token slot inside them, in order. First with three tensor operations
 # (`unsqueeze`, `arange`, `flatten`); then, after a short Triton primer (four small kernels,
@@ -43,7 +46,7 @@ plt.show()
 # %% [markdown]
 # ## Build it step by step
 #
-# The worked example from the source: pages `[4, 8]`, `page_size = 4` should give
+# The worked example of the source design (chapter 00): pages `[4, 8]`, `page_size = 4` should give
 # `[4, 5, 6, 7, 8, 9, 10, 11]`. Each page start needs the offsets `0, 1, ..., P-1` added to it.
 # Broadcasting does all the adds at once if the starts form a **column** and the offsets a **row**.
 
@@ -94,20 +97,25 @@ assert slots.data_ptr() == grid.data_ptr()
 #
 # `kernel[grid](args)` launches the function once per entry of the grid: `grid = (4,)` gives four
 # **program instances** (programs), numbered `0..3`. They all run the same code; the only thing
-# that tells them apart is `tl.program_id(0)`. A pointer argument (a torch tensor passed in)
-# points at element 0; `ptr + k` points at element `k`, and `tl.store` writes there.
+# that tells them apart is `tl.program_id(0)`. Its partner `tl.num_programs(0)` says how many
+# programs the grid has (here 4), so `pid == tl.num_programs(0) - 1` picks out the last one: a
+# program that can speak for the whole launch (chapter 03's kernel lets it report totals). A
+# pointer argument (a torch tensor passed in) points at element 0; `ptr + k` points at element
+# `k`, and `tl.store` writes there.
 
 # %%
 @triton.jit
 def whoami_kernel(out_ptr):
     pid = tl.program_id(0)  # 0, 1, 2, ... : which program instance this is
     tl.store(out_ptr + pid, pid * 10)
+    if pid == tl.num_programs(0) - 1:  # only the last program: it stores the grid's size
+        tl.store(out_ptr + 5, tl.num_programs(0))
 
 
 out = torch.full((6,), -1, dtype=torch.int32, device=device)
 whoami_kernel[(4,)](out)
 print(out.tolist())  # predict first: four programs, six entries
-assert out.tolist() == [0, 10, 20, 30, -1, -1]
+assert out.tolist() == [0, 10, 20, 30, -1, 4]
 
 # %% [markdown]
 # ### 2. `tl.arange` and a mask: many lanes per program
@@ -411,8 +419,8 @@ print("notebook == kvlab.page_to_token == kvlab.paging.page_to_token_triton")
 #   (the `flatten` of the fresh, contiguous sum is a view: no copy).
 # - Keep the input's dtype and device (build `arange` with `dtype=`, `device=`); `page_size == 1`
 #   is the identity.
-# - Triton runs a kernel as a grid of program instances told apart by `tl.program_id`; each
-#   works on a block of lanes, `tl.arange(0, BLOCK)`, whose length is a compile-time power of
+# - Triton runs a kernel as a grid of program instances told apart by `tl.program_id`
+#   (`tl.num_programs` counts them); each works on a block of lanes, `tl.arange(0, BLOCK)`, whose length is a compile-time power of
 #   two; masks switch off the lanes past the end, and a masked `tl.sum` needs `other=0`.
 # - As a Triton kernel `page_to_token` is one lane per output slot,
 #   `out[i] = starts[i // P] + i % P`, masked at the end. Lengths and page sizes are runtime

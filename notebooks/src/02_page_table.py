@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 02 · The page table
 #
+# **Time:** about 45 minutes. **Assumes:** chapters 00 and 01 (pages, page starts,
+# `page_to_token`, the Triton primer).
+#
 # **Goal.** Build mini-sglang's `_write_page_table`: after a batch of requests has been handed
 # new pages, record in the **page table** which physical slot holds each new token. We build the
 # table itself (and why it has one row too many), the `first_page`/`last_page` arithmetic of
@@ -81,9 +84,10 @@ assert [padded_size(b) for b in (3, 9, 100)] == [4, 16, 104]
 #
 # **Departure:** kvlab rounds up to **whole pages** instead, `div_ceil(max_seq_len, P) * P`,
 # because a request's last page is always written whole (`last_page * P` columns), so a width
-# of whole pages always has room for it. When `P` divides 32 (P = 1, 2, ..., 32) a multiple of 32
-# is also a multiple of `P` and both roundings leave room; for `P = 64` a 32-rounded width can end
-# in the middle of a page (a question at the end of the chapter asks what then happens).
+# of whole pages always has room for it. Page sizes are powers of two, so when `P` divides 32
+# (`P` = 1, 2, 4, 8, 16 or 32) a multiple of 32 is also a multiple of `P` and both roundings leave
+# room; for `P = 64` a 32-rounded width can end in the middle of a page (a question at the end of
+# the chapter asks what then happens).
 #
 # **Filled with `-1`.** **Departure:** mini-sglang zero-initialises its table (`torch.zeros`), but
 # slot 0 is a real slot (the first token of page 0): a bug that reads an entry nobody wrote would

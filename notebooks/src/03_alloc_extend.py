@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 03 · The three-part `alloc_extend_kernel`
 #
+# **Time:** about 90 minutes. **Assumes:** chapters 00-02, and chapter 01's Triton primer in
+# particular (`tl.program_id`, `tl.num_programs`, masks, `other=0`, masked sums).
+#
 # **Goal.** Rebuild the heart of SGLang's `PagedTokenToKVPoolAllocator`: one Triton launch that
 # hands out a KV slot to *every* new token of *every* request in a batch. You will derive the
 # three parts of the kernel by hand on the source's worked example, see how each program finds
@@ -323,7 +326,12 @@ assert all(v > 0 for v in seen.values())
 # %% [markdown]
 # ## The allocator around the kernel
 #
-# `kvlab.PagedTokenAllocator` owns `free_pages` (every page id `0..num_pages-1` is usable) and
+# `kvlab.PagedTokenAllocator` owns `free_pages`, where every page id `0..num_pages-1` is usable.
+# **Departure:** SGLang keeps page 0 out of its free list: its `clear()` starts it as
+# `free_pages = arange(1, num_pages + 1)` ("the padded slot 0 is used for writing dummy outputs
+# from padded tokens", `python/sglang/srt/mem_cache/allocator.py`), so its pool has
+# `num_pages + 1` pages and padded requests write into page 0. kvlab pads nothing (as chapter
+# 02's unmapped dummy row), so page 0 is an ordinary page here. The allocator
 # wraps the launch in five steps: (1) check the arguments, (2) count the new pages on the host,
 # (3) refuse with `OutOfPages` if there are too few, (4) launch, (5) drop the used pages from the
 # front of `free_pages`. With `impl="teaching"` step 4 launches this chapter's kernel (the
@@ -333,6 +341,7 @@ assert all(v > 0 for v in seen.values())
 
 # %%
 alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4, impl="teaching")
+assert sorted(alloc.free_pages.tolist()) == list(range(12))  # page 0 too (SGLang: 1..num_pages)
 alloc.free_pages = torch.tensor([5, 2, 9, 0, 7, 3, 10, 1, 8, 6, 4, 11], device=device)
 prefix = alloc.alloc_extend(torch.tensor([0, 0, 0], device=device), torch.tensor([3, 4, 0], device=device),
                             torch.tensor([-1, -1, -1], device=device), extend_num_tokens=7)
@@ -512,6 +521,14 @@ assert alloc.state().equals(before)
 # - `kvlab.check.alloc_extend_part2(kernel)`: whole new pages, `free_pages[new_page_start_loc + k // P] * P + k % P`;
 # - `kvlab.check.alloc_extend_part3(kernel)`: the new last page from offset 0, **and** `ret_values`
 #   (it is written near the top: the starter marks both places with `alloc_extend_part3`).
+#
+# **Do the parts in order: 1, then 2, then 3.** Each part starts where the one before it
+# stopped. Part 2 stores from `output_start_loc + num_part1`, and part 3 from
+# `output_start_loc + num_part1 + num_part2`; the `if ... return` between them reads those
+# counts too. While part 1 is still the starter (`num_part1 = 0`), every part-2 slot of a
+# request with an unaligned prefix lands in the wrong place, however right part 2 is; and part 3
+# needs both counts before it. For `ret_values`, the last program is the one with
+# `pid == tl.num_programs(0) - 1` (chapter 01's first primer).
 #
 # A checker compares only its own part's slots with the reference (a slot you have not written
 # yet shows as `-1`) and on a mistake names the case, the request and the part, the first wrong

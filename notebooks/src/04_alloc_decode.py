@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 04 · Decode, one token at a time: `alloc_decode`
 #
+# **Time:** about 45 minutes. **Assumes:** chapter 03 (the extend kernel, its masked sums and
+# page counts).
+#
 # **Goal.** After the prefill (chapter 03's `alloc_extend`), a request grows by exactly one token
 # per scheduler step until it stops: the **decode** steps of chapter 00. Every decode step the
 # server needs one new KV slot per running request, and it asks for all of them in one launch:

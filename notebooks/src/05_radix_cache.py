@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 05 · The radix prefix cache: requests that share a prefix share its pages
 #
+# **Time:** about 75 minutes. **Assumes:** chapters 00-02 (pages, the page table, rows); trees
+# and dictionaries in Python. No Triton in this chapter.
+#
 # **Goal.** Build the prefix cache of mini-sglang: a tree of cached token sequences whose KV
 # pages a new request can reuse instead of recomputing. By the end you can say what
 # `match_prefix`, `insert_prefix`, `lock_handle` and `evict` do to the tree, why every key is
@@ -187,6 +190,34 @@ print(f"matched {m.cached_len}; clock {small.clock}; old stamp {old_stamp}")
 for node in small.nodes():
     print(f"  node {list(node.key)}: last_access {node.last_access}")
 assert stamps(small) == {(1, 2, 3, 4): small.clock, (5, 6): old_stamp}
+
+# %% [markdown]
+# **Departure: the split's upper half gets the new stamp.** mini-sglang leaves it old. Its
+# `split_at` creates the upper node with the split node's `timestamp`, and its `_tree_walk`
+# returns right after the split, before the line that stamps the node it walked into
+# (`node.timestamp = tic`; `python/minisgl/kvcache/radix_cache.py`). So there a prefix a
+# request has just matched keeps the stamp of its last *whole* use. kvlab stamps it because the
+# match did use those pages: once the lower half is evicted, the upper half is a leaf, and with
+# an old stamp it would be evicted ahead of prefixes nobody has read for longer.
+#
+# **Why the printed clock jumps by 2 on an insert.** An `insert_prefix` that adds a node ticks
+# the clock twice: once for its walk down the tree (stamping the nodes the prompt shares with
+# the cache), and once more for the new node, so a new leaf is always newer than the path above
+# it. mini-sglang has the same order in real time: its walk reads `tic = time.monotonic_ns()`,
+# and the new node reads the clock again when it is created. An insert with nothing new to add
+# ticks once. That is why the two inserts of the first tree above left the clock at 4, and the
+# stamps in it are 2, 3 and 4:
+
+# %%
+clocked = RadixPrefixCache(page_size=2, device="cpu")
+ticks = []
+for ids in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]):  # new, one more page, nothing new
+    before_clock = clocked.clock
+    clocked.insert_prefix(ids, torch.arange(len(ids), dtype=torch.int32))
+    ticks.append(clocked.clock - before_clock)
+print("clock ticks per insert:", ticks, "| stamps:", stamps(clocked))
+assert ticks == [2, 2, 1]
+assert stamps(clocked) == {(1, 2, 3, 4): 5, (5, 6): 5}  # the third insert's walk stamped both
 
 # %% [markdown]
 # ## Why `match_req` drops the last token

@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 06 · `cache_req`: settling a request's pages with the prefix cache
 #
+# **Time:** about 75 minutes. **Assumes:** chapter 02 (the page table, `allocate_paged`) and
+# chapter 05 (the prefix cache: match, insert, handles, locks, evict).
+#
 # **Goal.** Put chapter 05's prefix cache, the free list and the page table together into
 # mini-sglang's `CacheManager`, and follow its most delicate method, `cache_req`, through the
 # **four regions** of a request's row. You will see a plain hit, the *duplicate* region that
@@ -149,7 +152,19 @@ assert (old_len, already, new_handle.cached_len) == (0, 0, 8) and duplicate_page
 
 # %% [markdown]
 # Nothing was cached before, so A's first two pages become the cache's and the 2-token tail
-# stays with A. The real call does the same to the manager's cache, and records the regions:
+# stays with A. The real call does the same to the manager's cache, and returns what it did as a
+# `kvlab.CacheRegions`, plain data that this chapter prints, draws and checks:
+#
+# | field | what it holds |
+# |---|---|
+# | `hit`, `duplicate`, `inserted`, `tail` | the four regions, each a `Region(start, end)` of positions |
+# | `old_cached_len`, `already_cached_len`, `new_cached_len`, `req_cached_len` | the four lengths `old`, `already`, `new`, `req` |
+# | `table_idx`, `page_size`, `finished` | the request's row, the page size, and whether the request ended |
+# | `row_before` | the request's row over `[0, req)` before the call: the slot of each position |
+# | `row_after` | the same positions after the call (it differs where a duplicate was remapped) |
+# | `duplicate_slots`, `tail_slots` | the slots of the duplicate region, and of the tail |
+# | `freed_pages` | the page starts the call gave back to the free list |
+# | `remapped` | whether the duplicate part of the row now points at the cache's slots |
 
 # %%
 regions_a = cm.cache_req(a, finished=False)

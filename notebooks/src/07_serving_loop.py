@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 07 · A serving loop you can scrub through
 #
+# **Time:** about 60 minutes. **Assumes:** chapters 05 and 06 (`CacheManager`, `cache_req`);
+# chapter 00's prefill, decode and scheduler steps.
+#
 # **Goal.** Put every piece of chapters 01-06 to work at once: a small, deterministic server
 # loop that admits requests, matches their prefixes, allocates pages for prefill and decode,
 # caches finished requests, evicts when memory runs short, and checks after *every* step that
@@ -308,6 +311,19 @@ print(f"hit rate {summary.hit_rate:.0%}")
 # independently: at every step the four kinds of page add up to all pages, no page is both
 # free and cached, no running row maps a free page, a free row maps nothing; at the end
 # nothing is running, every page is free or evictable, and every request ended exactly once.
+#
+# A `Timeline` holds one `StepRecord` per step (`tl.steps`, or `tl[k]`), and the run's
+# `num_pages` and `page_size`. The fields of a step `s` that `check_timeline` reads:
+#
+# | field | what it holds |
+# |---|---|
+# | `s.step` | the step's number |
+# | `s.memory` | a `MemorySplit` of the pages at the end of the step: `free`, `cached_evictable`, `cached_locked`, `private`; `.total` adds them up, `.in_use` is locked + private |
+# | `s.free_pages` | the free list: page ids, in the order the allocator hands them out |
+# | `s.page_table` | the page table at the end of the step, one row per request slot (a CPU copy) |
+# | `s.row_rids` | the request id that owns each row, `-1` for a free row |
+# | `s.tree` | the prefix cache's `snapshot()`: `s.tree.nodes` has one `NodeInfo` per node, whose `page_ids` are the physical pages the node holds (beside its `pages` of tokens, `ref_count` and `last_access`) |
+# | `s.finished`, `s.aborted` | the request ids that ended at this step |
 
 # %%
 def check_timeline(tl, workload):

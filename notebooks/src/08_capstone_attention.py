@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 08 · Capstone: attention through the page table
 #
+# **Time:** about 90 minutes. **Assumes:** chapters 01 (Triton), 02 and 05-07; attention and
+# softmax as in a transformer layer (queries, keys, values, heads).
+#
 # **Goal.** Close the loop. Chapters 01-07 hand out KV *slots*; here a model finally writes
 # its keys and values into those slots and reads them back through the page table. You will
 # build a KV pool, paged attention in plain torch (a warm-up exercise), a paged
@@ -336,7 +339,7 @@ except InvalidArgument as err:
 # %% [markdown]
 # ## A tiny model, served through the page table
 #
-# `kvlab.attention.TinyTransformer` has seeded random weights (no download): 2 layers, 2
+# `kvlab.engine.TinyTransformer` has seeded random weights (no download): 2 layers, 2
 # heads of 16 dims, a vocabulary of 96, learned absolute positions. Its `forward` takes an
 # `attend(layer, q, k, v)` callback, so the same weights run two ways:
 #

@@ -1,6 +1,10 @@
 # %% [markdown]
 # # 09 · Making it fast
 #
+# **Time:** about 75 minutes, and 30 more for the optional part on host costs. **Assumes:**
+# chapters 03 and 04 (the teaching kernels); the optional part also CUDA streams and pinned
+# memory (chapter 02).
+#
 # **Goal.** Chapters 03 and 04 rebuilt SGLang's `alloc_extend_kernel` and `alloc_decode_kernel`
 # as the source design wrote them. They are correct, and they carry three costs that only show
 # up on a GPU under load. This chapter measures each one, removes it, and checks that the faster
@@ -259,13 +263,19 @@ plt.show()
 # Triton fill):
 
 # %%
-def extend_slots_torch(pre, seq, last_loc, free_pages, page_size):
-    """Slots of a batched extend: one formula per output token (this chapter's build-up)."""
+def extend_slots_torch(pre, seq, last_loc, free_pages, page_size, starts=None):
+    """Slots of a batched extend: one formula per output token (this chapter's build-up).
+
+    ``starts``: ``(token_start, page_start)`` from elsewhere (a scan kernel); default: cumsum.
+    """
     P = page_size
     extend = seq - pre
     new_pages = (seq + P - 1) // P - (pre + P - 1) // P
-    token_start = torch.cumsum(extend, 0) - extend
-    page_start = torch.cumsum(new_pages, 0) - new_pages
+    if starts is None:
+        token_start = torch.cumsum(extend, 0) - extend
+        page_start = torch.cumsum(new_pages, 0) - new_pages
+    else:
+        token_start, page_start = starts
     t = torch.arange(int(extend.sum()), device=pre.device)
     r = torch.searchsorted(token_start, t, right=True) - 1
     k = t - token_start[r]
@@ -474,22 +484,45 @@ kvlab.check.hint("extend_scan", 1);
 # kvlab.solutions.show("extend_scan")   # uncomment to read a reference solution
 
 # %% [markdown]
-# ## Lift: the notebook's function vs kvlab's
+# ## Lift: your scan and the notebook's fill vs kvlab's
 #
-# The torch build-up of this chapter against the package's fast path, on fresh random batches:
+# Your `my_extend_scan` gives every request its `token_start` and `page_start`, and the
+# build-up's formula (`extend_slots_torch`) turns them into slots. Together they must hand out
+# exactly the slots of the package's fast path, on fresh random batches of up to 20 requests
+# (several blocks of 8). Until your scan has passed its checker, the reference solution stands
+# in for it, and the cell says so.
 
 # %%
+scan_kernel = kvlab.check.choose("extend_scan", my_extend_scan, kvlab.solutions.get("extend_scan"))
+
+
+def scan_starts(kernel, pre, seq, page_size, block=8):
+    """(token_start, page_start) of a batch, from a scan kernel: one program, BLOCK requests at a time."""
+    token_start, page_start = torch.empty_like(pre), torch.empty_like(pre)
+    kernel[(1,)](pre, seq, token_start, page_start, len(pre), page_size, BLOCK=block)
+    return token_start, page_start
+
+
 for trial in range(kvlab.runtime.pick(cpu=5, gpu=100)):
     P = rng.choice([1, 16, 64])
-    pre_l, seq_l, last_l, free_l = random_extend_batch(rng, P, max_bs=8)
-    mine = extend_slots_torch(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P)
-    theirs = alloc_extend_fast(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P,
+    pre_l, seq_l, last_l, free_l = random_extend_batch(rng, P, max_bs=20)
+    pre_t, seq_t = as_t(pre_l), as_t(seq_l)
+    starts = scan_starts(scan_kernel, pre_t, seq_t, P)
+    extend, new_pages = seq_t - pre_t, (seq_t + P - 1) // P - (pre_t + P - 1) // P
+    assert torch.equal(starts[0], torch.cumsum(extend, 0) - extend)
+    assert torch.equal(starts[1], torch.cumsum(new_pages, 0) - new_pages)
+    mine = extend_slots_torch(pre_t, seq_t, as_t(last_l), as_t(free_l), P, starts=starts)
+    theirs = alloc_extend_fast(pre_t, seq_t, as_t(last_l), as_t(free_l), P,
                                prefix_lens_cpu=pre_l, seq_lens_cpu=seq_l)
     assert torch.equal(mine, theirs.out_indices)
-print("the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
+print("your scan + the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 
 # %% [markdown]
-# ## Where the time of a public call goes
+# ## Optional: where the time of a public call goes
+#
+# *This part is optional.* It follows the host's side of a call, down to Triton's C launcher,
+# pointers passed as addresses and pinned memory: what matters when you tune a serving loop
+# on a GPU. Nothing after it depends on it; skip to the summary if you like.
 #
 # A serving engine never calls these kernels bare. It calls `kvlab.PagedTokenAllocator`
 # (`alloc_extend`, `alloc_decode`): host code that checks the arguments, counts the pages,

@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 10 · Serve a real model
 #
+# **Time:** about 45 minutes. **Assumes:** chapter 08 (a model served through `CacheManager`,
+# paged decode attention); Hugging Face `transformers` basics (a model, `generate`).
+#
 # **Goal.** Chapter 08 proved kvlab's memory manager right on a model the course wrote itself.
 # Here the model is a **real one**: a Llama-family model (or Qwen2) loaded by Hugging Face
 # `transformers`, running its own code for embeddings, norms, rotary position embeddings (RoPE)
