@@ -5,22 +5,22 @@
 # particular (`tl.program_id`, `tl.num_programs`, masks, `other=0`, masked sums).
 #
 # **Goal.** Rebuild the heart of SGLang's `PagedTokenToKVPoolAllocator`: one Triton launch that
-# hands out a KV slot to *every* new token of *every* request in a batch. You will derive the
-# three parts of the kernel by hand on the source's worked example, see how each program finds
-# its place with the masked sums of chapter 01's primer, run the kernel and validate it against a
-# plain-Python reference, write its slots into a page table, see what goes wrong when pages run
+# hands out a KV [slot](glossary.md#token-slot) to *every* new token of *every* request in a batch. You will derive the
+# [three parts](glossary.md#three-parts) of the kernel by hand on the source's worked example, see how each [program](glossary.md#program) finds
+# its place with the [masked](glossary.md#mask) sums of chapter 01's primer, run the kernel and validate it against a
+# plain-Python reference, write its slots into a [page table](glossary.md#page-table), see what goes wrong when [pages](glossary.md#page) run
 # out (and how the allocator avoids it), compare the source's kernel with SGLang's today, and
 # finally write the three parts yourself.
 #
 # **The terms.** Chapter 00 called a step that grows a request's KV from `pre` to `seq` tokens an
-# **extend**; a prefill is an extend from 0 (or from a prefix-cache hit, or from the previous
+# **[extend](glossary.md#extend)**; a [prefill](glossary.md#prefill) is an extend from 0 (or from a [prefix-cache hit](glossary.md#cache-hit), or from the previous
 # chunk of a long prompt). The allocator receives one value per request, for a whole batch:
 #
 # | name | meaning |
 # |---|---|
-# | `prefix_lens` | tokens already in the KV cache before this batch (`pre`) |
+# | `prefix_lens` | tokens already in the [KV cache](glossary.md#kv-cache) before this batch (`pre`) |
 # | `seq_lens` | tokens the request should have after this batch (`seq`) |
-# | `last_loc` | the physical slot of the last prefix token (`-1` when `pre == 0`) |
+# | [`last_loc`](glossary.md#last-loc) | the physical slot of the last prefix token (`-1` when `pre == 0`) |
 # | `extend_num_tokens` | new tokens in the whole batch, `sum(seq - pre)` |
 # | `out_indices` | the answer: one physical slot per new token, requests one after another |
 #
@@ -78,7 +78,7 @@ print("out_indices:", pic.plan.out_indices)
 # %% [markdown]
 # ## The three parts by hand: the worked example
 #
-# The source design's example has `P = 64` and two requests:
+# The [source design](glossary.md#source-design)'s example has `P = 64` and two requests:
 #
 # - **A**: `pre = 70`, `seq = 190`. Its 70 cached tokens are positions 0..69; the last of them,
 #   position 69, sits at offset `69 % 64 = 5` of its second page, so the first new token,
@@ -159,7 +159,7 @@ for pid in range(bs):
 assert (output_start_loc, new_page_start_loc) == (120, 1)
 
 # %% [markdown]
-# Every program re-sums *all* earlier requests: `bs` programs × `bs` lanes = O(bs²) work for a
+# Every program re-sums *all* earlier requests: `bs` programs × `bs` [lanes](glossary.md#lane) = O(bs²) work for a
 # batch. Fine for a few hundred requests; chapter 09 does it with one prefix sum instead.
 #
 # ## One program, written out in plain Python
@@ -232,7 +232,7 @@ assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
 # loops, written as masked stores: that is **your exercise** at the end of this chapter, so the
 # chapter runs the package's kernel until then.
 #
-# Three sizes are compile-time constants (`tl.constexpr`), because each is a `tl.arange` length:
+# Three sizes are [compile-time constants](glossary.md#constexpr) (`tl.constexpr`), because each is a `tl.arange` length:
 # `bs_upper = next_power_of_2(bs)` for the masked sums, `page_size` for parts 1 and 3 (at most
 # one page each), and `max_num_extend_tokens = next_power_of_2(extend_num_tokens)` for part 2,
 # which may span many pages. On a GPU every new value of one of them compiles a new kernel:
@@ -242,7 +242,7 @@ assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
 # a masked-off lane without `other` as undefined, and these lanes go into `tl.sum` (the source
 # leaves `other` out). And part 1's `min(seq_len, ...)` is written `tl.minimum(...)`: a style
 # choice, not a fix, since compiled Triton turns the built-in `min` into `tl.minimum` and the
-# interpreter runs it as Python's `min` (SGLang writes `min`).
+# [interpreter](glossary.md#interpreter) runs it as Python's `min` (SGLang writes `min`).
 #
 # Launch it on the worked example, exactly as the allocator does:
 
@@ -274,7 +274,7 @@ print("the kernel reproduces [A 58 | A 62 | B 128 | B 4]")
 # tokens were written. The last program has summed every request, so it packs both into one
 # 64-bit integer, pages in the high 32 bits, tokens in the low 32:
 # `(num_new_pages << 32) | extend_num_tokens`. One `.item()` reads it: the host waits for the GPU
-# to finish the kernel and copy the number back (a *sync*). The store comes before part 1 in the
+# to finish the kernel and copy the number back (a *[sync](glossary.md#sync)*). The store comes before part 1 in the
 # kernel, because parts 1 and 2 may `return` early.
 
 # %%
@@ -287,7 +287,7 @@ assert (pages, tokens) == unpack_ret_value(ret) == (4, 252)
 #
 # `kvlab.reference.alloc.alloc_extend_ref` is the same computation as plain Python loops, request
 # by request. Random batches with page sizes 1, 16 and 64; prefixes that are empty, page-aligned
-# or not; some empty extends (`seq == pre`). Prefixes live on pages of their own and the free list
+# or not; some empty extends (`seq == pre`). Prefixes live on pages of their own and the [free list](glossary.md#free-list)
 # is shuffled, as it would be after a while of serving.
 
 # %%
@@ -327,11 +327,11 @@ assert all(v > 0 for v in seen.values())
 # ## The allocator around the kernel
 #
 # `kvlab.PagedTokenAllocator` owns `free_pages`, where every page id `0..num_pages-1` is usable.
-# **Departure:** SGLang keeps page 0 out of its free list: its `clear()` starts it as
+# **[Departure](glossary.md#departure):** SGLang keeps page 0 out of its free list: its `clear()` starts it as
 # `free_pages = arange(1, num_pages + 1)` ("the padded slot 0 is used for writing dummy outputs
 # from padded tokens", `python/sglang/srt/mem_cache/allocator.py`), so its pool has
 # `num_pages + 1` pages and padded requests write into page 0. kvlab pads nothing (as chapter
-# 02's unmapped dummy row), so page 0 is an ordinary page here. The allocator
+# 02's unmapped [dummy row](glossary.md#dummy-row)), so page 0 is an ordinary page here. The allocator
 # wraps the launch in five steps: (1) check the arguments, (2) count the new pages on the host,
 # (3) refuse with `OutOfPages` if there are too few, (4) launch, (5) drop the used pages from the
 # front of `free_pages`. With `impl="teaching"` step 4 launches this chapter's kernel (the
@@ -419,7 +419,7 @@ assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
 # %% [markdown]
 # ## When pages run out
 #
-# In the source design the host launches the kernel **first**, reads `ret_values`, and only then
+# In the source design the host launches the kernel **first**, reads [`ret_values`](glossary.md#ret-values), and only then
 # checks `num_new_pages > len(free_pages)` and returns `None` (SGLang still launches first
 # today: see the box below). By then every program has already
 # loaded its page ids from `free_pages`, and a program whose pages lie past the end of the
@@ -515,12 +515,12 @@ assert alloc.state().equals(before)
 # `pre_page_end = ceil(pre/P)*P`, `seq_page_start = floor(seq/P)*P` and
 # `offs_page = tl.arange(0, page_size)`. Write the three parts, translating `one_program`'s
 # loops into masked stores (the checks `if ... return` between them are given). Each part has its
-# own checker, so you can do them one at a time:
+# own [checker](glossary.md#checker), so you can do them one at a time:
 #
 # - `kvlab.check.alloc_extend_part1(kernel)`: the rest of the old page, `last_loc + 1, ...`;
 # - `kvlab.check.alloc_extend_part2(kernel)`: whole new pages, `free_pages[new_page_start_loc + k // P] * P + k % P`;
 # - `kvlab.check.alloc_extend_part3(kernel)`: the new last page from offset 0, **and** `ret_values`
-#   (it is written near the top: the starter marks both places with `alloc_extend_part3`).
+#   (it is written near the top: the [starter](glossary.md#starter) marks both places with `alloc_extend_part3`).
 #
 # **Do the parts in order: 1, then 2, then 3.** Each part starts where the one before it
 # stopped. Part 2 stores from `output_start_loc + num_part1`, and part 3 from
