@@ -94,8 +94,8 @@ def plot_extend(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
 def plot_recompile(res: dict):
     """First call of each path on shapes it has not seen: the teaching kernel recompiles."""
     rows = res["cold"]
-    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 4.8))
-    labels = [f"{r['case']} P={r['page_size']}\n{r['teaching_lanes']} lanes" for r in rows]
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 5.4))
+    labels = [f"{r['case']} P={r['page_size']}, {r['teaching_lanes']} lanes" for r in rows]
     xs = range(len(rows))
     teach = [r["teaching_first_call_ms"] for r in rows]
     fast = [r["fast_first_call_ms"] for r in rows]
@@ -111,7 +111,7 @@ def plot_recompile(res: dict):
     ax.text(len(rows) - 0.5, 21, "20 ms target", ha="right", va="bottom", fontsize=8, color="gray")
     ax.set_yscale("log")
     ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, fontsize=7, rotation=60, ha="right")
+    ax.set_xticklabels(labels, fontsize=7, rotation=90)  # one line each: neighbours never overlap
     ax.set_ylabel("first call, ms (log)")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title(_title(res, "The recompile trap: first call on a new shape"), fontsize=10)
