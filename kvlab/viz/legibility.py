@@ -32,12 +32,10 @@ MIN_TEXT_PX = 9.0
 #: The widest figure the course draws, in inches: 960 px at the inline backend's 100 dpi, so an
 #: output area shows it unscaled and 7 pt text is 9.7 px tall (the smallest size the course uses).
 MAX_WIDTH_IN = 9.6
-#: The smallest font size the course uses, in points.
-MIN_FONT_PT = 7.0
 #: The environment variable that turns the audit on: a file path (JSON lines) or ``warn``.
 AUDIT_ENV = "KVLAB_FIGURE_AUDIT"
 
-__all__ = ["AUDIT_ENV", "FigureLegibility", "MAX_WIDTH_IN", "MIN_FONT_PT", "MIN_TEXT_PX",
+__all__ = ["AUDIT_ENV", "FigureLegibility", "MAX_WIDTH_IN", "MIN_TEXT_PX",
            "OUTPUT_WIDTH_PX", "IllegibleFigure",
            "check_legible", "inline_dpi", "install_audit", "measure", "text_px"]
 
