@@ -8,15 +8,20 @@
   nbval reports, although in a notebook it does not stop Run All).
 * No cell echoes what a call of ``kvlab.check`` or ``kvlab.solutions`` returned (an ``Out[..]``
   under a checker, a hint or a solution that was printed already): :func:`stray_echo`.
+* Every figure a notebook shows is legible in JupyterLab: its smallest text is at least 9 px
+  tall in a 970 px output area (:mod:`kvlab.viz.legibility`). The kernels inherit
+  ``KVLAB_FIGURE_AUDIT``, set here to a file of this worker's, so ``import kvlab`` measures
+  each figure as it is rendered; the file is emptied when a notebook starts.
 
-The first two checks run when the last cell of a notebook has run, on the outputs nbval
-collected; the third after each cell. The notebooks' kernels record the learner's progress in
-a folder of their own (``KVLAB_PROGRESS_FILE``), never in the real home.
+The stray-echo check runs after each cell; the others when the last cell of a notebook has run,
+on the outputs nbval collected. The notebooks' kernels record the learner's progress in a folder
+of their own (``KVLAB_PROGRESS_FILE``), never in the real home.
 """
 from __future__ import annotations
 
 import ast
 import atexit
+import json
 import os
 import re
 import shutil
@@ -36,6 +41,13 @@ _MARKER = re.compile(r"#\s*YOUR CODE HERE: (\w+)")
 
 _reported: dict[Path, Counter] = defaultdict(Counter)
 _failed: set[Path] = set()
+_images: Counter = Counter()
+
+# one audit file per pytest process (each xdist worker runs its notebooks one at a time)
+_AUDIT = os.environ["KVLAB_FIGURE_AUDIT"] = os.path.join(
+    tempfile.mkdtemp(prefix="kvlab-figures-"), "audit.jsonl")
+# the kernels draw with the inline backend, as in JupyterLab (MPLBACKEND=Agg would show nothing)
+os.environ.pop("MPLBACKEND", None)
 
 
 def _notebook(item) -> Path | None:
@@ -98,6 +110,33 @@ def _problem(path: Path) -> str | None:
     return None
 
 
+def _illegible(path: Path) -> str | None:
+    """What is wrong with the figures a finished notebook rendered, if anything."""
+    try:
+        with open(_AUDIT) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        records = []
+    shown = _images.pop(path, 0)
+    if shown and not records:
+        return (f"{path.name} showed {shown} image(s) but the figure audit measured none: "
+                "is KVLAB_FIGURE_AUDIT reaching the kernel (kvlab.viz.legibility.install_audit)?")
+    bad = [r for r in records if not r["legible"]]
+    if not bad:
+        return None
+    lines = [f"  {r['width_px']} px wide at {r['dpi']:g} dpi, smallest text {r['smallest_pt']:g} pt "
+             f"= {r['smallest_px']} px ('{r['smallest_text']}' in the figure titled '{r['title']}')"
+             for r in bad]
+    return (f"{path.name}: {len(bad)} of {len(records)} figures have text under 9 px in a 970 px "
+            "wide output area (kvlab.viz.legibility):\n" + "\n".join(lines))
+
+
+def pytest_runtest_setup(item):
+    path = _notebook(item)
+    if path is not None and getattr(item, "cell_num", -1) == 0:
+        open(_AUDIT, "w").close()  # a new notebook: forget the last one's figures
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -107,6 +146,7 @@ def pytest_runtest_makereport(item, call):
         return
     for output in getattr(item, "test_outputs", None) or []:
         _reported[path].update(_NOT_ATTEMPTED.findall(_text(output)))
+        _images[path] += "image/png" in output.get("data", {})
     cell = getattr(item, "cell", None)
     echo = stray_echo(cell.source, getattr(item, "test_outputs", None) or []) if cell else None
     if echo and not report.failed:
@@ -116,7 +156,7 @@ def pytest_runtest_makereport(item, call):
     n_code = sum(c.cell_type == "code" for c in item.parent.nb.cells)
     if getattr(item, "cell_num", -1) != n_code - 1 or path in _failed:
         return  # not the last cell yet, or nbval already reports a failing cell
-    problem = _problem(path)
+    problem = _problem(path) or _illegible(path)
     if problem:
         report.outcome = "failed"
         report.longrepr = problem

@@ -29,6 +29,10 @@ Marker lines may be indented; they are dropped from both builds. Whole cells can
 one build: a cell tagged ``solution`` (``# %% [markdown] tags=["solution"]``, e.g. a
 discussion of the chapter's open questions) appears only in the solutions build, a cell
 tagged ``learner`` only in the learner build.
+
+Relative links in the sources are written from ``notebooks/`` (``[page](glossary.md#page)``).
+The solutions build lives one folder down, so there a link to anything but a chapter notebook
+(``NN_name.ipynb``, which both folders have) gets ``../`` in front.
 """
 from __future__ import annotations
 
@@ -51,6 +55,9 @@ LEARNER_DIR = ROOT / "notebooks"
 SOLUTIONS_DIR = ROOT / "notebooks" / "solutions"
 
 MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN STARTER", "END STARTER")
+#: a Markdown link's target: not a URL, not absolute, not a bare #anchor
+_CODE = re.compile(r"(```.*?```|`[^`\n]*`)", re.S)
+_RELATIVE_LINK = re.compile(r"\]\((?![a-z][a-z0-9+.-]*:|/|#)([^)\s]+)\)")
 _MARKER = re.compile(r"^\s*### (BEGIN SOLUTION|END SOLUTION|BEGIN STARTER|END STARTER)\s*$")
 BUILDS = ("learner", "solutions")
 
@@ -85,6 +92,19 @@ def split_regions(source: str, build: str, where: str = "") -> str:
     return "\n".join(out)
 
 
+def rebase_links(source: str) -> str:
+    """The Markdown of a solutions notebook: relative links (other than to a chapter
+    notebook, which ``notebooks/solutions/`` has too) point one folder up."""
+    def rebase(m: re.Match) -> str:
+        target = m.group(1)
+        if target.split("#")[0].endswith(".ipynb"):
+            return m.group(0)
+        return f"](../{target})"
+
+    parts = _CODE.split(source)  # code (``kernel[grid](args)``) is left alone: odd parts
+    return "".join(p if i % 2 else _RELATIVE_LINK.sub(rebase, p) for i, p in enumerate(parts))
+
+
 def has_markers(source: str) -> bool:
     return any(_MARKER.match(line) for line in source.splitlines())
 
@@ -106,7 +126,7 @@ def build(src_path: Path, which: str) -> nbformat.NotebookNode:
             continue
         source = split_regions(cell.source, which, f"{src_path.name} cell {i + 1}")
         if cell.cell_type == "markdown":
-            new = nbformat.v4.new_markdown_cell(source)
+            new = nbformat.v4.new_markdown_cell(rebase_links(source) if which == "solutions" else source)
         else:
             new = nbformat.v4.new_code_cell(source)
         if tags - {"solution", "learner"}:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 from typing import Sequence
 
+from ..viz.legibility import MAX_WIDTH_IN
 from .registry import figure
 
 
@@ -49,9 +50,9 @@ def plug_in_figure():
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
-    fig, ax = plt.subplots(figsize=(11, 4.2))
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 3.9))
     ax.set_xlim(0, 11)
-    ax.set_ylim(0, 4.2)
+    ax.set_ylim(0, 4.4)
     ax.axis("off")
     model_boxes = ["embed", "RMSNorm", "q, k, v proj", "RoPE", "attention", "o_proj + residual",
                    "RMSNorm", "MLP + residual", "lm_head"]
@@ -72,7 +73,8 @@ def plug_in_figure():
     # the page table and the pool
     P = 4
     table = [[8, 9, 10, 11, 20, 21], [8, 9, 10, 11, 4, -1]]
-    ax.text(5.2, 4.05, "page table (row = request, column = position)", ha="center", fontsize=9)
+    ax.text(5.2, 3.86, "page table\n(row = request, column = position)", ha="center", va="bottom",
+            fontsize=9)
     for r, row in enumerate(table):
         for t, slot in enumerate(row):
             x, yy = 3.9 + t * 0.42, 3.4 - r * 0.42
@@ -84,7 +86,8 @@ def plug_in_figure():
     ax.text(3.85, 3.17, "B", ha="right", va="center", fontsize=8)
     ax.text(5.2, 2.75, "positions 0-3: one cached page, shared", ha="center", fontsize=7.5, color="#31a354")
 
-    ax.text(8.9, 4.05, "K/V pool of one layer: [slots, kv_heads, head_dim]", ha="center", fontsize=9)
+    ax.text(8.9, 3.86, "K/V pool of one layer\n[slots, kv_heads, head_dim]", ha="center", va="bottom",
+            fontsize=9)
     owner = {8: "#a1d99b", 9: "#a1d99b", 10: "#a1d99b", 11: "#a1d99b", 20: "#9ecae1", 21: "#9ecae1",
              4: "#fdae6b"}
     for s in range(24):

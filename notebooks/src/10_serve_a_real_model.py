@@ -1,6 +1,9 @@
 # %% [markdown]
 # # 10 · Serve a real model
 #
+# **Time:** about 45 minutes. **Assumes:** chapter 08 (a model served through `CacheManager`,
+# paged decode attention); Hugging Face `transformers` basics (a model, `generate`).
+#
 # **Goal.** Chapter 08 proved kvlab's memory manager right on a model the course wrote itself.
 # Here the model is a **real one**: a Llama-family model (or Qwen2) loaded by Hugging Face
 # `transformers`, running its own code for embeddings, norms, rotary position embeddings (RoPE)
@@ -8,15 +11,15 @@
 # values live and how attention reads them back**. You will
 #
 # * plug into the model through transformers' own extension point for attention,
-# * meet grouped-query attention (GQA: several query heads share one K/V head),
-# * serve a batch through `kvlab.hf.PagedGenerator` -- `CacheManager`, the radix prefix cache,
-#   the page table, the KV pool and chapter 08's Triton kernel -- and get **exactly** the
+# * meet [grouped-query attention](glossary.md#grouped-query-attention) (GQA: several query heads share one K/V head),
+# * serve a batch through `kvlab.hf.PagedGenerator` -- `CacheManager`, the radix [prefix cache](glossary.md#prefix-cache),
+#   the [page table](glossary.md#page-table), the [KV pool](glossary.md#kv-pool) and chapter 08's Triton kernel -- and get **exactly** the
 #   tokens of `model.generate`,
 # * watch a multi-turn conversation compute only what is new, turn after turn.
 #
 # By default the chapter builds a small random Llama (2 layers, 4 query heads on 2 K/V heads)
 # and saves it to disk first, so it loads through `from_pretrained` like any checkpoint; no
-# download, about a minute in the interpreter. With a GPU and internet (Colab), set
+# download, about a minute in the [interpreter](glossary.md#interpreter). With a GPU and internet (Colab), set
 # `USE_SMOLLM2 = True` below to serve `HuggingFaceTB/SmolLM2-135M` on real text instead.
 
 # %%
@@ -78,7 +81,7 @@ print(f"{type(model).__name__} from {model.name_or_path}: {c.num_hidden_layers} 
 # the output projection, norm, MLP. transformers looks the attention function up **by name**
 # in a registry (`AttentionInterface`) each time a layer runs, and `attn_implementation`
 # picks the name. So a serving engine can register its own function and leave every other box
-# as the model's authors wrote it. Ours stores this step's `k`, `v` in the pool at the slots
+# as the model's authors wrote it. Ours stores this step's `k`, `v` in the pool at the [slots](glossary.md#token-slot)
 # the page table names, then reads every earlier token of the request back through its row.
 
 # %%
@@ -128,7 +131,7 @@ print(f"{heads} query heads share {kv_heads} K/V heads: {heads // kv_heads} quer
 # With GQA the pool stores only `kv_heads` heads per token -- here half the memory of one K/V
 # head per query head (SmolLM2: a third; Llama 3 70B: an eighth). Query head `h` reads K/V head
 # `h // group`, `group = heads // kv_heads`. Chapter 08's Triton kernel takes that as one more
-# compile-time number, `KV_GROUP`: each program (one request, one query head) loads the rows of
+# compile-time number, `KV_GROUP`: each [program](glossary.md#program) (one request, one query head) loads the rows of
 # K/V head `h // KV_GROUP`. The plain-torch reference repeats each K/V head `group` times and
 # does ordinary attention. They must agree on edge cases and random layouts.
 
@@ -167,8 +170,8 @@ for name, (page_size, seq_lens, h, kvh) in edge_cases.items():
 #     tokens     [ A's prompt: positions 0..20 | B's prompt: 20..25 | C: 31 | D: 7 ]
 #                  admitted this step (prefill)                       running (decode)
 #
-# Per step: `admit` new requests (radix-cache match + lock; a request whose prompt shares whole
-# pages with one admitted in the same step waits one step, then reads them from the cache);
+# Per step: `admit` new requests (radix-cache match + [lock](glossary.md#lock); a request whose prompt shares whole
+# [pages](glossary.md#page) with one admitted in the same step waits one step, then reads them from the cache);
 # `allocate_paged` for the batch; one forward -- in every layer kvlab stores the step's K/V
 # at `page_table[row, position]`, then a prompt's tokens attend causally through the row
 # (torch) and each decoding token goes through the Triton kernel; greedy next tokens;
@@ -205,7 +208,7 @@ for i, r in enumerate(gen.requests):
 # %% [markdown]
 # ## Validate: token for token against `model.generate`
 #
-# For each prompt alone, transformers' own greedy `generate` (its own KV cache, its own
+# For each prompt alone, transformers' own greedy `generate` (its own [KV cache](glossary.md#kv-cache), its own
 # attention) must produce **the same new tokens**, and the logits behind each of them must
 # agree within `1e-4` (float32: the two paths add the same numbers in a different order, so
 # they differ in the last bits). With SmolLM2 (30 layers, real text) rounding has more room
@@ -255,7 +258,7 @@ print(f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit
 # earlier message and answer, and the new message. Without a prefix cache each turn recomputes
 # all of it; with one, only the new message (and the tail of a page) is computed. One
 # `PagedGenerator` serves four turns; its prefix cache outlives each `generate` call. After
-# each turn's prefill we photograph the conversation's page-table row.
+# each turn's [prefill](glossary.md#prefill) we photograph the conversation's page-table row.
 
 # %%
 conv = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=4)
@@ -306,7 +309,7 @@ for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
 # (the assert below compares the rows slot by slot) and adds pages of its own at the end.
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 3.4), gridspec_kw=dict(width_ratios=[1, 2]))
+fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9.6, 6.6), gridspec_kw=dict(height_ratios=[1, 1]))
 conversation_bars(turn_stats, ax1)
 conversation_rows(photos, [len(p) for p in turn_prompts], [s["prefill_cached"] for s in turn_stats],
                   PAGE_SIZE, ax=ax2)
@@ -323,7 +326,7 @@ for t in range(1, len(photos)):   # what an earlier turn mapped, a later turn ma
 # The same prompts through `model.generate` (a padded batch, the usual way to batch it) and
 # through kvlab's loop: the tokens agree (checked above, prompt by prompt). On a GPU we also
 # time both and report tokens per second -- a measurement of this run, not a target: kvlab's
-# loop is a teaching loop in Python (no CUDA graphs, a host-side scheduler), while `generate`
+# loop is a teaching loop in Python (no [CUDA graphs](glossary.md#cuda-graph), a host-side scheduler), while `generate`
 # pads every prompt to the longest and recomputes nothing it cached. In the interpreter the
 # Triton kernel runs on the CPU, so timings mean nothing and we skip them.
 
@@ -381,7 +384,7 @@ else:
 # rotated by the model), the pools `[num_slots, kv_heads, head_dim]`.
 #
 # 1. store `k[b]`, `v[b]` at slot `page_table[rows[b], positions[b]]` of the pools;
-# 2. return paged attention of `q[b]` over positions `0 .. positions[b]` -- the new token sees
+# 2. return [paged attention](glossary.md#paged-attention) of `q[b]` over positions `0 .. positions[b]` -- the new token sees
 #    itself -- with `kvlab.hf.paged_decode_attention` (it does the GQA head mapping).
 #
 # `kvlab.check.paged_attention_step` checks the pools (exactly the new slots written) and the
@@ -415,7 +418,7 @@ kvlab.check.hint("paged_attention_step", 1)
 #
 # `kvlab.hf.paged_attention_step` is the package's version of this step (with host checks
 # first); `PagedGenerator` calls it for every decoding request of every layer. Hand it yours
-# with `decode_step=` (once it passes the checker; until then the package's runs): the model
+# with `decode_step=` (once it passes the [checker](glossary.md#checker); until then the package's runs): the model
 # must still produce exactly `generate`'s tokens.
 
 # %%
@@ -441,7 +444,7 @@ print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as
 #   conversation that re-sends its history computes only what is new.
 #
 # **Open questions.**
-# 1. A conversation's turns arrive one at a time. Between turns the cache may evict the
+# 1. A conversation's turns arrive one at a time. Between turns the cache may [evict](glossary.md#eviction) the
 #    previous turn's pages to serve other users. Which eviction order (LRU, by prefix length,
 #    by how many conversations share a node) would you choose for a chat server, and why?
 # 2. The admission rule reserves pages for `max_new_tokens` that a request may never use
