@@ -85,7 +85,8 @@ class DecodeGraphs:
         if not sizes:
             raise InvalidArgument("sizes", "at least one batch size", "got none")
         if capture and page_table.device.type != "cuda":
-            raise InvalidArgument("cuda_graphs", "a model on a CUDA device (graphs record GPU work)",
+            raise InvalidArgument("decode_graphs", '"capture" needs a model on a CUDA device (graphs '
+                                  'record GPU work): use "eager" or "off" elsewhere',
                                   f"the model is on {page_table.device}")
         self.model = model
         self.page_table = page_table
