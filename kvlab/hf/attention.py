@@ -141,8 +141,8 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     k = k_pool[slots].transpose(0, 1).to(q.dtype)                 # [kv_heads, S, d]
     v = v_pool[slots].transpose(0, 1).to(q.dtype)
     grouped = q.transpose(0, 1).reshape(kv_heads, group * T, head_dim)  # head h = kv * group + g
-    # four dimensions (batch 1): torch then picks a fused kernel on a GPU, not its plain
-    # matrix-product path, which it keeps for three-dimensional inputs
+    # four dimensions (batch 1): with three, torch runs its plain matrix-product path on a GPU
+    # (torch 2.11 on an H200); with four, a fused kernel (kvlab.hf.step.PREFILL_BACKENDS)
     out = torch.nn.functional.scaled_dot_product_attention(
         grouped[None], k[None], v[None], attn_mask=mask[None, None], scale=scale)[0]
     return out.reshape(heads, T, head_dim).transpose(0, 1)

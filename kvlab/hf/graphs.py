@@ -31,6 +31,7 @@ same everywhere.
 """
 from __future__ import annotations
 
+import gc
 from typing import Callable, Sequence
 
 import torch
@@ -124,15 +125,26 @@ class DecodeGraphs:
 
     def _capture(self) -> None:
         """Largest size first, one memory pool for all (mini-sglang's order); every lane the
-        dummy request. A run before each capture compiles and initialises what it uses."""
+        dummy request. A run before each capture compiles and initialises what it uses.
+
+        Python's garbage collector stays off meanwhile: collecting an old generator in the
+        middle of a capture would free its graphs' memory (a ``cudaFree``), which a capture
+        does not allow."""
         pool = None
-        for bs in reversed(self.sizes):
-            self._forward(bs)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for bs in reversed(self.sizes):
                 self._forward(bs)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[bs] = graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bs)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
+        finally:
+            if was_enabled:
+                gc.enable()
         torch.cuda.synchronize(self.page_table.device)
 
     def run(self, input_ids: Sequence[int], rows: Sequence[int], positions: Sequence[int]):

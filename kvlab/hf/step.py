@@ -20,9 +20,16 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from .attention import paged_attention_step, prefill_attention, prefill_mask
 
 __all__ = ["StepBatch", "StepInputs", "build_step", "to_device"]
+
+#: what torch may run a prompt's attention with: its fused kernels, or plain matrix products
+#: (where they do not apply). Not cuDNN's attention, which builds a plan for every new shape
+#: the first time it meets it -- in a server, every prompt length is a new shape
+PREFILL_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 #: each part of a packed copy starts on a multiple of this many int64s (128 bytes): a Triton
 #: kernel compiled for an aligned pointer then stays valid for every step (no recompile)
@@ -94,10 +101,11 @@ class StepBatch:
             idx = self.extend_index
             k_pool[self.out_loc[idx]] = k[idx].to(k_pool.dtype)   # the prompts' new K/V first
             v_pool[self.out_loc[idx]] = v[idx].to(v_pool.dtype)
-            for e in self.extends:
-                out[e.offset:e.offset + e.length] = prefill_attention(
-                    q[e.offset:e.offset + e.length], k_pool, v_pool, e.slots, e.start, scale,
-                    mask=e.mask).to(out.dtype)
+            with sdpa_kernel(PREFILL_BACKENDS):
+                for e in self.extends:
+                    out[e.offset:e.offset + e.length] = prefill_attention(
+                        q[e.offset:e.offset + e.length], k_pool, v_pool, e.slots, e.start, scale,
+                        mask=e.mask).to(out.dtype)
         if self.single_index.numel():
             s = self.single_index
             out[s] = self._decode(q[s], k[s], v[s], k_pool, v_pool, scale).to(out.dtype)
