@@ -84,7 +84,7 @@ def plot_serve(res: dict):
     ax1.set_xlim(0, max(vals) * 1.25 if vals else 1)
     where = "SMOKE RUN (not timings)" if s.get("smoke") else s.get("meta", {}).get("device", "")
     ax1.set_title(f"{s['workload']['requests']} requests, {s['workload']['new_tokens']} new tokens each; {where}",
-                  fontsize=9)
+                  fontsize=10)
     steps = s["paths"].get("kvlab", {}).get("steps", [])
     xs = range(len(steps))
     for kind, color, label in (("prefill", "#fd8d3c", "step with prompt tokens (eager)"),
@@ -99,7 +99,7 @@ def plot_serve(res: dict):
     twin.set_ylim(0, max([st["running"] for st in steps], default=1) * 1.1)
     h1, l1 = ax2.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="upper right")
-    ax2.set_title("kvlab PagedGenerator, step by step", fontsize=9)
+    ax2.legend(h1 + h2, l1 + l2, fontsize=9, loc="upper right")
+    ax2.set_title("kvlab PagedGenerator, step by step", fontsize=10)
     fig.tight_layout()
     return fig
