@@ -27,7 +27,7 @@ import torch
 
 #: the workload of the benchmark (``smoke``: a tiny model and workload, for the interpreter)
 WORKLOAD = dict(requests=64, shortest=128, longest=512, shared_len=256, new_tokens=64, seed=0)
-SMOKE_WORKLOAD = dict(requests=6, shortest=6, longest=20, shared_len=8, new_tokens=3, seed=0)
+SMOKE_WORKLOAD = dict(requests=6, shortest=8, longest=40, shared_len=20, new_tokens=3, seed=0)
 MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096)
 #: the generator's pool and page size in the benchmark
