@@ -151,7 +151,7 @@ class PagedGenerator:
         # one page more than the manager hands out: the dummy page, where padded lanes write
         self.pool = KVPool((self.num_pages + 1) * self.page_size, c.num_hidden_layers, kv_heads,
                            head_dim, dtype=model.dtype, device=device)
-        self.page_table[self.dummy_row].fill_(self.num_pages * self.page_size)
+        self._map_dummy_row()
         self.clear_prefix_cache()
         self.stats: dict[str, int] = {}
         self.requests: list[RequestStats] = []
@@ -175,6 +175,17 @@ class PagedGenerator:
         with paged_attention_active(self.model), torch.inference_mode():
             return DecodeGraphs(self.model, self.pool, self.page_table, self.dummy_row, sizes,
                                 capture=mode == "capture", decode_step=self.decode_step)
+
+    def _map_dummy_row(self) -> None:
+        """Every entry of the dummy row points into the dummy page (its first slot, and its
+        first page written through the page-table kernel: compiled now, at start-up)."""
+        from ..paging import page_to_token, write_page_table_triton
+
+        dummy = self.num_pages * self.page_size
+        self.page_table[self.dummy_row].fill_(dummy)
+        page = torch.tensor([dummy], dtype=torch.int32, device=self.page_table.device)
+        write_page_table_triton(self.page_table, page_to_token(page, self.page_size),
+                                [(self.dummy_row, 0, 1)], self.page_size)
 
     def clear_prefix_cache(self) -> None:
         """Forget every cached prefix: all pages free again, as in a fresh generator (a cold
