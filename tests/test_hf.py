@@ -372,6 +372,29 @@ def test_gpu_a_step_never_waits_for_the_gpu(models, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_serving_compiles_nothing_after_start_up(models, page_size):
+    """Construction compiles the decode kernel (capturing the graphs) and the page-table kernel
+    (writing the dummy row); then batches of 1, 16, 17 and 40 requests, prompts in chunks,
+    compile no variant of either."""
+    from kvlab.kernels.attention import paged_decode_attention_kernel
+    from kvlab.kernels.paging import write_page_table_kernel
+
+    def compiled():
+        return [sum(len(c[0]) for c in k.device_caches.values())
+                for k in (paged_decode_attention_kernel, write_page_table_kernel)]
+
+    gen = PagedGenerator(models["llama"], page_size=page_size, num_pages=4096 // page_size,
+                         max_running=64, prefill_budget=64)
+    before = compiled()
+    rng = random.Random(page_size)
+    for n in (1, 16, 17, 40):
+        gen.generate([[rng.randrange(VOCAB) for _ in range(rng.randint(1, 90))] for _ in range(n)],
+                     max_new_tokens=5)
+    assert compiled() == before
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_gpu_same_tokens_as_generate_with_compiled_triton(models, arch, page_size):
