@@ -254,21 +254,26 @@ class CacheManager(CacheManagerChecks):
                       done: Sequence[bool] | None = None, *,
                       cache_prompt: bool = True) -> list[tuple[Req, CacheRegions]]:
         """After the forward pass of ``batch``: record each request's produced token
-        (``append_token``; ``next_tokens=None`` records none, e.g. a chunk of a longer prompt)
-        and ``complete_one``; then ``cache_req(finished=True)`` the ``done`` ones and, for the
-        requests whose prompt this pass computed (``cache_prompt``), ``cache_req(finished=False)``
-        the others, so their prompt's whole pages can be shared at once. Returns
-        ``(req, regions)`` of each ``cache_req``. Checks everything first: a refused call
-        changes nothing.
+        (``append_token``; ``next_tokens=None`` records none) and ``complete_one``; then
+        ``cache_req(finished=True)`` the ``done`` ones and, for the requests whose prompt this
+        pass computed (``cache_prompt``), ``cache_req(finished=False)`` the others, so their
+        prompt's whole pages can be shared at once. Returns ``(req, regions)`` of each
+        ``cache_req``. Checks everything first: a refused call changes nothing.
+
+        Chunked prefill: a request whose pass stopped before the end of its ``input_ids`` (a
+        chunk of a longer prompt) produces no token: its entry of ``next_tokens`` is ``None``,
+        and it is not cached until its last chunk -- mini-sglang's scheduler skips a
+        ``ChunkedReq`` the same way (``scheduler/scheduler.py``, ``_process_last_data``).
         """
         reqs, tokens, done = self._validate_complete_step(batch, next_tokens, done, cache_prompt)
+        chunk = [end < req.input_len for req, end in zip(reqs, batch.end)]
         for i, req in enumerate(reqs):
-            if tokens is not None:
+            if tokens is not None and not chunk[i]:
                 req.append_token(tokens[i])
             req.complete_one()  # cached_len = device_len; device_len += 1
         settled = []
-        for req, prefilled, finished in zip(reqs, batch.prefilling, done):
-            if finished or (prefilled and cache_prompt):
+        for req, prefilled, finished, chunked in zip(reqs, batch.prefilling, done, chunk):
+            if finished or (prefilled and cache_prompt and not chunked):
                 settled.append((req, self.cache_req(req, finished=finished)))
         return settled
 
@@ -289,15 +294,18 @@ class CacheManager(CacheManagerChecks):
             # ==== take pages (evicting if short), write the table: all or nothing ====
             free_before, evicted = self.free_slots, []
             rows = [row for row, _, _ in allocation_info]
-            lo = min(first for _, first, _ in allocation_info) * P
-            hi = max(last for _, _, last in allocation_info) * P
-            table_before = self.page_table[rows, lo:hi]  # a copy: advanced indexing
+            # one rectangle of the table, kept by slicing: indexing with a list of rows would
+            # copy that list to the GPU from pageable memory, a wait for the GPU on every step
+            rect = (slice(min(rows), max(rows) + 1),
+                    slice(min(first for _, first, _ in allocation_info) * P,
+                          max(last for _, _, last in allocation_info) * P))
+            table_before = self.page_table[rect].clone()
             try:
                 allocated = self._allocate(needed_pages, evicted)
                 # our own page starts: skip page_to_token's value check (a device sync)
                 self._write_page_table(page_to_token(allocated, P, check_values=False), allocation_info)
             except BaseException:
-                self.page_table[rows, lo:hi] = table_before
+                self.page_table[rect] = table_before
                 self.prefix_cache.undo_evict(evicted)
                 self.free_slots = free_before
                 raise

@@ -403,3 +403,34 @@ def test_a_failed_mixed_step_releases_its_new_requests_and_leaves_the_running_on
         cm.mixed_step([], [b])  # b is not running: it cannot decode
     assert_unchanged(before, manager_state(cm, [a, b], stamps=False))
     cm.check_integrity()
+
+
+def test_a_chunk_of_a_prompt_produces_no_token_and_is_cached_only_after_its_last_chunk():
+    """Chunked prefill: the request keeps its row and handle between chunks; a chunk's entry
+    of next_tokens is None; the prompt is cached (cache_req(finished=False)) after its last
+    chunk, as mini-sglang's scheduler does."""
+    cm = manager(num_pages=8, page_size=4)
+    prompt = list(range(10, 21))                      # 11 tokens
+    r = Req(list(prompt), 0)
+    cm.admit(r)
+    handle = r.cache_handle
+    r.device_len = 4                                  # chunk 1: positions 0..3
+    batch = cm.prefill([r])
+    before = manager_state(cm, [r])
+    for call, match in [(lambda: cm.complete_step(batch, [5]), r"next_tokens\[0\]"),
+                        (lambda: cm.complete_step(batch, [None], [True]), r"next_tokens\[0\]")]:
+        with pytest.raises(InvalidArgument, match=match):
+            call()
+        assert_unchanged(before, manager_state(cm, [r]))
+    assert cm.complete_step(batch, [None]) == []      # nothing cached yet
+    assert (r.cached_len, r.input_ids, r.cache_handle) == (4, prompt, handle)
+    r.device_len = 9                                  # chunk 2: positions 4..8
+    batch = cm.mixed_step([r], [])
+    assert batch.start == (4,) and batch.end == (9,) and batch.prefilling == (True,)
+    assert cm.complete_step(batch, [None]) == []
+    r.device_len = 11                                 # the last chunk: the first token comes
+    settled = cm.complete_step(cm.mixed_step([r], []), [7])
+    assert [req for req, _ in settled] == [r] and r.input_ids == prompt + [7]
+    assert r.cache_handle.cached_len == 8             # its whole pages, now in the cache
+    assert cm.prefix_cache.match_prefix(prompt).handle.cached_len == 8
+    cm.check_integrity()

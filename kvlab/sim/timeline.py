@@ -3,7 +3,7 @@
 Each record is a small, self-contained snapshot -- plain tensors and tuples, no live
 objects -- so a timeline can be scrubbed, plotted and compared after the run:
 
-    step k:  events (arrived, admitted, finished, aborted, preempted)
+    step k:  events (arrived, admitted, chunked, finished, aborted, preempted)
              page table   rows 0..max_running-1, columns up to the longest mapped position
              free list    page ids in free-list order
              memory       pages: free | cached (evictable) | cached (locked) | private
@@ -63,6 +63,7 @@ class StepRecord:
     last_regions: object | None = None   # the latest kvlab.CacheRegions up to this step
     last_regions_rid: int = -1           # ... of which request
     last_regions_step: int = -1          # ... made at which step
+    chunked: tuple[int, ...] = ()        # rids that computed a chunk of their prompt, not its end
 
 
 @dataclass
