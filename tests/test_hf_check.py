@@ -93,9 +93,12 @@ def test_each_mistake_is_named(wrong, says):
 from kvlab.check.ch10_graphs import pad_decode_batch_solution  # noqa: E402
 
 
-def test_pad_decode_batch_passes_the_solution_and_the_package():
-    assert kvlab.check.pad_decode_batch(pad_decode_batch_solution, n_random=2) == 9
-    assert kvlab.check.pad_decode_batch(kvlab.hf.pad_decode_batch, n_random=3) == 10
+def test_pad_decode_batch_passes_the_solution_and_the_package(capsys):
+    kvlab.check.pad_decode_batch(pad_decode_batch_solution, n_random=2)
+    assert "✓ pad_decode_batch: all 9 cases pass" in capsys.readouterr().out
+    kvlab.check.pad_decode_batch(kvlab.hf.pad_decode_batch, n_random=3)
+    assert "✓ pad_decode_batch: all 10 cases pass" in capsys.readouterr().out
+    assert kvlab.check.status("pad_decode_batch") == "passed"
 
 
 def test_pad_decode_batch_starter_is_not_attempted(capsys):
@@ -103,8 +106,9 @@ def test_pad_decode_batch_starter_is_not_attempted(capsys):
         # YOUR CODE HERE: pad_decode_batch
         raise NotImplementedError("pad the step")
 
-    assert kvlab.check.pad_decode_batch(my_pad) == 0
+    assert kvlab.check.pad_decode_batch(my_pad) is None
     assert "not attempted yet: pad_decode_batch" in capsys.readouterr().out
+    assert kvlab.check.status("pad_decode_batch") == "not attempted"
 
 
 def _padded(rows, positions, sizes, dummy, *, size=None, pad_row=None, pad_position=None):

@@ -438,7 +438,7 @@ print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as
 #
 # The loop above gives exactly `generate`'s tokens. Run on a model of a useful size, three
 # things decide how fast it is, and real engines handle all three. mini-sglang's scheduler
-# (`python/minisgl/scheduler/`) and engine (`python/minisgl/engine/`) are the source design;
+# (`python/minisgl/scheduler/`) and engine (`python/minisgl/engine/`) are the [source design](glossary.md#source-design);
 # kvlab's `PagedGenerator` does each of them, and each can be turned off to see what it buys:
 #
 # | what | decides | in kvlab | turn it off |
