@@ -187,8 +187,8 @@ def padded_step(seed: int = 0, page_size: int = 4, running: int = 5, rows: int =
 
 @figure("10_padded_step.png")
 def padded_step_figure(step: "PaddedStep | None" = None):
-    """Left: the page table, each lane's cell outlined (what it writes and, up to it, reads);
-    the dummy row maps only the dummy page. Right: the lanes of the padded step."""
+    """Top: the page table, each lane's cell outlined (what it writes and, up to it, reads);
+    the dummy row maps only the dummy page. Below: the lanes of the padded step."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.patches import Rectangle
@@ -202,14 +202,14 @@ def padded_step_figure(step: "PaddedStep | None" = None):
     hit = np.zeros(table.shape, dtype=bool)
     for r, p in zip(step.rows, step.positions):
         hit[r, p] = True
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.2), gridspec_kw=dict(width_ratios=[3, 2]))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(MAX_WIDTH_IN, 7.4), gridspec_kw=dict(height_ratios=[3, 2]))
     page_table_heatmap(table[:, :cols], step.page_size, ax=ax1, highlight=hit[:, :cols], colorbar=False,
                        annotate=True, row_label="page-table row")
     ax1.set_yticks(range(table.shape[0]))
     ax1.set_yticklabels([f"{r}" if r != step.dummy_row else f"{r} (dummy)" for r in range(table.shape[0])],
                         fontsize=9)
-    ax1.set_title(f"page table, P={step.page_size}: outlined = the cell each lane writes; the dummy row "
-                  f"maps page {step.dummy_page} only", fontsize=10)
+    ax1.set_title(f"page table, P={step.page_size}: outlined = the cell each lane writes;\n"
+                  f"the dummy row maps page {step.dummy_page} only", fontsize=10)
     ax2.axis("off")
     ax2.set_xlim(0, lanes + 1.6)
     ax2.set_ylim(0, 4.2)
