@@ -4,15 +4,20 @@ sequences, the free queue, and the radix tree and the hash cache measured side b
 Each function draws plain data (a :class:`~kvlab.hash_chain.HashSnapshot`, lists of pages,
 the rows of :func:`kvlab.sim.compare.compare_caches`) on ``ax`` or a new figure::
 
-    request A   [p0 1 2 3 4] -> [p1 5 6 7 8] -> [p2 9 ·  ·  ·]     box: page, its tokens,
-                  h 3f1a          h 77c2          no hash           its hash (4 hex digits)
-    request B   [p0 ...]     -> [p1 ...]     -> [p5 4 4 4 4]     the same page = the same box colour
+    A   [ p0          ]    [ p1          ]    [ p2      ]      box: the page, its tokens and
+        [ 1 2 3 4     ] -> [ 5 6 7 8     ] -> [ 9 · · · ]      its hash (4 hex digits); a partial
+        [ h 3f1a      ]    [ h 77c2      ]    [ no hash ]      last page has none (dashed)
+    B   [ p0 ...      ] -> [ p1 ...      ] -> [ p5 ...  ]      orange: a page several rows map
+
+    free queue:  [p6 no hash] [p4 eacd] ... [p0 7c3d]  |  [p3 ref 1] ...
+                 head: next out                 tail       held by sequences
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from ..hash_chain import HashSnapshot, short
+from .legibility import MAX_WIDTH_IN
 
 __all__ = ["draw_hash_chains", "draw_free_queue", "draw_free_queue_steps", "draw_cache_comparison",
            "draw_lookup_cost", "CACHE_COLOURS"]
@@ -22,6 +27,7 @@ OWN = "#c6dbef"         # a cached page one sequence maps
 PARTIAL = "#ffffff"     # a partial last page: no hash
 FREE_CACHED = "#9ecae1"
 FREE_UNCACHED = "#f0f0f0"
+_RED = "#d62728"     # pages the next step takes
 CACHE_COLOURS = {"radix": "#6a51a3", "hash": "#e6550d", "hash_uncached_first": "#31a354"}
 
 
@@ -39,7 +45,7 @@ def _tokens(tokens: Sequence[int], page_size: int, limit: int = 4) -> str:
 
 
 def draw_hash_chains(snapshot: HashSnapshot, rows: Sequence[tuple[str, Sequence[int], Sequence[int]]],
-                     ax=None, *, title: str | None = None, fontsize: float = 7.5):
+                     ax=None, *, title: str | None = None, fontsize: float = 8.0):
     """Each row ``(label, token_ids, pages)`` as a chain of page boxes: the page id, its tokens,
     its hash (a partial last page has none), an arrow from each page to the next (the next
     hash is computed from this one). Pages several rows map are orange. Returns the Axes."""
@@ -55,114 +61,137 @@ def draw_hash_chains(snapshot: HashSnapshot, rows: Sequence[tuple[str, Sequence[
             users[p] = users.get(p, 0) + 1
     for r, (label, ids, pages) in enumerate(rows):
         y = -r
-        ax.text(-0.15, y, label, ha="right", va="center", fontsize=fontsize + 0.5, weight="bold")
+        ax.text(-0.15, y, label, ha="right", va="center", fontsize=fontsize + 1.5, weight="bold")
         for i, page in enumerate(pages):
             tokens = list(ids[i * P:(i + 1) * P])
             full = len(tokens) == P
             fc = PARTIAL if not full else (SHARED if users[page] > 1 else OWN)
-            ax.add_patch(FancyBboxPatch((i * 1.5 + 0.05, y - 0.36), 1.2, 0.72,
+            ax.add_patch(FancyBboxPatch((i * 1.5 + 0.05, y - 0.4), 1.2, 0.8,
                                         boxstyle="round,pad=0.02", fc=fc, ec="#333333",
                                         ls="-" if full else "--", lw=0.9))
             h = hashes.get(page) if full else None
-            ax.text(i * 1.5 + 0.65, y + 0.15, f"p{page}: {_tokens(tokens, P)}", ha="center",
-                    va="center", fontsize=fontsize, family="monospace")
-            ax.text(i * 1.5 + 0.65, y - 0.17, f"h {short(h, 2)}" if h else "no hash (partial)",
-                    ha="center", va="center", fontsize=fontsize - 0.5, color="#333333")
+            centre = i * 1.5 + 0.65
+            ax.text(centre, y + 0.24, f"p{page}", ha="center", va="center", fontsize=fontsize + 0.5,
+                    weight="bold")
+            ax.text(centre, y + 0.0, _tokens(tokens, P), ha="center", va="center", fontsize=fontsize,
+                    family="monospace")
+            ax.text(centre, y - 0.24, f"h {short(h, 2)}" if h else "no hash (partial)",
+                    ha="center", va="center", fontsize=fontsize, color="#333333",
+                    family="monospace" if h else None)
             if i:
                 ax.annotate("", xy=(i * 1.5 + 0.05, y), xytext=(i * 1.5 - 0.25, y),
                             arrowprops=dict(arrowstyle="->", color="#555555", lw=0.9))
-    ax.set_xlim(-1.3, width * 1.5)
-    ax.set_ylim(-len(rows) + 0.45, 0.55)
+    ax.set_xlim(-0.7, width * 1.5)
+    ax.set_ylim(-len(rows) + 0.5, 0.5)
     ax.set_axis_off()
-    ax.set_title(title or f"hash chains (P={P}): a page's hash is H(previous page's hash, its tokens)",
-                 fontsize=fontsize + 1.5)
+    ax.set_title(title or f"hash chains (P={P}): a page's hash is H(previous page's hash, its tokens); "
+                 "orange: a page several rows map", fontsize=fontsize + 1.5)
     return ax
 
 
 def draw_free_queue(snapshot: HashSnapshot, ax=None, *, title: str | None = None,
-                    highlight: Sequence[int] = (), fontsize: float = 7.5):
+                    highlight: Sequence[int] = (), fontsize: float = 8.0):
     """Every page of the pool in one strip: the free queue first, head (next out) on the left
-    (cached pages blue with their hash, pages without one grey), then the referenced pages
-    (orange, with their count). ``highlight`` outlines pages in red. Returns the Axes."""
+    (cached pages blue with their hash, pages without one grey), then the pages sequences hold
+    (orange, with their reference count). ``highlight`` outlines pages in red. Returns the Axes."""
     from matplotlib.patches import Rectangle
 
     hashes = dict(snapshot.hashes)
     queue = list(snapshot.free_queue)
     held = [p for p, r in enumerate(snapshot.ref_counts) if r > 0]
     n = len(snapshot.ref_counts)
-    ax = _axes(ax, (0.75 * n + 2.5, 1.3))
-    cells = [(i, p) for i, p in enumerate(queue)] + [(len(queue) + 0.4 + i, p) for i, p in enumerate(held)]
+    ax = _axes(ax, (min(MAX_WIDTH_IN, 0.9 * n + 1.0), 1.4))
+    gap = 0.6 if queue and held else 0.0
+    cells = [(i, p) for i, p in enumerate(queue)] + [(len(queue) + gap + i, p) for i, p in enumerate(held)]
     for x, page in cells:
         in_queue = page in queue
         fc = (FREE_CACHED if page in hashes else FREE_UNCACHED) if in_queue else SHARED
-        ax.add_patch(Rectangle((x, 0), 0.92, 0.9, fc=fc, ec="#d62728" if page in highlight else "#555555",
-                               lw=2.0 if page in highlight else 0.7))
-        ax.text(x + 0.46, 0.62, f"p{page}", ha="center", va="center", fontsize=fontsize)
-        below = short(hashes[page], 2) if page in hashes else "-"
-        if not in_queue:
-            below = f"ref {snapshot.ref_counts[page]}"
-        ax.text(x + 0.46, 0.27, below, ha="center", va="center", fontsize=fontsize - 1, family="monospace")
-    ax.annotate("next out", xy=(0.0, 0.45), xytext=(-1.5, 0.45), fontsize=fontsize, va="center",
-                arrowprops=dict(arrowstyle="->", color="#555555"))
+        ax.add_patch(Rectangle((x + 0.04, 0), 0.92, 0.9, fc=fc, ec=_RED if page in highlight else "#555555",
+                               lw=2.2 if page in highlight else 0.7))
+        ax.text(x + 0.5, 0.63, f"p{page}", ha="center", va="center", fontsize=fontsize + 1, weight="bold")
+        below = (short(hashes[page], 2) if page in hashes else "no hash") if in_queue else \
+            f"ref {snapshot.ref_counts[page]}"
+        ax.text(x + 0.5, 0.27, below, ha="center", va="center", fontsize=fontsize,
+                family="monospace" if in_queue and page in hashes else None)
+    grey = dict(ha="center", va="top", fontsize=fontsize - 0.5, color="#555555")
+    if queue:  # where the queue gives out its next page, and where freed pages join it
+        ax.text(0.5, -0.08, "head: next out", **grey)
+        if len(queue) > 1:
+            ax.text(len(queue) - 0.5, -0.08, "tail", **grey)
     if held:
-        ax.text(len(queue) + 0.2, 0.45, "|", ha="center", va="center", fontsize=fontsize + 8, color="#999999")
-    ax.set_xlim(-1.6, n + 0.5)
-    ax.set_ylim(-0.1, 1.0)
+        ax.text(len(queue) + gap + len(held) / 2, -0.08, "held by sequences (not in the queue)", **grey)
+    ax.set_xlim(-0.05, n + gap + 0.05)
+    ax.set_ylim(-0.38, 0.95)
     ax.set_axis_off()
-    ax.set_title(title or f"free queue: {len(queue)} pages; {len(held)} referenced", fontsize=fontsize + 1.5,
+    ax.set_title(title or f"free queue: {len(queue)} pages; {len(held)} held", fontsize=fontsize + 0.5,
                  loc="left")
     return ax
 
 
-def draw_free_queue_steps(steps: Sequence[tuple[str, HashSnapshot, Sequence[int]]], *, width: float = 10.0):
-    """One free queue per ``(title, snapshot, highlight)``, stacked. Returns the Figure."""
+def draw_free_queue_steps(steps: Sequence[tuple[str, HashSnapshot, Sequence[int]]], *,
+                          width: float = 9.2):
+    """One free queue per ``(title, snapshot, highlight)``, stacked, at most an output area
+    wide (:data:`kvlab.viz.legibility.MAX_WIDTH_IN`). Returns the Figure."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    fig, axes = plt.subplots(len(steps), 1, figsize=(width, 1.25 * len(steps) + 0.5), squeeze=False)
+    fig, axes = plt.subplots(len(steps), 1, figsize=(min(width, MAX_WIDTH_IN), 1.45 * len(steps) + 0.4),
+                             squeeze=False)
     for ax, (title, snap, highlight) in zip(axes[:, 0], steps):
         draw_free_queue(snap, ax, title=title, highlight=highlight)
     fig.legend(handles=[Patch(fc=FREE_CACHED, ec="#555555", label="free, cached (findable by its hash)"),
                         Patch(fc=FREE_UNCACHED, ec="#555555", label="free, no hash"),
-                        Patch(fc=SHARED, ec="#555555", label="referenced (not in the queue)"),
-                        Patch(fc="white", ec="#d62728", lw=2, label="taken by the next step")],
-               loc="lower center", ncol=4, fontsize=7.5, frameon=False)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+                        Patch(fc=SHARED, ec="#555555", label="held (reference count > 0)"),
+                        Patch(fc="white", ec=_RED, lw=2, label="taken by the next step")],
+               loc="lower center", ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1), h_pad=0.6)
     return fig
 
 
 def draw_cache_comparison(rows, *, caches: Sequence[str] | None = None):
-    """Prefix-hit tokens and evicted tokens of every workload and pool size, one bar per cache
-    (the rows of :func:`kvlab.sim.compare.compare_caches`). Returns the Figure."""
+    """The hit rate and the evicted tokens of every workload and pool size, one bar per cache
+    (the rows of :func:`kvlab.sim.compare.compare_caches`); the hatched top of an eviction bar
+    is what no allocation asked for (whole radix leaves). One column per workload, every panel
+    of a row on one scale, at most an output area wide. Returns the Figure."""
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.patches import Patch
 
     workloads = list(dict.fromkeys(r.workload for r in rows))
     pools = list(dict.fromkeys(r.pool for r in rows))
     caches = list(caches or dict.fromkeys(r.cache for r in rows))
     by = {(r.workload, r.pool, r.cache): r for r in rows}
-    fig, axes = plt.subplots(2, len(workloads), figsize=(3.1 * len(workloads), 4.6), squeeze=False)
+    fig, axes = plt.subplots(2, len(workloads), figsize=(MAX_WIDTH_IN, 4.6), sharey="row", squeeze=False)
     x = np.arange(len(pools))
-    w = 0.8 / len(caches)
+    w = 0.84 / len(caches)
     for j, name in enumerate(workloads):
+        top, bottom = axes[0, j], axes[1, j]
         for k, cache in enumerate(caches):
             runs = [by[(name, pool, cache)] for pool in pools]
-            axes[0, j].bar(x + (k - (len(caches) - 1) / 2) * w, [r.hit_tokens for r in runs], w,
-                           color=CACHE_COLOURS.get(cache), label=cache)
-            axes[1, j].bar(x + (k - (len(caches) - 1) / 2) * w, [r.evicted_tokens for r in runs], w,
-                           color=CACHE_COLOURS.get(cache))
-        axes[0, j].set_title(name.replace("_", " "), fontsize=9)
-        axes[0, j].set_xticks(x, [""] * len(pools))
-        axes[1, j].set_xticks(x, [f"{p}\n{by[(name, p, caches[0])].num_pages} pages" for p in pools],
-                              fontsize=7)
-    axes[0, 0].set_ylabel("prefix-hit tokens", fontsize=8)
+            at = x + (k - (len(caches) - 1) / 2) * w
+            colour = CACHE_COLOURS.get(cache)
+            top.bar(at, [100 * r.hit_rate for r in runs], w, color=colour)
+            asked = [r.evicted_tokens - r.over_evicted for r in runs]
+            bottom.bar(at, asked, w, color=colour)
+            bottom.bar(at, [r.over_evicted for r in runs], w, bottom=asked, color=colour, alpha=0.45,
+                       hatch="////", edgecolor="white", lw=0)
+        top.set_title(name.replace("_", " "), fontsize=8.5)
+        top.set_xticks(x, [""] * len(pools))
+        bottom.set_xticks(x, pools, fontsize=7.5)
+        bottom.set_xlabel(" / ".join(str(by[(name, p, caches[0])].num_pages) for p in pools) + " pages",
+                          fontsize=7.5)
+        for ax in (top, bottom):
+            ax.tick_params(labelsize=7.5, length=2)
+            ax.spines[["top", "right"]].set_visible(False)
+    axes[0, 0].set_ylabel("hit rate (% of\nprompt tokens)", fontsize=8)
     axes[1, 0].set_ylabel("evicted tokens", fontsize=8)
-    for ax in axes.flat:
-        ax.tick_params(labelsize=7)
-    axes[0, 0].legend(fontsize=7, frameon=False)
-    fig.suptitle("the same seeded workloads on each cache: prefix-hit tokens (top), evicted "
-                 "tokens (bottom)", fontsize=9)
-    fig.tight_layout()
+    handles = [Patch(color=CACHE_COLOURS.get(c), label=c) for c in caches]
+    handles.append(Patch(fc="#999999", alpha=0.45, hatch="////", ec="white", label="evicted, asked by no allocation"))
+    fig.suptitle("the same seeded workloads on each cache, page size 4; pools tight / half / ample",
+                 fontsize=9, y=0.995)
+    fig.legend(handles=handles, loc="upper center", ncol=len(handles), fontsize=7.5, frameon=False,
+               bbox_to_anchor=(0.5, 0.96))
+    fig.tight_layout(rect=(0, 0, 1, 0.935), w_pad=0.6)
     return fig
 
 

@@ -376,7 +376,7 @@ kvlab.check.hint("pages_needed", 1);
 # | 08 | [capstone: attention through the page table](08_capstone_attention.ipynb) | [paged decode attention](glossary.md#paged-attention), tiny model |
 # | 09 | [making it fast](09_making_it_fast.ipynb) | benchmarks, scalable kernels |
 # | 10 | [serve a real model](10_serve_a_real_model.ipynb) | `kvlab.hf.PagedGenerator`: a transformers model through `CacheManager` |
-# | 11 | the hash-chained prefix cache (coming: `11_hash_prefix_cache.ipynb`) | vLLM's and nano-vllm's prefix cache |
+# | 11 | [the hash-chained prefix cache](11_hash_prefix_cache.ipynb) | `HashPrefixCache` (vLLM's and nano-vllm's prefix cache), measured beside the radix tree |
 #
 # Both source designs, mini-sglang's `CacheManager` and SGLang's `PagedTokenToKVPoolAllocator`,
 # are rebuilt, tested against plain-Python references, and cleared of the hazards they carry.

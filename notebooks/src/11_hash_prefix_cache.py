@@ -1,19 +1,28 @@
 # %% [markdown]
 # # 11 · The hash-chained prefix cache: the other way to share a prefix
 #
-# **Goal.** Chapters 05-06 shared prompt prefixes the way SGLang and mini-sglang do: a radix
-# tree of cached token runs, locks on the path to the root, whole least-recently-used leaves
-# evicted when memory runs short. vLLM, and its compact re-implementation nano-vllm, keep no
-# tree at all. Each **full page** gets a hash **chained** from the previous page's hash and its
-# own tokens, a dict maps hash → page, pages carry **reference counts**, and a page nobody uses
-# goes to a **free queue** *with its hash*: it can still be found again, until the queue hands it
-# out for other tokens. The free queue *is* the eviction order.
+# **Time:** about 90 minutes. **Assumes:** chapters 05 and 06 (the radix prefix cache: match,
+# insert, locks, eviction; `CacheManager` and `cache_req`) and chapter 07 (the simulator and its
+# workloads); Python dicts and hashes. No Triton in this chapter.
+#
+# **Goal.** Chapters 05-06 shared prompt prefixes the way SGLang and mini-sglang do: a
+# [prefix cache](glossary.md#prefix-cache) that is a [radix tree](glossary.md#radix-tree) of
+# cached token runs, [locks](glossary.md#lock) on the path to the root, whole
+# least-recently-used leaves [evicted](glossary.md#eviction) when memory runs short. vLLM, and its
+# compact re-implementation nano-vllm, keep no tree at all: theirs is a
+# [hash-chained prefix cache](glossary.md#hash-chained-prefix-cache). Each **full
+# [page](glossary.md#page)** gets a hash **[chained](glossary.md#chained-hash)** from the previous
+# page's hash and its own tokens, a dict maps [hash → page](glossary.md#hash-to-page-map), pages
+# carry **[reference counts](glossary.md#reference-count)**, and a page nobody uses goes to a
+# **[free queue](glossary.md#free-queue)** *with its hash*: it can still be found again, until
+# the queue hands it out for other tokens. The free queue *is* the
+# [eviction order](glossary.md#eviction-in-the-hash-cache).
 #
 # By the end you can say why a page's hash must cover its whole prefix, how a prompt is matched
 # by walking the chain, what a reference count replaces, why the free queue is an LRU list and
-# in which order a finished request's pages join it, what happens to a partial last page, and,
-# measured on the same workloads through the same simulator, when the two designs give the
-# same answer and when (and why) they do not.
+# in which order a finished request's pages join it, what happens to a
+# [partial last page](glossary.md#partial-page), and, measured on the same workloads through the
+# same simulator, when the two designs give the same answer and when (and why) they do not.
 #
 # The code follows nano-vllm's `nanovllm/engine/block_manager.py` (GeeeekExplorer/nano-vllm,
 # commit `2f352aea`) and vLLM's `vllm/v1/core/kv_cache_utils.py` (commit `001cabc1`),
@@ -44,20 +53,22 @@ random.seed(0)
 # %% [markdown]
 # ## Intuition: one system prompt, two requests, no tree
 #
-# Requests A and B start with the same 12-token system prompt (three pages of 4). A arrives
-# first and gets pages 0-3; B's first three pages are found in the cache, so B maps the *same*
-# physical pages 0, 1, 2 and only its own question gets new pages. Below, the page table (colour
-# = physical page) and the **hash chain** behind it: every full page is known by a hash of the
-# previous page's hash and its own tokens; a partial last page has no hash.
+# Requests A and B start with the same 12-token system prompt (three pages of 4). A arrives first
+# and gets pages 0-3; B's first three pages are found in the cache (a [cache
+# hit](glossary.md#cache-hit)), so B maps the *same* physical pages 0, 1, 2 and only its own
+# question gets new pages. Below, the [page table](glossary.md#page-table) (colour = physical
+# page) and the **hash chain** behind it: every full page is known by a hash of the previous
+# page's hash and its own tokens; a partial last page has no hash.
 
 # %%
 hash_chain_figure()
 plt.show()
 
 # %% [markdown]
-# Compare with chapter 05: the radix tree found B's prefix by walking *down a tree of token
-# runs*; the hash cache finds it by *recomputing B's page hashes and looking each one up in a
-# dict*. No node is split, nothing is stamped, and the structure is flat: one dict and one list.
+# Compare with chapter 05: the radix tree found B's prefix by walking *down a tree of token runs*;
+# the hash cache finds it by *recomputing B's page hashes and looking each one up in a dict*. No
+# node is split, nothing is [stamped](glossary.md#lru-stamp), and the structure is flat: one dict
+# and one list.
 #
 # ## Build-up 1: a page's hash must cover its whole prefix
 #
@@ -70,14 +81,14 @@ plt.show()
 # h_0 = H(none, page_0)      h_1 = H(h_0, page_1)      h_2 = H(h_1, page_2)   ...
 # ```
 #
-# `h_k` depends on `page_k` directly and on every earlier page through `h_{k-1}`, and computing
-# it costs one page of tokens, whatever the prefix. nano-vllm's `BlockManager.compute_hash` is
+# `h_k` depends on `page_k` directly and on every earlier page through `h_{k-1}`, and computing it
+# costs one page of tokens, whatever the prefix. nano-vllm's `BlockManager.compute_hash` is
 # `xxh64(previous hash as 8 bytes + the page's token ids as bytes)`; vLLM's `hash_block_tokens`
 # hashes the tuple `(parent_block_hash, token ids, extra keys)` and starts the chain from a seed,
-# `NONE_HASH`. kvlab's `chain_hash` is BLAKE2b with a 16-byte digest over the parent's digest
-# and the tokens as little-endian int64. **Departure:** `xxhash` is not one of kvlab's
-# dependencies (torch, triton, numpy, matplotlib, ipywidgets), so kvlab uses `hashlib`, which
-# also gives the same digest on every machine and in every run; Python's own `hash()` is
+# `NONE_HASH`. kvlab's `chain_hash` is BLAKE2b with a 16-byte digest over the parent's digest and
+# the tokens as little-endian int64. **[Departure](glossary.md#departure):** `xxhash` is not one
+# of kvlab's dependencies (torch, triton, numpy, matplotlib, ipywidgets), so kvlab uses `hashlib`,
+# which also gives the same digest on every machine and in every run; Python's own `hash()` is
 # salted per process and could not be printed or compared between runs.
 #
 # Why the parent must be in: two prompts whose page 1 holds the same tokens `[3 4]` after
@@ -120,13 +131,13 @@ assert cache.page_hash[a.pages[2]] is None  # the partial page [5]: no hash, nev
 # %% [markdown]
 # ## Build-up 3: reference counts instead of locks
 #
-# In chapter 05 a running request *locked* its handle: one added to `ref_count` on every node
-# from the handle's node up to the root. Here every page has its own count, and a sequence
-# holds one reference on each page it maps, the cached chain included, so the effect is the
-# same: a page some running sequence reads is never handed out. B below shares A's two cached
-# pages (count 2), then each finishes. `free(pages)` drops one reference per page, **last page
-# first** (nano-vllm's `deallocate`, vLLM's `KVCacheManager.free`: "We free the blocks in
-# reverse order so that the tail blocks are evicted first"). A page whose count reaches zero
+# In chapter 05 a running request *locked* its [handle](glossary.md#handle): one added to
+# `ref_count` on every node from the handle's node up to the root. Here every page has its own
+# count, and a sequence holds one reference on each page it maps, the cached chain included, so
+# the effect is the same: a page some running sequence reads is never handed out. B below shares
+# A's two cached pages (count 2), then each finishes. `free(pages)` drops one reference per page,
+# **last page first** (nano-vllm's `deallocate`, vLLM's `KVCacheManager.free`: "We free the blocks
+# in reverse order so that the tail blocks are evicted first"). A page whose count reaches zero
 # joins the tail of the free queue and **keeps its hash**.
 
 # %%
@@ -142,12 +153,13 @@ assert cache.match([1, 2, 3, 4, 6, 6, 6]).cached_len == 6  # freed, and still fi
 cache.check_integrity()
 
 # %% [markdown]
-# `check_integrity()` proves the cache's invariants: every page is **free and uncached** (in
-# the queue, no hash), **free and cached** (in the queue, with its hash), or **referenced**
-# (count > 0, not in the queue); `hash_to_page` and `page_hash` agree; and every cached page's
-# hash is `chain_hash(its parent's hash, its tokens)`, so, page by page from the first, a hash
-# stands for every token before it. A count never goes below zero: freeing a page with no
-# reference left is refused before anything changes.
+# `check_integrity()` proves the cache's invariants, its version of chapter 06's
+# [conservation law](glossary.md#conservation-law): every page is **free and uncached** (in the
+# queue, no hash), **[free and cached](glossary.md#free-and-cached-page)** (in the queue, with its
+# hash), or **referenced** (count > 0, not in the queue); `hash_to_page` and `page_hash` agree;
+# and every cached page's hash is `chain_hash(its parent's hash, its tokens)`, so, page by page
+# from the first, a hash stands for every token before it. A count never goes below zero:
+# freeing a page with no reference left is refused before anything changes.
 
 # %%
 try:
@@ -180,12 +192,13 @@ plt.show()
 # shared system prompt, survives longest, as the radix tree's leaf-first eviction does.
 #
 # One real difference with chapter 06's manager: a page *without* a hash (a partial page, a
-# duplicate) has nothing to offer a later prompt, but in nano-vllm's queue it waits its turn
-# like any other, so a cached page ahead of it is handed out first. vLLM's `BlockPool.free_blocks`
-# (at `c59cb794`) puts such "fresh" blocks at the **front** of the queue (`prepend_n`) and cached
-# ones at the back; the older `FreeKVCacheBlockQueue` in `kv_cache_utils.py` at `001cabc1` has
-# no `prepend_n` (blocks join at the back only). kvlab offers both orders:
-# `HashPrefixCache(..., uncached_first=True)` is vLLM's newer one.
+# duplicate) has nothing to offer a later prompt, but in nano-vllm's queue it waits its turn like
+# any other, so a cached page ahead of it is handed out first. vLLM's `BlockPool.free_blocks` (at
+# `c59cb794`) puts such "fresh" blocks at the **front** of the queue (`prepend_n`) and cached ones
+# at the back; the older `FreeKVCacheBlockQueue` in `kv_cache_utils.py` at `001cabc1` has no
+# `prepend_n` (blocks join at the back only). kvlab offers both orders:
+# `HashPrefixCache(..., uncached_first=True)` is vLLM's newer one, the
+# [uncached-first order](glossary.md#uncached-first-order).
 
 # %%
 for uncached_first in (False, True):
@@ -197,11 +210,11 @@ for uncached_first in (False, True):
 # %% [markdown]
 # ## Build-up 5: the partial last page
 #
-# A partial page is never cached: its other slots will hold tokens nobody has seen yet. It
-# gets a hash the moment it fills. nano-vllm's `may_append`, called before each decode step
-# with the new token appended: when the token starts a page, a new page is taken from the free
-# queue; when it fills the last page, that page's hash is computed from the previous page's and
-# registered. kvlab's `append_token(pages, input_ids)` does the same.
+# A partial page is never cached: its other slots will hold tokens nobody has seen yet. It gets a
+# hash the moment it fills. nano-vllm's `may_append`, called before each
+# [decode](glossary.md#decode) step with the new token appended: when the token starts a page, a
+# new page is taken from the free queue; when it fills the last page, that page's hash is computed
+# from the previous page's and registered. kvlab's `append_token(pages, input_ids)` does the same.
 
 # %%
 dec = HashPrefixCache(6, 2, device="cpu")
@@ -215,16 +228,16 @@ assert pages == (0, 1, 2) and dec.page_hash[2] == page_hashes(ids, 2)[2]
 assert dec.match(ids + [9]).cached_len == 6  # the decoded pages are shared like prompt pages
 
 # %% [markdown]
-# **When** a page is cached differs between the engines. nano-vllm registers a page's hash when
-# it *allocates* the page, before the forward pass has computed its KV; vLLM's `allocate_slots`
+# **When** a page is cached differs between the engines. nano-vllm registers a page's hash when it
+# *allocates* the page, before the forward pass has computed its KV; vLLM's `allocate_slots`
 # caches the full blocks of the tokens it schedules for this step (`cache_blocks`), also before
 # the pass. In nano-vllm's scheduler, which calls `allocate` for one waiting sequence after the
-# other, a sequence admitted to the same batch can then already hit them. kvlab's
-# `CacheManager` keeps mini-sglang's order: `cache_req` inserts a page after the pass computed
-# it. And the last prompt token is never a hit: `match_req` matches `input_ids[:-1]`, as
-# vLLM's `get_computed_blocks` does (`max_cache_hit_length = request.num_tokens - 1`), so the
-# prefill always has a position to compute logits from. nano-vllm's `allocate` at `2f352aea`
-# counts every full page of the prompt, its last one included.
+# other, a sequence admitted to the same batch can then already hit them. kvlab's `CacheManager`
+# keeps mini-sglang's order: `cache_req` inserts a page after the pass computed it. And the last
+# prompt token is never a hit: `match_req` matches `input_ids[:-1]`, as vLLM's
+# `get_computed_blocks` does (`max_cache_hit_length = request.num_tokens - 1`), so the
+# [prefill](glossary.md#prefill) always has a position to compute logits from. nano-vllm's
+# `allocate` at `2f352aea` counts every full page of the prompt, its last one included.
 #
 # ## Validate: against the oracle, on seeded random traces
 #
@@ -274,11 +287,11 @@ for page_size in (1, 2, 4):
 # %% [markdown]
 # ## The picture: four requests through `CacheManager`, on the hash cache
 #
-# `CacheManager` (chapter 06) takes either cache: `prefix_cache="hash"`. The hash cache speaks
-# the radix cache's words to it (`match_prefix`, `insert_prefix` after the pass, `lock_handle`
-# for a reference on every page of a handle, `evict_leaves` for "pages, please") and keeps the
-# free pages itself, so the manager's own free list stays empty. Chapter 05's four requests from
-# two conversations, the same calls: equal colours are shared pages.
+# `CacheManager` (chapter 06) takes either cache: `prefix_cache="hash"`. The hash cache speaks the
+# radix cache's words to it (`match_prefix`, `insert_prefix` after the pass, `lock_handle` for a
+# reference on every page of a handle, `evict_leaves` for "pages, please") and keeps the free
+# pages itself, so the manager's own [free list](glossary.md#free-list) stays empty. Chapter 05's
+# four requests from two conversations, the same calls: equal colours are shared pages.
 
 # %%
 P4 = 4
@@ -304,7 +317,8 @@ assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 
 #
 # Now the question the two designs raise: which one is better, and when? Chapter 07's simulator
 # runs on either cache (`SimConfig(prefix_cache=...)`), through the same `CacheManager`, on the
-# same seeded workloads, and checks both after every step. Three caches:
+# same seeded workloads, and checks both after every step of their
+# [timelines](glossary.md#timeline). Three caches:
 #
 # * `radix`: chapters 05-06. Free pages first; when they run out, whole least-recently-used
 #   unlocked leaves (the LRU clock ticks on every match and insert).
@@ -318,12 +332,14 @@ assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 
 # not affected: a page without a hash goes to the head either way.
 #
 # Five workloads (chapter 07's generators), each in three pools: `tight` (the longest request's
-# pages: preemptions), `half` (twice that) and `ample` (every request's pages at once: nothing
-# ever has to be evicted). Page size 4. Columns: hit tokens (prompt tokens taken from the
-# cache), evicted tokens, `over` (evicted tokens no allocation asked for), peak and mean pages
-# in use, preemptions, steps, the median host time of one `match_prefix` / `insert_prefix`, and
-# the first step at which the run differs from the radix run in hits, evictions, admissions or
-# where the pages are.
+# pages: [preemptions](glossary.md#preemption)), `half` (twice that) and `ample` (every request's
+# pages at once: nothing ever has to be evicted). Page size 4. Columns: hit tokens (prompt tokens
+# taken from the cache), evicted tokens, `over` (evicted tokens no allocation asked for), peak and
+# mean pages in use, preemptions, steps, the median host time of one `match_prefix` /
+# `insert_prefix`, and the first step at which the run differs from the radix run in hits,
+# evictions, admissions or where the pages are. The picture under the table draws two of those
+# columns for every workload and pool: the hit rate, and the evicted tokens with the part no
+# allocation asked for hatched.
 
 # %%
 rows = measured_rows()
@@ -432,21 +448,21 @@ plt.show()
 # manager and `HashPrefixCache` with the same traces and finds them equal at every step
 # otherwise:
 #
-# * **a stale hash.** `_allocate_block` resets a reused block but leaves its old hash in
-#   `hash_to_block_id`; `allocate` then compares only the block's token ids. If the block is
-#   filled again with the *same tokens after another prefix*, a prompt with the old prefix hits
-#   it and reads KV computed for the other prefix. kvlab drops the hash when the page is handed
-#   out.
-# * **twin pages.** When two running sequences fill identical pages, nano-vllm's dict points at
-#   the later one; kvlab keeps the earlier one (vLLM's `BlockHashToBlockMap` keeps both, and
-#   `get_one_block` returns the first).
+# * **a [stale hash](glossary.md#stale-hash).** `_allocate_block` resets a reused block but leaves
+#   its old hash in `hash_to_block_id`; `allocate` then compares only the block's token ids. If
+#   the block is filled again with the *same tokens after another prefix*, a prompt with the old
+#   prefix hits it and reads KV computed for the other prefix. kvlab drops the hash when the page
+#   is handed out.
+# * **[twin pages](glossary.md#twin-pages).** When two running sequences fill identical pages,
+#   nano-vllm's dict points at the later one; kvlab keeps the earlier one (vLLM's
+#   `BlockHashToBlockMap` keeps both, and `get_one_block` returns the first).
 
 # %% [markdown]
 # ## Your turn
 #
-# Four exercises, each on a real `HashPrefixCache`. The checkers compare your answer with the
-# oracle on named edge cases and seeded random ones, and say which case failed and how. A typical
-# slip, a page hash without its parent, is caught like this:
+# Four exercises, each on a real `HashPrefixCache`. The [checkers](glossary.md#checker) compare
+# your answer with the oracle on named edge cases and seeded random ones, and say which case
+# failed and how. A typical slip, a page hash without its parent, is caught like this:
 
 # %%
 def page_hashes_without_parent(input_ids, page_size):  # the slip: every page hashed alone
@@ -587,10 +603,10 @@ kvlab.check.free_pages(my_free_pages);
 # %% [markdown]
 # ## Lift: the notebook's functions vs kvlab
 #
-# Your four functions, on random prompts with shared beginnings, against `kvlab.page_hashes` and
-# `HashPrefixCache.match` / `allocate` / `free` on a twin cache: the same answers and the same
-# state after every call. Until an exercise passes its checker, this cell uses the reference
-# solution in its place (and says so).
+# Your four functions against the ones [lifted](glossary.md#lift) into the package, on random
+# prompts with shared beginnings: `kvlab.page_hashes` and `HashPrefixCache.match` / `allocate` /
+# `free` on a twin cache, the same answers and the same state after every call. Until an exercise
+# passes its checker, this cell uses the reference solution in its place (and says so).
 
 # %%
 hashes_fn = kvlab.check.choose("page_hashes", my_page_hashes, kvlab.solutions.get("page_hashes"))
