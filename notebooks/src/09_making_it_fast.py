@@ -428,12 +428,13 @@ else:
 # and converted with `.to(tl.int64)`, so their sums are `int64`). Compiled Triton refuses such a
 # kernel: *"Loop-carried variable carry has initial type int32 but is re-assigned to int64 in
 # loop! Please make sure that the type stays consistent."* The interpreter does not check
-# this and runs the kernel without complaint, so a scan that passes the checker here can fail
-# to compile on a GPU. Start the carry as an `int64` scalar instead, the sum of a block of
+# this and runs the kernel without complaint; the checker also compiles your kernel for a GPU
+# (Triton compiles without one) and tells you, with the line. Start the carry as an `int64` scalar instead, the sum of a block of
 # `int64` zeros: `tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)` (the kernels in
 # `kvlab.kernels.fast_alloc` do the same).
 #
-# The checker runs your kernel with `BLOCK = 8`, so most batches span several blocks.
+# The checker runs your kernel with `BLOCK` from 4 to 32, so most batches span several blocks;
+# `prefix_lens` and `seq_lens` are read-only.
 # Stuck? `kvlab.check.hint("extend_scan", 1)` (then 2, 3, 4), and as a last resort
 # `kvlab.solutions.show("extend_scan")`.
 
