@@ -1,7 +1,7 @@
 """The checkers compile every learner kernel for a GPU (kvlab.check.compiled): what the
 interpreter runs but a GPU's compiler refuses is told with the learner's line, once per kernel;
-a compiler that cannot run here never blames the learner. Runs in the interpreter (the compiler
-in a child Python, for sm_90) and on a GPU (in this process, for that GPU): `make gpu-check`."""
+a compiler that cannot run never blames the learner. Runs in the interpreter (compiled for
+sm_90) and on a GPU (compiled for that GPU, refused before launch): `make gpu-check`."""
 from __future__ import annotations
 
 import importlib.util
@@ -65,7 +65,6 @@ def test_a_kernel_that_compiles_runs_and_is_compiled_once(tmp_path, monkeypatch)
     assert _launch(good).tolist() == [0, 0, 1, 3, 6, 10, 15, 21, 28, 36]
     asked = []
     monkeypatch.setattr(compiled, "_compile_in_child", lambda *a: asked.append(a) or {"ok": True})
-    monkeypatch.setattr(compiled, "_compile_here", lambda *a: asked.append(a) or {"ok": True})
     _launch(good)  # the verdict is kept: no second compile
     assert asked == []
 
@@ -83,7 +82,6 @@ def test_a_compiler_that_cannot_run_never_blames_the_learner(tmp_path, monkeypat
     bad = _kernel(tmp_path, "0", "no_compiler")
     monkeypatch.setattr(compiled, "_VERDICTS", {})
     monkeypatch.setattr(compiled, "_compile_in_child", lambda *a: None)
-    monkeypatch.setattr(compiled, "_compile_here", lambda *a: None)
     _launch(bad)  # runs in the interpreter (or compiles on the GPU) as it did before the check
 
 
@@ -92,9 +90,8 @@ def test_the_check_can_be_turned_off(tmp_path, monkeypatch):
     assert compiled.problem(_kernel(tmp_path, "0", "turned_off"), (), {}) is None
 
 
-@pytest.mark.skipif(not runtime.INTERPRET, reason="the child compiles only for the interpreter")
-def test_a_child_without_a_working_compiler_says_so_and_is_not_asked_again(monkeypatch):
-    monkeypatch.setattr(compiled, "TARGET", ("cuda", 1, 32))  # no such GPU: the probe fails
+def test_a_child_without_a_working_compiler_says_so(monkeypatch):
+    monkeypatch.setattr(compiled, "_target", lambda: ("cuda", 1, 32))  # no such GPU: the probe fails
     compiled.close_child()
     try:
         child = compiled._Child()

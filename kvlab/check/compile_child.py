@@ -1,17 +1,16 @@
-"""Compiling a kernel for a GPU with Triton's own compiler, here or in a child Python.
+"""The child Python that compiles learner kernels for a GPU (:mod:`kvlab.check.compiled`).
 
-:mod:`kvlab.check.compiled` asks :func:`verdict` whether a kernel compiles. In Triton's
-interpreter that cannot happen in the notebook's process: there Triton's library (``tl.sum``,
-``tl.cumsum``, ...) was turned into interpreted Python when it was imported, and the compiler
-cannot use it. So in the interpreter the question goes to a child Python started as::
+Started as::
 
-    python kvlab/check/compile_child.py <in_fd> <out_fd> <workdir>
+    python kvlab/check/compile_child.py <in_fd> <out_fd> <workdir> <backend,arch,warp_size>
 
 without ``TRITON_INTERPRET`` and without importing kvlab (whose import turns the interpreter on
 where there is no GPU): only the standard library, Triton, and the ``shipping`` and ``pipes``
-modules of ``kvlab.check``, loaded from their files. It first compiles a small kernel of its own;
-if that fails, the compiler cannot run here and every answer says so (``unavailable``), so that a
-broken tool is never blamed on the learner. This module imports only the standard library.
+modules of ``kvlab.check``, loaded from their files. Each request is a kernel by source (as the
+safety net sends one to a spawned child), its launch's signature and constexprs; the answer is
+:func:`verdict`. It first compiles a small kernel of its own; if that fails, the compiler cannot
+run here, it says so once (``ready: False``) and is asked nothing, so that a broken tool is never
+blamed on the learner. This module imports only the standard library.
 """
 from __future__ import annotations
 

@@ -7,13 +7,16 @@ then ``carry += tl.sum(x)`` with an int64 ``x``) runs in the interpreter and is 
 :func:`problem` compiles it with Triton's own compiler for a GPU,
 ``triton.compile(ASTSource(kernel, signature, constexprs), target=GPUTarget("cuda", 90, 32))``
 (an H100/H200; no GPU is needed to compile), and tells a refusal in the learner's terms, with
-their line (unless the interpreter raises too: then its error is told, as before)::
+their line (in the interpreter, unless the interpreter raises too: then its error is told, as
+before). It compiles in a child Python (:mod:`kvlab.check.compile_child`, kept for the session),
+for two reasons: in the interpreter, Triton's own library (``tl.sum``, ...) became interpreted
+Python when this process imported it, which the compiler cannot use; and on a GPU, a compiler
+that crashes on odd code (an LLVM assertion aborts the process) takes only the child with it,
+as the safety net's children do for a crashing kernel::
 
-    runtime        where it compiles                         for
-    GPU            in this process                           this GPU
-    interpreter    a child Python without TRITON_INTERPRET,   sm_90
-                   kept for the session (compile_child): here Triton's own library (tl.sum, ...)
-                   became interpreted Python at import, which the compiler cannot use
+    runtime        compiled for
+    interpreter    sm_90 (TARGET)
+    GPU            this GPU
 
 Once per kernel source: the verdict is kept, so a checker run compiles a kernel at most once,
 with the arguments of its first launch (constexpr values included), and a second checker of the
@@ -40,7 +43,6 @@ from pathlib import Path
 import torch
 
 from .. import runtime
-from .compile_child import verdict
 from .pipes import recv_msg, send_msg
 from .shipping import CannotShip, ship, to_plain
 
@@ -71,10 +73,7 @@ def problem(kernel, args: tuple, kwargs: dict) -> str | None:
     key = shipped.key()
     if key not in _VERDICTS:
         types = signature(kernel.fn, args, kwargs)
-        answer = None
-        if types is not None:
-            answer = (_compile_here(kernel, *types) if _can_compile_here()
-                      else _compile_in_child(shipped, *types))
+        answer = _compile_in_child(shipped, *types) if types is not None else None
         _VERDICTS[key] = _words(answer, kernel.fn) if answer and answer.get("ok") is False else None
     return _VERDICTS[key]
 
@@ -113,42 +112,24 @@ def signature(fn, args: tuple, kwargs: dict) -> tuple[dict, dict] | None:
     return types, constants
 
 
-_HERE: list[bool] = []  # whether this process compiles (decided once)
-
-
-def _can_compile_here() -> bool:
-    """Off the interpreter, and with Triton's library compiled here (not turned into Python by
-    the interpreter at import): then this process can compile a kernel itself."""
-    if not _HERE:
-        try:
-            from triton.language import standard
-            from triton.runtime.jit import JITFunction
-
-            _HERE.append(not runtime.INTERPRET and isinstance(standard.sum, JITFunction))
-        except Exception:  # noqa: BLE001
-            _HERE.append(False)
-    return _HERE[0]
-
-
-def _compile_here(kernel, types: dict, constants: dict) -> dict | None:
+def _target() -> tuple:
+    """(backend, arch, warp size): this GPU's, or TARGET in the interpreter."""
+    if runtime.INTERPRET:
+        return TARGET
     try:
         from triton.runtime import driver
 
         target = driver.active.get_current_target()
-        target = (target.backend, target.arch, target.warp_size)
-    except Exception:  # noqa: BLE001 - no driver: the interpreter's target
-        target = TARGET
-    try:
-        return verdict(kernel, types, constants, target)
-    except Exception:  # noqa: BLE001 - Triton without a compiler for it: no verdict
-        return None
+        return (target.backend, target.arch, target.warp_size)
+    except Exception:  # noqa: BLE001 - no driver after all: the interpreter's target
+        return TARGET
 
 
-# --- the child (interpreter only) ---------------------------------------------------------------
+# --- the child --- ---------------------------------------------------------------
 
 
 class _Child:
-    """A Python compiling kernels for ``TARGET`` (see :mod:`kvlab.check.compile_child`)."""
+    """A Python compiling kernels for ``_target()`` (see :mod:`kvlab.check.compile_child`)."""
 
     def __init__(self):
         self.workdir = Path(tempfile.mkdtemp(prefix="kvlab-compile-"))
@@ -158,7 +139,7 @@ class _Child:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("compile_child.py")), str(to_r),
-             str(from_w), str(self.workdir), ",".join(map(str, TARGET))],
+             str(from_w), str(self.workdir), ",".join(map(str, _target()))],
             pass_fds=(to_r, from_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, env=env)
         os.close(to_r)
