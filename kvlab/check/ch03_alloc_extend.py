@@ -52,6 +52,22 @@ WORKED = dict(pre=[70, 128], seq=[190, 260], last_loc=[2 * 64 + 5, 1 * 64 + 63],
               free=[7, 3, 9, 5, 11, 12], page_size=64)
 #: the kernel's read-only inputs (pre_lens, seq_lens, last_loc, free_pages) and its output
 READ_ONLY, OUT = (0, 1, 2, 3), 4
+#: what ret_values holds before the launch: the allocator keeps one ret_values from call to
+#: call, so a kernel must store it, not add to it (no report can be negative)
+STALE_RET = -7777
+
+
+def stale_ret_note(ret: int, expected: int) -> str:
+    """Why ``ret`` is wrong, when it shows that the kernel did not store ``ret_values``."""
+    if ret == STALE_RET:
+        return (f"\n  ret_values still holds {STALE_RET}, its value before the launch: the last "
+                "program must store the total (tl.store, not an add: the allocator keeps one "
+                "ret_values from call to call, so it does not start at 0)")
+    if ret == STALE_RET + expected:
+        return (f"\n  that is {STALE_RET} (its value before the launch) + the right total: your "
+                "kernel adds to ret_values; store it instead (the allocator keeps one ret_values "
+                "from call to call, so it does not start at 0)")
+    return ""
 
 
 def _next_pow2(n: int) -> int:
@@ -86,6 +102,7 @@ def extend_case_inputs(prefix_lens: list[int], seq_lens: list[int], page_size: i
 def run_extend_kernel(kernel, prefix_lens, seq_lens, last_loc, free_pages, page_size,
                       layout: Layout | None = None):
     """Launch ``kernel`` the way the allocator does; return ``(out_indices, ret_value)`` on the CPU.
+    ``ret_values`` starts as :data:`STALE_RET`, as a reused buffer would.
 
     The inputs must come back unchanged; in the interpreter the audit keeps every store into
     ``out_indices`` (:func:`kvlab.check.core.last_stores`)."""
@@ -93,7 +110,7 @@ def run_extend_kernel(kernel, prefix_lens, seq_lens, last_loc, free_pages, page_
     as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
     n_tokens = sum(s - p for p, s in zip(prefix_lens, seq_lens))
     out = torch.full((n_tokens,), NOT_WRITTEN, dtype=torch.int64, device=dev)
-    ret = torch.zeros(1, dtype=torch.int64, device=dev)
+    ret = torch.full((1,), STALE_RET, dtype=torch.int64, device=dev)
     bs = len(prefix_lens)
     call_learner(kernel, as_t(prefix_lens), as_t(seq_lens), as_t(last_loc), as_t(free_pages), out, ret,
                  _next_pow2(bs), page_size, _next_pow2(n_tokens), grid=(bs,), layout=layout,
@@ -322,11 +339,12 @@ def alloc_extend_part3(kernel, *, seed: int = 0, n_random: int = 4) -> int:
 
     def run_one(case: Case) -> None:
         plan, ret = _check_part(kernel, 3, case)
-        got_pages, got_tokens = unpack_ret_value(ret)
         if ret != plan.ret_value:
+            why = stale_ret_note(ret, plan.ret_value)
+            got = "" if why or ret < 0 else " = ({} pages << 32) | {} tokens".format(*unpack_ret_value(ret))
             raise CheckFailed(
-                f"[{case.name}] ret_values holds {ret:#x} = ({got_pages} pages << 32) | {got_tokens} "
-                f"tokens; expected {plan.ret_value:#x} = ({plan.num_new_pages} << 32) | "
-                f"{plan.num_extend_tokens}", case=case.name, label="ret_values")
+                f"[{case.name}] ret_values holds {ret:#x}{got}; expected {plan.ret_value:#x} = "
+                f"({plan.num_new_pages} << 32) | {plan.num_extend_tokens}{why}", case=case.name,
+                label="ret_values")
 
     return run_cases("alloc_extend_part3", _cases(3, seed, n_random), run_one)
