@@ -44,7 +44,7 @@ import torch
 
 from .. import runtime
 from .pipes import recv_msg, send_msg
-from .shipping import CannotShip, ship, to_plain
+from .shipping import ship, to_plain
 
 #: the GPU the interpreter's kernels are compiled for: (backend, compute capability, warp size)
 TARGET = ("cuda", 90, 32)
@@ -66,14 +66,17 @@ def problem(kernel, args: tuple, kwargs: dict) -> str | None:
         return None
     try:
         shipped = ship(kernel)
-    except CannotShip:
+    except Exception:  # noqa: BLE001 - CannotShip, or anything odd: no verdict, never a crash
         return None
     if shipped.reference is not None:  # kvlab's own kernel
         return None
     key = shipped.key()
     if key not in _VERDICTS:
         types = signature(kernel.fn, args, kwargs)
-        answer = _compile_in_child(shipped, *types) if types is not None else None
+        try:
+            answer = _compile_in_child(shipped, *types) if types is not None else None
+        except Exception:  # noqa: BLE001 - the child could not start: no verdict
+            answer = None
         _VERDICTS[key] = _words(answer, kernel.fn) if answer and answer.get("ok") is False else None
     return _VERDICTS[key]
 
