@@ -363,7 +363,7 @@ def _fake_gpu(monkeypatch, answers):
     calls = []
 
     def guarded_call(fn, args, kwargs, grid=None, *, keep_worker=False, order=None,
-                     interpret=False):
+                     interpret=False, track=()):
         calls.append((interpret, order.kind))
         value, reads = answers(interpret, order.kind)
         accesses = [Access("read", "src", "after", 1, program=(1,))] if reads else []

@@ -16,6 +16,7 @@ The floors of this package, each importing only from the floors below it::
     catalog           every exercise (imports each chapter module): hint, status, choose
     chNN_*.py         the chapters' cases and checkers
     core              run_cases, call_learner, compare_flat          picture (failure pictures)
+    inputs, compiled  read-only arguments compared; kernels compiled for a GPU (compile_child)
     sandbox           guarded_call: guard bands + audit + a child process
     workers, runner   the child processes; one call, here or in a child    shipping, pipes
     audit, guards     loads and stores checked in the interpreter; guard bands    messages

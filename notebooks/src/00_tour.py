@@ -333,7 +333,7 @@ plt.show()
 #
 # Each chapter has exercises checked by `kvlab.check.<name>`. This one is small: write
 # `pages_needed(lengths, page_size)`, the number of pages each request occupies, one int per
-# request, in order. Use `kvlab.div_ceil`.
+# request, in order, as a new list (`lengths` is read-only). Use `kvlab.div_ceil`.
 #
 # `kvlab.check.pages_needed(pages_needed)` tries named edge cases (no requests, a request with
 # no tokens yet, `page_size = 1`, lengths that fill their last page exactly or spill one token

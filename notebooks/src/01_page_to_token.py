@@ -358,7 +358,8 @@ except kvlab.check.CheckFailed as err:
 # %% [markdown]
 # Now yours. Put the torch version together: `my_page_to_token(page_starts, page_size)` returns every slot
 # of the given pages, page after page, with the input's dtype and device, and the input itself
-# when `page_size == 1`. Everything it needs is in the build-up cells above.
+# when `page_size == 1`; it never changes `page_starts` (read-only). Everything it needs is in
+# the build-up cells above.
 #
 # The checker tries named edge cases first (page size 1, a single page, no pages, pages out of
 # order, large page ids), then random ones, and checks the result's dtype and device as well as

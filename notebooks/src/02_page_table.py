@@ -352,7 +352,8 @@ assert torch.equal(table, snapshot)
 # ## Your turn
 #
 # Write `my_write_page_table(page_table, allocated, allocation_info, page_size)`: it writes into
-# `page_table` in place and returns nothing. Any correct method passes. It does not have to build
+# `page_table` in place and returns nothing (`allocated` and `allocation_info` are read-only).
+# Any correct method passes. It does not have to build
 # per-token indices like the host path: one slice assignment per `allocation_info` entry is
 # enough, if you keep track of where each entry's slots start in `allocated`.
 #

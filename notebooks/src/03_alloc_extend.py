@@ -514,8 +514,9 @@ assert alloc.state().equals(before)
 # Below is the kernel with its bookkeeping given: the masked sums of the skeleton above, plus
 # `pre_page_end = ceil(pre/P)*P`, `seq_page_start = floor(seq/P)*P` and
 # `offs_page = tl.arange(0, page_size)`. Write the three parts, translating `one_program`'s
-# loops into masked stores (the checks `if ... return` between them are given). Each part has its
-# own [checker](glossary.md#checker), so you can do them one at a time:
+# loops into masked stores (the checks `if ... return` between them are given). The kernel writes
+# only `out_indices` and `ret_values`; `pre_lens`, `seq_lens`, `last_loc` and `free_pages` are
+# read-only. Each part has its own [checker](glossary.md#checker), so you can do them one at a time:
 #
 # - `kvlab.check.alloc_extend_part1(kernel)`: the rest of the old page, `last_loc + 1, ...`;
 # - `kvlab.check.alloc_extend_part2(kernel)`: whole new pages, `free_pages[new_page_start_loc + k // P] * P + k % P`;
@@ -531,8 +532,8 @@ assert alloc.state().equals(before)
 # `pid == tl.num_programs(0) - 1` (chapter 01's first primer).
 #
 # A checker compares only its own part's slots with the reference (a slot you have not written
-# yet shows as `-1`) and on a mistake names the case, the request and the part, the first wrong
-# slot, expected vs got. Until a part is written its checker says `not attempted yet`. Hints:
+# yet shows as `-1`, another part's position as `·`) and on a mistake names the case, the request
+# and the part, the first wrong slot, expected vs got. Until a part is written its checker says `not attempted yet`. Hints:
 # `kvlab.check.hint("alloc_extend_part1", 1)` (then 2, 3, 4; the same for parts 2 and 3); each
 # part's reference: `kvlab.solutions.show("alloc_extend_part1")` shows part 1 only.
 

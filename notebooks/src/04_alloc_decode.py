@@ -290,6 +290,9 @@ print("one request:", small.alloc_decode(torch.tensor([5], device=device), torch
 # - the last program (`pid == tl.num_programs(0) - 1`) stores the number of requests that took a
 #   new page in `ret_values`.
 #
+# The kernel writes only `out_indices` and `ret_values`; `seq_lens`, `last_loc` and `free_pages`
+# are read-only.
+#
 # `kvlab.check.alloc_decode(kernel)` runs it on named edge cases (page size 1, a request's very
 # first token, several crossings at once) and random batches; on a mistake it names the request
 # and whether it should have taken a new page. Until you write the body it says

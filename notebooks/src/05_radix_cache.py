@@ -474,7 +474,7 @@ else:
 # `RadixPrefixCache` from `cache.root`, find each child by the next whole page
 # (`node.children.get(tuple(...))`), count how far its `node.key` agrees with the prompt, round
 # down to whole pages, and stop when the prompt leaves the tree. Only read the tree (no splits,
-# no stamps). Stuck? `kvlab.check.hint("match_prefix", 1)` (then 2, 3) gives hints in steps,
+# no stamps: the checker compares every node, its LRU stamp and the clock) and `input_ids`. Stuck? `kvlab.check.hint("match_prefix", 1)` (then 2, 3) gives hints in steps,
 # and `kvlab.solutions.show("match_prefix")` prints a reference solution.
 
 # %%
@@ -517,7 +517,8 @@ kvlab.check.hint("match_prefix", 1);
 # %% [markdown]
 # **Exercise `match_req`.** Write `my_match_req(prefix_cache, input_ids)`: how a server matches
 # a new request's prompt. Return what `prefix_cache.match_prefix` returns (a `MatchResult`; the
-# matched length as an int is accepted too). Remember what the prefill is for: the checker
+# matched length as an int is accepted too); `input_ids` is read-only, and the tree must end as
+# one match leaves it. Remember what the prefill is for: the checker
 # tries a prompt that is cached whole, a one-token prompt, page size 1, and a prompt one page
 # longer than the cache. Hints: `kvlab.check.hint("match_req", 1)`.
 
@@ -541,7 +542,7 @@ kvlab.check.match_req(my_match_req);
 # `store` maps `tuple(prefix up to the end of a page) -> that page's slots`; `indices` holds
 # one slot per token of `input_ids`. Return how many tokens were already cached from the
 # start (whole pages), and a dict of the entries to add: one per new *whole* page. Leave
-# `store` itself unchanged. The checker tries partial last pages, everything cached, equal
+# `store` itself unchanged (`store`, `input_ids` and `indices` are read-only). The checker tries partial last pages, everything cached, equal
 # page contents after a different first page, and page size 1.
 # Hints: `kvlab.check.hint("insert_prefix", 1)`.
 

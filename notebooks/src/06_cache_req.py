@@ -512,7 +512,7 @@ for page_size in (1, 4, 16):
 # ```
 #
 # The lengths are the diagram's `old`, `already` and `req`; `row_slots` is the request's row
-# over `[0, req)`. Work out `new` yourself (what does `insert_prefix` keep?), then the four
+# over `[0, req)` (read-only). Work out `new` yourself (what does `insert_prefix` keep?), then the four
 # regions, then which pages go back: one entry per page, duplicates always, the tail only when
 # finished. The [checker](glossary.md#checker) names the first wrong region. Hints:
 # `kvlab.check.hint("cache_req_regions", 1)` (then 2, 3); a solution:
@@ -554,7 +554,7 @@ kvlab.check.hint("cache_req_regions", 1);
 # ```
 #
 # so that the duplicate pages go back to the free list *and* the row never points at them
-# again (scenario 3's bug). The checker draws the row it expected over the one you returned,
+# again (scenario 3's bug). `row_slots` and `cached_slots` are read-only: return a new row. The checker draws the row it expected over the one you returned,
 # region by region. This is what it says about the source design's behaviour, which frees
 # the duplicate pages and leaves the row as it was:
 

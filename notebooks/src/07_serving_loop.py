@@ -158,7 +158,7 @@ manager.check_integrity()
 # done)`: for running requests `reqs` (each with `cached_len == device_len - 1`: the step
 # computes the KV of its last token), map new pages where needed, record each request's token
 # (`next_tokens[i]`) and advance it, and hand the requests marked `done[i]` back to the cache
-# as finished. The order of the calls matters. `kvlab.check.decode_step` runs it against the
+# as finished (`next_tokens` and `done` are read-only). The order of the calls matters. `kvlab.check.decode_step` runs it against the
 # reference on named scenarios (page size 1, page boundaries, requests finishing, exactly
 # enough memory) and random ones, and compares the [page table](glossary.md#page-table), the [free list](glossary.md#free-list), every request's
 # lengths, and the integrity check. Your function then drives the serving loop below.

@@ -111,7 +111,8 @@ print("attention through the page table == attention over the contiguous K/V")
 #
 # Now for a whole batch. Write `my_paged_attention_torch(q, k_pool, v_pool, page_table,
 # table_idx, seq_lens)` that returns `[batch, heads, head_dim]`: request `b` attends to
-# positions `[0, seq_lens[b])` of row `table_idx[b]` (rows need not be in request order).
+# positions `[0, seq_lens[b])` of row `table_idx[b]` (rows need not be in request order); every
+# argument is read-only.
 # `kvlab.check.paged_attention` compares it with the reference on edge cases and random
 # layouts and, when it recognises a mistake (reading the pool without the row, using row `b`
 # instead of `table_idx[b]`, forgetting the scale), says so. Hints:
@@ -214,9 +215,11 @@ print("online softmax with a rescale between the blocks: no overflow, same answe
 # and `tl.sum(x, 0)` reduce a block to a scalar, `tl.maximum` and `tl.exp` work [lane](glossary.md#lane) by lane,
 # and `p[:, None] * v` weighs each row of `v` by its lane's `p`. The masked lanes need no
 # care if you get the order right: their score is `-inf`, so their `p` is `exp(-inf) = 0`.
+# The kernel writes only `out`; its other tensors are read-only.
 # `kvlab.check.paged_attention_kernel` launches your kernel on blocks smaller than most
-# requests, with scores that rise from block to block, fall, and are large enough that a plain
-# `exp` overflows, and names the mistake when it recognises it. Hints:
+# requests (`BLOCK_N` 4 to 16, with the default `scale` and others), with scores that rise from
+# block to block, fall, and are large enough that a plain `exp` overflows, and names the
+# mistake when it recognises it. Hints:
 # `kvlab.check.hint("paged_attention_kernel", 1)` (up to 3); the reference:
 # `kvlab.solutions.show("paged_attention_kernel")`.
 

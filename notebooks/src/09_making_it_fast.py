@@ -438,16 +438,18 @@ else:
 # and converted with `.to(tl.int64)`, so their sums are `int64`). Compiled Triton refuses such a
 # kernel: *"Loop-carried variable carry has initial type int32 but is re-assigned to int64 in
 # loop! Please make sure that the type stays consistent."* The interpreter does not check
-# this and runs the kernel without complaint, so a scan that passes the [checker](glossary.md#checker) here can fail
-# to compile on a GPU. Start the carry as an `int64` scalar instead, the sum of a block of
-# `int64` zeros: `tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)` (the kernels in
-# `kvlab.kernels.fast_alloc` do the same).
+# this and runs the kernel without complaint, so a scan that passes in the interpreter could fail
+# to compile on a GPU; the [checker](glossary.md#checker) therefore also compiles your kernel for
+# a GPU (Triton compiles without one) and tells you, with the line. Start the carry as an `int64`
+# scalar instead, the sum of a block of `int64` zeros: `tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)`
+# (the kernels in `kvlab.kernels.fast_alloc` do the same).
 #
 # Within a block, `tl.cumsum(x, axis=0)` is what `torch.cumsum` is on the host: the
 # *inclusive* running sum of the block's lanes (`[5 0 3 7]` gives `[5 5 8 15]`); subtract `x`
 # to make it exclusive, as above.
 #
-# The checker runs your kernel with `BLOCK = 8`, so most batches span several blocks.
+# The checker runs your kernel with `BLOCK` from 4 to 32, so most batches span several blocks;
+# `prefix_lens` and `seq_lens` are read-only.
 # Stuck? `kvlab.check.hint("extend_scan", 1)` (then 2, 3, 4), and as a last resort
 # `kvlab.solutions.show("extend_scan")`.
 

@@ -384,7 +384,9 @@ else:
 # `my_paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions, scale)`.
 # Request `b` owns page-table row `rows[b]`; its new token sits at position `positions[b]`.
 # `q` is `[batch, heads, head_dim]`, `k` and `v` are `[batch, kv_heads, head_dim]` (already
-# rotated by the model), the pools `[num_slots, kv_heads, head_dim]`.
+# rotated by the model), the pools `[num_slots, kv_heads, head_dim]`. Only the pools are
+# written; `q`, `k`, `v`, `page_table`, `rows` and `positions` are read-only, and `scale` is the
+# model's own (not always `1/sqrt(head_dim)`).
 #
 # 1. store `k[b]`, `v[b]` at slot `page_table[rows[b], positions[b]]` of the pools;
 # 2. return [paged attention](glossary.md#paged-attention) of `q[b]` over positions `0 .. positions[b]` -- the new token sees
