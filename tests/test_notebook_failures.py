@@ -54,6 +54,8 @@ def execute(nb: nbformat.NotebookNode, cwd: Path, allow_errors: bool = False):
     client = NotebookClient(nb, km=km, timeout=600, allow_errors=allow_errors,
                             resources={"metadata": {"path": str(cwd)}})
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}  # inline figures, as in a lab
+    # a progress file of this notebook's own: other tests in this process record failures too
+    env["KVLAB_PROGRESS_FILE"] = str(cwd / "progress.json")
     client.execute(env=env)
     return nb
 
