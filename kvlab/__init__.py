@@ -46,7 +46,7 @@ _EXPORTS = {
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
     "kvcache", "attention", "engine", "bench", "paging", "token_allocator", "radix_cache",
-    "cache_manager", "scenes", "runtime", "errors",
+    "cache_manager", "scenes", "runtime", "errors", "alloc_checks", "native_counts",
     "hf",  # chapter 10 (needs the optional transformers: pip install 'kvlab[hf]')
 }
 
