@@ -79,9 +79,10 @@ class _CountingCache(RadixPrefixCache):
 
     evicted_tokens = 0
 
-    def evict_leaves(self, num_tokens: int) -> list[RadixNode]:
-        evicted = super().evict_leaves(num_tokens)
-        self.evicted_tokens += sum(node.length for node in evicted)
+    def evict_leaves(self, num_tokens: int, into: list | None = None) -> list[RadixNode]:
+        start = len(into) if into is not None else 0  # (into may hold earlier nodes)
+        evicted = super().evict_leaves(num_tokens, into)
+        self.evicted_tokens += sum(node.length for node in evicted[start:])
         return evicted
 
 
