@@ -51,7 +51,8 @@ _EXPORTS = {
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
     "kvcache", "attention", "engine", "bench", "paging", "token_allocator", "radix_cache",
-    "cache_manager", "scenes", "runtime", "errors", "native_counts", "hash_cache", "hash_chain",
+    "cache_manager", "scenes", "runtime", "errors", "alloc_checks", "native_counts", "hash_cache",
+    "hash_chain",
     "hf",  # chapter 10 (needs the optional transformers: pip install 'kvlab[hf]')
 }
 

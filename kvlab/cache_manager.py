@@ -319,7 +319,8 @@ class CacheManager(CacheManagerChecks):
         """Take ``needed_pages`` page starts from the front of the free list, evicting first
         if needed (the evicted nodes go into ``evicted``, for a rollback)."""
         if needed_pages > (free_pages := len(self.free_slots)):
-            evicted.extend(self.prefix_cache.evict_leaves((needed_pages - free_pages) * self.page_size))
+            # each node goes into `evicted` as it is evicted: an interrupt part-way loses none
+            self.prefix_cache.evict_leaves((needed_pages - free_pages) * self.page_size, into=evicted)
             # evicted nodes hold token slots, the free list holds page starts: one per P slots
             freed = [n.value[:: self.page_size].to(torch.int32) for n in evicted]
             self.free_slots = torch.cat([self.free_slots, *freed])
@@ -349,42 +350,83 @@ class CacheManager(CacheManagerChecks):
         ``finished=True``: the tail (and any page mapped past ``cached_len``) is freed and
         the request stops running. ``finished=False``: the tail stays, the new handle is
         locked (owner: ``req``), and the duplicate part of the row is rewritten to the cached
-        slots (unless ``remap_duplicates=False``, the source design's behaviour).
+        slots (unless ``remap_duplicates=False``, the source design's behaviour). All or
+        nothing: if a step fails (or is interrupted), every step before it is undone.
         """
         rec = self._validate_cache_req(req, finished)
         P = self.page_size
         row = self.page_table[req.table_idx]
         old_handle, old_len = req.cache_handle, self._handle_len(req)
-        # ============ [0, req.cached_len): hit | duplicate | newly inserted | tail ============
-        page_indices = row[: req.cached_len].clone()
-        already_len, new_handle = self.prefix_cache.insert_prefix(
-            req.input_ids[: req.cached_len], page_indices)
-        new_len = new_handle.cached_len
-        if old_handle is not None:
-            self.unlock(old_handle, owner=req)  # only after every use of the old handle
-        # duplicate [old_len, already_len): computed here, but cached meanwhile by another request
-        duplicate = page_indices[old_len:already_len]
-        freed = [self._free(duplicate)]
-        remapped = False
-        if finished:
-            # tail [new_len, cached_len) and any page mapped past it: every page from new_len on
-            freed.append(self._free(row[new_len: rec.alloc_pages * P].clone()))
-            row[: rec.alloc_pages * P] = UNMAPPED  # the row no longer maps anything
-            del self._running[req.table_idx]
-            req.finished = True
-        else:
-            if self.remap_duplicates and already_len > old_len:
+        row_before, free_before = row[: rec.alloc_pages * P].clone(), self.free_slots  # (a rollback's)
+        held = self.prefix_cache.locks_held(old_handle, req)
+        page_indices = row_before[: req.cached_len]
+        new_handle, already_len = None, 0
+        try:
+            # ============ [0, req.cached_len): hit | duplicate | newly inserted | tail ============
+            already_len, new_handle = self.prefix_cache.insert_prefix(
+                req.input_ids[: req.cached_len], page_indices)
+            new_len = new_handle.cached_len
+            # duplicate [old_len, already_len): computed here, but cached meanwhile by another request
+            duplicate = page_indices[old_len:already_len]
+            freed = [self._free(duplicate)]
+            remapped = False
+            if finished:
+                # tail [new_len, cached_len) and any page mapped past it: every page from new_len on
+                freed.append(self._free(row_before[new_len:]))
+            elif self.remap_duplicates and already_len > old_len:
                 cached = new_handle.get_matched_indices()[old_len:already_len]
                 row[old_len:already_len] = cached.to(row.dtype)  # never point at a freed page
                 remapped = True
-            self.lock(new_handle, owner=req)
-            req.cache_handle = new_handle
-        return CacheRegions(
-            table_idx=req.table_idx, finished=finished, old_cached_len=old_len,
-            already_cached_len=already_len, new_cached_len=new_len,
-            req_cached_len=req.cached_len, page_size=P, row_before=page_indices,
-            row_after=row[: req.cached_len].clone(), duplicate_slots=duplicate,
-            tail_slots=page_indices[new_len:], freed_pages=torch.cat(freed), remapped=remapped)
+            # the locks last, the new one first: the old handle is used up to here
+            if not finished:
+                self.lock(new_handle, owner=req)
+            if old_handle is not None:
+                self.unlock(old_handle, owner=req)
+            if finished:
+                row[: rec.alloc_pages * P] = UNMAPPED  # the row no longer maps anything
+                del self._running[req.table_idx]
+                req.finished = True
+            else:
+                req.cache_handle = new_handle
+            return CacheRegions(
+                table_idx=req.table_idx, finished=finished, old_cached_len=old_len,
+                already_cached_len=already_len, new_cached_len=new_len,
+                req_cached_len=req.cached_len, page_size=P, row_before=page_indices,
+                row_after=row[: req.cached_len].clone(), duplicate_slots=duplicate,
+                tail_slots=page_indices[new_len:], freed_pages=torch.cat(freed), remapped=remapped)
+        except BaseException:
+            self._undo_req_steps(req, rec, row_before, free_before, old_handle, held, True, new_handle,
+                                 already_len)
+            raise
+
+    def _undo_req_steps(self, req: Req, rec: _Running, row_before: torch.Tensor, free_before: torch.Tensor,
+                        old_handle: RadixCacheHandle | None, held: int, inserting: bool = False,
+                        new_handle: RadixCacheHandle | None = None, already_len: int = 0) -> None:
+        """Put back what a failed ``cache_req`` (``inserting``) or ``release_req`` changed, read from
+        the state itself (a step may have been interrupted just after it ran): the request's
+        locks (it held ``held`` on its old handle, none on another), the node its insert added,
+        the free list, its row, its record and its fields."""
+        cache, old_len = self.prefix_cache, old_handle.cached_len if old_handle is not None else 0
+        if new_handle is not None and (old_handle is None or new_handle.node is not old_handle.node):
+            for _ in range(cache.locks_held(new_handle, req)):
+                self.unlock(new_handle, owner=req)
+        if old_handle is not None:  # (the new handle may be the old one: back to `held` either way)
+            while cache.locks_held(old_handle, req) > held:
+                self.unlock(old_handle, owner=req)
+            for _ in range(held - cache.locks_held(old_handle, req)):
+                self.lock(old_handle, owner=req)
+        if new_handle is not None:
+            if already_len < new_handle.cached_len and not new_handle.node.detached:
+                cache.undo_insert(new_handle.node)
+        elif inserting and req.cached_len > old_len:  # stopped inside insert_prefix: did it add a node?
+            own = set(row_before[old_len: req.cached_len: self.page_size].tolist())
+            for node in cache.nodes():  # (the row's own pages were in no node before the call)
+                if node.is_leaf() and not node.ref_count and int(node.value[0]) in own:
+                    cache.undo_insert(node)
+        self.free_slots = free_before
+        self.page_table[req.table_idx, : row_before.numel()] = row_before
+        self._running[req.table_idx] = rec
+        req.cache_handle, req.finished = old_handle, False
 
     def release_req(self, req: Req) -> torch.Tensor:
         """Abort a running request: free its own pages, unlock its handle, cache nothing.
@@ -395,10 +437,17 @@ class CacheManager(CacheManagerChecks):
         if not self._holds_its_prefix(req):
             raise CacheMisuse("release_req: the request's cache_handle is not locked by the request")
         row = self.page_table[req.table_idx]
-        freed = self._free(row[self._handle_len(req): rec.alloc_pages * self.page_size].clone())
-        if req.cache_handle is not None:
-            self.unlock(req.cache_handle, owner=req)
-        row[: rec.alloc_pages * self.page_size] = UNMAPPED
-        del self._running[req.table_idx]
-        req.finished = True
-        return freed
+        handle, mapped = req.cache_handle, rec.alloc_pages * self.page_size
+        row_before, free_before = row[:mapped].clone(), self.free_slots  # (a rollback's)
+        held = self.prefix_cache.locks_held(handle, req)
+        try:  # all or nothing, as cache_req
+            freed = self._free(row_before[self._handle_len(req):])
+            if handle is not None:
+                self.unlock(handle, owner=req)
+            row[:mapped] = UNMAPPED
+            del self._running[req.table_idx]
+            req.finished = True
+            return freed
+        except BaseException:
+            self._undo_req_steps(req, rec, row_before, free_before, handle, held)
+            raise

@@ -49,9 +49,9 @@ class _Timed:
         self._ns: dict[str, list[int]] = {"match": [], "insert": []}
         self.asked_tokens = 0
 
-    def evict_leaves(self, num_tokens: int):
+    def evict_leaves(self, num_tokens: int, into: list | None = None):
         self.asked_tokens += num_tokens
-        return super().evict_leaves(num_tokens)
+        return super().evict_leaves(num_tokens, into)
 
     def _timed(self, what: str, call, *args):
         start = time.perf_counter_ns()
@@ -79,9 +79,10 @@ class CountingRadixCache(_Timed, RadixPrefixCache):
         self.evicted_tokens = 0
         super().__init__(page_size, device)
 
-    def evict_leaves(self, num_tokens: int) -> list[RadixNode]:
-        evicted = super().evict_leaves(num_tokens)
-        self.evicted_tokens += sum(node.length for node in evicted)
+    def evict_leaves(self, num_tokens: int, into: list | None = None) -> list[RadixNode]:
+        start = len(into) if into is not None else 0  # (into may hold earlier nodes)
+        evicted = super().evict_leaves(num_tokens, into)
+        self.evicted_tokens += sum(node.length for node in evicted[start:])
         return evicted
 
 

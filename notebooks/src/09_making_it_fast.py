@@ -594,13 +594,17 @@ plt.show()
 #
 # - rules on the lengths run on the **host copies** the scheduler already has
 #   (`prefix_lens_cpu=`, `seq_lens_cpu=`), one pass over the whole batch (in C, or a few NumPy
-#   operations);
+#   operations). The same pass keeps every count exact: a length may be anything below 2**63,
+#   and four requests of 2**62 tokens must not add up to a wrapped 0;
 # - rules that need device data (`last_loc` on an allocated page, host copies equal to the
 #   device tensors, via a checksum) run **inside the kernel's own pass**: every program checks
 #   the whole batch before it writes anything and reaches the same verdict; a refused batch gets
 #   slots of -1 and takes no page. The refusal is recorded on the device and raised by the next
 #   call that reads the device anyway (a call without host lengths, `free`,
-#   `check_device_errors()`), with the allocator rolled back to just before the refused call.
+#   `check_device_errors()`, or a call the host refuses: the older error comes first), with the
+#   allocator rolled back to just before the refused call. Until then the allocator's counters
+#   (`num_free_pages`, `free_pages`) still count only the calls that stand: reading one after a
+#   call with host lengths is a read of the device too.
 #
 # And where a call must wait (no host lengths: the page count has to come from the GPU), it
 # waits once and copies nothing: the kernel writes its verdict into `ret_values`, which on a GPU
@@ -618,6 +622,8 @@ alloc.alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu
 before = alloc.state()
 refused = alloc.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])  # 22: page 5, free
 print("the call returned without waiting; its slots:", refused.tolist())
+print("free pages:", alloc.num_free_pages, "(the refused call's page is not counted: this read waits for the device)")
+assert alloc.num_free_pages == 7
 try:
     alloc.check_device_errors()  # the one read of the device
     raise AssertionError("should have been refused")
