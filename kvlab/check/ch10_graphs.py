@@ -73,7 +73,7 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         case("page_size 1, 3 requests pad to 4", 1, [3, 1, 6], [1, 2, 4, 8]),
         case("sizes given out of order", 4, [2, 5, 9], [8, 1, 4, 2]),
         case("larger than every captured size: unpadded", 4, [3, 4, 5, 6, 7], [1, 2, 4]),
-        case("mini-sglang's sizes (1, 2, 4, 8, 16), 9 requests", 16, [17, 3, 30, 1, 16, 8, 25, 2, 11],
+        case("mini-sglang's sizes up to 16 (1, 2, 4, then multiples of 8), 9 requests", 16, [17, 3, 30, 1, 16, 8, 25, 2, 11],
              [1, 2, 4, 8, 16]),
         case("sizes 1 2 4 8 12 16 24, 10 requests pad to 12 (not to a power of two)", 2,
              [4, 1, 7, 3, 5, 2, 8, 6, 1, 3], [1, 2, 4, 8, 12, 16, 24]),
