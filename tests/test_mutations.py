@@ -514,7 +514,8 @@ BLIND_SPOTS = [
     Mutant("page_to_token", "torch.arange(page_size, dtype", "torch.arange(4, dtype",
            ("[a single page] slots has 4 values, expected 8",), "offsets for a page size of 4", "param"),
     Mutant("page_to_token", "return (page_starts.unsqueeze(1) + offsets).flatten()",
-           "return page_starts[:1] + torch.arange(len(page_starts) * page_size, dtype=page_starts.dtype)",
+           "return page_starts[:1] + torch.arange(len(page_starts) * page_size, dtype=page_starts.dtype,\n"
+            "                                        device=page_starts.device)",
            ("[pages out of order]", "(page 1 (start 4))"),
            "assumes the pages follow each other (true for the example's pages)", "lucky"),
     # chapter 02

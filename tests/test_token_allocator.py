@@ -352,7 +352,7 @@ def test_decode_checker_passes_the_teaching_kernel(capsys):
     from kvlab.kernels import alloc_decode_kernel
 
     check.alloc_decode(alloc_decode_kernel, n_random=1)
-    assert "✓ alloc_decode: all 7 cases pass" in capsys.readouterr().out
+    assert "✓ alloc_decode: all 9 cases pass (8 edge cases, 1 random)" in capsys.readouterr().out
 
 
 def test_teaching_kernel_block_limit_is_refused_before_launch():
