@@ -23,7 +23,7 @@ from __future__ import annotations
 import random
 
 from ..hash_chain import chain_hash, page_hashes, short
-from .ch11_hash_chain import _A, _B, _LONG, build_pool, pool_order, shown_script
+from .ch11_hash_chain import _A, _B, _LONG, build_pool, pool_order, random_script, shown_script
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
 from .failures import fmt_values
 from .pool_state import pool_difference, pool_state
@@ -139,14 +139,7 @@ def _alloc_cases(seed: int, n_random: int) -> list[Case]:
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        P = rng.choice([1, 2, 4, 8])
-        starts = [[rng.randrange(3) for _ in range(3 * P)] for _ in range(2)]
-        script, n = [], 0
-        for _ in range(rng.randrange(1, 4)):
-            script.append(("alloc", rng.choice(starts)[: rng.randrange(1, 3 * P + 1)] + [rng.randrange(3)]))
-            if rng.random() < 0.6:
-                script.append(("free", n))
-            n += 1
+        P, script, starts = random_script(rng, free_chance=0.6)
         ids = rng.choice(starts)[: rng.randrange(0, 3 * P + 1)] + [rng.randrange(3) for _ in range(rng.randrange(1, 3))]
         cases.append(case(f"random {i + 1} (page_size {P})", P, script, ids, "random", num_pages=14))
     return cases

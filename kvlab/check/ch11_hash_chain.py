@@ -28,6 +28,20 @@ from .core import Case, CheckFailed, call_learner, exercise, run_cases
 from .failures import fmt_values
 
 
+def random_script(rng: random.Random, free_chance: float) -> tuple[int, list, list[list[int]]]:
+    """A random page size, a script of 1-3 allocations (each freed with ``free_chance``) whose
+    prompts start like one of two token runs, and those two runs (for the query to follow)."""
+    P = rng.choice([1, 2, 4, 8])
+    starts = [[rng.randrange(3) for _ in range(3 * P)] for _ in range(2)]
+    script, n = [], 0
+    for _ in range(rng.randrange(1, 4)):
+        script.append(("alloc", rng.choice(starts)[: rng.randrange(1, 3 * P + 1)] + [rng.randrange(3)]))
+        if rng.random() < free_chance:
+            script.append(("free", n))
+        n += 1
+    return P, script, starts
+
+
 def shown_script(script) -> str:
     """A pool's script as the messages show it (long prompts cut short)."""
     return "[" + ", ".join(f"({op!r}, {fmt_values(arg, 16) if isinstance(arg, list) else arg})"
@@ -194,14 +208,7 @@ def _match_cases(seed: int, n_random: int) -> list[Case]:
     ]]
     rng = random.Random(seed)
     for i in range(n_random):
-        P = rng.choice([1, 2, 4, 8])
-        starts = [[rng.randrange(3) for _ in range(3 * P)] for _ in range(2)]
-        script, n = [], 0
-        for _ in range(rng.randrange(1, 4)):
-            script.append(("alloc", rng.choice(starts)[: rng.randrange(1, 3 * P + 1)] + [rng.randrange(3)]))
-            if rng.random() < 0.5:
-                script.append(("free", n))
-            n += 1
+        P, script, starts = random_script(rng, free_chance=0.5)
         query = rng.choice(starts)[: rng.randrange(0, 3 * P + 1)] + [rng.randrange(3) for _ in range(rng.randrange(3))]
         cases.append(case(f"random {i + 1} (page_size {P})", P, script, query, "random", num_pages=16))
     return cases
