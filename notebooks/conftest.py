@@ -7,15 +7,29 @@
   every checker in it ran on an answer (and passed, or its cell would have raised).
 
 The check runs when the last cell of a notebook has run, on the outputs nbval collected.
+
+With ``KVLAB_SAVE_EXECUTED=<folder>`` (``make test-notebooks`` sets it), each solutions
+notebook that ran without a failing cell is also written there with its outputs, for the
+website (``tools/executed_notebooks.py``): ``make site`` then executes nothing twice.
 """
 from __future__ import annotations
 
+import os
 import re
+import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
 import nbformat
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from executed_notebooks import ENV_VAR, record_nbval_cell  # noqa: E402
+
+if os.environ.get(ENV_VAR):
+    # The kernels inherit the environment: a runner's MPLBACKEND=Agg would keep every figure
+    # out of the outputs the website shows.
+    os.environ.pop("MPLBACKEND", None)
 
 _NOT_ATTEMPTED = re.compile(r"^not attempted yet: (\w+)", re.M)
 _MARKER = re.compile(r"#\s*YOUR CODE HERE: (\w+)")
@@ -74,3 +88,7 @@ def pytest_runtest_makereport(item, call):
     if problem:
         report.outcome = "failed"
         report.longrepr = problem
+
+
+def pytest_runtest_teardown(item):
+    record_nbval_cell(item)

@@ -4,8 +4,9 @@
     python tools/build_notebooks.py --check    # exit 1 if a stored notebook is stale
 
 One source, ``notebooks/src/NN_name.py`` (jupytext's percent format: ``# %%`` starts a code
-cell, ``# %% [markdown]`` a markdown cell), gives two notebooks, both opening with the
-setup cell (:data:`kvlab.colab.SETUP_CELL`) and stored without outputs:
+cell, ``# %% [markdown]`` a markdown cell), gives two notebooks, both opening with an
+"Open in Colab" badge for that notebook (:func:`kvlab.colab.colab_badge`) and the setup cell
+(:data:`kvlab.colab.SETUP_CELL`), and stored without outputs:
 
 * ``notebooks/NN_name.ipynb``, the **learner's**: every answer region is replaced by its
   starter, so the exercise cells hold a signature, a docstring and what to fill in;
@@ -41,7 +42,7 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from kvlab.colab import SETUP_CELL  # noqa: E402
+from kvlab.colab import SETUP_CELL, colab_badge  # noqa: E402
 
 SRC = ROOT / "notebooks" / "src"
 LEARNER_DIR = ROOT / "notebooks"
@@ -111,8 +112,16 @@ def build(src_path: Path, which: str) -> nbformat.NotebookNode:
         cells.append(new)
     for i, c in enumerate(cells):
         c["id"] = f"cell-{i:03d}"
-    nb.cells = cells
+    nb.cells = [badge_cell(src_path, which)] + cells
     return nb
+
+
+def badge_cell(src_path: Path, which: str) -> nbformat.NotebookNode:
+    """The first cell: an "Open in Colab" badge for this build of the chapter."""
+    path = target(src_path, which).relative_to(ROOT).as_posix()
+    cell = nbformat.v4.new_markdown_cell(colab_badge(path))
+    cell["id"] = "colab-badge"
+    return cell
 
 
 def target(src_path: Path, which: str) -> Path:

@@ -1,0 +1,272 @@
+"""The website's pages, made from the course's notebooks (``tools/build_site.py`` uses these).
+
+A chapter's page is its executed solutions build, changed in four ways:
+
+* under the title: an "Open in Colab" badge for the *learner's* notebook (the one to work in)
+  and download links for both builds;
+* the setup cell is folded (its output, the runtime report, stays visible);
+* every exercise cell shows the starter the learner's notebook holds, and below it the
+  solution, folded behind **Show the solution** (its output, the checker's verdict, visible);
+* the cells only the solutions build has (the discussion of the chapter's questions) are
+  folded, each behind its own toggle.
+
+Links in Markdown cells are rewritten for the site's flat layout: a link to a course notebook
+or to the glossary points at its page, an image in the repository is copied beside the pages,
+and any other repository file is linked on GitHub.
+"""
+from __future__ import annotations
+
+import copy
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import jupytext
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+import build_notebooks  # noqa: E402
+from kvlab.colab import REPO_URL, colab_url  # noqa: E402
+
+NOTEBOOKS = ROOT / "notebooks"
+GLOSSARY = NOTEBOOKS / "glossary.md"
+BADGE_IMAGE = "images/colab-badge.svg"  # a local copy: the pages load nothing from elsewhere
+IMAGE_SUFFIXES = {".png", ".svg", ".jpg", ".jpeg", ".gif", ".webp"}
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+SOLUTION_PROMPTS = {"code_prompt_show": "Show the solution", "code_prompt_hide": "Hide the solution"}
+SETUP_PROMPTS = {"code_prompt_show": "Show the setup cell", "code_prompt_hide": "Hide the setup cell"}
+EXTRA_PROMPTS = {"code_prompt_show": "Show the code and its output",
+                 "code_prompt_hide": "Hide the code and its output"}
+STARTER_NOTE = ("*Your turn: the exercise as your notebook has it. The solution is folded "
+                "below, with the checker's verdict.*")
+
+
+class SiteError(RuntimeError):
+    """A notebook that does not fit its source (stale build) or a page that cannot be made."""
+
+
+@dataclass(frozen=True)
+class Chapter:
+    source: Path  # notebooks/src/NN_name.py
+
+    @property
+    def name(self) -> str:
+        return self.source.stem
+
+    @property
+    def learner(self) -> Path:
+        return build_notebooks.target(self.source, "learner")
+
+    @property
+    def solutions(self) -> Path:
+        return build_notebooks.target(self.source, "solutions")
+
+
+def chapters() -> list[Chapter]:
+    """Every chapter, found by globbing ``notebooks/src/NN_*.py`` (a new one needs no edit)."""
+    return [Chapter(p) for p in build_notebooks.sources()]
+
+
+# -- which cell is what ------------------------------------------------------------------
+@dataclass(frozen=True)
+class CellRole:
+    kind: str  # "plain" | "exercise" | "solution-only"
+    starter: str = ""
+
+
+def cell_roles(source: Path) -> list[CellRole]:
+    """The role of each cell of the solutions build after its two opening cells (badge, setup),
+    in order, read from the chapter's source the way ``build_notebooks`` builds it."""
+    roles = []
+    for i, cell in enumerate(jupytext.reads(source.read_text(), fmt="py:percent").cells):
+        tags = set(cell.metadata.get("tags", []))
+        if "learner" in tags:
+            continue
+        if "solution" in tags:
+            roles.append(CellRole("solution-only"))
+        elif build_notebooks.has_markers(cell.source):
+            starter = build_notebooks.split_regions(cell.source, "learner",
+                                                    f"{source.name} cell {i + 1}")
+            roles.append(CellRole("exercise", starter))
+        else:
+            roles.append(CellRole("plain"))
+    return roles
+
+
+# -- links -------------------------------------------------------------------------------
+_MD_LINK = re.compile(r"(!?\[[^\]]*\]\()([^)\s]+)((?:\s+\"[^\"]*\")?\))")
+_HTML_LINK = re.compile(r"""((?:src|href)=")([^"]+)(")""")
+_FENCE = re.compile(r"^\s*(```|~~~)")
+
+
+def slug(fragment: str) -> str:
+    """A heading anchor as MyST writes it (GitHub's rule); JupyterLab's ``#Page-table`` and
+    GitHub's ``#page-table`` name the same heading."""
+    text = re.sub(r"[^\w\- ]", "", fragment.strip().lower())
+    return text.replace(" ", "-")
+
+
+@dataclass
+class LinkRebaser:
+    """Rewrites the relative links of text that lives in ``from_dir`` of the repository for
+    a page at the root of the site source ``site_src``."""
+    site_src: Path
+    page_names: set[str]  # the chapters' notebook names, e.g. "00_tour.ipynb"
+
+    def target(self, url: str, from_dir: Path) -> str:
+        parts = urlsplit(url)
+        if parts.scheme or parts.netloc or url.startswith(("/", "mailto:")):
+            return url
+        if not parts.path:  # "#anchor" on this page
+            return "#" + slug(parts.fragment) if parts.fragment else url
+        path = (from_dir / parts.path).resolve()
+        fragment = f"#{slug(parts.fragment)}" if parts.fragment else ""
+        if path.name in self.page_names and path.parent in (NOTEBOOKS, NOTEBOOKS / "solutions"):
+            return path.name + fragment
+        if path == GLOSSARY:
+            return "glossary.md" + fragment
+        try:
+            rel = path.relative_to(ROOT).as_posix()
+        except ValueError:
+            return url  # outside the repository: left for the link check to judge
+        if path.suffix.lower() in IMAGE_SUFFIXES and path.is_file():
+            dest = self.site_src / "repo" / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(path, dest)
+            return f"repo/{rel}"
+        if path.exists():
+            kind = "tree" if path.is_dir() else "blob"
+            return f"{REPO_URL}/{kind}/main/{rel}" + (f"#{parts.fragment}" if parts.fragment else "")
+        return url
+
+    def rewrite(self, text: str, from_dir: Path) -> str:
+        out, fenced = [], False
+        for line in text.split("\n"):
+            if _FENCE.match(line):
+                fenced = not fenced
+            elif not fenced:
+                line = _MD_LINK.sub(lambda m: m[1] + self.target(m[2], from_dir) + m[3], line)
+                line = _HTML_LINK.sub(lambda m: m[1] + self.target(m[2], from_dir) + m[3], line)
+            out.append(line)
+        return "\n".join(out)
+
+
+# -- a chapter's page --------------------------------------------------------------------
+def _headings_to_bold(text: str) -> str:
+    """Headings inside a fold would break the page's sections: make them bold lines."""
+    out, fenced = [], False
+    for line in text.split("\n"):
+        if _FENCE.match(line):
+            fenced = not fenced
+        m = None if fenced else re.match(r"^#{1,6}\s+(.*?)\s*#*\s*$", line)
+        out.append(f"**{m[1]}**" if m else line)
+    return "\n".join(out)
+
+
+def fold_markdown(text: str, title: str) -> str:
+    """``text`` inside a closed dropdown titled ``title`` (sphinx-design)."""
+    m = re.match(r"^\s*#{1,6}\s+(.*?)\s*\n", text + "\n")
+    if m:  # the cell's own heading names the fold
+        title, text = m[1], text[m.end():]
+    return f":::::{{dropdown}} {title}\n\n{_headings_to_bold(text.strip())}\n:::::"
+
+
+def _fold_code(cell: nbformat.NotebookNode, tag: str, prompts: dict) -> None:
+    cell.metadata.setdefault("tags", [])
+    cell.metadata["tags"] = sorted(set(cell.metadata["tags"]) | {tag})
+    cell.metadata["mystnb"] = dict(prompts)
+
+
+def _static_outputs(cell: nbformat.NotebookNode) -> None:
+    """A static page cannot run a widget: keep what else the output carries (a PNG)."""
+    for out in cell.get("outputs", []):
+        data = out.get("data")
+        if data and WIDGET_VIEW in data and len(data) > 1:
+            del data[WIDGET_VIEW]
+
+
+def chapter_links(chapter: Chapter, downloads: dict[str, str]) -> str:
+    """The line under a chapter's title: Colab badge (the learner's notebook) and downloads."""
+    learner = chapter.learner.relative_to(ROOT).as_posix()
+    links = [f"[![Open in Colab]({BADGE_IMAGE})]({colab_url(learner)})"]
+    links += [f"{{download}}`{label} <{path}>`" for label, path in downloads.items()]
+    return " · ".join(links)
+
+
+def chapter_page(chapter: Chapter, executed: nbformat.NotebookNode, downloads: dict[str, str],
+                 rebaser: LinkRebaser) -> nbformat.NotebookNode:
+    """The page of ``chapter`` from its executed solutions notebook ``executed``."""
+    roles = cell_roles(chapter.source)
+    cells = executed.cells
+    if len(cells) != len(roles) + 2 or cells[1].cell_type != "code":
+        raise SiteError(f"{chapter.solutions.relative_to(ROOT)} has {len(cells)} cells, its "
+                        f"source gives {len(roles) + 2}: run `make notebooks`")
+    nb = copy.deepcopy(executed)
+    nb.metadata.pop("widgets", None)
+    setup = nb.cells[1]
+    _fold_code(setup, "hide-input", SETUP_PROMPTS)
+    page, titled, previous = [], False, "plain"
+    for cell, role in zip(nb.cells[2:], roles):
+        _static_outputs(cell)
+        if cell.cell_type == "markdown":
+            cell.source = rebaser.rewrite(cell.source, chapter.solutions.parent)
+        if cell.cell_type == "markdown" and not titled:
+            title, _, rest = cell.source.partition("\n")
+            if not title.startswith("# "):
+                raise SiteError(f"{chapter.source.name}: the first Markdown cell must open with "
+                                "the chapter's '# ' title")
+            cell.source = f"{title}\n\n{chapter_links(chapter, downloads)}\n{rest}"
+            page += [cell, setup]
+            titled = True
+            continue
+        if role.kind == "exercise":
+            if cell.cell_type != "code":
+                raise SiteError(f"{chapter.source.name}: an answer region outside a code cell")
+            page.append(nbformat.v4.new_markdown_cell(STARTER_NOTE))
+            page.append(nbformat.v4.new_code_cell(role.starter,
+                                                  metadata={"tags": ["kvlab-starter"]}))
+            _fold_code(cell, "hide-input", SOLUTION_PROMPTS)
+        elif role.kind == "solution-only":
+            if cell.cell_type == "markdown":
+                title = "Discussion, continued" if previous == "solution-only" else "Discussion"
+                cell.source = fold_markdown(cell.source, title)
+            else:
+                _fold_code(cell, "hide-cell", EXTRA_PROMPTS)
+        page.append(cell)
+        previous = role.kind
+    if not titled:
+        raise SiteError(f"{chapter.source.name}: no Markdown cell with the chapter's title")
+    for i, cell in enumerate(page):
+        cell["id"] = f"site-{i:03d}"
+    nb.cells = page
+    return nb
+
+
+def chapter_title(nb: nbformat.NotebookNode) -> str:
+    for cell in nb.cells:
+        if cell.cell_type == "markdown" and cell.source.startswith("# "):
+            return cell.source.partition("\n")[0][2:].strip()
+    raise SiteError("a chapter without a '# ' title")
+
+
+def index_page(intro: str, rows: list[tuple[Chapter, str]], has_glossary: bool) -> str:
+    """The home page: the intro, a table of the chapters (found by globbing), the toctree."""
+    lines = [intro.rstrip(), "", "## The chapters", "",
+             "| | chapter | run it |", "|---|---|---|"]
+    for chapter, title in rows:
+        number, _, name = title.partition(" · ")
+        learner = chapter.learner.relative_to(ROOT).as_posix()
+        badge = f"[![Open in Colab]({BADGE_IMAGE})]({colab_url(learner)})"
+        lines.append(f"| {number} | [{name or title}]({chapter.name}.ipynb) | {badge} |")
+    if has_glossary:
+        lines += ["", "The [glossary](glossary.md) explains every term the course uses."]
+    toc = ["[0-9][0-9]_*"] + (["glossary"] if has_glossary else [])
+    lines += ["", "```{toctree}", ":hidden:", ":glob:", ":caption: The course", "",
+              *toc, "```", ""]
+    return "\n".join(lines)
