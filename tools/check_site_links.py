@@ -8,6 +8,7 @@ any page (the theme's template fragments under ``_static/`` are not pages): it m
 """
 from __future__ import annotations
 
+import argparse
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
@@ -79,8 +80,9 @@ def check(html_root: Path) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    root = Path(argv[0] if argv else "build/site/html")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("html_root", nargs="?", default="build/site/html", type=Path)
+    root = ap.parse_args(argv).html_root
     if not (root / "index.html").is_file():
         print(f"{root}/index.html is missing: build the site first (make site)", file=sys.stderr)
         return 2

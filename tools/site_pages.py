@@ -67,6 +67,12 @@ class Chapter:
     def solutions(self) -> Path:
         return build_notebooks.target(self.source, "solutions")
 
+    @property
+    def colab(self) -> str:
+        """Where Colab opens the learner's notebook (the one to work in) from GitHub."""
+        folder = build_notebooks.LEARNER_DIR.relative_to(build_notebooks.ROOT).as_posix()
+        return colab_url(f"{folder}/{self.name}.ipynb")
+
 
 def chapters() -> list[Chapter]:
     """Every chapter, found by globbing ``notebooks/src/NN_*.py`` (a new one needs no edit)."""
@@ -193,8 +199,7 @@ def _static_outputs(cell: nbformat.NotebookNode) -> None:
 
 def chapter_links(chapter: Chapter, downloads: dict[str, str]) -> str:
     """The line under a chapter's title: Colab badge (the learner's notebook) and downloads."""
-    learner = chapter.learner.relative_to(ROOT).as_posix()
-    links = [f"[![Open in Colab]({BADGE_IMAGE})]({colab_url(learner)})"]
+    links = [f"[![Open in Colab]({BADGE_IMAGE})]({chapter.colab})"]
     links += [f"{{download}}`{label} <{path}>`" for label, path in downloads.items()]
     return " · ".join(links)
 
@@ -261,8 +266,7 @@ def index_page(intro: str, rows: list[tuple[Chapter, str]], has_glossary: bool) 
              "| | chapter | run it |", "|---|---|---|"]
     for chapter, title in rows:
         number, _, name = title.partition(" · ")
-        learner = chapter.learner.relative_to(ROOT).as_posix()
-        badge = f"[![Open in Colab]({BADGE_IMAGE})]({colab_url(learner)})"
+        badge = f"[![Open in Colab]({BADGE_IMAGE})]({chapter.colab})"
         lines.append(f"| {number} | [{name or title}]({chapter.name}.ipynb) | {badge} |")
     if has_glossary:
         lines += ["", "The [glossary](glossary.md) explains every term the course uses."]

@@ -97,7 +97,7 @@ def fresh(work: Path, chapter: str) -> list[Path]:
     """A fresh copy of chapter ``chapter`` (both builds); the old copies are kept, renamed."""
     names = [n for n in course_notebooks() if Path(n).name.startswith(f"{chapter}_")]
     if not names:
-        raise SystemExit(f"no chapter {chapter!r} in {COURSE.relative_to(ROOT)}/ "
+        raise SystemExit(f"no chapter {chapter!r} in the course's notebooks/ "
                          "(CHAPTER is its two-digit number, e.g. CHAPTER=03)")
     record, stamp, kept = _load_record(work), time.strftime("%Y%m%d-%H%M%S"), []
     for name in names:
