@@ -29,7 +29,8 @@ help:  ## list the targets, one line each
 
 setup: $(VENV)/.installed  ## create .venv with kvlab and everything the course and its tests use
 
-# A line per step (README: how long it takes, how much disk it needs).
+# A line per step (README says how long it takes and how much disk it needs: measure again
+# when the dependencies change).
 $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) tools/preflight.py
 	@echo "kvlab set-up 1/5: a virtual environment in $(VENV)/ ($$($(PYTHON) --version 2>&1))"
