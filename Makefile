@@ -74,14 +74,15 @@ test-ui: setup site  ## the browser tests: JupyterLab, `make lab` itself, and th
 	@sh tools/install_chromium.sh
 	$(BIN)/python -m pytest -q -m ui -p no:cacheprovider tests/ui/
 
-# The same checks on the oldest supported Triton: its own venv, newest NumPy.
+# The same checks on the oldest supported Triton: its own venv, newest NumPy (with the site
+# extra: the unit tests check the website's pieces too).
 setup-oldest: $(VENV_OLDEST)/.installed  ## create .venv-oldest: the oldest supported Triton
 
 $(VENV_OLDEST)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(VENV_OLDEST)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_OLDEST)/bin/python -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
-	$(VENV_OLDEST)/bin/python -m pip install --quiet -e ".[test]" "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
+	$(VENV_OLDEST)/bin/python -m pip install --quiet -e ".[test,site]" "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
 	$(VENV_OLDEST)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $@
 

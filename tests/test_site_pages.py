@@ -267,3 +267,18 @@ def test_a_small_site_builds_with_its_glossary(demo, tmp_path, monkeypatch):
     assert 'href="99_demo.html#questions"' in (html / "glossary.html").read_text()
     assert "glossary.html" in (html / "index.html").read_text()
     assert check_site_links.check(html) == []
+
+
+def test_github_pages_publishes_what_make_site_builds():
+    import yaml
+
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "pages.yml").read_text())
+    steps = workflow["jobs"]["build"]["steps"]
+    runs = [s["run"] for s in steps if "run" in s]
+    assert any(r.split()[:2] == ["make", "site"] for r in runs), runs
+    (upload,) = [s for s in steps if s.get("uses", "").startswith("actions/upload-pages-artifact")]
+    assert upload["with"]["path"] == build_site.DEFAULT_OUT.relative_to(ROOT).as_posix() + "/html"
+    deploy = workflow["jobs"]["deploy"]
+    assert deploy["needs"] == "build"
+    assert any(s.get("uses", "").startswith("actions/deploy-pages") for s in deploy["steps"])
+    assert workflow["permissions"]["pages"] == "write"

@@ -25,7 +25,7 @@ from lab_driver import free_port  # noqa: E402
 pytestmark = pytest.mark.ui
 
 ROOT = Path(__file__).resolve().parents[2]
-NEWS_OR_UPDATE = re.compile(r"Jupyter news|official Jupyter news|new version|update", re.I)
+NEWS_OR_UPDATE = re.compile(r"Jupyter news|newer version|is available", re.I)
 
 
 def _recording_browser(folder: Path) -> Path:
