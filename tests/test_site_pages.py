@@ -134,6 +134,20 @@ def test_a_stale_notebook_is_refused(demo, tmp_path):
         site_pages.chapter_page(chapter, executed, {}, _rebaser(tmp_path))
 
 
+def test_cells_the_build_adds_are_shown_as_they_are(demo, tmp_path):
+    """A build may append cells of its own (a closing recheck) and rewrite links in Markdown:
+    the page keeps them, and the exercise and discussion are still found."""
+    chapter, executed = demo
+    executed.cells[2].source = executed.cells[2].source.replace("](glossary.md", "](../glossary.md")
+    executed.cells += [nbformat.v4.new_markdown_cell("## Your exercises so far"),
+                       nbformat.v4.new_code_cell('kvlab.check.recheck("99")')]
+    page = site_pages.chapter_page(chapter, executed, {}, _rebaser(tmp_path))
+    assert page.cells[-1].source == 'kvlab.check.recheck("99")' and not page.cells[-1].metadata.get("tags")
+    assert page.cells[-2].source == "## Your exercises so far"
+    assert sum("kvlab-starter" in c.metadata.get("tags", []) for c in page.cells) == 1
+    assert sum(c.source.startswith(":::::{dropdown}") for c in page.cells) == 2
+
+
 def test_links_are_rewritten_for_the_flat_site(tmp_path):
     rebaser = _rebaser(tmp_path)
     solutions = ROOT / "notebooks" / "solutions"

@@ -17,6 +17,7 @@ and any other repository file is linked on GitHub.
 from __future__ import annotations
 
 import copy
+import difflib
 import re
 import shutil
 import sys
@@ -31,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 import build_notebooks  # noqa: E402
-from kvlab.colab import REPO_URL, colab_url  # noqa: E402
+from kvlab.colab import REPO_URL, SETUP_CELL, colab_url  # noqa: E402
 
 NOTEBOOKS = ROOT / "notebooks"
 GLOSSARY = NOTEBOOKS / "glossary.md"
@@ -86,22 +87,57 @@ class CellRole:
     starter: str = ""
 
 
-def cell_roles(source: Path) -> list[CellRole]:
-    """The role of each cell of the solutions build after its two opening cells (badge, setup),
-    in order, read from the chapter's source the way ``build_notebooks`` builds it."""
-    roles = []
+@dataclass(frozen=True)
+class SourceCell:
+    cell_type: str
+    source: str  # as the solutions build has it
+    role: CellRole
+
+
+def source_cells(source: Path) -> list[SourceCell]:
+    """The cells the chapter's source gives the solutions build, in order, with their roles."""
+    found = []
     for i, cell in enumerate(jupytext.reads(source.read_text(), fmt="py:percent").cells):
         tags = set(cell.metadata.get("tags", []))
         if "learner" in tags:
             continue
+        where = f"{source.name} cell {i + 1}"
+        answer = build_notebooks.split_regions(cell.source, "solutions", where)
         if "solution" in tags:
-            roles.append(CellRole("solution-only"))
+            role = CellRole("solution-only")
         elif build_notebooks.has_markers(cell.source):
-            starter = build_notebooks.split_regions(cell.source, "learner",
-                                                    f"{source.name} cell {i + 1}")
-            roles.append(CellRole("exercise", starter))
+            role = CellRole("exercise", build_notebooks.split_regions(cell.source, "learner", where))
+        else:
+            role = CellRole("plain")
+        found.append(SourceCell(cell.cell_type, answer, role))
+    return found
+
+
+def _same_text(built: str, source: str) -> bool:
+    """A Markdown cell as built vs as written: the build may rewrite link targets."""
+    strip = lambda text: re.sub(r"\]\([^)]*\)", "]()", text)  # noqa: E731
+    a, b = strip(built), strip(source)
+    return a == b or difflib.SequenceMatcher(None, a, b).ratio() > 0.8
+
+
+def cell_roles(source: Path, cells: list) -> list[CellRole]:
+    """The role of each of ``cells`` (a solutions build after its badge and setup cell),
+    matched in order against the chapter's source: code cells must be identical, Markdown cells
+    alike. A cell the build adds of its own (e.g. a closing cell) is plain."""
+    expected, roles, j = source_cells(source), [], 0
+    for cell in cells:
+        want = expected[j] if j < len(expected) else None
+        if want and cell.cell_type == want.cell_type and (
+                cell.source == want.source if cell.cell_type == "code"
+                else _same_text(cell.source, want.source)):
+            roles.append(want.role)
+            j += 1
         else:
             roles.append(CellRole("plain"))
+    if j != len(expected):
+        missing = expected[j].source.strip().splitlines()[:1]
+        raise SiteError(f"{source.name}: its notebook does not match its source (from the cell "
+                        f"starting {missing}): run `make notebooks`")
     return roles
 
 
@@ -207,11 +243,11 @@ def chapter_links(chapter: Chapter, downloads: dict[str, str]) -> str:
 def chapter_page(chapter: Chapter, executed: nbformat.NotebookNode, downloads: dict[str, str],
                  rebaser: LinkRebaser) -> nbformat.NotebookNode:
     """The page of ``chapter`` from its executed solutions notebook ``executed``."""
-    roles = cell_roles(chapter.source)
     cells = executed.cells
-    if len(cells) != len(roles) + 2 or cells[1].cell_type != "code":
-        raise SiteError(f"{chapter.solutions.relative_to(ROOT)} has {len(cells)} cells, its "
-                        f"source gives {len(roles) + 2}: run `make notebooks`")
+    if len(cells) < 2 or cells[1].cell_type != "code" or cells[1].source != SETUP_CELL:
+        raise SiteError(f"{chapter.source.name}: its notebook does not open with the badge and "
+                        "the setup cell: run `make notebooks`")
+    roles = cell_roles(chapter.source, cells[2:])
     nb = copy.deepcopy(executed)
     nb.metadata.pop("widgets", None)
     setup = nb.cells[1]
