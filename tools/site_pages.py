@@ -220,8 +220,7 @@ def fold_markdown(text: str, title: str) -> str:
 
 
 def _fold_code(cell: nbformat.NotebookNode, tag: str, prompts: dict) -> None:
-    cell.metadata.setdefault("tags", [])
-    cell.metadata["tags"] = sorted(set(cell.metadata["tags"]) | {tag})
+    cell.metadata["tags"] = sorted(set(cell.metadata.get("tags", [])) | {tag})
     cell.metadata["mystnb"] = dict(prompts)
 
 
