@@ -9,6 +9,7 @@ pay for (or break on) the simulator.
 from __future__ import annotations
 
 import importlib
+import os as _os
 
 from . import runtime  # noqa: F401  (must run before any kernel module is imported)
 from .errors import CacheMisuse, IntegrityError, InvalidArgument, KvlabError, OutOfPages
@@ -42,11 +43,16 @@ _EXPORTS = {
     "TimelineExplorer": "widgets",
     "alloc_extend_fast": "fast_alloc",  # chapter 09
     "alloc_decode_fast": "fast_alloc",
+    "HashPrefixCache": "hash_cache",  # chapter 11
+    "HashCacheHandle": "hash_chain",
+    "chain_hash": "hash_chain",
+    "page_hashes": "hash_chain",
 }
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
     "kvcache", "attention", "engine", "bench", "paging", "token_allocator", "radix_cache",
-    "cache_manager", "scenes", "runtime", "errors",
+    "cache_manager", "scenes", "runtime", "errors", "alloc_checks", "native_counts", "hash_cache",
+    "hash_chain",
     "hf",  # chapter 10 (needs the optional transformers: pip install 'kvlab[hf]')
 }
 
@@ -69,3 +75,11 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS) | _SUBMODULES)
+
+
+# KVLAB_FIGURE_AUDIT=<file> (the notebook tests set it) measures every figure rendered from
+# here on, for the legibility test (kvlab.viz.legibility); unset, nothing is loaded.
+if _os.environ.get("KVLAB_FIGURE_AUDIT"):
+    from .viz.legibility import install_audit
+
+    install_audit()

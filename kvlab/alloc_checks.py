@@ -1,5 +1,5 @@
-"""The checks of an allocation call (chapters 03, 04, 09): tensor arguments, host lengths
-(vectorised), and the kernels' verdict turned back into an error.
+"""The host's checks of an allocation call (chapters 03, 04, 09): tensor arguments and host
+lengths (vectorised); the kernels' verdict is read in :mod:`kvlab.alloc_verdict`.
 
 Where each rule is checked, and what it costs::
 
@@ -11,14 +11,19 @@ Where each rule is checked, and what it costs::
                                                 SMALL_BATCH requests, else    calls (~1 us each)
                                                 NumPy over the whole batch
     the caller's counts match the lengths     host (from host lengths)      (in the above)
+    no total wraps int64 (lengths near 2**63) host: counts exact (the C     (in the above: a bit
+                                                loop's bit 63, the NumPy      in the C loop, the OR
+                                                path's OR, else Python ints)  pass of NumPy)
     enough free pages                         host (from host lengths)      one comparison
+    a token count the free pages can hold     host (without host lengths)   one comparison
     last_loc on an allocated page, host       inside the kernel's pass,     no extra launch,
-      copies == device tensors, ...             before it writes anything    no sync
+      copies == device tensors, totals        before it writes anything    no sync
+      below 2**50 (clamped, saturating), ...
 
 A refusal found in the kernel comes back as words of ``status``
-(:data:`kvlab.kernels.fast_alloc.STATUS_FIELDS`); :func:`refusal_error` turns them into
-the :class:`~kvlab.errors.InvalidArgument` or :class:`~kvlab.errors.OutOfPages` that the
-host would have raised, naming the argument, the request and the rule.
+(:data:`kvlab.kernels.alloc_checks.STATUS_FIELDS`); :func:`kvlab.alloc_verdict.refusal_error`
+turns them into the :class:`~kvlab.errors.InvalidArgument` or :class:`~kvlab.errors.OutOfPages`
+that the host would have raised, naming the argument, the request and the rule.
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ import torch
 from . import native_counts
 from .args import check_int
 from .errors import InvalidArgument, OutOfPages
-from .kernels.alloc_checks import MIX, STATUS_FIELDS, Refusal
+from .kernels.alloc_checks import MIX, TOTAL_LIMIT
 
 #: the dtypes the kernels read lengths, last_loc and free pages in
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -72,16 +77,32 @@ def check_count(name: str, value) -> int:
     return check_int(name, value, minimum=0)
 
 
+def fits(num_tokens: int, num_free: int, bs: int, page_size: int) -> bool:
+    """Whether ``num_free`` pages could hold ``num_tokens`` new tokens of ``bs`` requests, whatever
+    their lengths: at most ``num_free * P`` on new pages and ``P - 1`` each on its last old page
+    (and fewer than the kernels' :data:`~kvlab.kernels.alloc_checks.TOTAL_LIMIT`). Without host
+    lengths this is all the host can say before it allocates the output for the tokens."""
+    return num_tokens <= num_free * page_size + bs * (page_size - 1) and num_tokens < TOTAL_LIMIT
+
+
+def capacity_error(num_tokens: int, num_free: int, bs: int, page_size: int) -> OutOfPages:
+    """The :class:`OutOfPages` of a token count that does not :func:`fit`: the fewest pages such
+    an extend could need."""
+    at_least = -(-(num_tokens - bs * (page_size - 1)) // page_size)
+    return OutOfPages(at_least, num_free, f"extend of {num_tokens} tokens")
+
+
 # --- host lengths -----------------------------------------------------------------------------
 
 
 def host_lengths(name: str, values, bs: int | None = None) -> np.ndarray:
     """A host copy of lengths as a 1-D int64 NumPy array (no copy for an int64 CPU tensor).
 
-    Accepted: a CPU tensor or NumPy array of integers, or a list / tuple of ints. Refused,
+    Accepted: a CPU tensor or NumPy array of integers, or a flat list / tuple of ints. Refused,
     naming ``name``: device tensors (reading them is the sync this argument avoids), floats,
-    bools, anything not 1-D, and a length other than ``bs``. A Python list is converted
-    element by element (about 30 ns each); a CPU tensor costs a microsecond at any size.
+    bools (also inside a list: NumPy would take them as 0 and 1), nested or ragged lists,
+    integers outside int64, anything not 1-D, and a length other than ``bs``. A Python list is
+    converted element by element (about 30 ns each); a CPU tensor costs a microsecond at any size.
     """
     if type(values) is torch.Tensor and values.dtype is torch.int64 and values.is_cpu \
             and values.dim() == 1 and (bs is None or values.numel() == bs):
@@ -92,17 +113,33 @@ def host_lengths(name: str, values, bs: int | None = None) -> np.ndarray:
                                   f"got a tensor on {values.device}")
         values = values.numpy()
     elif not isinstance(values, np.ndarray):
-        if not isinstance(values, (list, tuple)):
-            raise InvalidArgument(name, "must be a list of ints, a CPU tensor or a NumPy array",
-                                  f"got {type(values).__name__}")
-        values = np.array(values) if values else np.zeros(0, dtype=np.int64)
+        values = _list_lengths(name, values)
     if values.ndim != 1:
         raise InvalidArgument(name, "must be 1-D", f"got shape {values.shape}")
-    if values.dtype.kind not in "iu":
-        raise InvalidArgument(name, "must hold integers (not bools or floats)", f"got dtype {values.dtype}")
+    if values.dtype.kind not in "iu" or values.dtype.kind == "u" and values.size and values.max() > _INT64_MAX:
+        raise InvalidArgument(name, "must hold int64 integers (not bools, floats or larger ints)",
+                              f"got dtype {values.dtype}")
     if bs is not None and len(values) != bs:
         raise InvalidArgument(name, "one entry per request", f"got {len(values)}, expected {bs}")
     return values.astype(np.int64, copy=False)
+
+
+def _list_lengths(name: str, values) -> np.ndarray:
+    """A list or tuple of ints as a NumPy array; bools and ragged lists are refused by name."""
+    if not isinstance(values, (list, tuple)):
+        raise InvalidArgument(name, "must be a list of ints, a CPU tensor or a NumPy array",
+                              f"got {type(values).__name__}")
+    if not values:
+        return np.zeros(0, dtype=np.int64)
+    kinds = set(map(type, values))
+    if bool in kinds or np.bool_ in kinds:
+        i = next(i for i, x in enumerate(values) if type(x) in (bool, np.bool_))
+        raise InvalidArgument(f"{name}[{i}]", "must be an int (not a bool)", f"got {values[i]!r}")
+    try:
+        return np.array(values)
+    except (ValueError, TypeError, OverflowError):  # (a ragged list: NumPy's "inhomogeneous shape")
+        raise InvalidArgument(name, "must be a flat list of ints, one per request",
+                              f"got {str(values)[:80]}") from None
 
 
 #: the checksum weights and their address (what the C helper reads), replaced together
@@ -165,13 +202,12 @@ class HostCounts(NamedTuple):
 
 
 _EMPTY = HostCounts(0, 0, 0, 0)
-_min, _sum = np.minimum.reduce, np.add.reduce  # (``a.min()`` goes through a Python wrapper)
+# (``a.min()`` goes through a Python wrapper; the ufuncs' reduce does not)
+_min, _or, _sum = np.minimum.reduce, np.bitwise_or.reduce, np.add.reduce
 
 #: Host lengths of at most this many requests are counted in plain Python: a NumPy call
 #: costs about a microsecond whatever the size, a Python step about 30-60 ns per request.
 SMALL_BATCH: int = 32
-#: below this, no int64 sum or ``x + page_size - 1`` of valid lengths can wrap
-_SAFE_TOTAL = 1 << 62
 _INT64_MIN, _INT64_MAX = -(1 << 63), (1 << 63) - 1
 _SMALL_WEIGHTS: list[int] = []
 
@@ -217,13 +253,13 @@ def _small_weights() -> list[int]:
 
 
 def _extend_counts_small(pre: list, seq: list, page_size: int) -> HostCounts | None:
-    """:func:`extend_counts` of a small batch, in Python ints; ``None`` if a rule is broken or
-    a total is huge (the NumPy path then raises, or wraps, exactly as it always did)."""
+    """:func:`extend_counts` of a small batch, in Python ints (exact at any size); ``None`` if a
+    rule is broken (the NumPy path then names the request)."""
     if not pre:
         return _EMPTY
-    total = sum(seq)  # with 0 <= pre <= seq (checked next) every length is at most this
-    if min(pre) < 0 or total >= _SAFE_TOTAL or any(map(gt, pre, seq)):
+    if min(pre) < 0 or any(map(gt, pre, seq)):
         return None
+    total = sum(seq)
     m = page_size - 1
     if page_size & m == 0:
         s = page_size.bit_length() - 1
@@ -241,8 +277,10 @@ def extend_counts(prefix_lens_cpu, seq_lens_cpu, page_size: int, bs: int | None 
     (:mod:`kvlab.native_counts`), when it is built and every rule holds. Otherwise, up to
     :data:`SMALL_BATCH` requests given as int64 tensors, arrays or lists of ints: a
     few Python builtins over the lists. Otherwise five NumPy passes over one ``[pre | seq | extend]``
-    block (min, checksums, ceil, sums); the request that breaks a rule is looked for only
-    once a rule is known to be broken.
+    block (an OR for the signs and sizes, checksums, ceil, sums); the request that breaks a rule
+    is looked for only once a rule is known to be broken. The counts are exact on every path:
+    where an int64 sum could wrap (lengths near 2**63), they are Python integers, so that the
+    caller's comparisons (its own counts, the free pages) refuse the batch.
     """
     counts = _native_extend(prefix_lens_cpu, seq_lens_cpu, page_size, bs)  # CPU tensors, in C
     if counts is not None:
@@ -261,14 +299,20 @@ def extend_counts(prefix_lens_cpu, seq_lens_cpu, page_size: int, bs: int | None 
         return _EMPTY
     extend = seq - pre
     rows = np.array((pre, seq, extend))  # one block: each pass below is one NumPy call
-    if _min(rows, None) < 0:  # (seq >= 0 as well: then seq - pre cannot wrap)
+    # One pass for two rules: a negative length sets the sign bit of the OR (seq >= 0 as well:
+    # then seq - pre cannot wrap), and every length is below 2**k iff the OR is. With n lengths
+    # below 2**(62 - bits(n)) no sum and no ``x + P - 1`` below can wrap int64.
+    bits = _or(rows, None)
+    if bits < 0:
         r = int(np.argmax((pre < 0) | (extend < 0) | (seq < 0)))  # rare: the first offender
         if pre[r] < 0:
             raise InvalidArgument(f"prefix_lens_cpu[{r}]", "prefix_lens >= 0", f"got {int(pre[r])}")
         raise InvalidArgument(f"seq_lens_cpu[{r}]", "seq_lens >= prefix_lens",
                               f"got seq {int(seq[r])} < pre {int(pre[r])}")
     lens = rows[:2]
-    sum_pre, sum_seq = np.dot(lens, checksum_weights(n)).tolist()
+    sum_pre, sum_seq = np.dot(lens, checksum_weights(n)).tolist()  # (wrapping, as the kernels')
+    if bits >> (62 - n.bit_length()):
+        return _exact_counts(pre.tolist(), seq.tolist(), page_size, sum_pre, sum_seq)  # rare: huge
     lens += page_size - 1  # lens becomes ceil(pre / P), ceil(seq / P): a shift for a power of two
     if page_size & (page_size - 1) == 0:
         lens >>= page_size.bit_length() - 1
@@ -276,6 +320,14 @@ def extend_counts(prefix_lens_cpu, seq_lens_cpu, page_size: int, bs: int | None 
         lens //= page_size
     pages_pre, pages_seq, tokens = _sum(rows, 1).tolist()
     return HostCounts(tokens, pages_seq - pages_pre, sum_pre, sum_seq)
+
+
+def _exact_counts(pre: list, seq: list, page_size: int, sum_pre: int, sum_seq: int) -> HostCounts:
+    """Counts of lengths so large that an int64 sum could wrap, in Python integers (exact at any
+    size: the caller compares them with its counts and the free pages, and refuses)."""
+    ceil = lambda x: -(-x // page_size)  # noqa: E731
+    pages = sum(ceil(b) - ceil(a) for a, b in zip(pre, seq))
+    return HostCounts(sum(seq) - sum(pre), pages, sum_pre, sum_seq)
 
 
 def _decode_pages_small(seq: list, page_size: int) -> int:
@@ -312,72 +364,3 @@ def decode_counts(seq_lens_cpu, page_size: int, bs: int | None = None) -> HostCo
     else:
         pages = int(np.count_nonzero(seq % page_size == 1))
     return HostCounts(n, pages, 0, int(np.dot(seq, checksum_weights(n))))
-
-
-# --- the kernels' verdict ---------------------------------------------------------------------
-
-
-class DeviceReport(NamedTuple):
-    """The words of ``status`` by name (see :data:`kvlab.kernels.fast_alloc.STATUS_FIELDS`)."""
-
-    code: int
-    index: int
-    prefix_len: int
-    seq_len: int
-    last_loc: int
-    device_tokens: int
-    device_pages: int
-    host_tokens: int
-    host_pages: int
-    num_free: int
-    call_id: int
-    free_head: int
-    last_tokens: int
-    last_pages: int
-
-    @classmethod
-    def from_words(cls, words: list[int]) -> "DeviceReport":
-        return cls(*words[: len(STATUS_FIELDS)])
-
-
-def refusal_error(rep: DeviceReport, page_size: int, what: str, decode: bool = False,
-                  note: str = "") -> Exception:
-    """The error a refusal stands for, naming the argument, the request and the rule
-    (``note`` is added to the detail: when the refusal was found, if not by its own call)."""
-    code, r, P = Refusal(rep.code), rep.index, page_size
-    pre_name = "(seq_lens - 1)" if decode else "prefix_lens"
-
-    def bad(argument: str, rule: str, detail: str) -> InvalidArgument:
-        return InvalidArgument(argument, rule, detail + note)
-
-    if code == Refusal.OUT_OF_PAGES:
-        return OutOfPages(rep.device_pages, rep.num_free, what + note)
-    if code == Refusal.PREFIX_NEGATIVE:
-        return bad(f"prefix_lens[{r}]", "prefix_lens >= 0", f"got {rep.prefix_len}")
-    if code == Refusal.SEQ_BELOW_PREFIX:
-        return bad(f"seq_lens[{r}]", "seq_lens >= prefix_lens", f"got seq {rep.seq_len} < pre {rep.prefix_len}")
-    if code == Refusal.SEQ_BELOW_ONE:
-        return bad(f"seq_lens[{r}]", "seq_lens >= 1 (the length after the new token)", f"got {rep.seq_len}")
-    if code == Refusal.LAST_LOC_OFFSET:
-        return bad(f"last_loc[{r}]", f"(last_loc + 1) % page_size == {pre_name} % page_size",
-                   f"got last_loc {rep.last_loc}, {pre_name} {rep.prefix_len}, page_size {P}")
-    if code == Refusal.LAST_LOC_OUTSIDE:
-        return bad(f"last_loc[{r}]", "0 <= last_loc < num_pages * page_size when the prefix is not empty",
-                   f"got {rep.last_loc}")
-    if code == Refusal.LAST_LOC_ON_FREE_PAGE:
-        return bad(f"last_loc[{r}]", "last_loc lies on an allocated page (not in free_pages)",
-                   f"got {rep.last_loc}, on page {rep.last_loc // P}, which is free")
-    if code == Refusal.TOKENS_MISMATCH:
-        return bad("extend_num_tokens", "extend_num_tokens == sum(seq_lens - prefix_lens)",
-                   f"got {rep.host_tokens}, the lengths sum to {rep.device_tokens}")
-    if code == Refusal.PAGES_MISMATCH:
-        return bad("num_new_pages", "num_new_pages == the new pages the lengths need",
-                   f"got {rep.host_pages}, the lengths need {rep.device_pages}")
-    copies, tensors = ("seq_lens_cpu", "seq_lens") if decode else ("prefix_lens_cpu/seq_lens_cpu",
-                                                                   "prefix_lens/seq_lens")
-    device, host = (rep.device_tokens, rep.device_pages), (rep.host_tokens, rep.host_pages)
-    detail = (f"the device tensors need {device[0]} tokens and {device[1]} pages, the host copies "
-              f"{host[0]} and {host[1]}" if device != host else
-              f"both need {host[0]} tokens and {host[1]} pages, but the values differ (a checksum "
-              "over the requests in order)")
-    return bad(copies, f"must hold the same values as {tensors} (the device tensors)", detail)

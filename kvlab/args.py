@@ -15,7 +15,7 @@ import torch
 from .errors import InvalidArgument
 
 __all__ = ["div_ceil", "next_pow2", "is_int", "check_int", "check_page_size", "check_token_ids",
-           "check_int_vector"]
+           "check_int_vector", "check_slots", "check_whole_pages"]
 
 
 def div_ceil(a, b):
@@ -92,3 +92,34 @@ def check_token_ids(argument: str, token_ids) -> list[int]:
                                   "a float)", f"got {type(t).__name__} {t!r}")
     return [int(t.__index__()) if not isinstance(t, torch.Tensor) else int(t.item())
             for t in token_ids]
+
+
+def check_slots(argument: str, slots) -> torch.Tensor:
+    """Token slots as a 1-D integer tensor: a tensor, or a list/tuple of ints (not bools or floats)."""
+    if isinstance(slots, torch.Tensor):
+        return check_int_vector(argument, slots)
+    if isinstance(slots, (str, bytes)) or not isinstance(slots, (list, tuple)):
+        raise InvalidArgument(argument, "must be a 1-D integer tensor or a list of int slots",
+                              f"got {type(slots).__name__}")
+    for i, s in enumerate(slots):
+        if not is_int(s):
+            raise InvalidArgument(f"{argument}[{i}]", "must be an int slot (not a bool or a float)",
+                                  f"got {type(s).__name__} {s!r}")
+    return torch.tensor([int(s) for s in slots], dtype=torch.int64)
+
+
+def check_whole_pages(argument: str, slots: torch.Tensor, page_size: int) -> None:
+    """Each run of ``page_size`` slots must be one physical page: p*P, p*P+1, ..., p*P+P-1."""
+    P = page_size
+    if slots.numel() and int(slots.min()) < 0:
+        raise InvalidArgument(argument, "slots are >= 0", f"got {int(slots.min())}")
+    if P == 1 or slots.numel() == 0:
+        return
+    pages = slots.view(-1, P).to(torch.int64)
+    starts = pages[:, :1]
+    ok = bool(((starts % P) == 0).all()) and bool(
+        (pages == starts + torch.arange(P, device=pages.device)).all())
+    if not ok:
+        raise InvalidArgument(argument, "each page of slots must be one whole physical page "
+                              f"(p*{P}, p*{P}+1, ..., p*{P}+{P - 1})",
+                              f"got {slots.tolist()[:2 * P]}...")

@@ -46,6 +46,7 @@ from .cache_manager_checks import CacheManagerChecks, _Running
 from .cache_regions import CacheRegions, Region
 from .errors import CacheMisuse, InvalidArgument, OutOfPages
 from .paging import UNMAPPED, page_to_token, write_page_table, write_page_table_triton
+from .hash_cache import HashPrefixCache
 from .radix_cache import MatchResult, RadixCacheHandle, RadixNode, RadixPrefixCache
 from .req import ForwardBatch, Req
 
@@ -60,10 +61,15 @@ class CacheManager(CacheManagerChecks):
     :meth:`allocate_paged` writes the page table: ``"triton"`` (one launch,
     :func:`kvlab.paging.write_page_table_triton`, the default) or ``"host"`` (host index
     tensors and one scatter, :func:`kvlab.paging.write_page_table`).
+
+    ``prefix_cache``: ``"radix"`` (chapter 05's tree, the default), ``"hash"`` (chapter 11's
+    hash-chained cache, :class:`~kvlab.hash_cache.HashPrefixCache`), or such a cache. A cache
+    that keeps the free pages itself (``keeps_free_pages``: the hash cache, whose free queue is
+    its eviction order) leaves ``free_slots`` empty: pages come from it and go back to it.
     """
 
     def __init__(self, num_pages: int, page_size: int, page_table: torch.Tensor,
-                 prefix_cache: "str | RadixPrefixCache" = "radix", *,
+                 prefix_cache: "str | RadixPrefixCache | HashPrefixCache" = "radix", *,
                  page_table_writer: str = "triton", remap_duplicates: bool = True):
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.page_size = check_page_size(page_size)
@@ -76,34 +82,49 @@ class CacheManager(CacheManagerChecks):
                                   f"got {page_table_writer!r}")
         if not isinstance(remap_duplicates, bool):
             raise InvalidArgument("remap_duplicates", "must be a bool", f"got {remap_duplicates!r}")
-        if isinstance(prefix_cache, RadixPrefixCache):
+        if isinstance(prefix_cache, (RadixPrefixCache, HashPrefixCache)):
             if prefix_cache.page_size != self.page_size:
                 raise InvalidArgument("prefix_cache", "must use the manager's page_size",
                                       f"{prefix_cache.page_size} != {self.page_size}")
+            if getattr(prefix_cache, "num_pages", self.num_pages) != self.num_pages:
+                raise InvalidArgument("prefix_cache", "must hold the manager's num_pages",
+                                      f"{prefix_cache.num_pages} != {self.num_pages}")
         elif prefix_cache == "radix":
             prefix_cache = RadixPrefixCache(self.page_size, device=page_table.device)
+        elif prefix_cache == "hash":
+            prefix_cache = HashPrefixCache(self.num_pages, self.page_size, device=page_table.device)
         else:
-            raise InvalidArgument("prefix_cache", 'must be "radix" or a RadixPrefixCache',
+            raise InvalidArgument("prefix_cache", 'must be "radix", "hash" or a prefix cache',
                                   f"got {prefix_cache!r}")
         self.device = page_table.device
         self.page_table = page_table
         self.page_table_writer = page_table_writer
         self.remap_duplicates = remap_duplicates
         self.prefix_cache = prefix_cache
-        # |p0*P|p1*P|p2*P|...: one entry per free page, taken from the front
+        # |p0*P|p1*P|p2*P|...: one entry per free page, taken from the front (empty when the
+        # cache keeps the free pages: then every page starts in its free queue)
         self.free_slots = torch.arange(num_pages, dtype=torch.int32, device=self.device) * page_size
+        if self._cache_keeps_free_pages:
+            self.free_slots = self.free_slots[:0]
         self._running: dict[int, _Running] = {}  # table_idx -> record
 
     # --- sizes: the page budget -------------------------------------------------------
 
     @property
+    def _cache_keeps_free_pages(self) -> bool:
+        return getattr(self.prefix_cache, "keeps_free_pages", False)
+
+    @property
     def num_free_pages(self) -> int:
+        """Free pages that hold no cached prefix (in the free list, or the cache's free queue)."""
+        if self._cache_keeps_free_pages:
+            return len(self.free_slots) + self.prefix_cache.num_free_uncached
         return len(self.free_slots)
 
     @property
     def available_pages(self) -> int:
         """Pages an allocation could get now: free pages plus evictable cached pages."""
-        return len(self.free_slots) + self.prefix_cache.size_info.evictable_size // self.page_size
+        return self.num_free_pages + self.prefix_cache.size_info.evictable_size // self.page_size
 
     @property
     def available_size(self) -> int:
@@ -233,21 +254,26 @@ class CacheManager(CacheManagerChecks):
                       done: Sequence[bool] | None = None, *,
                       cache_prompt: bool = True) -> list[tuple[Req, CacheRegions]]:
         """After the forward pass of ``batch``: record each request's produced token
-        (``append_token``; ``next_tokens=None`` records none, e.g. a chunk of a longer prompt)
-        and ``complete_one``; then ``cache_req(finished=True)`` the ``done`` ones and, for the
-        requests whose prompt this pass computed (``cache_prompt``), ``cache_req(finished=False)``
-        the others, so their prompt's whole pages can be shared at once. Returns
-        ``(req, regions)`` of each ``cache_req``. Checks everything first: a refused call
-        changes nothing.
+        (``append_token``; ``next_tokens=None`` records none) and ``complete_one``; then
+        ``cache_req(finished=True)`` the ``done`` ones and, for the requests whose prompt this
+        pass computed (``cache_prompt``), ``cache_req(finished=False)`` the others, so their
+        prompt's whole pages can be shared at once. Returns ``(req, regions)`` of each
+        ``cache_req``. Checks everything first: a refused call changes nothing.
+
+        Chunked prefill: a request whose pass stopped before the end of its ``input_ids`` (a
+        chunk of a longer prompt) produces no token: its entry of ``next_tokens`` is ``None``,
+        and it is not cached until its last chunk -- mini-sglang's scheduler skips a
+        ``ChunkedReq`` the same way (``scheduler/scheduler.py``, ``_process_last_data``).
         """
         reqs, tokens, done = self._validate_complete_step(batch, next_tokens, done, cache_prompt)
+        chunk = [end < req.input_len for req, end in zip(reqs, batch.end)]
         for i, req in enumerate(reqs):
-            if tokens is not None:
+            if tokens is not None and not chunk[i]:
                 req.append_token(tokens[i])
             req.complete_one()  # cached_len = device_len; device_len += 1
         settled = []
-        for req, prefilled, finished in zip(reqs, batch.prefilling, done):
-            if finished or (prefilled and cache_prompt):
+        for req, prefilled, finished, chunked in zip(reqs, batch.prefilling, done, chunk):
+            if finished or (prefilled and cache_prompt and not chunked):
                 settled.append((req, self.cache_req(req, finished=finished)))
         return settled
 
@@ -268,15 +294,18 @@ class CacheManager(CacheManagerChecks):
             # ==== take pages (evicting if short), write the table: all or nothing ====
             free_before, evicted = self.free_slots, []
             rows = [row for row, _, _ in allocation_info]
-            lo = min(first for _, first, _ in allocation_info) * P
-            hi = max(last for _, _, last in allocation_info) * P
-            table_before = self.page_table[rows, lo:hi]  # a copy: advanced indexing
+            # one rectangle of the table, kept by slicing: indexing with a list of rows would
+            # copy that list to the GPU from pageable memory, a wait for the GPU on every step
+            rect = (slice(min(rows), max(rows) + 1),
+                    slice(min(first for _, first, _ in allocation_info) * P,
+                          max(last for _, _, last in allocation_info) * P))
+            table_before = self.page_table[rect].clone()
             try:
                 allocated = self._allocate(needed_pages, evicted)
                 # our own page starts: skip page_to_token's value check (a device sync)
                 self._write_page_table(page_to_token(allocated, P, check_values=False), allocation_info)
             except BaseException:
-                self.page_table[rows, lo:hi] = table_before
+                self.page_table[rect] = table_before
                 self.prefix_cache.undo_evict(evicted)
                 self.free_slots = free_before
                 raise
@@ -290,7 +319,8 @@ class CacheManager(CacheManagerChecks):
         """Take ``needed_pages`` page starts from the front of the free list, evicting first
         if needed (the evicted nodes go into ``evicted``, for a rollback)."""
         if needed_pages > (free_pages := len(self.free_slots)):
-            evicted.extend(self.prefix_cache.evict_leaves((needed_pages - free_pages) * self.page_size))
+            # each node goes into `evicted` as it is evicted: an interrupt part-way loses none
+            self.prefix_cache.evict_leaves((needed_pages - free_pages) * self.page_size, into=evicted)
             # evicted nodes hold token slots, the free list holds page starts: one per P slots
             freed = [n.value[:: self.page_size].to(torch.int32) for n in evicted]
             self.free_slots = torch.cat([self.free_slots, *freed])
@@ -305,7 +335,9 @@ class CacheManager(CacheManagerChecks):
     def _free(self, slots: torch.Tensor) -> torch.Tensor:
         """Return the pages of ``slots`` (page-aligned runs of token slots) to the free list."""
         pages = slots[:: self.page_size].to(device=self.device, dtype=torch.int32)
-        if pages.numel():
+        if pages.numel() and self._cache_keeps_free_pages:
+            self.prefix_cache.free((pages // self.page_size).tolist())  # back to its free queue
+        elif pages.numel():
             self.free_slots = torch.cat([self.free_slots, pages])
         return pages
 
@@ -318,42 +350,83 @@ class CacheManager(CacheManagerChecks):
         ``finished=True``: the tail (and any page mapped past ``cached_len``) is freed and
         the request stops running. ``finished=False``: the tail stays, the new handle is
         locked (owner: ``req``), and the duplicate part of the row is rewritten to the cached
-        slots (unless ``remap_duplicates=False``, the source design's behaviour).
+        slots (unless ``remap_duplicates=False``, the source design's behaviour). All or
+        nothing: if a step fails (or is interrupted), every step before it is undone.
         """
         rec = self._validate_cache_req(req, finished)
         P = self.page_size
         row = self.page_table[req.table_idx]
         old_handle, old_len = req.cache_handle, self._handle_len(req)
-        # ============ [0, req.cached_len): hit | duplicate | newly inserted | tail ============
-        page_indices = row[: req.cached_len].clone()
-        already_len, new_handle = self.prefix_cache.insert_prefix(
-            req.input_ids[: req.cached_len], page_indices)
-        new_len = new_handle.cached_len
-        if old_handle is not None:
-            self.unlock(old_handle, owner=req)  # only after every use of the old handle
-        # duplicate [old_len, already_len): computed here, but cached meanwhile by another request
-        duplicate = page_indices[old_len:already_len]
-        freed = [self._free(duplicate)]
-        remapped = False
-        if finished:
-            # tail [new_len, cached_len) and any page mapped past it: every page from new_len on
-            freed.append(self._free(row[new_len: rec.alloc_pages * P].clone()))
-            row[: rec.alloc_pages * P] = UNMAPPED  # the row no longer maps anything
-            del self._running[req.table_idx]
-            req.finished = True
-        else:
-            if self.remap_duplicates and already_len > old_len:
+        row_before, free_before = row[: rec.alloc_pages * P].clone(), self.free_slots  # (a rollback's)
+        held = self.prefix_cache.locks_held(old_handle, req)
+        page_indices = row_before[: req.cached_len]
+        new_handle, already_len = None, 0
+        try:
+            # ============ [0, req.cached_len): hit | duplicate | newly inserted | tail ============
+            already_len, new_handle = self.prefix_cache.insert_prefix(
+                req.input_ids[: req.cached_len], page_indices)
+            new_len = new_handle.cached_len
+            # duplicate [old_len, already_len): computed here, but cached meanwhile by another request
+            duplicate = page_indices[old_len:already_len]
+            freed = [self._free(duplicate)]
+            remapped = False
+            if finished:
+                # tail [new_len, cached_len) and any page mapped past it: every page from new_len on
+                freed.append(self._free(row_before[new_len:]))
+            elif self.remap_duplicates and already_len > old_len:
                 cached = new_handle.get_matched_indices()[old_len:already_len]
                 row[old_len:already_len] = cached.to(row.dtype)  # never point at a freed page
                 remapped = True
-            self.lock(new_handle, owner=req)
-            req.cache_handle = new_handle
-        return CacheRegions(
-            table_idx=req.table_idx, finished=finished, old_cached_len=old_len,
-            already_cached_len=already_len, new_cached_len=new_len,
-            req_cached_len=req.cached_len, page_size=P, row_before=page_indices,
-            row_after=row[: req.cached_len].clone(), duplicate_slots=duplicate,
-            tail_slots=page_indices[new_len:], freed_pages=torch.cat(freed), remapped=remapped)
+            # the locks last, the new one first: the old handle is used up to here
+            if not finished:
+                self.lock(new_handle, owner=req)
+            if old_handle is not None:
+                self.unlock(old_handle, owner=req)
+            if finished:
+                row[: rec.alloc_pages * P] = UNMAPPED  # the row no longer maps anything
+                del self._running[req.table_idx]
+                req.finished = True
+            else:
+                req.cache_handle = new_handle
+            return CacheRegions(
+                table_idx=req.table_idx, finished=finished, old_cached_len=old_len,
+                already_cached_len=already_len, new_cached_len=new_len,
+                req_cached_len=req.cached_len, page_size=P, row_before=page_indices,
+                row_after=row[: req.cached_len].clone(), duplicate_slots=duplicate,
+                tail_slots=page_indices[new_len:], freed_pages=torch.cat(freed), remapped=remapped)
+        except BaseException:
+            self._undo_req_steps(req, rec, row_before, free_before, old_handle, held, True, new_handle,
+                                 already_len)
+            raise
+
+    def _undo_req_steps(self, req: Req, rec: _Running, row_before: torch.Tensor, free_before: torch.Tensor,
+                        old_handle: RadixCacheHandle | None, held: int, inserting: bool = False,
+                        new_handle: RadixCacheHandle | None = None, already_len: int = 0) -> None:
+        """Put back what a failed ``cache_req`` (``inserting``) or ``release_req`` changed, read from
+        the state itself (a step may have been interrupted just after it ran): the request's
+        locks (it held ``held`` on its old handle, none on another), the node its insert added,
+        the free list, its row, its record and its fields."""
+        cache, old_len = self.prefix_cache, old_handle.cached_len if old_handle is not None else 0
+        if new_handle is not None and (old_handle is None or new_handle.node is not old_handle.node):
+            for _ in range(cache.locks_held(new_handle, req)):
+                self.unlock(new_handle, owner=req)
+        if old_handle is not None:  # (the new handle may be the old one: back to `held` either way)
+            while cache.locks_held(old_handle, req) > held:
+                self.unlock(old_handle, owner=req)
+            for _ in range(held - cache.locks_held(old_handle, req)):
+                self.lock(old_handle, owner=req)
+        if new_handle is not None:
+            if already_len < new_handle.cached_len and not new_handle.node.detached:
+                cache.undo_insert(new_handle.node)
+        elif inserting and req.cached_len > old_len:  # stopped inside insert_prefix: did it add a node?
+            own = set(row_before[old_len: req.cached_len: self.page_size].tolist())
+            for node in cache.nodes():  # (the row's own pages were in no node before the call)
+                if node.is_leaf() and not node.ref_count and int(node.value[0]) in own:
+                    cache.undo_insert(node)
+        self.free_slots = free_before
+        self.page_table[req.table_idx, : row_before.numel()] = row_before
+        self._running[req.table_idx] = rec
+        req.cache_handle, req.finished = old_handle, False
 
     def release_req(self, req: Req) -> torch.Tensor:
         """Abort a running request: free its own pages, unlock its handle, cache nothing.
@@ -364,10 +437,17 @@ class CacheManager(CacheManagerChecks):
         if not self._holds_its_prefix(req):
             raise CacheMisuse("release_req: the request's cache_handle is not locked by the request")
         row = self.page_table[req.table_idx]
-        freed = self._free(row[self._handle_len(req): rec.alloc_pages * self.page_size].clone())
-        if req.cache_handle is not None:
-            self.unlock(req.cache_handle, owner=req)
-        row[: rec.alloc_pages * self.page_size] = UNMAPPED
-        del self._running[req.table_idx]
-        req.finished = True
-        return freed
+        handle, mapped = req.cache_handle, rec.alloc_pages * self.page_size
+        row_before, free_before = row[:mapped].clone(), self.free_slots  # (a rollback's)
+        held = self.prefix_cache.locks_held(handle, req)
+        try:  # all or nothing, as cache_req
+            freed = self._free(row_before[self._handle_len(req):])
+            if handle is not None:
+                self.unlock(handle, owner=req)
+            row[:mapped] = UNMAPPED
+            del self._running[req.table_idx]
+            req.finished = True
+            return freed
+        except BaseException:
+            self._undo_req_steps(req, rec, row_before, free_before, handle, held)
+            raise

@@ -181,14 +181,22 @@ class CacheManagerChecks:
             if not self._holds_its_prefix(req):
                 raise CacheMisuse(f"complete_step: the cache_handle of the request in row "
                                   f"{req.table_idx} is not locked by the request")
-        tokens = None
-        if next_tokens is not None:
-            tokens = self._check_seq("next_tokens", next_tokens, n)
-            tokens = [check_int(f"next_tokens[{i}]", t) for i, t in enumerate(tokens)]
         done = [False] * n if done is None else self._check_seq("done", done, n)
         for i, d in enumerate(done):
             if not isinstance(d, bool):
                 raise InvalidArgument(f"done[{i}]", "must be a bool", f"got {d!r}")
+        tokens = None
+        if next_tokens is not None:
+            tokens = self._check_seq("next_tokens", next_tokens, n)
+            for i, (t, req, end) in enumerate(zip(tokens, batch.reqs, batch.end)):
+                if end < req.input_len:   # a chunk of a longer prompt: no token yet
+                    if t is not None or done[i]:
+                        raise InvalidArgument(
+                            f"next_tokens[{i}]", "None, and done False, for a chunk of a prompt "
+                            "(the pass stopped before the last of its input_ids)",
+                            f"got token {t!r}, done {done[i]} at position {end} of {req.input_len}")
+                else:
+                    check_int(f"next_tokens[{i}]", t)
         return batch.reqs, tokens, done
 
     @staticmethod

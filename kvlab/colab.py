@@ -1,7 +1,8 @@
 """The setup cell that opens every chapter, and the one place the course's URLs are set.
 
 In Colab the cell clones :data:`REPO_URL` and installs kvlab from it (Colab already has
-torch and triton); on a local checkout it only reports the runtime. ``tools/build_notebooks.py``
+torch and triton); on a local checkout it only reports the runtime. Everywhere it ends with
+one line of the learner's progress (:func:`kvlab.check.progress`). ``tools/build_notebooks.py``
 puts :data:`SETUP_CELL` first in every notebook (after the "Open in Colab" badge of
 :func:`colab_badge`), and a test checks they all match.
 """
@@ -40,7 +41,8 @@ COLAB_DIR = "/content/kvlab"
 # second Jupyter stack (tests/test_colab_setup.py checks this offline).
 SETUP_CELL = f'''\
 # Setup: the same cell opens every chapter. In Colab it installs kvlab from the course
-# repository; on your own checkout it installs nothing and only reports the runtime.
+# repository; on your own checkout it installs nothing and only reports the runtime and
+# your progress.
 import os, subprocess, sys
 if "google.colab" in sys.modules:
     try:
@@ -55,4 +57,5 @@ if "google.colab" in sys.modules:
     from google.colab import output
     output.enable_custom_widget_manager()  # lets ipywidgets 8 sliders render in Colab
 import kvlab
-kvlab.runtime_report();'''
+kvlab.runtime_report()
+kvlab.check.progress(brief=True)  # your exercises so far, kept between sessions'''

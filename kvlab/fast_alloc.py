@@ -24,12 +24,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .alloc_checks import (INDEX_DTYPES, DeviceReport, check_count, check_devices, check_index_tensor,
-                           decode_counts, extend_counts, refusal_error)
+from .alloc_checks import (INDEX_DTYPES, capacity_error, check_count, check_devices, check_index_tensor,
+                           decode_counts, extend_counts, fits)
+from .alloc_verdict import DeviceReport, refusal_error
 from .args import check_page_size
 from .errors import InvalidArgument, OutOfPages
 from .kernels import fast_alloc as K
-from .kernels.alloc_checks import STATUS_WORDS
+from .kernels.alloc_checks import STATUS_WORDS, TOTAL_LIMIT
 
 
 class FastExtend(NamedTuple):
@@ -133,7 +134,11 @@ def alloc_extend_fast(prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor, f
         check_count("num_new_pages", num_new_pages)
         if num_new_pages > free_pages.numel():
             raise OutOfPages(num_new_pages, free_pages.numel(), "extend")  # before any launch
-    if extend_num_tokens is not None:
+    # a count no free list of this size could hold: the scan (one sync) says why, before any output
+    beyond = extend_num_tokens is not None and not fits(extend_num_tokens, free_pages.numel(), bs, page_size)
+    if beyond and (extend_num_tokens >= TOTAL_LIMIT or bs == 0):  # (past the kernels' limit: no scan)
+        raise capacity_error(extend_num_tokens, free_pages.numel(), bs, page_size)
+    if extend_num_tokens is not None and not beyond:
         out = _check_output(out, extend_num_tokens, device)
     if bs == 0:
         if extend_num_tokens not in (None, 0):
@@ -148,13 +153,16 @@ def alloc_extend_fast(prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor, f
     host_pages = -1 if num_new_pages is None else num_new_pages
     # free_head, num_free, pool_pages (none), host_pages, host_copies, sums, call_id, sticky (no)
     common = (0, free.numel(), 0, host_pages, int(host is not None)) + sums + (0, 0)
-    if extend_num_tokens is None:
+    if extend_num_tokens is None or beyond:
         # the token count decides the output's size: scan first, read it, then fill
         scratch = torch.empty(2 * bs + 1, dtype=torch.int64, device=device)
-        K.launch_extend_check(pre, seq, last, no_pool, status, report, scratch, bs, -1, *common, page_size)
+        K.launch_extend_check(pre, seq, last, no_pool, status, report, scratch, bs,
+                              -1 if extend_num_tokens is None else extend_num_tokens, *common, page_size)
         rep = DeviceReport.from_words(status.tolist())  # the one sync of this mode
         if rep.code:
             raise refusal_error(rep, page_size, "extend")
+        if beyond:  # (the scan cannot accept such a count)
+            raise capacity_error(extend_num_tokens, free.numel(), bs, page_size)
         extend_num_tokens, num_new_pages = rep.last_tokens, rep.last_pages
         out = _check_output(out, extend_num_tokens, device)
         K.launch_extend_fill(pre, last, free, no_pool, scratch, out, bs, extend_num_tokens, 0,

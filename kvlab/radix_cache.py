@@ -33,7 +33,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .args import check_int, check_int_vector, check_page_size, check_token_ids, is_int
+from .args import check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
 from .errors import CacheMisuse, IntegrityError, InvalidArgument
 from .radix_node import (InsertResult, MatchResult, NodeInfo, RadixCacheHandle, RadixNode, SizeInfo,
                          TreeSnapshot)
@@ -235,32 +235,11 @@ class RadixPrefixCache:
     @staticmethod
     def _check_indices(indices) -> torch.Tensor:
         """Slots as a 1-D integer tensor: a tensor, or a list/tuple of ints (not bools or floats)."""
-        if isinstance(indices, torch.Tensor):
-            return check_int_vector("indices", indices)
-        if isinstance(indices, (str, bytes)) or not isinstance(indices, (list, tuple)):
-            raise InvalidArgument("indices", "must be a 1-D integer tensor or a list of int slots",
-                                  f"got {type(indices).__name__}")
-        for i, s in enumerate(indices):
-            if not is_int(s):
-                raise InvalidArgument(f"indices[{i}]", "must be an int slot (not a bool or a float)",
-                                      f"got {type(s).__name__} {s!r}")
-        return torch.tensor([int(s) for s in indices], dtype=torch.int64)
+        return check_slots("indices", indices)
 
     def _check_whole_pages(self, slots: torch.Tensor) -> None:
         """Each page of slots must be one physical page: p*P, p*P+1, ..., p*P+P-1."""
-        P = self.page_size
-        if slots.numel() and int(slots.min()) < 0:
-            raise InvalidArgument("indices", "slots are >= 0", f"got {int(slots.min())}")
-        if P == 1 or slots.numel() == 0:
-            return
-        pages = slots.view(-1, P).to(torch.int64)
-        starts = pages[:, :1]
-        ok = bool(((starts % P) == 0).all()) and bool(
-            (pages == starts + torch.arange(P, device=pages.device)).all())
-        if not ok:
-            raise InvalidArgument("indices", "each page of slots must be one whole physical page "
-                                  f"(p*{P}, p*{P}+1, ..., p*{P}+{P - 1})",
-                                  f"got {slots.tolist()[:2 * P]}...")
+        check_whole_pages("indices", slots, self.page_size)
 
     # --- locking ----------------------------------------------------------------------
 
@@ -319,6 +298,15 @@ class RadixPrefixCache:
         except TypeError:  # an unhashable owner holds nothing
             return False
 
+    def locks_held(self, handle: RadixCacheHandle, owner=None) -> int:
+        """How many locks ``owner`` holds on ``handle`` (the root handle, which locks nothing: 0)."""
+        if not isinstance(handle, RadixCacheHandle) or handle.node is self.root:
+            return 0
+        try:
+            return self._locks.get((owner, handle.node), 0)
+        except TypeError:  # an unhashable owner holds nothing
+            return 0
+
     def _check_handle(self, handle) -> None:
         if not isinstance(handle, RadixCacheHandle):
             raise InvalidArgument("handle", "must be a RadixCacheHandle from this cache",
@@ -344,24 +332,27 @@ class RadixPrefixCache:
         evicted = self.evict_leaves(num_tokens)
         return torch.cat([n.value for n in evicted]) if evicted else self._empty()
 
-    def evict_leaves(self, num_tokens: int) -> list[RadixNode]:
+    def evict_leaves(self, num_tokens: int, into: list | None = None) -> list[RadixNode]:
         """:meth:`evict`, returning the evicted nodes in eviction order (their ``value`` holds
-        the freed slots), so that :meth:`undo_evict` can put them back."""
+        the freed slots), so that :meth:`undo_evict` can put them back. ``into``: the caller's
+        list, which gets each node before it is detached (and is returned): a caller that may
+        have to roll back passes its own, so that a failure or an interrupt part-way through
+        (a learner pressing stop) loses no node already evicted."""
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        evicted: list[RadixNode] = [] if into is None else into
         if num_tokens == 0:
-            return []
+            return evicted
         heap = [(n.last_access, n.uid, n) for n in self.nodes() if n.is_leaf() and n.ref_count == 0]
         heapq.heapify(heap)
-        evicted: list[RadixNode] = []
         n_freed = 0
         while n_freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
             parent = node.parent
+            evicted.append(node)  # recorded first: undo_evict tells how far the next lines got
             del parent.children[node.key[:self.page_size]]
-            node.detached = True  # node.parent stays: undo_evict re-attaches it there
-            evicted.append(node)
-            n_freed += node.length
-            self.evictable_size -= node.length
+            # one statement: the size and the flag undo_evict reads change together
+            self.evictable_size, node.detached = self.evictable_size - node.length, True
+            n_freed += node.length  # (node.parent stays: undo_evict re-attaches the node there)
             if parent is not self.root and parent.is_leaf() and parent.ref_count == 0:
                 heapq.heappush(heap, (parent.last_access, parent.uid, parent))
         return evicted
@@ -369,15 +360,27 @@ class RadixPrefixCache:
     def undo_evict(self, evicted: Sequence[RadixNode]) -> None:
         """Put back the nodes of an :meth:`evict_leaves` call, last evicted first (a caller's
         rollback when what it evicted for could not be finished). Only valid while nothing
-        else changed the tree since."""
+        else changed the tree since. A node recorded but not yet detached (the eviction was
+        stopped part-way) is left where it is."""
         for node in reversed(evicted):
             parent, key = node.parent, node.key[:self.page_size]
-            if not node.detached or parent is None or parent.detached or key in parent.children:
+            if parent is not None and not node.detached and parent.children.get(key) is node:
+                continue  # recorded, never detached
+            if parent is None or parent.detached or key in parent.children:
                 raise CacheMisuse(f"undo_evict: node {node.uid} cannot go back (the tree changed "
                                   "since it was evicted)")
             parent.children[key] = node
-            node.detached = False
-            self.evictable_size += node.length
+            if node.detached:  # (else it was stopped before its size was taken)
+                self.evictable_size, node.detached = self.evictable_size + node.length, False
+
+    def undo_insert(self, node: RadixNode) -> None:
+        """Take back the node an :meth:`insert_prefix` call added (its handle's ``node``, a leaf
+        nobody has locked since): a caller's rollback. A node split by the insert's walk stays
+        split (the same pages, as a match leaves them)."""
+        if node is self.root or node.detached or node.children or node.ref_count:
+            raise CacheMisuse(f"undo_insert: node {node.uid} is not an unlocked leaf of this cache")
+        del node.parent.children[node.key[:self.page_size]]
+        self.evictable_size, node.detached = self.evictable_size - node.length, True
 
     # --- checks -----------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ import torch
 
 from .args import check_int, check_token_ids
 from .errors import InvalidArgument
+from .hash_chain import HashCacheHandle
 from .radix_node import RadixCacheHandle
 
 __all__ = ["Req", "ForwardBatch"]
@@ -41,7 +42,7 @@ class Req:
     table_idx: int
     cached_len: int = 0
     device_len: int = -1  # -1: len(input_ids)
-    cache_handle: RadixCacheHandle | None = None
+    cache_handle: RadixCacheHandle | HashCacheHandle | None = None
     rid: int = -1
     max_new_tokens: int = 0
     finished: bool = False
@@ -57,8 +58,9 @@ class Req:
         self.prompt_len = check_int("req.prompt_len", self.prompt_len, minimum=-1)
         if not isinstance(self.finished, bool):
             raise InvalidArgument("req.finished", "must be a bool", f"got {self.finished!r}")
-        if self.cache_handle is not None and not isinstance(self.cache_handle, RadixCacheHandle):
-            raise InvalidArgument("req.cache_handle", "must be None or a RadixCacheHandle",
+        if self.cache_handle is not None and not isinstance(self.cache_handle,
+                                                            (RadixCacheHandle, HashCacheHandle)):
+            raise InvalidArgument("req.cache_handle", "must be None or a prefix-cache handle",
                                   f"got {type(self.cache_handle).__name__}")
         if self.device_len < 0:
             self.device_len = len(self.input_ids)

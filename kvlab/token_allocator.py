@@ -36,9 +36,13 @@ once, for the page count. The checks stay on either way: rules on the lengths ru
 copies; rules only the device can read run inside the kernel, which refuses a bad batch
 before it writes anything (slots of -1, no page taken, see :mod:`kvlab.kernels.fast_alloc`).
 Such a refusal is raised by the next call that reads the device: any call without host
-lengths, :meth:`free`, or :meth:`check_device_errors`; every allocation in between was
-refused too, and the allocator is rolled back to just before the refused call. On a CPU,
-where reading the device costs nothing, it is raised by the call itself (``eager_errors``).
+lengths, :meth:`free`, :meth:`check_device_errors`, or a call the host refuses (before its
+own error); every allocation in between was refused too, and the allocator is rolled back to
+just before the refused call. The counters (``num_free_pages``, ``free_pages``, ``state()``)
+count only calls that stand: after a call with host lengths they read the device once to know.
+On a CPU, where reading the device costs nothing, the refusal is raised by the call itself
+(``eager_errors``). A launch that fails or is interrupted (a ``KeyboardInterrupt`` while the
+interpreter runs a kernel) leaves nothing behind: the pages it may have marked are free again.
 On a GPU ``ret_values`` (the kernels' packed report) lives in pinned host memory that the
 kernels write directly, so the one wait of a call without host lengths copies nothing; read it
 only after a call that waited (or ``torch.cuda.synchronize()``).
@@ -58,13 +62,14 @@ from torch import Tensor
 from . import runtime  # first: decides compiled Triton vs the interpreter
 from . import native_counts
 import triton.language as tl  # noqa: E402,I001
-from .alloc_checks import (DeviceReport, check_count, check_devices, check_index_tensor, decode_counts,
-                           extend_counts, refusal_error, same_device)
+from .alloc_checks import (capacity_error, check_count, check_devices, check_index_tensor, decode_counts,
+                           extend_counts, fits, same_device)
+from .alloc_verdict import DeviceReport, Verdicts
 from .args import check_int, check_page_size, next_pow2
 from .errors import InvalidArgument, OutOfPages
 from .kernels import fast_alloc as K
-from .kernels.alloc_checks import STATUS_WORDS
-from .kernels.launch import launch_ready, raw_stream
+from .kernels.alloc_checks import STATUS_WORDS, TOTAL_LIMIT
+from .kernels.launch import launch_ready
 
 #: the implementations of the launch step: "fast" (chapter 09, the default) and "teaching"
 IMPLS: tuple[str, ...] = ("fast", "teaching")
@@ -72,6 +77,7 @@ _EXTEND_NAMES = ("prefix_lens", "seq_lens", "last_loc")
 _DECODE_NAMES = ("seq_lens", "last_loc")
 #: the largest block ``tl.arange`` may build (Triton's TRITON_MAX_TENSOR_NUMEL)
 _MAX_BLOCK: int = getattr(tl, "TRITON_MAX_TENSOR_NUMEL", 1 << 20)
+_MAX_PAGES = 1 << 31
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,7 @@ def _pinned_device(device) -> torch.device:
     return device
 
 
-class PagedTokenAllocator:
+class PagedTokenAllocator(Verdicts):
     """Hands out KV token slots in pages of ``page_size``, for whole batches at once.
 
     >>> alloc = PagedTokenAllocator(num_pages=8, page_size=4)
@@ -106,6 +112,8 @@ class PagedTokenAllocator:
     def __init__(self, num_pages: int, page_size: int, device: "torch.device | str | None" = None,
                  *, impl: str = "fast", eager_errors: bool | None = None):
         num_pages = check_int("num_pages", num_pages, minimum=1)
+        if num_pages >= _MAX_PAGES:  # (the kernels report a page count in the upper 32 bits of a word)
+            raise InvalidArgument("num_pages", "num_pages < 2**31", f"got {num_pages}")
         page_size = check_page_size(page_size)
         if page_size & (page_size - 1) or page_size > _MAX_BLOCK:
             # the teaching kernels use tl.arange(0, page_size): a power of two, capped by Triton
@@ -127,6 +135,7 @@ class PagedTokenAllocator:
         self._status = torch.zeros(STATUS_WORDS, **i64)   # refusals, for the host
         self._scratch, self._scratch_words, self._scratch_addr = torch.empty(0, **i64), 0, 0
         self._calls = 0
+        self._unverified = False  # a call with host lengths launched since the host last read status
         self._extend_key, self._decode_key = K.int64_key(page_size, 4), K.int64_key(page_size, 3)
         # The kernels' packed report: (new pages << 32) | new tokens; decode: new pages. On a GPU
         # it lives in pinned host memory, which the kernel writes directly: after the one sync
@@ -144,11 +153,11 @@ class PagedTokenAllocator:
         self._direct = K.direct_kernels(page_size, self.device) if impl == "fast" else None
         self._set_free_list(torch.arange(num_pages, **i64))    # free pages: _free_list[_head:]
 
-    # --- inspection (no device reads) -----------------------------------------------------
+    # --- inspection (a device read only to learn whether a call with host lengths stands) ---
 
     @property
     def num_free_pages(self) -> int:
-        return self._free_list.numel() - self._head
+        return self._free_list.numel() - self._standing_head()
 
     def available_size(self) -> int:
         """Free token slots: free pages x page_size."""
@@ -157,7 +166,7 @@ class PagedTokenAllocator:
     @property
     def free_pages(self) -> torch.Tensor:
         """The free page ids, in the order they will be handed out."""
-        return self._free_list[self._head:]
+        return self._free_list[self._standing_head():]
 
     @free_pages.setter
     def free_pages(self, pages: torch.Tensor) -> None:
@@ -175,6 +184,7 @@ class PagedTokenAllocator:
         self._page_free.zero_()
         self._page_free[pages] = 1
         self._status.zero_()
+        self._unverified = False
 
     def state(self) -> AllocatorState:
         """A copy of the state (``free_pages`` cloned); compare two with ``a.equals(b)``."""
@@ -221,44 +231,6 @@ class PagedTokenAllocator:
         self._pool_addrs = (pages.data_ptr(), self._page_free.data_ptr(), self._status.data_ptr(),
                             self.ret_values.data_ptr())
 
-    # --- steps 2-3: the device's verdict, and refusals ---------------------------------------
-
-    def _read_status(self) -> DeviceReport:
-        return DeviceReport.from_words(self._status.tolist())  # a device -> host sync
-
-    def _raise_refusal(self, rep: DeviceReport, call_id: int | None) -> None:
-        """Undo the refused call and every later one (the kernels refused them too), clear
-        the record, and raise the refusal's error."""
-        self._head = rep.free_head
-        self._status.zero_()
-        decode = bool(rep.call_id & 1)
-        what = "decode step" if decode else "extend"
-        note = "" if rep.call_id == call_id else (
-            f"; raised now for an earlier {'alloc_decode' if decode else 'alloc_extend'} call that the "
-            "kernel refused: it and every allocation since returned -1 slots and took no pages")
-        raise refusal_error(rep, self.page_size, what, decode=decode, note=note)
-
-    def check_device_errors(self) -> None:
-        """Raise a refusal a kernel recorded since the host last looked (one sync)."""
-        words = self._status.tolist()  # a device -> host sync
-        if words[0]:  # the refusal code
-            self._raise_refusal(DeviceReport.from_words(words), None)
-
-    def _settle(self, call_id: int) -> int:
-        """The verdict of the call just launched: one word, one sync. The kernels write
-        ``ret_values`` = ``(pages << 32) | tokens`` (decode: ``pages``), or -1 if refused."""
-        if self._report_host is None:
-            word = self.ret_values.item()
-        else:  # pinned host memory the kernel wrote: wait for the stream, then read it in place
-            handle = raw_stream(self.device.index)
-            if handle != self._stream_handle:  # (a Stream object per stream, not per call)
-                self._stream, self._stream_handle = torch.cuda.current_stream(self.device), handle
-            self._stream.synchronize()  # the one sync (torch's sync debug mode counts it)
-            word = int(self._report_host[0])
-        if word < 0:
-            self._raise_refusal(self._read_status(), call_id)
-        return word if call_id & 1 else word >> 32
-
     # --- the public API ---------------------------------------------------------------------
 
     def alloc_extend(self, prefix_lens: Tensor, seq_lens: Tensor, last_loc: Tensor, extend_num_tokens: int,
@@ -268,55 +240,70 @@ class PagedTokenAllocator:
         ``prefix_lens_cpu`` / ``seq_lens_cpu``: host copies of the lengths (a CPU tensor,
         NumPy array or list); with them the call makes no device->host sync. Raises
         :class:`InvalidArgument` on broken rules and :class:`OutOfPages` when too few pages are
-        free, with the allocator unchanged (see the module docstring for when).
+        free, with the allocator unchanged (see the module docstring for when); a refusal still
+        pending from an earlier call is raised first.
         """
-        pre, seq, last = self._device_lengths(_EXTEND_NAMES, (prefix_lens, seq_lens, last_loc))
-        bs, P, head = pre.numel(), self.page_size, self._head
-        n_tokens = check_count("extend_num_tokens", extend_num_tokens)
-        num_free = self._free_list.numel() - head
-        host = None
-        if prefix_lens_cpu is not None or seq_lens_cpu is not None:
-            if prefix_lens_cpu is None or seq_lens_cpu is None:
-                raise InvalidArgument("prefix_lens_cpu/seq_lens_cpu", "give both or neither")
-            host = extend_counts(prefix_lens_cpu, seq_lens_cpu, P, bs)
-            if host.tokens != n_tokens:
-                raise InvalidArgument("extend_num_tokens", "extend_num_tokens == sum(seq_lens - prefix_lens)",
-                                      f"got {n_tokens}, the lengths sum to {host.tokens}")
-            if host.pages > num_free:
-                raise OutOfPages(host.pages, num_free, "extend")  # before any launch
-        if bs == 0:
-            if n_tokens:
-                raise InvalidArgument("extend_num_tokens", "0 for an empty batch", f"got {n_tokens}")
-            return torch.empty(0, dtype=torch.int64, device=self.device)
-        if self.impl == "teaching" and max(next_pow2(n_tokens), next_pow2(bs)) > _MAX_BLOCK:
-            # the teaching kernel's tl.arange(0, next_power_of_2(n)) is one block: Triton caps it
-            raise InvalidArgument("extend_num_tokens", f"next_power_of_2(extend_num_tokens) and "
-                                  f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
-                                  f"got {n_tokens} tokens, {bs} requests")
+        try:  # (the host's judgement: its errors come after a refusal still pending)
+            pre, seq, last = self._device_lengths(_EXTEND_NAMES, (prefix_lens, seq_lens, last_loc))
+            bs, P, head = pre.numel(), self.page_size, self._head
+            n_tokens = check_count("extend_num_tokens", extend_num_tokens)
+            num_free = self._free_list.numel() - head
+            host = None
+            if prefix_lens_cpu is not None or seq_lens_cpu is not None:
+                if prefix_lens_cpu is None or seq_lens_cpu is None:
+                    raise InvalidArgument("prefix_lens_cpu/seq_lens_cpu", "give both or neither")
+                host = extend_counts(prefix_lens_cpu, seq_lens_cpu, P, bs)  # (exact: no sum wraps)
+                if host.tokens != n_tokens:
+                    raise InvalidArgument("extend_num_tokens", "extend_num_tokens == sum(seq_lens - prefix_lens)",
+                                          f"got {n_tokens}, the lengths sum to {host.tokens}")
+                if host.pages > num_free:
+                    raise OutOfPages(host.pages, num_free, "extend")  # before any launch
+            if bs == 0:
+                if n_tokens:
+                    raise InvalidArgument("extend_num_tokens", "0 for an empty batch", f"got {n_tokens}")
+                return torch.empty(0, dtype=torch.int64, device=self.device)
+            if (host is None or n_tokens >= TOTAL_LIMIT) and not fits(n_tokens, num_free, bs, P):
+                self._refuse_beyond_capacity(pre, seq, last, n_tokens, head, num_free)  # (no output yet)
+            if self.impl == "teaching" and max(next_pow2(n_tokens), next_pow2(bs)) > _MAX_BLOCK:
+                # the teaching kernel's tl.arange(0, next_power_of_2(n)) is one block: Triton caps it
+                raise InvalidArgument("extend_num_tokens", f"next_power_of_2(extend_num_tokens) and "
+                                      f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
+                                      f"got {n_tokens} tokens, {bs} requests")
+        except (InvalidArgument, OutOfPages):
+            self._pending_first()
+            raise
         out = self._status.new_empty(n_tokens)  # int64 on this device (no dtype/device to parse)
         self._calls += 1
         call = 2 * self._calls  # even: an extend (the kind of call rides in the lowest bit)
         host_checks = (host.pages, 1, host.sum_pre, host.sum_seq) if host else (-1, 0, 0, 0)
-        if self.impl == "fast":
-            direct, programs = self._direct, K.fill_programs(n_tokens)
-            stream = launch_ready(direct.device) if direct and K.fused(bs, n_tokens) else None
-            if stream is not None:  # the hot path: the fused kernel, with addresses (same arguments)
-                self._scratch_for(programs * 2 * bs)
-                direct.extend(programs, stream, (pre.data_ptr(), seq.data_ptr(), last.data_ptr(),
-                              *self._pool_addrs, self._scratch_addr, out.data_ptr(), bs, n_tokens, head,
-                              num_free, self.num_pages, *host_checks, call, 1, K.search_steps(bs), P,
-                              K.EXTEND_BLOCK, K.BATCH_BLOCK))
+        try:  # (a launch that fails or is interrupted leaves no trace)
+            if self.impl == "fast":
+                direct, programs = self._direct, K.fill_programs(n_tokens)
+                stream = launch_ready(direct.device) if direct and K.fused(bs, n_tokens) else None
+                if stream is not None:  # the hot path: the fused kernel, with addresses (same arguments)
+                    self._scratch_for(programs * 2 * bs)
+                    direct.extend(programs, stream, (pre.data_ptr(), seq.data_ptr(), last.data_ptr(),
+                                  *self._pool_addrs, self._scratch_addr, out.data_ptr(), bs, n_tokens, head,
+                                  num_free, self.num_pages, *host_checks, call, 1, K.search_steps(bs), P,
+                                  K.EXTEND_BLOCK, K.BATCH_BLOCK))
+                else:
+                    K.launch_extend(pre, seq, last, self._free_list, self._page_free, self._status,
+                                    self.ret_values, self._scratch_for(K.extend_scratch_words(bs, n_tokens)),
+                                    out, bs, n_tokens, head, num_free, self.num_pages, *host_checks, call, 1,
+                                    P, self._extend_key)
+                if host is None:
+                    pages = self._settle(call)
+                else:  # (the verdict stays on the device: the counters read it when asked)
+                    pages, self._unverified = host.pages, True
             else:
-                K.launch_extend(pre, seq, last, self._free_list, self._page_free, self._status, self.ret_values,
-                                self._scratch_for(K.extend_scratch_words(bs, n_tokens)), out, bs, n_tokens,
-                                head, num_free, self.num_pages, *host_checks, call, 1, P, self._extend_key)
-            pages = self._settle(call) if host is None else host.pages
-        else:
-            checks = (bs, n_tokens, head, num_free, self.num_pages) + host_checks + (call, 1)
-            pages = self._extend_teaching(pre, seq, last, out, checks, call)
+                checks = (bs, n_tokens, head, num_free, self.num_pages) + host_checks + (call, 1)
+                pages = self._extend_teaching(pre, seq, last, out, checks, call)
+        except BaseException:
+            self._undo_launch(call)
+            raise
         self._head += pages
         if self.eager_errors and host is not None:
-            self.check_device_errors()
+            self.check_device_errors(call)
         return out
 
     def alloc_decode(self, seq_lens: Tensor, last_loc: Tensor, *, seq_lens_cpu=None) -> Tensor:
@@ -324,46 +311,73 @@ class PagedTokenAllocator:
 
         ``seq_lens_cpu``: a host copy of ``seq_lens``; with it the call makes no sync.
         """
-        seq, last = self._device_lengths(_DECODE_NAMES, (seq_lens, last_loc))
-        bs, P, head = seq.numel(), self.page_size, self._head
-        num_free = self._free_list.numel() - head
-        host = None
-        if seq_lens_cpu is not None:
-            host = decode_counts(seq_lens_cpu, P, bs)
-            if host.pages > num_free:
-                raise OutOfPages(host.pages, num_free, "decode step")  # before any launch
+        try:  # (as in alloc_extend: a pending refusal first)
+            seq, last = self._device_lengths(_DECODE_NAMES, (seq_lens, last_loc))
+            bs, P, head = seq.numel(), self.page_size, self._head
+            num_free = self._free_list.numel() - head
+            host = None
+            if seq_lens_cpu is not None:
+                host = decode_counts(seq_lens_cpu, P, bs)
+                if host.pages > num_free:
+                    raise OutOfPages(host.pages, num_free, "decode step")  # before any launch
+            if self.impl == "teaching" and next_pow2(bs) > _MAX_BLOCK:
+                raise InvalidArgument("seq_lens", f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
+                                      f"got {bs} requests")
+        except (InvalidArgument, OutOfPages):
+            self._pending_first()
+            raise
         out = self._status.new_empty(bs)
         if bs == 0:
             return out
-        if self.impl == "teaching" and next_pow2(bs) > _MAX_BLOCK:
-            raise InvalidArgument("seq_lens", f"next_power_of_2(bs) <= {_MAX_BLOCK} for the teaching kernel",
-                                  f"got {bs} requests")
         self._calls += 1
         call = 2 * self._calls + 1  # odd: a decode step
         checks = (bs, head, num_free, self.num_pages) + (
             (host.pages, 1, host.sum_seq) if host else (-1, 0, 0)) + (call, 1)
-        if self.impl == "fast":
-            direct = self._direct
-            stream = launch_ready(direct.device) if direct else None
-            if stream is not None:  # the hot path (see alloc_extend)
-                direct.decode(1, stream, (seq.data_ptr(), last.data_ptr(), *self._pool_addrs, out.data_ptr(),
-                                          *checks, 1, P, K.BATCH_BLOCK))
+        try:
+            if self.impl == "fast":
+                direct = self._direct
+                stream = launch_ready(direct.device) if direct else None
+                if stream is not None:  # the hot path (see alloc_extend)
+                    direct.decode(1, stream, (seq.data_ptr(), last.data_ptr(), *self._pool_addrs,
+                                              out.data_ptr(), *checks, 1, P, K.BATCH_BLOCK))
+                else:
+                    K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values,
+                                    out, *checks, 1, P, self._decode_key)
+                if host is None:
+                    pages = self._settle(call)
+                else:  # (the verdict stays on the device: the counters read it when asked)
+                    pages, self._unverified = host.pages, True
             else:
-                K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
-                                *checks, 1, P, self._decode_key)
-            pages = self._settle(call) if host is None else host.pages
-        else:
-            K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values, out,
-                            *checks, 0, P, self._decode_key)
-            pages = self._settle(call)  # the teaching kernel reads free_pages unmasked: verdict first
-            from .kernels.alloc import alloc_decode_kernel
+                K.launch_decode(seq, last, self._free_list, self._page_free, self._status, self.ret_values,
+                                out, *checks, 0, P, self._decode_key)
+                pages = self._settle(call)  # the teaching kernel reads free_pages unmasked: verdict first
+                from .kernels.alloc import alloc_decode_kernel
 
-            alloc_decode_kernel[(bs,)](seq, last, self.free_pages, out, self.ret_values, next_pow2(bs), P)
-            self._mark_taken(pages)
+                alloc_decode_kernel[(bs,)](seq, last, self._free_list[head:], out, self.ret_values,
+                                           next_pow2(bs), P)
+                self._mark_taken(pages)
+        except BaseException:
+            self._undo_launch(call)
+            raise
         self._head += pages
         if self.eager_errors and host is not None:
-            self.check_device_errors()
+            self.check_device_errors(call)
         return out
+
+    def _refuse_beyond_capacity(self, pre, seq, last, n_tokens: int, head: int, num_free: int) -> None:
+        """More tokens than the free pages could hold, whatever the lengths (an absurd count would
+        fail the output's allocation): the kernels' check pass alone, which writes nothing, says
+        why (the lengths sum to something else, or need that many pages: one sync); a count of
+        2**50 or more is out of pages outright (as the kernels would say)."""
+        bs, P = pre.numel(), self.page_size
+        if n_tokens < TOTAL_LIMIT:  # (at or past it: out of pages, whatever the lengths)
+            self._calls += 1
+            call = 2 * self._calls
+            K.launch_extend_check(pre, seq, last, self._page_free, self._status, self.ret_values,
+                                  self._scratch_for(2 * bs + 1), bs, n_tokens, head, num_free,
+                                  self.num_pages, -1, 0, 0, 0, call, 1, P)
+            self._settle(call)  # raises: the check pass cannot accept such a count
+        raise capacity_error(n_tokens, num_free, bs, P)
 
     def _extend_teaching(self, pre, seq, last, out, checks: tuple, call: int) -> int:
         """Chapter 03's kernel, after the fast check+scan and one read of its verdict."""

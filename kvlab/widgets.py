@@ -41,7 +41,7 @@ class TimelineExplorer:
     view, and the picture. ``explorer.widget`` is the ipywidgets box; displaying the explorer
     itself also carries a PNG fallback (see the module docstring)."""
 
-    def __init__(self, timeline, view: str = "page table", *, step: int = 0, dpi: int = 90,
+    def __init__(self, timeline, view: str = "page table", *, step: int = 0, dpi: int = 100,
                  interval_ms: int = 700):
         import ipywidgets as widgets
 

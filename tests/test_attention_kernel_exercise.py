@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 import kvlab.check as check
-from kvlab.check import CheckFailed, ch08_attention
+from kvlab.check import CheckFailed, ch08_attention_kernel as ch08_attention
 
 _counter = itertools.count()
 
@@ -46,13 +46,13 @@ def _variant(old: str, new: str, tmp_path):
 
 
 def test_the_reference_kernel_passes(capsys):
-    assert check.paged_attention_kernel(ch08_attention.paged_attention_kernel_solution, n_random=2) > 0
+    check.paged_attention_kernel(ch08_attention.paged_attention_kernel_solution, n_random=2)
     assert "✓ paged_attention_kernel" in capsys.readouterr().out
     assert check.status("paged_attention_kernel") == "passed"
 
 
-def test_a_starter_is_not_attempted_and_returns_zero(capsys):
-    assert check.paged_attention_kernel(starter_kernel) == 0
+def test_a_starter_is_not_attempted_and_returns_nothing(capsys):
+    assert check.paged_attention_kernel(starter_kernel) is None
     out = capsys.readouterr().out
     assert out.count("not attempted yet: paged_attention_kernel") == 1
     assert check.status("paged_attention_kernel") == "not attempted"

@@ -218,3 +218,46 @@ def test_round_ratios_pair_rounds_timed_together():
                      "teaching": {"loop_rounds_us": [20.0, 40.0, 24.0]}}}
     assert timing.round_ratios(row, "fast", "teaching") == [0.5, 0.75, 0.5]
     assert timing.round_ratios(row, "fast", "torch") is None  # not measured: no ratio
+
+
+# --- the serving benchmark of chapter 10 (python -m kvlab.bench --serve) ----------------------
+
+@pytest.mark.slow
+def test_serve_smoke_adds_its_section_to_an_existing_result(tmp_path):
+    """A smoke run: every path serves every prompt; the result joins what bench.json held;
+    bench.md says it is no measurement; the plot is drawn."""
+    pytest.importorskip("transformers")
+    from kvlab.bench.__main__ import serve_main
+    from kvlab.bench.serve import SMOKE_WORKLOAD
+
+    (tmp_path / "bench.json").write_text(json.dumps({"kept": 1}))
+    res = serve_main(str(tmp_path), smoke=True)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["kept"] == 1 and saved["serve"]["smoke"] is True
+    s = res["serve"]
+    assert set(s["paths"]) == {"generate", "kvlab", "kvlab_no_chunks", "kvlab_no_graphs"}
+    want = SMOKE_WORKLOAD["requests"] * SMOKE_WORKLOAD["new_tokens"]
+    assert all(e["tokens"] == want and len(e["seconds"]) == 1 for e in s["paths"].values())
+    for name in ("kvlab", "kvlab_no_chunks", "kvlab_no_graphs"):
+        st = s["paths"][name]["stats"]
+        assert st["prefill_computed"] + st["prefill_cached"] == s["workload"]["prompt_tokens"]
+        assert st["prefill_cached"] > 0          # the shared prefix, computed once per cold run
+        assert (st["graph_steps"] > 0) == (name != "kvlab_no_graphs")
+    assert all(t["passed"] is None for t in s["targets"])
+    md = (tmp_path / "bench.md").read_text()
+    assert "Serving a real model" in md and "Smoke run" in md and "PASS" not in md
+    assert (tmp_path / "10_bench_serve.png").stat().st_size > 0
+
+
+def test_serve_targets_are_ratios_of_tokens_per_second():
+    from kvlab.bench.serve import _targets
+
+    def fake(kvlab, generate, batch):
+        return {"smoke": False, "paths": {"kvlab": {"tokens_per_s": kvlab}, "generate": {"tokens_per_s": generate},
+                                          "generate_batch": {"tokens_per_s": batch}}}
+
+    assert [t["passed"] for t in _targets(fake(3000, 2900, 900))] == [True, True]
+    assert [t["passed"] for t in _targets(fake(3000, 3100, 1100))] == [False, False]
+    assert [t["measured"] for t in _targets(fake(3000, 1500, 600))] == [2.0, 5.0]
+    missing = fake(3000, 1500, None)
+    assert _targets(missing)[1]["passed"] is False and _targets(missing)[1]["measured"] is None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 from cache_state import assert_unchanged, manager_state
+from faults import Boom, Interrupted, failing, interrupt_at_line
 
 import kvlab.cache_manager
 from kvlab import (CacheManager, CacheMisuse, IntegrityError, InvalidArgument, OutOfPages,
@@ -34,10 +35,6 @@ def run_prefill(cm: CacheManager, reqs: list[Req], token: int = 0) -> None:
     for r in reqs:
         r.complete_one()
         r.append_token(token)
-
-
-class Boom(RuntimeError):
-    pass
 
 
 # --- locks have owners --------------------------------------------------------------------
@@ -402,4 +399,166 @@ def test_a_failed_mixed_step_releases_its_new_requests_and_leaves_the_running_on
     with pytest.raises(CacheMisuse, match=r"decode_step: reqs\[0\]"):
         cm.mixed_step([], [b])  # b is not running: it cannot decode
     assert_unchanged(before, manager_state(cm, [a, b], stamps=False))
+    cm.check_integrity()
+
+
+def test_a_chunk_of_a_prompt_produces_no_token_and_is_cached_only_after_its_last_chunk():
+    """Chunked prefill: the request keeps its row and handle between chunks; a chunk's entry
+    of next_tokens is None; the prompt is cached (cache_req(finished=False)) after its last
+    chunk, as mini-sglang's scheduler does."""
+    cm = manager(num_pages=8, page_size=4)
+    prompt = list(range(10, 21))                      # 11 tokens
+    r = Req(list(prompt), 0)
+    cm.admit(r)
+    handle = r.cache_handle
+    r.device_len = 4                                  # chunk 1: positions 0..3
+    batch = cm.prefill([r])
+    before = manager_state(cm, [r])
+    for call, match in [(lambda: cm.complete_step(batch, [5]), r"next_tokens\[0\]"),
+                        (lambda: cm.complete_step(batch, [None], [True]), r"next_tokens\[0\]")]:
+        with pytest.raises(InvalidArgument, match=match):
+            call()
+        assert_unchanged(before, manager_state(cm, [r]))
+    assert cm.complete_step(batch, [None]) == []      # nothing cached yet
+    assert (r.cached_len, r.input_ids, r.cache_handle) == (4, prompt, handle)
+    r.device_len = 9                                  # chunk 2: positions 4..8
+    batch = cm.mixed_step([r], [])
+    assert batch.start == (4,) and batch.end == (9,) and batch.prefilling == (True,)
+    assert cm.complete_step(batch, [None]) == []
+    r.device_len = 11                                 # the last chunk: the first token comes
+    settled = cm.complete_step(cm.mixed_step([r], []), [7])
+    assert [req for req, _ in settled] == [r] and r.input_ids == prompt + [7]
+    assert r.cache_handle.cached_len == 8             # its whole pages, now in the cache
+    assert cm.prefix_cache.match_prefix(prompt).handle.cached_len == 8
+    cm.check_integrity()
+
+
+# --- cache_req and release_req are all or nothing; an interrupted eviction loses no page ----------
+
+
+def _two_computed_the_same_pages(page_size=2):
+    """b and c both hit a's cached [1 2|3 4] and computed [5 6|7 8]; c cached them first. b's
+    cache_req then frees a duplicate region (remapping its row) and inserts a new node [20 21]."""
+    cm = manager(num_pages=16, page_size=page_size, rows=3, max_len=16)
+    a = Req([1, 2, 3, 4, 5], 0)
+    run_prefill(cm, [a])
+    cm.cache_req(a, finished=False)
+    b, c = Req([1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22], 1), Req([1, 2, 3, 4, 5, 6, 7, 8, 30], 2)
+    run_prefill(cm, [b, c])
+    cm.cache_req(c, finished=False)
+    return cm, [a, b, c]
+
+
+def _inject(cm, where: str, k: int, after: bool, error=Boom):
+    """Make the k-th call of one of cache_req's steps fail (patched on the instance)."""
+    owner = cm.prefix_cache if where == "insert_prefix" else cm
+    setattr(owner, where, failing(getattr(owner, where), k, after=after, error=error))
+
+
+#: the steps of cache_req(finished=...): (finished, the method, which of its calls)
+CACHE_REQ_STEPS = [(finished, where, 0) for finished in (True, False) for where in ("insert_prefix", "unlock", "_free")] \
+    + [(True, "_free", 1), (False, "lock", 0)]
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before_its_work", "after_its_work"])
+@pytest.mark.parametrize("finished, where, k", CACHE_REQ_STEPS)
+def test_a_cache_req_that_fails_at_any_step_changes_nothing(where, k, finished, after):
+    """Before, a failure in _free (after insert_prefix and the unlock) left the request running
+    without its prefix lock and its new node evictable while its row mapped it."""
+    cm, reqs = _two_computed_the_same_pages()
+    twin, twin_reqs = _two_computed_the_same_pages()
+    before = manager_state(cm, reqs, stamps=False)
+    _inject(cm, where, k, after, error=Interrupted if after else Boom)
+    with pytest.raises((Boom, Interrupted)):
+        cm.cache_req(reqs[1], finished=finished)
+    assert_unchanged(before, manager_state(cm, reqs, stamps=False))
+    cm.check_integrity()
+    # and the same call then does what it does on a manager that never saw the failure
+    vars(cm).pop(where, None)
+    vars(cm.prefix_cache).pop(where, None)
+    cm.cache_req(reqs[1], finished=finished)
+    twin.cache_req(twin_reqs[1], finished=finished)
+    assert _without_ids(manager_state(twin, twin_reqs, stamps=False)) == \
+        _without_ids(manager_state(cm, reqs, stamps=False))
+
+
+def _without_ids(state: dict) -> dict:
+    """A manager's state with the identities of its requests and nodes left out (to compare two
+    managers that went through the same calls)."""
+    cache = dict(state["cache"], locks=sorted(lock[1:] for lock in state["cache"]["locks"]))
+    reqs = [(r[3], r[4], r[6], r[5].cached_len if r[5] is not None else None) for r in state["reqs"]]
+    return dict(state, cache=cache, running=[(row, pages) for row, _, pages in state["running"]], reqs=reqs)
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_cache_req_interrupted_between_any_two_lines_changes_nothing(finished):
+    for k in range(1, 200):
+        cm, reqs = _two_computed_the_same_pages()
+        before = manager_state(cm, reqs, stamps=False)
+        with interrupt_at_line(CacheManager.cache_req, k) as seen:
+            try:
+                cm.cache_req(reqs[1], finished=finished)
+            except Interrupted:
+                pass
+        if seen[0] < k:
+            break  # it ran to the end: every line has been interrupted once
+        assert_unchanged(before, manager_state(cm, reqs, stamps=False))
+        cm.check_integrity()
+    assert 10 < k < 200
+
+
+@pytest.mark.parametrize("where, after", [("_free", True), ("unlock", False), ("unlock", True)])
+def test_a_release_req_that_fails_changes_nothing(where, after):
+    cm, reqs = _two_computed_the_same_pages()
+    before = manager_state(cm, reqs)
+    _inject(cm, where, 0, after, error=Interrupted)
+    with pytest.raises(Interrupted):
+        cm.release_req(reqs[1])
+    assert_unchanged(before, manager_state(cm, reqs))
+    cm.check_integrity()
+
+
+def _evicting_allocation():
+    """Three cached leaves (2 + 1 + 2 pages) and 3 free pages; the request admitted last needs 7
+    pages: its allocation evicts every leaf."""
+    cm = manager(num_pages=8, page_size=2, rows=4, max_len=32)
+    for row, prompt in enumerate(([10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 32, 33, 34])):
+        r = Req(prompt, row)
+        run_prefill(cm, [r])
+        cm.cache_req(r, finished=True)
+    big = Req(list(range(100, 114)), 3)
+    cm.admit(big)
+    return cm, big
+
+
+def test_an_allocation_interrupted_anywhere_in_its_eviction_loses_no_page():
+    """Before, a KeyboardInterrupt inside evict_leaves lost the pages of the nodes it had
+    detached already: they never reached the rollback list."""
+    cm, big = _evicting_allocation()
+    assert cm.num_free_pages == 3 and cm.pages_needed([big]) == 7
+    for k in range(1, 400):
+        cm, big = _evicting_allocation()
+        before = manager_state(cm, [big])
+        with interrupt_at_line(RadixPrefixCache.evict_leaves, k) as seen:
+            try:
+                cm.allocate_paged([big])
+            except Interrupted:
+                pass
+        if seen[0] < k:
+            break
+        assert_unchanged(before, manager_state(cm, [big]))
+        cm.check_integrity()
+    assert 10 < k < 400
+    cm.check_integrity()
+    assert cm.prefix_cache.size_info.total_size == 0 and cm.allocated_pages(big) == 7
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_an_allocation_whose_eviction_call_fails_loses_no_page(after):
+    cm, big = _evicting_allocation()
+    before = manager_state(cm, [big])
+    cm.prefix_cache.evict_leaves = failing(cm.prefix_cache.evict_leaves, 0, after=after, error=Interrupted)
+    with pytest.raises(Interrupted):
+        cm.allocate_paged([big])
+    assert_unchanged(before, manager_state(cm, [big]))
     cm.check_integrity()

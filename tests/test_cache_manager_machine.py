@@ -1,11 +1,17 @@
 """A hypothesis state machine drives CacheManager the way servers (and careless callers) do:
 admits, allocations, cache_req finished or not, decodes, the serving words (prefill /
 decode_step / complete_step), releases, locks and unlocks by holders and by non-holders, and
-page-table writes that fail half-way. After every step: check_integrity, page conservation,
-and every running request reads the KV of its own tokens. Page sizes 1, 4, 16 and 64.
+failures injected at every mutating step, as an error or an interrupt (a learner pressing
+stop): the page-table write (half-way; the Triton writer's kernel launch, before or after the
+kernel ran), eviction (between any two of its lines, or right after it returned), ``_free``,
+the locks and the insert of ``cache_req`` / ``release_req`` (before or after their work).
+After every step: check_integrity, page conservation (every page free, cached or owned by
+exactly one running request), no two running requests share a slot, and every running request
+reads the KV of its own tokens. Page sizes 1, 4, 16 and 64.
 
-A refused call must leave every piece of state as it was (tests/cache_state.py); a refused
-admission may only have stamped and split the tree (its match ran), never more.
+A refused or failed call must leave every piece of state as it was (tests/cache_state.py); a
+refused admission may only have stamped and split the tree (its match ran), never more, and so
+may a failed cache_req (its insert's walk ran).
 """
 from __future__ import annotations
 
@@ -13,11 +19,13 @@ import random
 
 import pytest
 from cache_state import assert_unchanged, manager_state
+from faults import Boom, FailingKernel, Interrupted, failing, interrupt_at_line, patched
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvlab import CacheManager, CacheMisuse, OutOfPages, Req
+import kvlab.kernels.paging
+from kvlab import CacheManager, CacheMisuse, OutOfPages, RadixPrefixCache, Req
 from kvlab.paging import new_page_table
 
 ROWS = 4
@@ -27,17 +35,19 @@ class WriteFailed(RuntimeError):
     """The injected failure of a page-table write."""
 
 
+INJECTED = (Boom, Interrupted, WriteFailed)
 class CacheManagerMachine(RuleBasedStateMachine):
     page_size = 4
 
-    @initialize(pages=st.integers(3, 9), seed=st.integers(0, 2**16))
-    def setup(self, pages, seed):
+    @initialize(pages=st.integers(3, 9), seed=st.integers(0, 2**16),
+                writer=st.sampled_from(["host", "host", "host", "triton"]))
+    def setup(self, pages, seed, writer):
         P = self.page_size
         self.unit = max(P, 4)  # prompts span a few pages at every page size
         self.rng = random.Random(seed)
         self.num_pages = pages * self.unit // P
-        table = new_page_table(ROWS, 6 * self.unit + 8, P, device="cpu")
-        self.cm = CacheManager(self.num_pages, P, table, page_table_writer="host")
+        table = new_page_table(ROWS, 6 * self.unit + 8, P, device="cpu" if writer == "host" else None)
+        self.cm = CacheManager(self.num_pages, P, table, page_table_writer=writer)
         self.max_len = table.shape[1]
         self.bases = [[self.rng.randrange(3) for _ in range(3 * self.unit)] for _ in range(2)]
         self.kv: dict[int, int] = {}  # slot -> fingerprint of the tokens its KV was computed from
@@ -66,15 +76,35 @@ class CacheManagerMachine(RuleBasedStateMachine):
             for pos in range(r.cached_len, r.device_len):
                 self.kv[row[pos]] = hash(tuple(r.input_ids[: pos + 1]))
 
-    def failing_writer(self):
+    def failing_writer(self, error=WriteFailed):
         """A page-table write that writes part of the table, then fails."""
         real = self.cm._write_page_table
 
         def write(allocated, allocation_info):
             row, first, last = allocation_info[0]
             real(allocated[: (last - first) * self.page_size], allocation_info[:1])
-            raise WriteFailed("the page-table write failed half-way")
+            raise error("the page-table write failed half-way")
         return write
+
+    def attempt(self, call, reqs, *, stamps: bool = True) -> bool:
+        """Run ``call`` with a failure injected into it: True if it ran to the end (the failure
+        was never reached), else the failure propagated and nothing changed."""
+        before = manager_state(self.cm, reqs, stamps=stamps)
+        try:
+            call()
+        except INJECTED as e:
+            assert_unchanged(before, manager_state(self.cm, reqs, stamps=stamps))
+            event(f"failed, nothing changed: {type(e).__name__}")
+            return False
+        return True
+
+    def allocated(self, batch) -> None:
+        """The model step after a batch got its pages."""
+        self.forward(batch)
+        for r in batch:
+            r.complete_one()
+            r.append_token(self.rng.randrange(3))
+        self.admitted.clear()
 
     def refused(self, call, error, reqs=()) -> None:
         before = manager_state(self.cm, reqs)
@@ -113,11 +143,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
             self.admitted.clear()
             return
         self.cm.allocate_paged(batch)
-        self.forward(batch)
-        for r in batch:
-            r.complete_one()
-            r.append_token(self.rng.randrange(3))
-        self.admitted.clear()
+        self.allocated(batch)
 
     @precondition(lambda self: self.running())
     @rule(fail=st.booleans())
@@ -204,6 +230,86 @@ class CacheManagerMachine(RuleBasedStateMachine):
             return
         self.refused(lambda: self.cm.unlock(handle, owner=owner), CacheMisuse, self.cm.running)
 
+    # --- failures injected into every mutating step --------------------------------------------
+
+    @precondition(lambda self: self.admitted)
+    @rule(how=st.sampled_from(["interrupt_at_line", "interrupt_after", "error_after", "kernel_before",
+                               "kernel_after", "write_interrupted"]), k=st.integers(1, 40))
+    def allocate_with_a_failure(self, how, k):
+        """Eviction stopped between any two of its lines or right after it returned; the Triton
+        writer's launch failing before or after its kernel ran; the write interrupted half-way."""
+        batch, cm = list(self.admitted), self.cm
+        if not 0 < cm.pages_needed(batch) <= cm.available_pages:
+            return
+        if cm.pages_needed(batch) > cm.num_free_pages:
+            event("a failure while evicting")
+        if how == "interrupt_at_line":
+            with interrupt_at_line(RadixPrefixCache.evict_leaves, k):
+                done = self.attempt(lambda: cm.allocate_paged(batch), batch)
+        elif how in ("interrupt_after", "error_after"):
+            error = Interrupted if how == "interrupt_after" else Boom
+            with patched(cm.prefix_cache, "evict_leaves", failing(cm.prefix_cache.evict_leaves, 0, after=True,
+                                                                     error=error)):
+                done = self.attempt(lambda: cm.allocate_paged(batch), batch)
+        elif how.startswith("kernel"):
+            if cm.page_table_writer != "triton":
+                return
+            kernel = kvlab.kernels.paging.write_page_table_kernel
+            kvlab.kernels.paging.write_page_table_kernel = FailingKernel(kernel, after=how == "kernel_after",
+                                                                         error=Interrupted)
+            try:
+                done = self.attempt(lambda: cm.allocate_paged(batch), batch)
+            finally:
+                kvlab.kernels.paging.write_page_table_kernel = kernel
+        else:
+            with patched(cm, "_write_page_table", self.failing_writer(Interrupted)):
+                done = self.attempt(lambda: cm.allocate_paged(batch), batch)
+        if done:
+            self.allocated(batch)
+
+    @precondition(lambda self: self.running())
+    @rule(finished=st.booleans(), step=st.sampled_from([("_free", 0), ("_free", 1), ("unlock", 0), ("lock", 0),
+                                                        ("insert_prefix", 0)]),
+          after=st.booleans(), interrupt=st.booleans())
+    def cache_with_a_failure(self, finished, step, after, interrupt):
+        req, (where, k) = self.rng.choice(self.running()), step
+        owner = self.cm.prefix_cache if where == "insert_prefix" else self.cm
+        error = Interrupted if interrupt else Boom
+        with patched(owner, where, failing(getattr(owner, where), k, after=after, error=error)):
+            done = self.attempt(lambda: self.cm.cache_req(req, finished=finished), [req], stamps=False)
+        if done and finished:
+            self.finished.append(req)
+
+    @precondition(lambda self: self.cm.running)
+    @rule(where=st.sampled_from(["_free", "unlock"]), after=st.booleans(), interrupt=st.booleans())
+    def release_with_a_failure(self, where, after, interrupt):
+        req = self.rng.choice(self.cm.running)
+        error = Interrupted if interrupt else Boom
+        with patched(self.cm, where, failing(getattr(self.cm, where), 0, after=after, error=error)):
+            done = self.attempt(lambda: self.cm.release_req(req), [req])
+        if done:
+            if req in self.admitted:
+                self.admitted.remove(req)
+            self.finished.append(req)
+
+    @precondition(lambda self: self.running())
+    @rule(k=st.integers(0, 3), interrupt=st.booleans())
+    def complete_step_with_a_failure(self, k, interrupt):
+        """complete_step settles its requests one cache_req at a time: a failure in the k-th
+        leaves the earlier ones settled and the rest running, every invariant intact."""
+        batch = [r for r in self.running() if r.device_len < self.max_len]
+        if not batch or self.cm.pages_needed(batch) > self.cm.available_pages:
+            return
+        step = self.cm.decode_step(batch)
+        self.forward(batch)
+        done = [self.rng.random() < 0.5 for _ in batch]
+        with patched(self.cm, "cache_req", failing(self.cm.cache_req, k, error=Interrupted if interrupt else Boom)):
+            try:
+                self.cm.complete_step(step, [self.rng.randrange(3) for _ in batch], done)
+            except INJECTED:
+                event("complete_step failed part-way")
+        self.finished += [r for r in batch if r not in self.cm.running]
+
     # --- after every step ---------------------------------------------------------------------
 
     @invariant()
@@ -216,6 +322,12 @@ class CacheManagerMachine(RuleBasedStateMachine):
                   for r in cm.running)
         cached = cm.prefix_cache.size_info.total_size // P
         assert cm.num_free_pages + cached + own == self.num_pages
+        # no two running requests share a slot they write (their own pages; a cached prefix is
+        # shared by design, read-only)
+        written = [cm.page_table[r.table_idx, (r.cache_handle.cached_len if r.cache_handle else 0):
+                                 cm.allocated_pages(r) * P].tolist() for r in cm.running]
+        flat = [slot for slots in written for slot in slots]
+        assert len(flat) == len(set(flat)), "two running requests write the same slot"
         for r in self.running():
             row = cm.page_table[r.table_idx, : r.cached_len].tolist()
             for pos, slot in enumerate(row):

@@ -212,9 +212,12 @@ def test_hint_levels_and_unknown_names(capsys):
         return 1
 
     try:
-        assert kvlab.check.hint("_demo_exercise", 2) == "Hint 2/2 for _demo_exercise: second"
-        assert demo.hint(1).endswith("first")
-        assert "hints 1 to 2" in kvlab.check.hint("_demo_exercise", 3)
+        assert kvlab.check.hint("_demo_exercise", 2) is None  # printed, not echoed
+        assert capsys.readouterr().out == "Hint 2/2 for _demo_exercise: second\n"
+        demo.hint(1)
+        assert capsys.readouterr().out.endswith("first\n")
+        kvlab.check.hint("_demo_exercise", 3)
+        assert "hints 1 to 2" in capsys.readouterr().out
         assert kvlab.solutions.get("_demo_exercise") is abs
         assert kvlab.check._demo_exercise is demo
         with pytest.raises(KeyError, match="no exercise named 'nope'"):
@@ -249,17 +252,21 @@ def test_every_exercise_has_steps_of_hints(name, capsys):
     assert len(set(ex.hints)) == len(ex.hints)
     assert ex.chapter.isdigit()
     for level in range(1, len(ex.hints) + 1):
-        assert ex.hints[level - 1] in kvlab.check.hint(name, level)
+        kvlab.check.hint(name, level)
+        assert ex.hints[level - 1] in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("name", EXERCISE_NAMES)
 def test_every_solution_is_shown_and_passes_its_own_checker(name, capsys):
     solution = kvlab.solutions.get(name)
-    src = kvlab.solutions.show(name)
-    assert "def " in src and f"Reference solution for {name!r}" in capsys.readouterr().out
+    assert kvlab.solutions.show(name) is None  # printed once, nothing for a notebook to echo
+    out = capsys.readouterr().out
+    assert out == kvlab.solutions.source(name) + "\n"
+    assert "def " in out and f"Reference solution for {name!r}" in out
     checker = getattr(kvlab.check, name)
-    assert checker(solution) > 0
+    assert checker(solution) is None
     assert f"✓ {name}" in capsys.readouterr().out
+    assert kvlab.check.status(name) == "passed"
 
 
 def test_every_solution_passes_in_a_spawned_child(monkeypatch, capsys):
@@ -269,7 +276,8 @@ def test_every_solution_passes_in_a_spawned_child(monkeypatch, capsys):
     for name in EXERCISE_NAMES:
         checker = getattr(kvlab.check, name)
         fewer = {"n_random": 1} if "n_random" in inspect.signature(checker).parameters else {}
-        assert checker(kvlab.solutions.get(name), **fewer) > 0, name
+        checker(kvlab.solutions.get(name), **fewer)
+        assert f"✓ {name}: all" in capsys.readouterr().out, name
 
 
 def test_show_says_where_the_solution_lives_and_who_shares_it(capsys):
@@ -332,7 +340,7 @@ def test_core_calls_the_sandbox_and_never_the_other_way():
     graph = _graph()
     assert "sandbox" in graph["core"]
     for low in ("sandbox", "workers", "runner", "audit", "guards", "findings", "walk",
-                "shipping", "failures", "registry"):
+                "shipping", "failures", "registry", "cells", "progress_file"):
         assert "core" not in _reachable(graph, low) | {low}, low
         assert "catalog" not in _reachable(graph, low), low
 
@@ -355,7 +363,7 @@ def _fake_gpu(monkeypatch, answers):
     calls = []
 
     def guarded_call(fn, args, kwargs, grid=None, *, keep_worker=False, order=None,
-                     interpret=False):
+                     interpret=False, track=()):
         calls.append((interpret, order.kind))
         value, reads = answers(interpret, order.kind)
         accesses = [Access("read", "src", "after", 1, program=(1,))] if reads else []

@@ -68,13 +68,24 @@ def manager_state(gen):
             m.prefix_cache.size_info, len(m.running))
 
 
+#: how the loop serves: prompts in chunks of at most 7 tokens per step and decode steps padded
+#: to captured sizes (CUDA graphs on a GPU, the same padded step eagerly elsewhere); or whole
+#: prompts and unpadded decode steps
+SERVING = {"chunks, padded decode": dict(prefill_budget=7),
+           "whole prompts, plain decode": dict(chunked_prefill=False, decode_graphs="off")}
+
+
+@pytest.mark.parametrize("serving", sorted(SERVING))
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_same_tokens_as_generate_with_shared_prefixes(models, arch, page_size):
+def test_same_tokens_as_generate_with_shared_prefixes(models, arch, page_size, serving):
     model = models[arch]
     prompts = shared_prefix_prompts(seed=page_size)
-    gen = PagedGenerator(model, page_size=page_size, num_pages=256 // page_size + 8, max_running=8)
+    gen = PagedGenerator(model, page_size=page_size, num_pages=256 // page_size + 8, max_running=8,
+                         **SERVING[serving])
     got = gen.generate(prompts, max_new_tokens=4, output_logits=True)
+    assert (gen.stats["chunks"] > 0) == (serving == "chunks, padded decode")
+    assert (gen.stats["graph_steps"] > 0) == (serving == "chunks, padded decode")
     assert_identical(model, gen, prompts, got, 4)
     # the system prompt's whole pages are computed once: the first prompt computes them,
     # the three others (deferred one step) read them from the cache
@@ -142,6 +153,20 @@ def test_eos_ends_a_request_as_generate_does(models, arch, monkeypatch):
     assert all(r.finished_by == ("eos" if t[-1] in (eos, VOCAB - 1) else "length")
                for r, t in zip(gen.requests, got))
     assert gen.manager.running == []
+
+
+def test_a_pool_too_small_for_a_request_says_out_of_pages_not_max_seq_len(models):
+    """Without max_seq_len, rows are as long as the pool: a request that needs more positions
+    than the pool holds is refused for the pool (OutOfPages), not for a row length the caller
+    never set."""
+    gen = PagedGenerator(models["llama"], page_size=4, num_pages=6)
+    with pytest.raises(OutOfPages, match=r"prompts\[0\]") as err:
+        gen.generate([list(range(20))], max_new_tokens=8)        # 27 positions > 24 slots
+    assert "max_seq_len" not in str(err.value)
+    short = PagedGenerator(models["llama"], page_size=4, num_pages=64, max_seq_len=16)
+    with pytest.raises(InvalidArgument, match="max_seq_len") as err:
+        short.generate([list(range(20))], max_new_tokens=8)      # the caller's own limit
+    assert err.value.argument == "prompts[0]"
 
 
 def test_a_prompt_the_pool_can_never_hold_raises_out_of_pages_and_changes_nothing(models):
@@ -235,6 +260,138 @@ def test_a_decode_step_of_your_own_serves_the_model(models):
     gen = PagedGenerator(model, page_size=4, num_pages=64, decode_step=torch_decode_step)
     got = gen.generate(prompts, max_new_tokens=5, output_logits=True)
     assert_identical(model, gen, prompts, got, 5)
+
+
+def test_chunked_prefill_keeps_each_step_within_the_token_budget(models):
+    """A long prompt is computed over several steps, at most `prefill_budget` prompt tokens a
+    step, while the other requests keep decoding; a chunk gives no token until the last one."""
+    model = models["llama"]
+    rng = random.Random(9)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (3, 30, 4)]
+    gen = PagedGenerator(model, page_size=4, num_pages=64, max_running=4, prefill_budget=8)
+    steps = []
+    got = gen.generate(prompts, max_new_tokens=6, output_logits=True, on_step=steps.append)
+    assert_identical(model, gen, prompts, got, 6)
+    assert all(s.tokens - len(s.decode) <= 8 for s in steps)
+    chunked = [s for s in steps if s.chunks]
+    assert chunked and all(s.chunks == [1] for s in chunked)
+    assert any(s.decode for s in chunked), "no request decoded while the long prompt was chunked"
+    # the 30-token prompt: 5 tokens beside prompt 0's 3, then 8, 8, 8 and its last 1 (with prompt 2)
+    assert [s.tokens - len(s.decode) for s in steps[:5]] == [8, 8, 8, 8, 5]
+    assert gen.stats["chunks"] == 4 and [s.prefill for s in steps[:5]] == [[0, 1], [], [], [], [2]]
+
+
+def test_padded_lanes_write_only_the_dummy_page(models):
+    """Every slot of the pool starts as NaN. Real requests read only what they wrote (so the
+    tokens are still generate's), every slot written belongs to a computed token, and padded
+    lanes wrote only the dummy page's first slot."""
+    model = models["qwen2"]
+    P = 4
+    gen = PagedGenerator(model, page_size=P, num_pages=64, max_running=8)   # 5 lanes pad to 8
+    gen.pool.k.fill_(float("nan"))
+    gen.pool.v.fill_(float("nan"))
+    prompts = shared_prefix_prompts(seed=2)
+    got = gen.generate(prompts, max_new_tokens=5, output_logits=True)
+    assert_identical(model, gen, prompts, got, 5)
+    assert gen.stats["graph_steps"] > 0 and gen.graphs.padded_size(5) == 8
+    written = ~gen.pool.k[0].isnan().flatten(1).all(1)          # slots layer 0 wrote
+    dummy = gen.num_pages * P                                   # the dummy page's first slot
+    assert bool(written[dummy]) and not bool(written[dummy + 1:].any())
+    assert int(written[:dummy].sum()) == gen.stats["prefill_computed"] + gen.stats["decode_tokens"]
+    assert bool((gen.page_table[gen.dummy_row] // P == gen.num_pages).all())  # the dummy page only
+    assert int(gen.page_table[gen.dummy_row, 0]) == dummy
+
+
+def test_pad_decode_batch_pads_to_the_next_captured_size_with_the_dummy_row():
+    from kvlab.hf import graph_batch_sizes, pad_decode_batch
+
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16] and graph_batch_sizes(3) == [1, 2]
+    table = torch.arange(6 * 8, dtype=torch.int32).view(6, 8)
+    table[5] = 99                                               # the dummy row
+    rows, positions = torch.tensor([3, 0, 2, 1, 4]), torch.tensor([7, 1, 0, 5, 2])
+    r, p, s = pad_decode_batch(rows, positions, table, [1, 2, 4, 8], 5)
+    assert r.tolist() == [3, 0, 2, 1, 4, 5, 5, 5] and p.tolist() == [7, 1, 0, 5, 2, 0, 0, 0]
+    assert s.tolist() == [31, 1, 16, 13, 34, 99, 99, 99]
+    r, p, s = pad_decode_batch(rows, positions, table, [1, 2, 4], 5)   # no size holds 5
+    assert r.tolist() == rows.tolist() and len(s) == 5
+
+
+def test_clear_prefix_cache_makes_the_next_call_cold(models):
+    gen = PagedGenerator(models["llama"], page_size=4, num_pages=64)
+    prompts = shared_prefix_prompts(seed=4)
+    first = gen.generate(prompts, max_new_tokens=3)
+    assert gen.generate(prompts[:1], max_new_tokens=3) == first[:1] and gen.requests[0].cached > 0
+    gen.clear_prefix_cache()
+    assert gen.generate(prompts[:1], max_new_tokens=3) == first[:1] and gen.requests[0].cached == 0
+    assert gen.manager.num_free_pages + gen.manager.prefix_cache.size_info.total_size // 4 == 64
+
+
+@pytest.mark.parametrize("kw, argument", [
+    (dict(decode_graphs="sometimes"), "decode_graphs"),
+    (dict(graph_sizes=[1, 2, 64]), "graph_sizes"),
+    (dict(prefill_budget=0), "prefill_budget"),
+    (dict(chunked_prefill=1), "chunked_prefill"),
+])
+def test_bad_serving_options_are_refused(models, kw, argument):
+    with pytest.raises(InvalidArgument) as err:
+        PagedGenerator(models["llama"], page_size=4, num_pages=16, max_running=8, **kw)
+    assert err.value.argument == argument
+
+
+@pytest.mark.skipif(kvlab.DEVICE.type == "cuda", reason="checks the refusal without CUDA")
+def test_capturing_graphs_without_cuda_is_refused(models):
+    with pytest.raises(InvalidArgument, match="CUDA") as err:
+        PagedGenerator(models["llama"], page_size=4, num_pages=16, decode_graphs="capture")
+    assert err.value.argument == "decode_graphs"
+
+
+@pytest.mark.gpu
+def test_gpu_a_step_never_waits_for_the_gpu(models, monkeypatch):
+    """Scheduling, mapping pages and the forward pass of every step run with torch's sync
+    debug mode set to raise: only reading the tokens back (and caching after it) waits."""
+    model = models["llama"]
+    gen = PagedGenerator(model, page_size=16, num_pages=64, max_running=8, prefill_budget=16)
+    assert gen.graphs is not None and gen.graphs.capture
+
+    def strict(fn):
+        def call(*args, **kwargs):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return call
+
+    monkeypatch.setattr(gen, "_admit", strict(gen._admit))
+    monkeypatch.setattr(gen, "_forward", strict(gen._forward))
+    monkeypatch.setattr(gen.manager, "mixed_step", strict(gen.manager.mixed_step))
+    prompts = shared_prefix_prompts(seed=8, system_len=40, suffixes=(5, 17, 1, 30, 8))
+    got = gen.generate(prompts, max_new_tokens=8, output_logits=True)
+    assert_identical(model, gen, prompts, got, 8)
+    assert gen.stats["graph_steps"] > 0 and gen.stats["chunks"] > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_gpu_serving_compiles_nothing_after_start_up(models, page_size):
+    """Construction compiles the decode kernel (capturing the graphs) and the page-table kernel
+    (writing the dummy row); then batches of 1, 16, 17 and 40 requests, prompts in chunks,
+    compile no variant of either."""
+    from kvlab.kernels.attention import paged_decode_attention_kernel
+    from kvlab.kernels.paging import write_page_table_kernel
+
+    def compiled():
+        return [sum(len(c[0]) for c in k.device_caches.values())
+                for k in (paged_decode_attention_kernel, write_page_table_kernel)]
+
+    gen = PagedGenerator(models["llama"], page_size=page_size, num_pages=4096 // page_size,
+                         max_running=64, prefill_budget=64)
+    before = compiled()
+    rng = random.Random(page_size)
+    for n in (1, 16, 17, 40):
+        gen.generate([[rng.randrange(VOCAB) for _ in range(rng.randint(1, 90))] for _ in range(n)],
+                     max_new_tokens=5)
+    assert compiled() == before
 
 
 @pytest.mark.gpu

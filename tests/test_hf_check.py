@@ -12,9 +12,11 @@ from kvlab.check.ch10_hf import paged_attention_step_solution
 from kvlab.hf.attention import paged_attention_reference, paged_decode_attention
 
 
-def test_the_solution_and_the_package_pass():
-    assert kvlab.check.paged_attention_step(paged_attention_step_solution, n_random=2) == 10
-    assert kvlab.check.paged_attention_step(kvlab.hf.paged_attention_step, n_random=1) == 9
+def test_the_solution_and_the_package_pass(capsys):
+    kvlab.check.paged_attention_step(paged_attention_step_solution, n_random=2)
+    assert "✓ paged_attention_step: all 12 cases pass" in capsys.readouterr().out
+    kvlab.check.paged_attention_step(kvlab.hf.paged_attention_step, n_random=1)
+    assert "✓ paged_attention_step: all 11 cases pass" in capsys.readouterr().out
 
 
 def test_the_starter_is_not_attempted(capsys):
@@ -22,7 +24,7 @@ def test_the_starter_is_not_attempted(capsys):
         # YOUR CODE HERE: paged_attention_step
         raise NotImplementedError("write the step")
 
-    assert kvlab.check.paged_attention_step(my_step) == 0
+    assert kvlab.check.paged_attention_step(my_step) is None
     assert "not attempted yet: paged_attention_step" in capsys.readouterr().out
     assert kvlab.check.status("paged_attention_step") == "not attempted"
 
@@ -84,3 +86,72 @@ def test_each_mistake_is_named(wrong, says):
         kvlab.check.paged_attention_step(wrong, n_random=0)
     assert says in str(err.value)
     assert kvlab.check.status("paged_attention_step") == "failed"
+
+
+# --- the padding of a decode step (kvlab.check.pad_decode_batch) -------------------------
+
+from kvlab.check.ch10_graphs import pad_decode_batch_solution  # noqa: E402
+
+
+def test_pad_decode_batch_passes_the_solution_and_the_package(capsys):
+    kvlab.check.pad_decode_batch(pad_decode_batch_solution, n_random=2)
+    assert "✓ pad_decode_batch: all 9 cases pass" in capsys.readouterr().out
+    kvlab.check.pad_decode_batch(kvlab.hf.pad_decode_batch, n_random=3)
+    assert "✓ pad_decode_batch: all 10 cases pass" in capsys.readouterr().out
+    assert kvlab.check.status("pad_decode_batch") == "passed"
+
+
+def test_pad_decode_batch_starter_is_not_attempted(capsys):
+    def my_pad(rows, positions, page_table, sizes, dummy_row):
+        # YOUR CODE HERE: pad_decode_batch
+        raise NotImplementedError("pad the step")
+
+    assert kvlab.check.pad_decode_batch(my_pad) is None
+    assert "not attempted yet: pad_decode_batch" in capsys.readouterr().out
+    assert kvlab.check.status("pad_decode_batch") == "not attempted"
+
+
+def _padded(rows, positions, sizes, dummy, *, size=None, pad_row=None, pad_position=None):
+    n = len(rows)
+    size = size if size is not None else next((s for s in sorted(sizes) if s >= n), n)
+    r = torch.cat([rows, rows.new_full((size - n,), dummy if pad_row is None else pad_row)])
+    fill = positions.new_zeros(size - n) if pad_position is None else positions[-1:].repeat(size - n)
+    return r, torch.cat([positions, fill])
+
+
+def largest_size(rows, positions, table, sizes, dummy):
+    r, p = _padded(rows, positions, sizes, dummy, size=max(max(sizes), len(rows)))
+    return r, p, table[r, p]
+
+
+def no_padding(rows, positions, table, sizes, dummy):
+    return rows, positions, table[rows, positions]
+
+
+def row_zero(rows, positions, table, sizes, dummy):
+    r, p = _padded(rows, positions, sizes, dummy, pad_row=0)
+    return r, p, table[r, p]
+
+
+def last_position(rows, positions, table, sizes, dummy):
+    r, p = _padded(rows, positions, sizes, dummy, pad_position="last")
+    return r, p, table[r, p]
+
+
+def slots_are_positions(rows, positions, table, sizes, dummy):
+    r, p = _padded(rows, positions, sizes, dummy)
+    return r, p, p
+
+
+@pytest.mark.parametrize("wrong, says", [
+    (largest_size, "always pads to the largest captured size"),
+    (no_padding, "did not pad at all"),
+    (row_zero, "a real request's row"),
+    (last_position, "the dummy request is at position 0"),
+    (slots_are_positions, "page_table[row, position]"),
+])
+def test_each_padding_mistake_is_named(wrong, says):
+    with pytest.raises(CheckFailed) as err:
+        kvlab.check.pad_decode_batch(wrong, n_random=0)
+    assert says in str(err.value)
+    assert kvlab.check.status("pad_decode_batch") == "failed"

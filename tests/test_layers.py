@@ -13,12 +13,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "kvlab"
 
-#: the modules of the cache manager's floor and what is built on it (chapters 05-08)
-CORE = ["errors", "radix_node", "radix_cache", "req", "cache_regions", "cache_manager_checks",
-        "cache_manager", "kvcache", "attention", "engine", "sim", "sim.scheduler", "sim.timeline",
-        "sim.workloads", "reference", "reference.attention", "reference.radix", "viz.tree",
+#: the modules of the cache manager's floor and what is built on it (chapters 05-08, 11)
+CORE = ["errors", "radix_node", "radix_cache", "hash_chain", "hash_cache", "req", "cache_regions",
+        "cache_manager_checks", "cache_manager", "kvcache", "attention", "engine", "sim",
+        "sim.scheduler", "sim.timeline", "sim.workloads", "sim.caches", "reference",
+        "reference.attention", "reference.radix", "reference.hashchain", "viz.tree",
         "scenes.ch05_radix", "scenes.ch06_cache_req", "scenes.ch07_serving_loop",
-        "scenes.ch08_attention"]
+        "scenes.ch08_attention", "scenes.ch11_hash_cache", "sim.compare"]
 
 
 def _modules() -> dict[str, Path]:
@@ -99,11 +100,11 @@ def test_the_cycle_finder_finds_a_cycle():
 def test_the_model_never_imports_the_view_and_oracles_stand_below_what_they_check():
     graph = _import_graph()
     for name in CORE:
-        if name.startswith(("sim", "radix", "cache", "req", "engine", "kvcache", "attention")):
+        if name.startswith(("sim", "radix", "hash", "cache", "req", "engine", "kvcache", "attention")):
             assert not any(d.startswith(("viz", "widgets", "scenes")) for d in graph[name]), name
-    for name in ("reference", "reference.attention", "reference.radix"):
+    for name in ("reference", "reference.attention", "reference.radix", "reference.hashchain"):
         assert graph[name] <= {"errors", "reference.paging", "reference.alloc", "reference.attention",
-                               "reference.radix"}, f"{name} imports {graph[name]}"
+                               "reference.radix", "reference.hashchain"}, f"{name} imports {graph[name]}"
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))

@@ -39,6 +39,20 @@ class Mutant(NamedTuple):
     new: str  # ... replaced by this
     must_say: tuple[str, ...]  # the failure message names these (argument, request, part, ...)
     why: str  # the bug, in words
+    kind: str = "value"  # which class of slip (KINDS)
+
+
+#: the classes of slips: the first ones from the start; the others are blind spots a checker
+#: must not have (each is compared in a way the answer alone does not show)
+KINDS = {
+    "value": "wrong values, shapes only some inputs have, stray accesses, races, order of calls",
+    "input": "an input changed in place (the answer is right, the caller's data is not)",
+    "param": "a parameter of the statement that works at one value only (page size, BLOCK, scale)",
+    "lucky": "right by coincidence on unlucky inputs (page 0 first, rows in order, slot == position)",
+    "state": "state the statement constrains beyond the answer (other parts' slots, LRU stamps)",
+    "compiled": "runs in Triton's interpreter, but a GPU's compiler refuses it",
+    "blame": "caught, but a message that must name the right part or request",
+}
 
 
 def _source(obj) -> str:
@@ -57,6 +71,7 @@ def build_mutant(exercise: str, old: str, new: str, tmp_dir):
     assert old in src, f"the mutation target {old!r} is not in the solution of {exercise}"
     mutated = src.replace(old, new)
     assert mutated != src
+    mutated = mutated.replace("from ..", "from kvlab.")  # a relative import, as a learner writes it
     path = tmp_dir / f"mutant_{next(_counter)}_{exercise}.py"
     path.write_text(mutated)
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -146,10 +161,9 @@ CH03 = [
            ("a write before the start of `out_indices`", "by request 0"),
            "floor instead of ceil for the end of the old page"),
     Mutant("alloc_extend_part1", "mask=offset_one_page < num_part1,", "mask=offset_one_page <= num_part1,",
-           ("[empty extends between others]",
-            "a write past the end of `out_indices` (up to 1 element out) by request 2, part 1",
-            "inputs: pre=[6, 3, 9], seq=[6, 13, 9]"),
-           "part 1's store mask off by one: only the safety net sees it"),
+           ("[the chapter's worked example", "request 0, part 1 wrote 1 slot(s) outside its own "
+            "positions, at out_indices[58:59], which belong to request 0, part 3", "mask"),
+           "part 1's store mask off by one: the audit sees part 1 write into part 3's positions", "state"),
     Mutant("alloc_extend_part1", "    if pre_len + num_part1 == seq_len:  # everything fitted in the old page\n"
            "        return\n", "",
            ("a read before the start of `free_page_ptr`", "by request 0, part 3",
@@ -185,7 +199,8 @@ CH03 = [
            ("[slots past 2**31", "request 1, part 2"), "part 2's slot arithmetic in int32"),
     Mutant("alloc_extend_part2", "out_indices + output_start_loc + num_part1 + offset_many_page,",
            "out_indices + output_start_loc + offset_many_page,",
-           ("part 2",), "part 2's slots start where part 1's do"),
+           ("request 0, part 2 wrote", "which belong to request 0, part 1"),
+           "part 2's slots start where part 1's do", "blame"),
     Mutant("alloc_extend_part2", "new_page_start_loc = sum_num_new_pages - num_page_start_loc_self",
            "new_page_start_loc = sum_num_new_pages",
            ("a read past the end of `free_page_ptr`", "part 2"),
@@ -210,7 +225,7 @@ CH03 = [
            "every program stores ret_values: a race"),
     Mutant("alloc_extend_part3", "mask=offset_one_page < num_part3,", "mask=offset_one_page <= num_part3,",
            ("a write past the end of `out_indices` (up to 1 element out) by request 1, part 3",),
-           "part 3's store mask off by one"),
+           "part 3's store mask off by one", "state"),
     Mutant("alloc_extend_part3",
            "merged_value = (sum_num_new_pages.to(tl.int64)) << 32 | sum_extend_lens.to(tl.int64)",
            "merged_value = (sum_extend_lens.to(tl.int64)) << 32 | sum_num_new_pages.to(tl.int64)",
@@ -248,7 +263,7 @@ CH04 = [
            "decode loads the next request's last_loc"),
     Mutant("alloc_decode", "tl.store(ret_values, sum_num_new_pages.to(tl.int64))",
            "tl.store(ret_values, num_page_start_loc_self.to(tl.int64))",
-           ("ret_values holds",), "ret_values counts only the last request's page"),
+           ("ret_values holds",), "ret_values counts only the last request's page", "state"),
 ]
 
 # --- chapter 05: the radix prefix cache --------------------------------------------------------
@@ -278,7 +293,8 @@ CH05 = [
            "keys a page by its own tokens instead of the whole prefix"),
     Mutant("insert_prefix", "cached_len += P  # this page is already there",
            "store[tuple(input_ids[:cached_len + P])] = []; cached_len += P  # this page is already there",
-           ("leave the store unchanged",), "changes the store while looking pages up"),
+           ("your code changed `store`, an argument it must only read", "store[(1, 2)]"),
+           "changes the store while looking pages up", "input"),
     Mutant("insert_prefix", "while cached_len < insert_len and", "while cached_len + P < insert_len and",
            ("cached_len: expected",), "stops one page short when counting cached pages"),
     Mutant("insert_prefix", "list(indices[start:start + P])", "list(indices[:P])",
@@ -343,7 +359,7 @@ CH05_06_REQ = [
     Mutant("cache_req_remap",
            "row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]",
            "row[old_cached_len:] = cached_slots[old_cached_len:]",
-           ("row has", "only the duplicate region changes"), "remaps past the duplicate region"),
+           ("row has", "only the duplicate region changes"), "remaps past the duplicate region", "state"),
 ]
 
 # --- chapters 07-09: the serving loop, attention through the page table, the scan kernel ----
@@ -377,12 +393,13 @@ CH07_09 = [
            "        req.append_token(token)\n        req.append_token(token)\n",
            ("request 0: input_ids should end",), "appends the step's token twice"),
     Mutant("paged_attention", "page_table[row, :n]", "page_table[row, :n - 1]",
-           ("request 0, head", "off by"), "attends to one token too few"),
+           ("request 0, head", "off by", "looks like it attends to one position too few"),
+           "attends to one token too few"),
     Mutant("paged_attention", " * scale, dim=-1", ", dim=-1",
            ("forgets the 1/sqrt(head_dim) scale",), "attention without the 1/sqrt(d) scale"),
     Mutant("paged_attention", "row, n = int(table_idx[b]), int(seq_lens[b])",
            "row, n = b, int(seq_lens[b])",
-           ("request", "uses row b instead of row table_idx[b]"), "reads row b, not row table_idx[b]"),
+           ("request", "uses row b instead of row table_idx[b]"), "reads row b, not row table_idx[b]", "lucky"),
     Mutant("paged_attention", "slots = page_table[row, :n].long()", "slots = torch.arange(n)",
            ("request", "reads slots 0..seq_len-1 of the pool directly"),
            "reads the pool by position, not through the page table"),
@@ -422,7 +439,310 @@ CH08_KERNEL = [
            "the page-table row loaded past the request's length"),
 ]
 
-MUTANTS = CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
+# --- chapter 11: the hash-chained cache --------------------------------------------------
+
+CH11 = [
+    Mutant("page_hashes", "chain_hash(parent, input_ids", "chain_hash(None, input_ids",
+           ("hash of page 1", "your hash ignores the parent"), "a page hash that ignores the parent"),
+    Mutant("page_hashes", "len(input_ids) - page_size + 1", "len(input_ids)",
+           ("[a partial last page has no hash]", "a partial page, which has no hash"),
+           "hashes the partial last page"),
+    Mutant("hash_match", "parent = chain_hash(parent, tokens)", "parent = chain_hash(None, tokens)",
+           ("matched pages: expected 4, got 1", "hash each page with the hash you computed"),
+           "match hashes each page without its parent"),
+    Mutant("hash_match", "            break  #", "            continue  #",
+           ("[stop at the first miss, though later pages are cached]", "walk past a page"),
+           "match walks past a page that is not cached"),
+    Mutant("hash_match", "slots = [page * P + i for page in pages for i in range(P)]", "slots = list(pages)",
+           ("slots of the matched pages",), "returns page ids instead of slots"),
+    Mutant("allocate_pages", "h = chain_hash(parent, tokens) if full else None",
+           "h = chain_hash(None, tokens) if full else None",
+           ("page 1 is cached under", "the chained hash of every token up to its end"),
+           "allocation caches pages under a hash that ignores the parent"),
+    Mutant("allocate_pages", "full = len(tokens) == P", "full = len(tokens) > 0",
+           ("holds a partial page", "only full pages are cached"), "allocation caches (and matches) a partial page"),
+    Mutant("allocate_pages", "            hitting = False  #", "            pass  #",
+           ("[a later page cached, an earlier one not: stop at the miss]", "cached_len should be 0"),
+           "allocation keeps hitting after a miss"),
+    Mutant("allocate_pages", "cache.take_cached(page)  #", "cache.ref_count[page] += 1  #",
+           ("[hits on free cached pages: they leave the queue]", "takes it out of the queue"),
+           "a hit on a free page stays in the free queue"),
+    Mutant("allocate_pages", "            if full:\n                cache.cache_page",
+           "            if False:\n                cache.cache_page",
+           ("should be findable under hash", "a new full page is cached"), "new full pages are never cached"),
+    Mutant("free_pages", "if cache.ref_count[page] < list(pages).count(page):", "if False:",
+           ("[pages freed already: refuse, change nothing]", "no count goes below zero"),
+           "a reference count that goes negative"),
+    Mutant("free_pages", "cache.free_queue.append(page)  #",
+           "cache.free_queue.append(page); del cache.hash_to_page[cache.page_hash[page]]; "
+           "cache.page_hash[page] = None  #",
+           ("should be findable under hash", "a freed page keeps its hash"),
+           "a freed page dropped from the hash map"),
+    Mutant("free_pages", "for page in reversed(pages):", "for page in pages:",
+           ("[free one sequence: last page first]", "free queue (head first) should be"),
+           "frees the first page first (the chain's beginning is evicted before its end)"),
+    Mutant("free_pages", "if cache.ref_count[page] == 0:", "if cache.ref_count[page] <= 1:",
+           ("[shared pages stay out of the queue]", "free queue"), "queues a page another sequence still holds"),
+]
+
+
+# --- blind spots: one class at a time, for every exercise it applies to -------------------------
+
+_ALIGNED_PART1 = ("tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len\n",
+                  "tl.minimum(seq_len, (pre_len // page_size + 1) * page_size) - pre_len\n")
+_SCAN_INIT = "carry_tokens = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)  # an int64 scalar 0"
+_DECODE_BRANCHES = ("    if num_page_start_loc_self == 0:\n        # same page: right after my last token\n"
+                    "        last_loc = tl.load(last_loc_ptr + pid)\n        tl.store(out_indices + pid, last_loc + 1)\n"
+                    "    else:\n        # a fresh page: its first slot\n"
+                    "        page = tl.load(free_page_ptr + new_page_start_loc)\n"
+                    "        tl.store(out_indices + pid, page * page_size)")
+
+BLIND_SPOTS = [
+    # chapter 00
+    Mutant("pages_needed", "    return [div_ceil(n, page_size) for n in lengths]",
+           "    lengths[:] = [div_ceil(n, page_size) for n in lengths]\n    return lengths",
+           ("your code changed `lengths`", "`lengths[0]` was 11, now 3"),
+           "writes the page counts over the caller's lengths and returns them", "input"),
+    Mutant("pages_needed", "div_ceil(n, page_size)", "div_ceil(n, 4)",
+           ("[page_size 1 (a page is one slot)]", "(request 0 (5 tokens))"),
+           "a page size of 4 written in", "param"),
+    # chapter 01
+    Mutant("page_to_token", "    offsets = torch.arange(page_size,",
+           "    pages = page_starts.div_(page_size, rounding_mode='floor')  # (reuses the input)\n"
+           "    page_starts = pages * page_size\n    offsets = torch.arange(page_size,",
+           ("your code changed `page_starts`",), "turns the caller's page starts into page ids", "input"),
+    Mutant("page_to_token", "torch.arange(page_size, dtype", "torch.arange(4, dtype",
+           ("[a single page] slots has 4 values, expected 8",), "offsets for a page size of 4", "param"),
+    Mutant("page_to_token", "return (page_starts.unsqueeze(1) + offsets).flatten()",
+           "return page_starts[:1] + torch.arange(len(page_starts) * page_size, dtype=page_starts.dtype)",
+           ("[pages out of order]", "(page 1 (start 4))"),
+           "assumes the pages follow each other (true for the example's pages)", "lucky"),
+    # chapter 02
+    Mutant("write_page_table", "    page_table[rows.to(page_table.device)",
+           "    allocation_info.clear()  # (all written)\n    page_table[rows.to(page_table.device)",
+           ("your code changed `allocation_info`", "`allocation_info` had 1 item, now 0"),
+           "empties the caller's allocation_info", "input"),
+    Mutant("write_page_table", "first_pos, last_pos = first_page * page_size, last_page * page_size",
+           "first_pos, last_pos = first_page * 4, last_page * 4",
+           ("[page_size 1]", "line 11"), "a page size of 4 written in", "param"),
+    Mutant("write_page_table", "rows[offset: offset + length] = table_idx",
+           "rows[offset: offset + length] = allocation_info.index((table_idx, first_page, last_page))",
+           ("[page_size 1]", "request row 0"), "the entry's index as its row (right while rows are in order)",
+           "lucky"),
+    Mutant("write_page_table", "        offset += length\n",
+           "        offset += length\n        page_table[table_idx, :first_pos] = -1  # (a fresh row)\n",
+           ("no allocation_info entry covers this cell: it should have been left as it was",),
+           "clears the row's earlier pages", "state"),
+    Mutant("write_page_table", "    page_table[rows.to(page_table.device), cols.to(page_table.device)] = allocated.to(page_table.dtype)",
+           "    page_table = page_table.clone()\n"
+           "    page_table[rows.to(page_table.device), cols.to(page_table.device)] = allocated.to(page_table.dtype)\n"
+           "    return page_table",
+           ("returned a new page table instead of writing into page_table",),
+           "returns a new table instead of writing in place"),
+    # chapter 03
+    Mutant("alloc_extend_part1", "    offset_one_page = tl.arange(0, page_size)\n",
+           "    offset_one_page = tl.arange(0, page_size)\n"
+           "    tl.store(last_loc_ptr + pid, last_loc + num_part1, mask=num_part1 > 0)  # (moved on)\n",
+           ("your code changed `last_loc_ptr`", "last_loc_ptr[0] was 133, now 191"),
+           "moves the caller's last_loc on", "input"),
+    Mutant("alloc_extend_part1", *_ALIGNED_PART1[:1],
+           "tl.minimum(seq_len, (pre_len + 63) // 64 * 64) - pre_len\n",
+           ("[page_size 1]", "part 1"), "part 1's length for pages of 64", "param"),
+    Mutant("alloc_extend_part1", "last_loc + 1 + offset_one_page,", "pre_len + offset_one_page,",
+           ("request 0, part 1",), "part 1's slots from the prefix length (right if pages were in order)",
+           "lucky"),
+    Mutant("alloc_extend_part1", *_ALIGNED_PART1,
+           ("request 1, part 1 wrote 64 slot(s) outside its own positions, at out_indices[120:184], "
+            "which belong to request 1, part 2", "num_part1 = 0"),
+           "part 1 takes a whole page after a page-aligned prefix", "blame"),
+    Mutant("alloc_extend_part1", "    num_part1 = (\n        tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len\n    )",
+           "    num_part1 = 0\n    if pre_len % page_size != 0:\n"
+           "        num_part1 = tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len",
+           ("does not compile for a GPU", "num_part1", "is int32 before the `if`", "line"),
+           "num_part1 = 0 (int32) before an if that makes it int64", "compiled"),
+    Mutant("alloc_extend_part2", *_ALIGNED_PART1,
+           ("request 1, part 1 wrote 64 slot(s) outside its own positions", "request 1, part 2"),
+           "part 1's length bug, seen from the part 2 checker", "blame"),
+    Mutant("alloc_extend_part2", "    tl.store(\n        out_indices + output_start_loc + num_part1 + offset_many_page,",
+           "    tl.store(free_page_ptr + new_page_start_loc + offset_many_page // page_size, -1,\n"
+           "             mask=offset_many_page < num_part2)  # (taken)\n"
+           "    tl.store(\n        out_indices + output_start_loc + num_part1 + offset_many_page,",
+           ("your code changed `free_page_ptr`", "was 3, now -1"), "marks its pages as taken in the free list",
+           "input"),
+    Mutant("alloc_extend_part2", "page_start * page_size + offset_many_page % page_size",
+           "page_start * page_size + offset_many_page % 64", ("part 2",), "k % 64 instead of k % P", "param"),
+    Mutant("alloc_extend_part2", "free_page_ptr + new_page_start_loc + offset_many_page // page_size,",
+           "free_page_ptr + offset_many_page // page_size,", ("request 1, part 2",),
+           "part 2 takes pages from the front of the free list (right for the first request only)", "lucky"),
+    Mutant("alloc_extend_part2", "        mask=offset_many_page < num_part2,\n    )\n",
+           "        mask=offset_many_page <= num_part2,\n    )\n",
+           ("part 2 wrote 1 slot(s) outside its own positions", "which belong to request"),
+           "part 2's store mask off by one: a slot of part 3 written, then overwritten", "state"),
+    Mutant("alloc_extend_part2", "    num_part2 = (",
+           "    for j in range(0, 4):  # (a leftover)\n        if j == 3:\n            break\n    num_part2 = (",
+           ("does not compile for a GPU", "break", "line 66"), "a break in a kernel loop", "compiled"),
+    Mutant("alloc_extend_part3", *_ALIGNED_PART1,
+           ("request 1, part 1 wrote 64 slot(s) outside its own positions", "and so, in part 3's positions"),
+           "part 1's length bug, seen from the part 3 checker", "blame"),
+    Mutant("alloc_extend_part3", "    tl.store(\n        out_indices + output_start_loc + num_part1 + num_part2 + offset_one_page,",
+           "    tl.store(free_page_ptr + new_page_start_loc + num_page_start_loc_self - 1, -1)  # (taken)\n"
+           "    tl.store(\n        out_indices + output_start_loc + num_part1 + num_part2 + offset_one_page,",
+           ("your code changed `free_page_ptr`",), "marks its last page as taken in the free list", "input"),
+    Mutant("alloc_extend_part3", "start_loc * page_size + offset_one_page,", "start_loc * 64 + offset_one_page,",
+           ("part 3",), "part 3's slots for pages of 64", "param"),
+    Mutant("alloc_extend_part3", "free_page_ptr + new_page_start_loc + num_page_start_loc_self - 1)",
+           "free_page_ptr + pid)", ("part 3",), "part 3 takes free page number pid", "lucky"),
+    Mutant("alloc_extend_part3", "    num_part3 = seq_len - seq_len // page_size * page_size",
+           "    num_part3 = 0\n    if seq_len % page_size != 0:\n"
+           "        num_part3 = seq_len - seq_len // page_size * page_size",
+           ("does not compile for a GPU", "num_part3", "then branch makes it int64"),
+           "num_part3 = 0 (int32) before an if that makes it int64", "compiled"),
+    Mutant("alloc_extend_part3", "tl.store(ret_values, merged_value)", "tl.atomic_add(ret_values, merged_value)",
+           ("ret_values holds", "your kernel adds to ret_values; store it instead"),
+           "adds to ret_values (right only while it starts at 0; the allocator reuses it)", "state"),
+    # chapter 04
+    Mutant("alloc_decode", "tl.store(ret_values, sum_num_new_pages.to(tl.int64))",
+           "tl.atomic_add(ret_values, sum_num_new_pages.to(tl.int64))",
+           ("ret_values holds -7777", "tl.store, not an add"),
+           "adds to ret_values (right only while it starts at 0; the allocator reuses it)", "state"),
+    Mutant("alloc_decode", "        tl.store(out_indices + pid, last_loc + 1)",
+           "        tl.store(out_indices + pid, last_loc + 1)\n        tl.store(last_loc_ptr + pid, last_loc + 1)",
+           ("your code changed `last_loc_ptr`",), "moves the caller's last_loc on", "input"),
+    Mutant("alloc_decode", "pre_lens = tl.where(load_offset <= pid, seq_lens - 1, seq_lens)",
+           "pre_lens = seq_lens - 1",
+           ("[page_size 1", "masked-off lanes are counted as page starts"),
+           "masked-off lanes counted as page starts (other=0, no mask; only page size 1 shows it)", "param"),
+    Mutant("alloc_decode", "if num_page_start_loc_self == 0:",
+           "if tl.load(last_loc_ptr + pid) % page_size != page_size - 1:",
+           ("request 0 has no slot yet", "last_loc + 1 = 0 is slot 0"),
+           "decides the page by last_loc % P (C's %): a first token gets slot 0", "lucky"),
+    Mutant("alloc_decode", _DECODE_BRANCHES,
+           "    if num_page_start_loc_self == 0:\n        slot = tl.load(last_loc_ptr + pid) + 1\n    else:\n"
+           "        slot = (tl.load(free_page_ptr + new_page_start_loc) * page_size).to(tl.int32)\n"
+           "    tl.store(out_indices + pid, slot)",
+           ("does not compile for a GPU", "`slot` gets type int64 in the `if` branch and int32"),
+           "the two branches give the slot different types", "compiled"),
+    # chapter 05
+    Mutant("match_prefix", "    P = cache.page_size\n",
+           "    P = cache.page_size\n    del input_ids[len(input_ids) // P * P:]  # (a partial page never counts)\n",
+           ("your code changed `input_ids`",), "trims the caller's prompt to whole pages", "input"),
+    Mutant("match_prefix", "    P = cache.page_size\n", "    P = 2\n",
+           ("[match ends inside a page: round down]",), "a page size of 2 written in", "param"),
+    Mutant("match_prefix", "        node = child\n", "        child.last_access = cache.clock\n        node = child\n",
+           ("your code changed `cache`", "LRU stamp last_access was"), "stamps the nodes it walks", "state"),
+    Mutant("match_req", "return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])",
+           "input_ids.pop()\n    return prefix_cache.match_prefix(input_ids)",
+           ("your code changed `input_ids`", "[16] is gone"), "pops the prompt's last token", "input"),
+    Mutant("match_req", "input_ids[: len(input_ids) - 1]", "input_ids[: (len(input_ids) - 1) // 4 * 4]",
+           ("page_size",), "rounds to pages of 4 itself", "param"),
+    Mutant("match_req", "return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])",
+           "prefix_cache.match_prefix(input_ids)\n    return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])",
+           ("the tree is not as one prefix_cache.match_prefix", "LRU stamp last_access should be"),
+           "matches the whole prompt first, then the right prefix", "state"),
+    Mutant("insert_prefix", "insert_len = len(input_ids) // P * P", "insert_len = len(input_ids) // 2 * 2",
+           ("new_entries",), "whole pages of 2 tokens", "param"),
+    Mutant("insert_prefix", "list(indices[start:start + P])", "list(range(start, start + P))",
+           ("expected slots", "the page's slots are indices[start:start + P]"),
+           "the positions as slots (right while slots equal positions)", "lucky"),
+    Mutant("insert_prefix", "    for start in range(cached_len, insert_len, P):",
+           "    for start in range(0, insert_len, P):", ("(already cached)",),
+           "new entries for the cached pages too", "state"),
+    # chapter 06
+    Mutant("cache_req_regions", '    return {\n        "hit"',
+           '    del row_slots[already_cached_len:]  # (handed over)\n    return {\n        "hit"',
+           ("your code changed `row_slots`",), "cuts the caller's row", "input"),
+    Mutant("cache_req_regions", "new_cached_len = req_cached_len // page_size * page_size",
+           "new_cached_len = req_cached_len // 4 * 4", ("region 'inserted' is wrong",),
+           "whole pages of 4 tokens", "param"),
+    Mutant("cache_req_regions", "row_slots[old_cached_len:already_cached_len:page_size])  # duplicates",
+           "range(old_cached_len, already_cached_len, page_size))  # duplicates",
+           ("free: expected page starts",), "frees positions instead of slots (right while slot == position)",
+           "lucky"),
+    Mutant("cache_req_remap", "    row = list(row_slots)\n", "    row = row_slots\n",
+           ("your code changed `row_slots`",), "rewrites the caller's row and returns it", "input"),
+    Mutant("cache_req_remap", "row_slots[old_cached_len:already_cached_len:page_size])  # one entry per page",
+           "row_slots[old_cached_len:already_cached_len:4])  # one entry per page",
+           ("free:", "[page_size 1]"), "a page size of 4 written in", "param"),
+    Mutant("cache_req_remap", "= cached_slots[old_cached_len:already_cached_len]",
+           "= list(range(old_cached_len, already_cached_len))",
+           ("(region: duplicate)",), "remaps to the positions (right while slot == position)", "lucky"),
+    # chapter 07
+    Mutant("decode_step", "    manager.allocate_paged(reqs)          # a new page",
+           "    done.append(False)  # (one more step)\n    manager.allocate_paged(reqs)          # a new page",
+           ("your code changed `done`", "`done` had 1 item, now 2"), "appends to the caller's done", "input"),
+    Mutant("decode_step", "    manager.allocate_paged(reqs)          # a new page",
+           "    manager.allocate_paged([r for r in reqs if r.cached_len % 4 == 0])  # a new page",
+           ("[page_size 1: every step maps a page]",), "maps pages only on boundaries of 4", "param"),
+    Mutant("decode_step", "    for req, token in zip(reqs, next_tokens):\n        req.append_token(token)",
+           "    for req in reqs:\n        token = next_tokens[req.table_idx]\n        req.append_token(token)",
+           ("got next_tokens[", "is not its index"), "the token of the request's row (right while rows are in order)",
+           "lucky"),
+    Mutant("decode_step", "    manager.allocate_paged(reqs)          # a new page",
+           "    manager.prefix_cache.match_prefix(reqs[0].input_ids)\n    manager.allocate_paged(reqs)          # a new page",
+           ("the prefix cache is not as the step leaves it", "LRU stamp last_access should be"),
+           "matches a prompt during the step (stamps the tree)", "state"),
+    Mutant("decode_step", "        if finished:\n            manager.cache_req(req, finished=True)",
+           "        if finished:\n            manager.unlock(req.cache_handle, owner=req)\n"
+           "            manager.cache_req(req, finished=True)",
+           ("request 0: your code unlocked its cache_handle itself (unlock, call", "and then cache_req (call",
+            "CacheMisuse"), "unlocks the handle before cache_req", "blame"),
+    # chapter 08
+    Mutant("paged_attention", "q[b].float(), k) * scale", "q[b].mul_(scale).float(), k)",
+           ("your code changed `q`",), "scales q in place", "input"),
+    Mutant("paged_attention", "    for b in range(q.shape[0]):", "    out.zero_()\n    for b in range(1):",
+           ("[page_size 1] request 1",), "only the first request of the batch", "param"),
+    Mutant("paged_attention", "page_table[row, :n]", "page_table[row]",
+           ("request 0, head", "looks like it reads the whole row, past seq_len"), "reads the whole row"),
+    Mutant("paged_attention", "page_table[row, :n]", "page_table[row, :n + 1]",
+           ("request 0, head", "looks like it reads past seq_len"), "reads one position past seq_len"),
+    Mutant("paged_attention_kernel",
+           "    q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d, mask=mask_d, other=0.0)\n",
+           "    q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d, mask=mask_d, other=0.0)\n"
+           "    tl.store(q_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d, q * scale, mask=mask_d)\n",
+           ("your code changed `q_ptr`",), "scales q in place", "input"),
+    Mutant("paged_attention_kernel", "tl.sum(q[None, :] * k, 1) * scale", "tl.sum(q[None, :] * k, 1) / tl.sqrt(head_dim * 1.0)",
+           ("[scale 0.3", "request 0, head"), "uses 1/sqrt(head_dim) instead of the scale it is given", "param"),
+    Mutant("paged_attention_kernel", "offs_n = start + tl.arange(0, BLOCK_N)", "offs_n = start + tl.arange(0, 4)",
+           ("BLOCK_N 8", "request 1, head 1"), "blocks of 4 written in", "param"),
+    Mutant("paged_attention_kernel", "        alpha = tl.exp(m_i - m_new)",
+           "        m_i = m_new\n        alpha = tl.exp(m_i - m_new)",
+           ("request 0, head 1", "looks like m_i is updated before alpha is computed"),
+           "m_i updated before alpha"),
+    Mutant("paged_attention_kernel", "m_new = tl.maximum(tl.max(scores, 0), m_i)", "m_new = tl.max(scores, 0)",
+           ("request 0, head 0", "looks like m_new is the block's own max, without the running max"),
+           "the block's max without the running max"),
+    Mutant("paged_attention_kernel", "row = tl.load(table_idx_ptr + b).to(tl.int64)", "row = b.to(tl.int64)",
+           ("a read before the start of `k_pool_ptr`", "by program (0, 0)"),
+           "reads row b, not row table_idx[b]", "lucky"),
+    Mutant("paged_attention_kernel", "l_i = 0.0", "l_i = 0",
+           ("does not compile for a GPU", "l_i", "write 0.0, not 0", "line"),
+           "l_i starts as the int 0: a loop carry that becomes a float", "compiled"),
+    # chapter 09
+    Mutant("extend_scan", "        carry_tokens += tl.sum(extend, axis=0)\n",
+           "        carry_tokens += tl.sum(extend, axis=0)\n        tl.store(prefix_lens_ptr + offs, seq, mask=mask)\n",
+           ("your code changed `prefix_lens_ptr`",), "marks the requests done in prefix_lens", "input"),
+    Mutant("extend_scan", "for start in range(0, bs, BLOCK):", "for start in range(0, bs, 8):",
+           ("[BLOCK 4:", "token_start differs"), "the loop steps by 8 whatever BLOCK is", "param"),
+    Mutant("extend_scan", "pages = (seq + page_size - 1) // page_size - (pre + page_size - 1) // page_size",
+           "pages = extend", ("page_start differs", "request"), "new pages = new tokens (right at page size 1)",
+           "lucky"),
+    Mutant("extend_scan", _SCAN_INIT, "carry_tokens = 0",
+           ("does not compile for a GPU", "Loop-carried variable carry_tokens", "line 7", "(line 5: carry_tokens = 0)"),
+           "the carry starts as a Python 0 (int32) and becomes an int64", "compiled"),
+    # chapter 10
+    Mutant("paged_attention_step", "    v_pool[slots] = v\n", "    v_pool[slots] = v\n    k.mul_(0)  # (stored)\n",
+           ("your code changed `k`",), "clears the caller's k after storing it", "input"),
+    Mutant("paged_attention_step", "positions + 1, scale)", "positions + 1, 1.0 / q.shape[-1] ** 0.5)",
+           ("[scale 0.2", "instead of the scale it is given"), "1/sqrt(head_dim) instead of scale", "param"),
+    Mutant("paged_attention_step", "slots = page_table[rows, positions].long()",
+           "slots = page_table[torch.arange(len(rows)), positions].long()",
+           ("uses row b instead of row rows[b]",), "row b instead of rows[b]", "lucky"),
+    Mutant("paged_attention_step", "    v_pool[slots] = v\n", "    v_pool[slots] = v\n    k_pool[slots - 1] = k\n",
+           ("changed, but no new token belongs there",), "also writes the slot before each new one", "state"),
+]
+
+MUTANTS = (CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
+           + CH11 + BLIND_SPOTS)
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -431,16 +751,42 @@ def test_mutant_is_rejected_and_the_message_points_at_the_bug(mutant, mutant_dir
 
 
 def test_there_are_enough_mutants_on_every_exercise():
-    assert len(MUTANTS) >= 60
-    assert len({m.why for m in MUTANTS}) == len(MUTANTS)
+    assert len(MUTANTS) >= 80
+    assert len({(m.exercise, m.why) for m in MUTANTS}) == len(MUTANTS)
     assert {m.exercise for m in MUTANTS} >= set(COURSE_EXERCISES)
-    assert all(m.must_say for m in MUTANTS)
+    assert all(m.must_say for m in MUTANTS) and {m.kind for m in MUTANTS} <= set(KINDS)
+
+
+_FAULTS = {"input", "param"}  # every exercise has inputs and a parameter (a page size, a scale)
+_PARTS = _FAULTS | {"lucky", "state", "compiled", "blame"}
+#: the classes of slips each exercise can have (a kernel can fail to compile; slots and rows can
+#: be right by accident; ...): each must have a mutant
+APPLIES = {
+    "pages_needed": _FAULTS, "page_to_token": _FAULTS | {"lucky"},
+    "write_page_table": _FAULTS | {"lucky", "state"},
+    "alloc_extend_part1": _PARTS, "alloc_extend_part2": _PARTS, "alloc_extend_part3": _PARTS,
+    "alloc_decode": _FAULTS | {"lucky", "state", "compiled"},
+    "match_prefix": _FAULTS | {"state"}, "match_req": _FAULTS | {"state"},
+    "insert_prefix": _FAULTS | {"lucky", "state"}, "cache_req_regions": _FAULTS | {"lucky"},
+    "cache_req_remap": _FAULTS | {"lucky", "state"},
+    "decode_step": _FAULTS | {"lucky", "state", "blame"},
+    "paged_attention": _FAULTS | {"lucky"}, "paged_attention_kernel": _FAULTS | {"lucky", "compiled"},
+    "extend_scan": _FAULTS | {"lucky", "compiled"}, "paged_attention_step": _FAULTS | {"lucky", "state"},
+}
+
+
+def test_every_class_of_slip_has_a_mutant_on_every_exercise_it_applies_to():
+    assert set(APPLIES) <= set(COURSE_EXERCISES) and len(APPLIES) == 17
+    missing = [(name, kind) for name, kinds in APPLIES.items() for kind in sorted(kinds)
+               if not any(m.exercise == name and m.kind == kind for m in MUTANTS)]
+    assert not missing
 
 
 COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_extend_part1", "alloc_extend_part2",
                     "alloc_extend_part3", "alloc_decode", "match_prefix", "match_req",
                     "insert_prefix", "cache_req_regions", "cache_req_remap", "decode_step",
-                    "paged_attention", "paged_attention_kernel", "extend_scan"]
+                    "paged_attention", "paged_attention_kernel", "extend_scan", "paged_attention_step",
+                    "page_hashes", "hash_match", "allocate_pages", "free_pages"]
 
 
 # --- correct answers written differently must pass -----------------------------------------------
@@ -488,17 +834,65 @@ REWRITES = [
             "        if tuple(input_ids[:end]) not in store:\n            break\n"
             "        cached_len = end\n",
             "cached pages counted with a for loop and break"),
+    Rewrite("page_hashes", "    for start in range(0, len(input_ids) - page_size + 1, page_size):\n",
+            "    for start in range(0, len(input_ids) // page_size * page_size, page_size):\n",
+            "the full pages counted by floor division"),
+    Rewrite("hash_match", "        page = cache.lookup(parent, tokens)\n",
+            "        page = cache.hash_to_page.get(parent)\n"
+            "        if page is not None and cache.page_tokens[page] != tuple(tokens):\n"
+            "            page = None\n",
+            "the lookup written out: the dict, then the page's tokens"),
+    Rewrite("free_pages", "            raise ValueError(f\"page {page} has no reference left to drop\")",
+            "            raise RuntimeError(f\"page {page}: nothing to drop\")",
+            "refuses with another error"),
     Rewrite("alloc_extend_part2",
             "        page_start * page_size + offset_many_page % page_size,\n",
             "        page_start * page_size + (offset_many_page - offset_many_page // page_size * page_size),\n",
             "k % P written as k - k // P * P"),
+    # rewrites that the checks of inputs, parameters, state and compiling must not refuse
+    Rewrite("paged_attention_kernel", "        acc = acc * alpha + tl.sum(p[:, None] * v, 0)\n"
+            "        l_i = l_i * alpha + tl.sum(p, 0)\n        m_i = m_new\n",
+            "        m_i = m_new  # alpha and p are computed already\n"
+            "        acc = acc * alpha + tl.sum(p[:, None] * v, 0)\n        l_i = l_i * alpha + tl.sum(p, 0)\n",
+            "m_i moved on once alpha and p are computed"),
+    Rewrite("extend_scan", "carry_tokens = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)  # an int64 scalar 0",
+            "carry_tokens = tl.zeros((), dtype=tl.int64)", "the carry started as tl.zeros((), dtype=tl.int64)"),
+    Rewrite("match_req", "return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])",
+            "return prefix_cache.match_prefix(list(input_ids)[:-1]).cached_len",
+            "the matched length as an int, from one match of a copy"),
+    Rewrite("page_to_token", "        return page_starts  # one slot per page", "        return page_starts.clone()  # one slot per page",
+            "a copy of the starts for page_size 1"),
+    Rewrite("alloc_decode", _DECODE_BRANCHES,
+            "    same = num_page_start_loc_self == 0\n"
+            "    last_loc = tl.load(last_loc_ptr + pid, mask=same, other=0)\n"
+            "    page = tl.load(free_page_ptr + new_page_start_loc, mask=not same, other=0)\n"
+            "    tl.store(out_indices + pid, tl.where(same, last_loc + 1, page * page_size))",
+            "one store of a tl.where, both loads masked"),
+    Rewrite("insert_prefix", "    new_entries = {}\n    for start in range(cached_len, insert_len, P):\n"
+            "        new_entries[tuple(input_ids[:start + P])] = list(indices[start:start + P])\n    return cached_len, new_entries",
+            "    after = dict(store)\n    for start in range(cached_len, insert_len, P):\n"
+            "        after.setdefault(tuple(input_ids[:start + P]), list(indices[start:start + P]))\n"
+            "    return cached_len, {k: v for k, v in after.items() if k not in store}",
+            "inserts into a copy of the store, returns the difference"),
+    Rewrite("cache_req_remap", "    row = list(row_slots)\n    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]\n",
+            "    row = [cached_slots[p] if old_cached_len <= p < already_cached_len else s\n"
+            "           for p, s in enumerate(row_slots)]\n", "the new row from a comprehension"),
+    Rewrite("paged_attention_step", "    k_pool[slots] = k                                 # all of its K/V heads at once\n"
+            "    v_pool[slots] = v\n", "    k_pool.index_copy_(0, slots, k)\n    v_pool.index_copy_(0, slots, v)\n",
+            "the new K/V stored with index_copy_"),
 ]
+
+
+def assert_passes(exercise: str, answer, **kwargs) -> None:
+    """The checker of ``exercise`` passes ``answer`` (not merely: calls it not attempted)."""
+    getattr(kvlab.check, exercise)(answer, **kwargs)
+    assert kvlab.check.status(exercise) == "passed"
 
 
 @pytest.mark.parametrize("rewrite", REWRITES, ids=lambda r: f"{r.exercise}: {r.why}")
 def test_a_correct_rewrite_passes(rewrite, mutant_dir, capsys):
     good = build_mutant(rewrite.exercise, rewrite.old, rewrite.new, mutant_dir)
-    assert getattr(kvlab.check, rewrite.exercise)(good) > 0
+    assert_passes(rewrite.exercise, good)
 
 
 def vectorised_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens):
@@ -534,15 +928,31 @@ def cache_req_regions_with_a_loop(row_slots, old_cached_len, already_cached_len,
     return {**regions, "free": free}
 
 
-@pytest.mark.parametrize("exercise, answer", [("paged_attention", vectorised_attention),
-                                              ("write_page_table", write_page_table_by_rows),
-                                              ("cache_req_regions", cache_req_regions_with_a_loop)])
+def decode_step_in_the_managers_words(manager, reqs, next_tokens, done):
+    """The manager's own serving words: decode_step, then complete_step."""
+    manager.complete_step(manager.decode_step(reqs), list(next_tokens), list(done))
+
+
+def match_req_by_a_walk_of_its_own(prefix_cache, input_ids):
+    """The matched length (an int) by a walk that only reads the tree: no stamps, no split."""
+    from kvlab.check.ch05_radix import match_prefix_solution
+
+    return match_prefix_solution(prefix_cache, input_ids[:-1])
+
+
+OTHER_SHAPES = [("paged_attention", vectorised_attention), ("write_page_table", write_page_table_by_rows),
+                ("cache_req_regions", cache_req_regions_with_a_loop),
+                ("decode_step", decode_step_in_the_managers_words),
+                ("match_req", match_req_by_a_walk_of_its_own)]
+
+
+@pytest.mark.parametrize("exercise, answer", OTHER_SHAPES, ids=lambda x: getattr(x, "__name__", x))
 def test_a_correct_answer_of_another_shape_passes(exercise, answer, capsys):
-    assert getattr(kvlab.check, exercise)(answer) > 0
+    assert_passes(exercise, answer)
 
 
 def test_there_are_enough_rewrites():
-    assert len(REWRITES) + 3 >= 8
+    assert len(REWRITES) + len(OTHER_SHAPES) >= 12
 
 
 def _one_exercise_per_solution() -> list[str]:
@@ -561,7 +971,7 @@ def test_the_unmutated_solution_passes(exercise, mutant_dir, capsys):
     same = build_mutant(exercise, last_line, last_line + "  ", mutant_dir)
     checker = getattr(kvlab.check, exercise)
     fewer = {"n_random": 1} if "n_random" in inspect.signature(checker).parameters else {}
-    assert checker(same, **fewer) > 0
+    assert_passes(exercise, same, **fewer)
 
 
 # --- the safety net on planted bugs in an exercise kernel, called directly ---------------------
@@ -600,6 +1010,35 @@ def test_a_far_away_load_is_reported_and_the_process_survives(mutant_dir):
     assert "a read far outside every tensor" in msg and "by request 0, part 3" in msg
     assert "start_loc = tl.load(free_page_ptr + (1 << 40)" in msg
     assert torch.arange(3).sum() == 3  # still alive
+
+
+_PART1_CODE = ("    num_part1 = (\n"
+               "        tl.minimum(seq_len, (pre_len + page_size - 1) // page_size * page_size) - pre_len\n"
+               "    )\n")
+
+
+@pytest.mark.parametrize("part", [2, 3])
+def test_a_later_part_is_not_checked_while_part_1_is_the_starter(part, mutant_dir):
+    starter = build_mutant(f"alloc_extend_part{part}", _PART1_CODE,
+                           "    # YOUR CODE HERE: alloc_extend_part1\n    num_part1 = 0\n", mutant_dir)
+    with pytest.raises(CheckFailed) as info:
+        getattr(kvlab.check, f"alloc_extend_part{part}")(starter)
+    assert str(info.value).startswith("part 1 is still the starter")
+    assert "kvlab.check.alloc_extend_part1 has to pass first" in str(info.value)
+    assert kvlab.check.status(f"alloc_extend_part{part}") == "failed"
+
+
+def test_a_part_checker_shows_only_the_positions_its_part_owns(mutant_dir):
+    # part 3 one slot off: the context lines show part 3's slots, and · at the other parts'
+    bad = build_mutant("alloc_extend_part3", "start_loc * page_size + offset_one_page,",
+                       "start_loc * page_size + offset_one_page + 1,", mutant_dir)
+    with pytest.raises(CheckFailed) as info:
+        kvlab.check.alloc_extend_part3(bad)
+    msg = str(info.value)
+    assert msg.startswith("[the chapter's worked example: A 70->190, B 128->260, page_size 64]")
+    assert "inputs: pre=[70, 128], seq=[190, 260], last_loc=[133, 127], free_pages=[7, 3, 9, 5" in msg
+    expected_line = next(line for line in msg.splitlines() if line.strip().startswith("expected[55:63]"))
+    assert "[·, ·, ·, 448," in expected_line and "· marks the positions of the other parts" in msg
 
 
 def test_the_remap_checker_expects_the_row_the_cache_manager_leaves():

@@ -195,6 +195,20 @@ def test_notebook_opens_with_its_colab_badge_and_the_setup_cell(path):
     assert nb.cells[1].cell_type == "code" and nb.cells[1].source == SETUP_CELL
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
+def test_notebook_ends_by_checking_its_chapters_exercises_again(path):
+    from kvlab.check.review import chapters, closing_cells
+
+    nb = nbformat.read(path, as_version=4)
+    chapter = path.name[:2]
+    if chapter not in chapters():  # no exercise to check again
+        assert "kvlab.check.recheck" not in nb.cells[-1].source
+        return
+    text, code = closing_cells(chapter)
+    assert [nb.cells[-2].source, nb.cells[-1].source] == [text, code]
+    assert nb.cells[-1].cell_type == "code"
+
+
 def test_setup_cell_is_harmless_locally(capsys):
     from kvlab.colab import SETUP_CELL
 

@@ -234,3 +234,33 @@ def test_explore_also_draws_static_steps_when_asked(monkeypatch):
     assert len(plt.get_fignums()) == 1 and len(plt.gcf().axes) == 2
     assert ex.view.value == "free list"
     plt.close("all")
+
+
+@given(seed=st.integers(0, 10_000), name=st.sampled_from(sorted(WORKLOADS)),
+       page_size=st.sampled_from([1, 4, 16]), slack=st.integers(1, 4),
+       max_running=st.integers(1, 5), budget=st.sampled_from([1, 5, 64]))
+def test_chunked_prefill_keeps_invariants_and_the_token_budget(seed, name, page_size, slack,
+                                                               max_running, budget):
+    w = make_workload(name, seed=seed)
+    pages = div_ceil(w.max_total_len, page_size) + slack
+    tl = simulate(w, page_size=page_size, num_pages=pages, max_running=max_running,
+                  prefill_budget=budget, chunked_prefill=True)
+    _check_timeline(tl, w)
+    assert all(s.prefill_tokens <= budget for s in tl.steps)
+
+
+def test_a_chunked_prompt_keeps_its_row_and_decodes_only_after_its_last_chunk():
+    w = make_workload("random_prompts", seed=4)            # no sharing: the same work either way
+    whole = simulate(w, page_size=4, num_pages=200, prefill_budget=10**6)
+    tl = simulate(w, page_size=4, num_pages=200, prefill_budget=6, chunked_prefill=True)
+    _check_timeline(tl, w)
+    assert whole.summary().prefill_tokens == tl.summary().prefill_tokens
+    chunked = {rid for s in tl.steps for rid in s.chunked}
+    assert chunked and all(s.prefill_tokens <= 6 for s in tl.steps)
+    for rid in chunked:
+        steps = [s for s in tl.steps if rid in s.row_rids]
+        rows = {s.row_rids.index(rid) for s in steps}
+        assert len(rows) == 1, f"request {rid} changed rows between chunks: {rows}"
+        last_chunk = max(s.step for s in tl.steps if rid in s.chunked)
+        assert all(s.step > last_chunk for s in tl.steps if rid in s.decoded)
+    assert not simulate(w, page_size=4, num_pages=200, prefill_budget=6).steps[0].chunked

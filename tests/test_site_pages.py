@@ -20,6 +20,8 @@ import check_site_links  # noqa: E402
 import executed_notebooks  # noqa: E402
 import site_pages  # noqa: E402
 
+from kvlab.check.progress_file import ENV as PROGRESS_ENV  # noqa: E402
+from kvlab.check.review import closing_cells  # noqa: E402
 from kvlab.colab import REPO_URL, colab_url  # noqa: E402
 
 PNG = base64.b64encode(bytes.fromhex(
@@ -139,11 +141,11 @@ def test_cells_the_build_adds_are_shown_as_they_are(demo, tmp_path):
     the page keeps them, and the exercise and discussion are still found."""
     chapter, executed = demo
     executed.cells[2].source = executed.cells[2].source.replace("](glossary.md", "](../glossary.md")
-    executed.cells += [nbformat.v4.new_markdown_cell("## Your exercises so far"),
-                       nbformat.v4.new_code_cell('kvlab.check.recheck("99")')]
+    text, code = closing_cells("99")
+    executed.cells += [nbformat.v4.new_markdown_cell(text), nbformat.v4.new_code_cell(code)]
     page = site_pages.chapter_page(chapter, executed, {}, _rebaser(tmp_path))
-    assert page.cells[-1].source == 'kvlab.check.recheck("99")' and not page.cells[-1].metadata.get("tags")
-    assert page.cells[-2].source == "## Your exercises so far"
+    assert page.cells[-1].source == code and not page.cells[-1].metadata.get("tags")
+    assert page.cells[-2].source == text
     assert sum("kvlab-starter" in c.metadata.get("tags", []) for c in page.cells) == 1
     assert sum(c.source.startswith(":::::{dropdown}") for c in page.cells) == 2
 
@@ -236,6 +238,42 @@ def test_a_notebook_with_a_failing_cell_is_not_recorded(demo, tmp_path, monkeypa
     assert [executed_notebooks.record_nbval_cell(i) for i in _nbval_items(path, nb, outputs)] \
         == [None] * n_code
     assert not (tmp_path / "executed").exists()
+
+
+def test_a_notebook_the_test_failed_is_not_recorded(demo, tmp_path, monkeypatch):
+    """No cell raised, but the notebook test failed it (an illegible figure, say)."""
+    _, nb = demo
+    (tmp_path / "solutions").mkdir()
+    path = tmp_path / "solutions" / "99_demo.ipynb"
+    nbformat.write(nb, path)
+    outputs = [[] for c in nb.cells if c.cell_type == "code"]
+    monkeypatch.setenv(executed_notebooks.ENV_VAR, str(tmp_path / "executed"))
+    items = _nbval_items(path, nb, outputs)
+    assert [executed_notebooks.record_nbval_cell(i, failed=i is items[-1]) for i in items] \
+        == [None] * len(items)
+    assert not (tmp_path / "executed").exists()
+
+
+def test_a_chapter_executed_for_the_site_keeps_its_progress_apart(tmp_path, monkeypatch):
+    """make site's kernels record their checks in a fresh file of their own (never the
+    learner's progress) and draw figures inline (no MPLBACKEND)."""
+    assert executed_notebooks.PROGRESS_ENV == PROGRESS_ENV
+    mine = tmp_path / "mine.json"
+    mine.write_text("{}")
+    monkeypatch.setenv(PROGRESS_ENV, str(mine))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os\n"
+        f"path = os.environ['{PROGRESS_ENV}']\n"
+        "open(path, 'w').write('written')\n"
+        "print(path, os.environ.get('MPLBACKEND'))")])
+    (tmp_path / "solutions").mkdir()
+    nbformat.write(nb, tmp_path / "solutions" / "99_demo.ipynb")
+    out = executed_notebooks.execute(tmp_path / "solutions" / "99_demo.ipynb", tmp_path / "executed")
+    (printed,) = nbformat.read(out, as_version=4).cells[0].outputs
+    used, backend = printed["text"].split()
+    assert backend != "Agg" and used != str(mine) and mine.read_text() == "{}"
+    assert not Path(used).exists()  # removed with its folder
 
 
 # -- the link check ----------------------------------------------------------------------

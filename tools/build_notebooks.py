@@ -6,7 +6,9 @@
 One source, ``notebooks/src/NN_name.py`` (jupytext's percent format: ``# %%`` starts a code
 cell, ``# %% [markdown]`` a markdown cell), gives two notebooks, both opening with an
 "Open in Colab" badge for that notebook (:func:`kvlab.colab.colab_badge`) and the setup cell
-(:data:`kvlab.colab.SETUP_CELL`), and stored without outputs:
+(:data:`kvlab.colab.SETUP_CELL`), ending (when chapter NN has a registered exercise) with a
+cell that checks the chapter's exercises again (:func:`kvlab.check.review.closing_cells`), and
+stored without outputs:
 
 * ``notebooks/NN_name.ipynb``, the **learner's**: every answer region is replaced by its
   starter, so the exercise cells hold a signature, a docstring and what to fill in;
@@ -28,6 +30,10 @@ Marker lines may be indented; they are dropped from both builds. Whole cells can
 one build: a cell tagged ``solution`` (``# %% [markdown] tags=["solution"]``, e.g. a
 discussion of the chapter's open questions) appears only in the solutions build, a cell
 tagged ``learner`` only in the learner build.
+
+Relative links in the sources are written from ``notebooks/`` (``[page](glossary.md#page)``).
+The solutions build lives one folder down, so there a link to anything but a chapter notebook
+(``NN_name.ipynb``, which both folders have) gets ``../`` in front.
 """
 from __future__ import annotations
 
@@ -42,6 +48,7 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from kvlab.check.review import chapters, closing_cells  # noqa: E402
 from kvlab.colab import SETUP_CELL, colab_badge  # noqa: E402
 
 SRC = ROOT / "notebooks" / "src"
@@ -49,6 +56,9 @@ LEARNER_DIR = ROOT / "notebooks"
 SOLUTIONS_DIR = ROOT / "notebooks" / "solutions"
 
 MARKERS = ("BEGIN SOLUTION", "END SOLUTION", "BEGIN STARTER", "END STARTER")
+#: a Markdown link's target: not a URL, not absolute, not a bare #anchor
+_CODE = re.compile(r"(```.*?```|`[^`\n]*`)", re.S)
+_RELATIVE_LINK = re.compile(r"\]\((?![a-z][a-z0-9+.-]*:|/|#)([^)\s]+)\)")
 _MARKER = re.compile(r"^\s*### (BEGIN SOLUTION|END SOLUTION|BEGIN STARTER|END STARTER)\s*$")
 BUILDS = ("learner", "solutions")
 
@@ -83,6 +93,19 @@ def split_regions(source: str, build: str, where: str = "") -> str:
     return "\n".join(out)
 
 
+def rebase_links(source: str) -> str:
+    """The Markdown of a solutions notebook: relative links (other than to a chapter
+    notebook, which ``notebooks/solutions/`` has too) point one folder up."""
+    def rebase(m: re.Match) -> str:
+        target = m.group(1)
+        if target.split("#")[0].endswith(".ipynb"):
+            return m.group(0)
+        return f"](../{target})"
+
+    parts = _CODE.split(source)  # code (``kernel[grid](args)``) is left alone: odd parts
+    return "".join(p if i % 2 else _RELATIVE_LINK.sub(rebase, p) for i, p in enumerate(parts))
+
+
 def has_markers(source: str) -> bool:
     return any(_MARKER.match(line) for line in source.splitlines())
 
@@ -104,12 +127,15 @@ def build(src_path: Path, which: str) -> nbformat.NotebookNode:
             continue
         source = split_regions(cell.source, which, f"{src_path.name} cell {i + 1}")
         if cell.cell_type == "markdown":
-            new = nbformat.v4.new_markdown_cell(source)
+            new = nbformat.v4.new_markdown_cell(rebase_links(source) if which == "solutions" else source)
         else:
             new = nbformat.v4.new_code_cell(source)
         if tags - {"solution", "learner"}:
             new.metadata["tags"] = sorted(tags - {"solution", "learner"})
         cells.append(new)
+    if src_path.name[:2] in chapters():
+        text, code = closing_cells(src_path.name[:2])
+        cells += [nbformat.v4.new_markdown_cell(text), nbformat.v4.new_code_cell(code)]
     for i, c in enumerate(cells):
         c["id"] = f"cell-{i:03d}"
     nb.cells = [badge_cell(src_path, which)] + cells

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "notebooks" / "solutions"
 ENV_VAR = "KVLAB_SAVE_EXECUTED"
 META_KEY = "kvlab_executed"
+PROGRESS_ENV = "KVLAB_PROGRESS_FILE"  # kvlab.check.progress_file.ENV
 
 
 def _package_digest() -> str:
@@ -78,9 +80,10 @@ def _quiet(source: str) -> bool:
     return DisplayHook.semicolon_at_end_of_expression(source)
 
 
-def record_nbval_cell(item) -> Path | None:
+def record_nbval_cell(item, failed: bool = False) -> Path | None:
     """Called after each nbval cell: keep its outputs; after a solutions notebook's last code
-    cell, write the executed notebook (unless a cell raised). Returns the path written."""
+    cell, write the executed notebook, unless a cell raised or the test found the notebook
+    ``failed`` otherwise (an illegible figure, say). Returns the path written."""
     folder = os.environ.get(ENV_VAR)
     path = Path(str(getattr(item.parent, "path", "")))
     if not folder or path.suffix != ".ipynb" or path.parent.name != "solutions":
@@ -92,8 +95,8 @@ def record_nbval_cell(item) -> Path | None:
     if item.cell_num != len(code) - 1:
         return None
     _collected.pop(path)
-    failed = any(outs is None or any(o.get("output_type") == "error" for o in outs)
-                 for outs in cells.values())
+    failed = failed or any(outs is None or any(o.get("output_type") == "error" for o in outs)
+                           for outs in cells.values())
     if failed or len(cells) != len(code):
         return None
     source = nbformat.read(path, as_version=4)
@@ -121,10 +124,13 @@ def execute(notebook_path: Path, out_folder: Path, timeout_s: int = 1200) -> Pat
     notebook_path = Path(notebook_path)
     source = nbformat.read(notebook_path, as_version=4)
     nb = copy.deepcopy(source)
-    # A kernel inherits the environment: a runner's MPLBACKEND=Agg would hide every figure.
-    os.environ.pop("MPLBACKEND", None)
-    NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
-                   resources={"metadata": {"path": str(notebook_path.parent)}}).execute()
+    # The kernel's environment: no MPLBACKEND (a runner's Agg would hide every figure), and a
+    # progress file of its own, empty as a newcomer's (the checks never write the real one).
+    env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
+    with tempfile.TemporaryDirectory(prefix="kvlab-progress-") as progress:
+        env[PROGRESS_ENV] = os.path.join(progress, "progress.json")
+        NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
+                       resources={"metadata": {"path": str(notebook_path.parent)}}).execute(env=env)
     _stamp(nb, source, "nbclient")
     out = executed_path(Path(out_folder), notebook_path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 #!/bin/sh
 # Everything with compiled Triton on a CUDA machine: the unit tests (the GPU-only ones included:
-# the checkers' spawned child survives a planted illegal address), what the checkers' safety net
-# costs per check (tools/gpu_check_sandbox.py), then every notebook executed with nbval, in the
-# current Python (no venv). `make gpu-check` runs this; it also runs without make:
+# the checkers' spawned child survives a planted illegal address; their compile check refuses a
+# planted kernel for this GPU, tests/test_compiled.py), what the checkers' safety net and compile
+# check cost per check (tools/gpu_check_sandbox.py), then every notebook executed with nbval, in
+# the current Python (no venv). `make gpu-check` runs this; it also runs without make:
 #
 #   sh tools/gpu_check.sh                          # python3 with Jupyter packages installed
 #   GPU_WHEELS=.gpuwheels sh tools/gpu_check.sh    # offline box: unpack these wheels first
@@ -37,7 +38,9 @@ PYTHONPATH="$path${PYTHONPATH:+:$PYTHONPATH}"
 KVLAB_REQUIRE_GPU=$GPU_REQUIRE
 MPLBACKEND=${MPLBACKEND:-Agg}
 PYTHONHASHSEED=0
-export PYTHONPATH KVLAB_REQUIRE_GPU MPLBACKEND PYTHONHASHSEED
+# checks record the learner's progress: a check run must never write into the real home
+KVLAB_PROGRESS_FILE="$(mktemp -d)/progress.json"
+export PYTHONPATH KVLAB_REQUIRE_GPU MPLBACKEND PYTHONHASHSEED KVLAB_PROGRESS_FILE
 
 if [ "$GPU_REQUIRE" = "1" ]; then
     "$PYTHON" tools/gpu_check_env.py --require-gpu

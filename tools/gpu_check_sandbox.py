@@ -12,10 +12,13 @@ side by side in one run, what that costs per check, and prints one line per numb
 * a whole checker run (kvlab.check.alloc_decode on its reference kernel): in this process
   (KVLAB_SANDBOX=inprocess), in a fresh spawned child (start included), in the warm child,
   and the audit pass in Triton's interpreter that checker runs add on a GPU (KVLAB_AUDIT=0
-  leaves it out).
+  leaves it out);
+* the compile check (kvlab.check.compiled): a new learner kernel compiled for the GPU, cold,
+  and the same kernel again (its verdict is kept).
 
 Triton compiles into an empty cache directory here, so "compile" is a cold compile. Then it
-plants an out-of-bounds store and an illegal address and checks that each is reported and that
+plants an out-of-bounds store, an illegal address and a kernel the compiler refuses (a loop
+carry that starts as an int32 and becomes an int64), and checks that each is reported and that
 a CUDA tensor operation in this process still works afterwards (PASS/FAIL; exit status 1 on a
 FAIL). Without a GPU the same runs in the interpreter (the child then runs Triton's interpreter).
 """
@@ -37,7 +40,7 @@ import kvlab.check  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from kvlab.check import CheckFailed, call_learner, sandbox, workers  # noqa: E402
+from kvlab.check import CheckFailed, call_learner, compiled, sandbox, workers  # noqa: E402
 
 
 @triton.jit
@@ -57,6 +60,28 @@ def copy_unmasked_store(src, dst, n, BLOCK: tl.constexpr):
 def store_far_away(dst, far):
     offs = tl.arange(0, 4)
     tl.store(dst + offs + far, offs.to(tl.int64))  # planted: an illegal address on a GPU
+
+
+@triton.jit
+def scan_int32_carry(x, out, n, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    carry = 0  # planted: an int32 that the loop makes an int64 (a GPU's compiler refuses it)
+    for start in range(0, n, BLOCK):
+        offs = start + lanes
+        v = tl.load(x + offs, mask=offs < n, other=0).to(tl.int64)
+        tl.store(out + offs, carry + tl.cumsum(v, axis=0) - v, mask=offs < n)
+        carry += tl.sum(v, axis=0)
+
+
+@triton.jit
+def scan_int64_carry(x, out, n, BLOCK: tl.constexpr):
+    lanes = tl.arange(0, BLOCK)
+    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+    for start in range(0, n, BLOCK):
+        offs = start + lanes
+        v = tl.load(x + offs, mask=offs < n, other=0).to(tl.int64)
+        tl.store(out + offs, carry + tl.cumsum(v, axis=0) - v, mask=offs < n)
+        carry += tl.sum(v, axis=0)
 
 
 def seconds(fn, repeat: int = 1) -> float:
@@ -121,6 +146,14 @@ def costs(device) -> None:
     row("the same kernel in this process: first call (compile, run)", f"{seconds(bare):.2f} s")
     row("the same kernel in this process: warm call", f"{seconds(bare, 5) * 1e3:.2f} ms")
 
+    x, out = src[:100], torch.zeros(100, dtype=torch.int64, device=device)
+    compiled.close_child()
+    cold = seconds(lambda: compiled.problem(scan_int64_carry, (x, out, 100), {"BLOCK": 32}))
+    kept = seconds(lambda: compiled.problem(scan_int64_carry, (x, out, 100), {"BLOCK": 32}), 5)
+    where = "in this process" if not kvlab.INTERPRET else "in its child, started first"
+    row(f"compile check: a new kernel, cold ({where})", f"{cold:.2f} s")
+    row("compile check: the same kernel again (verdict kept)", f"{kept * 1e6:.0f} us")
+
     from kvlab.kernels import alloc_decode_kernel
 
     def check():
@@ -173,6 +206,16 @@ def safety(device) -> bool:
     except CheckFailed as e:
         verdict("a planted illegal address is reported", "far outside every tensor" in str(e), str(e))
     verdict("  ... and a tensor operation in this process works afterwards", gpu_still_works(), "")
+    x, out = torch.arange(10, dtype=torch.int64, device=device), torch.zeros(10, dtype=torch.int64,
+                                                                             device=device)
+    try:
+        call_learner(scan_int32_carry, x, out, 10, BLOCK=4, grid=(1,))
+        verdict("a kernel the compiler refuses is reported", False, "  (it was not)")
+    except CheckFailed as e:
+        verdict("a kernel the compiler refuses is reported, with its line",
+                e.label == "compile" and "Loop-carried variable carry" in str(e)
+                and "carry = 0" in str(e), str(e))
+    verdict("  ... and a tensor operation in this process works afterwards", gpu_still_works(), "")
     return ok
 
 
@@ -186,6 +229,7 @@ def main() -> int:
     print("kvlab safety net: planted bugs")
     ok = safety(device)
     sandbox.close_spawned()
+    compiled.close_child()
     print("gpu_check_sandbox: " + ("all PASS" if ok else "FAIL (see above)"))
     return 0 if ok else 1
 

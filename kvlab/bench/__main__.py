@@ -1,4 +1,4 @@
-"""``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only]`` (chapter 09).
+"""``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only] [--serve]`` (chapters 09, 10).
 
 On CUDA: the full suite, written to ``--out`` (default ``figures/``): ``bench.json``,
 ``bench.md`` (with the command that produced it) and the ``09_*.png`` plots. For honest
@@ -6,6 +6,10 @@ first-call numbers in this process, start it with an empty Triton cache, e.g.
 ``TRITON_CACHE_DIR=$(mktemp -d)``; the fresh-process first calls make their own.
 Without CUDA: a smoke run of the harness (no timing claims), written to a temporary folder
 unless ``--out`` is given, so it never overwrites the GPU results in ``figures/``.
+
+``--serve``: only the serving benchmark of chapter 10 (:mod:`kvlab.bench.serve`), added to the
+``bench.json`` already in the output folder (under ``"serve"``), ``bench.md`` written again
+from it, and ``10_bench_serve.png``.
 """
 from __future__ import annotations
 
@@ -29,20 +33,48 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny harness run, no timing claims")
     ap.add_argument("--no-trap", action="store_true", help="skip the one slow recompile demonstration")
     ap.add_argument("--public-only", action="store_true", help="only the public calls, floor and first calls")
+    ap.add_argument("--serve", action="store_true", help="only the serving benchmark (chapter 10)")
     args = ap.parse_args(argv)
     smoke = args.smoke or runtime.INTERPRET
     out = args.out
     if out is None:
         out = os.path.join(tempfile.gettempdir(), "kvlab-bench-smoke") if smoke else "figures"
-    res = run(smoke=smoke, trap=not args.no_trap, public_only=args.public_only)
-    write_outputs(res, out)
+    if args.serve:
+        res = serve_main(out, smoke)
+        targets = res["serve"]["targets"]
+    else:
+        res = run(smoke=smoke, trap=not args.no_trap, public_only=args.public_only)
+        write_outputs(res, out)
+        targets = res["targets"]
     print()
-    for t in res["targets"]:
+    for t in targets:
         verdict = "n/a (smoke)" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
         print(f"[{verdict}] {t['name']}: {t['measured']}  (rule: {t['rule']})")
     if smoke:
         print("smoke run: the harness works; these are not timings.")
     return 0
+
+
+def serve_main(out: str, smoke: bool) -> dict:
+    """Run the serving benchmark; keep whatever else ``out/bench.json`` holds."""
+    import time
+
+    from .report import load
+    from .serve import run_serve
+    from .suite import _meta
+
+    t0 = time.perf_counter()
+    serve = run_serve(smoke=smoke)
+    meta = _meta(smoke)
+    import transformers
+    serve["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
+                         transformers=transformers.__version__, date=meta["date"],
+                         command=meta["command"], seconds=round(time.perf_counter() - t0, 1))
+    path = os.path.join(out, "bench.json")
+    res = load(path) if os.path.exists(path) else {}
+    res["serve"] = serve
+    write_outputs(res, out, plots=["10_bench_serve.png"])
+    return res
 
 
 if __name__ == "__main__":

@@ -1,11 +1,15 @@
 """Pictures of a benchmark result (the dict in ``bench.json``), for chapter 09 and ``figures/``.
 
 Every function takes the result dict and returns a matplotlib Figure; none measures anything,
-so they draw the same picture on a laptop as on the GPU that produced the numbers.
+so they draw the same picture on a laptop as on the GPU that produced the numbers. Each is at
+most an output area wide (``kvlab.viz.legibility``): one panel per page size, stacked.
 """
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+
+from ..viz.legibility import MAX_WIDTH_IN
+from .serve_report import plot_serve
 
 COLORS = {"teaching": "#c0504d", "fast": "#2e7d32", "fast_host_lens": "#66bb6a",
           "fast_sync": "#a5d6a7", "torch": "#5b7fbf", "host_loop": "#c0504d", "triton": "#2e7d32",
@@ -43,7 +47,7 @@ def _grouped_bars(ax, rows, names, key_label):
                 ys.append(_value(entry))
             elif "skipped" in entry:  # written just above the axis, whatever the y scale
                 ax.text(x, 0.02, "skipped: would recompile", rotation=90, ha="center", va="bottom",
-                        fontsize=7, color=COLORS.get(name, "gray"), transform=ax.get_xaxis_transform())
+                        fontsize=7.5, color=COLORS.get(name, "gray"), transform=ax.get_xaxis_transform())
         ax.bar(xs, ys, width, label=LABELS.get(name, name), color=COLORS.get(name))
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([key_label(r) for r in rows], fontsize=8)
@@ -52,19 +56,26 @@ def _grouped_bars(ax, rows, names, key_label):
 
 def _legend_below(fig, ax):
     handles, labels = ax.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    ncol = len(labels) if sum(map(len, labels)) <= 90 else 2  # one row when it fits the width
+    fig.legend(handles, labels, loc="lower center", ncol=ncol, fontsize=8, frameon=False)
 
 
-def _bars_per_page_size(rows, names, key_label, *, panel_size, ylabel):
-    """One panel of grouped bars per page size (shared y axis), legend below; returns (fig, axes)."""
+def _stacked_panels(n: int, panel_height: float, extra: float = 1.2, **kw):
+    """``n`` panels one under the other, an output area wide; returns (fig, list of axes)."""
+    fig, axes = plt.subplots(n, 1, figsize=(MAX_WIDTH_IN, panel_height * n + extra), squeeze=False, **kw)
+    return fig, list(axes[:, 0])
+
+
+def _bars_per_page_size(rows, names, key_label, *, panel_height, ylabel):
+    """One panel of grouped bars per page size (shared y axis), stacked, legend below;
+    returns (fig, axes)."""
     sizes = sorted({r["page_size"] for r in rows})
-    width, height = panel_size
-    fig, axes = plt.subplots(1, len(sizes), figsize=(width * len(sizes), height), sharey=True)
-    axes = [axes] if len(sizes) == 1 else list(axes)
+    fig, axes = _stacked_panels(max(1, len(sizes)), panel_height, sharey=True)
     for ax, P in zip(axes, sizes):
         _grouped_bars(ax, [r for r in rows if r["page_size"] == P], names, key_label)
-        ax.set_title(f"page size {P}")
-    axes[0].set_ylabel(ylabel)
+        ax.set_title(f"page size {P}", fontsize=9)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.tick_params(labelsize=8)
     _legend_below(fig, axes[0])
     return fig, axes
 
@@ -73,20 +84,19 @@ def plot_extend(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
     """Time per alloc_extend call in a loop (do_bench's median where no loop was timed) per
     case, one panel per page size."""
     fig, axes = _bars_per_page_size(
-        res["extend"], names, lambda r: f"{r['bs']}x{r['mean_extend']}\nT={r['tokens']}",
-        panel_size=(5.2, 4.2), ylabel="µs per call in a loop (log)")
-    for ax in axes:
-        ax.set_xlabel("batch x mean extend")
+        res["extend"], names, lambda r: f"{r['bs']}x{r['mean_extend']}, T={r['tokens']}",
+        panel_height=2.3, ylabel="µs per call (log)")
+    axes[-1].set_xlabel("batch x mean extend, T = tokens", fontsize=8)
     fig.suptitle(_title(res, "alloc_extend, steady state"), fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.93))
+    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))
     return fig
 
 
 def plot_recompile(res: dict):
     """First call of each path on shapes it has not seen: the teaching kernel recompiles."""
     rows = res["cold"]
-    fig, ax = plt.subplots(figsize=(10, 4.2))
-    labels = [f"{r['case']} P={r['page_size']}\n{r['teaching_lanes']} lanes" for r in rows]
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 5.4))
+    labels = [f"{r['case']} P={r['page_size']}, {r['teaching_lanes']} lanes" for r in rows]
     xs = range(len(rows))
     teach = [r["teaching_first_call_ms"] for r in rows]
     fast = [r["fast_first_call_ms"] for r in rows]
@@ -97,12 +107,12 @@ def plot_recompile(res: dict):
     for x, t in zip(xs, teach):
         if t is None:
             ax.text(x - 0.2, 0.02, "skipped: would recompile", rotation=90, ha="center", va="bottom",
-                    fontsize=6, color=COLORS["teaching"], transform=ax.get_xaxis_transform())
+                    fontsize=7, color=COLORS["teaching"], transform=ax.get_xaxis_transform())
     ax.axhline(20, color="gray", ls="--", lw=1)
     ax.text(len(rows) - 0.5, 21, "20 ms target", ha="right", va="bottom", fontsize=8, color="gray")
     ax.set_yscale("log")
     ax.set_xticks(list(xs))
-    ax.set_xticklabels(labels, fontsize=6, rotation=60, ha="right")
+    ax.set_xticklabels(labels, fontsize=7, rotation=90)  # one line each: neighbours never overlap
     ax.set_ylabel("first call, ms (log)")
     ax.legend(fontsize=8, loc="upper left")
     ax.set_title(_title(res, "The recompile trap: first call on a new shape"), fontsize=10)
@@ -131,25 +141,18 @@ def plot_scaling(res: dict):
 
 def plot_decode(res: dict, names=("teaching", "fast", "fast_sync", "torch")):
     fig, _ = _bars_per_page_size(res["decode"], names, lambda r: f"bs={r['bs']}",
-                                 panel_size=(4.4, 3.8), ylabel="µs per step in a loop (log)")
+                                 panel_height=2.0, ylabel="µs per step (log)")
     fig.suptitle(_title(res, "alloc_decode, one step"), fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.92))
+    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))
     return fig
 
 
 def plot_page_table(res: dict):
     rows = [r for r in res["page_table"] if "paths" in r]
-    sizes = sorted({r["page_size"] for r in rows})
-    fig, axes = plt.subplots(1, max(1, len(sizes)), figsize=(5 * max(1, len(sizes)), 4), sharey=True)
-    axes = [axes] if len(sizes) <= 1 else list(axes)
-    for ax, P in zip(axes, sizes):
-        sub = [r for r in rows if r["page_size"] == P]
-        _grouped_bars(ax, sub, ("host_loop", "triton"), lambda r: f"bs={r['bs']}\n{r['slots']} slots")
-        ax.set_title(f"page size {P}")
-    axes[0].set_ylabel("µs per write in a loop (log)")
-    _legend_below(fig, axes[0])
+    fig, _ = _bars_per_page_size(rows, ("host_loop", "triton"), lambda r: f"bs={r['bs']}, {r['slots']} slots",
+                                 panel_height=2.2, ylabel="µs per write (log)")
     fig.suptitle(_title(res, "Page-table write: host loop + scatter vs one Triton launch"), fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.92))
+    fig.tight_layout(rect=(0, 0.5 / fig.get_figheight(), 1, 1))
     return fig
 
 
@@ -161,7 +164,7 @@ def plot_public_call(res: dict, page_size: int | None = None):
         page_size = min((r["page_size"] for r in res.get("public_extend", [])), default=16)
     panels = [("public_extend", "alloc_extend", lambda r: f"{r['case']}\nT={r['tokens']}"),
               ("public_decode", "alloc_decode", lambda r: f"bs={r['bs']}")]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), sharey=True, gridspec_kw={"width_ratios": [7, 5]})
+    fig, axes = _stacked_panels(2, 2.9, extra=1.4, sharey=True)
     for ax, (key, title, label) in zip(axes, panels):
         rows = [r for r in res.get(key, []) if r["page_size"] == page_size]
         names = [n for n in PUBLIC_LABELS if any(n in r["paths"] for r in rows)]
@@ -173,15 +176,16 @@ def plot_public_call(res: dict, page_size: int | None = None):
         for name, style, text in (("launch_kept", ":", "one launch"), ("launch_1_sync", "--", "launch + one sync")):
             if "loop_us" in floor.get(name, {}):
                 ax.axhline(floor[name]["loop_us"], color="black", ls=style, lw=1)
-                ax.text(-0.45, floor[name]["loop_us"] * 1.04, text, va="bottom", fontsize=7)
+                ax.text(-0.45, floor[name]["loop_us"] * 1.04, text, va="bottom", fontsize=7.5)
         ax.set_xticks(range(len(rows)))
         ax.set_xticklabels([label(r) for r in rows], fontsize=8)
         ax.set_yscale("log")
         ax.set_title(f"PagedTokenAllocator.{title}, page size {page_size}", fontsize=9)
-    axes[0].set_ylabel("µs per call in a loop (log)")
+        ax.set_ylabel("µs per call (log)", fontsize=8)
+        ax.tick_params(labelsize=8)
     _legend_below(fig, axes[0])
     fig.suptitle(_title(res, "Where the time of a public call goes"), fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.92))
+    fig.tight_layout(rect=(0, 0.55 / fig.get_figheight(), 1, 1))
     return fig
 
 
@@ -193,4 +197,5 @@ PLOTS = {
     "09_bench_decode.png": plot_decode,
     "09_page_table_write.png": plot_page_table,
     "09_public_call.png": plot_public_call,
+    "10_bench_serve.png": plot_serve,
 }

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from .serve_report import serve_section
 from .timing import round_ratios
 
 
@@ -35,6 +36,12 @@ def _loop(entry: dict | None) -> str:
 
 
 def markdown(res: dict) -> str:
+    if "meta" not in res:            # a serving benchmark alone
+        return "\n".join(["# kvlab.bench"] + serve_section(res["serve"])) + "\n"
+    return _suite_markdown(res) + ("\n".join(serve_section(res["serve"])) + "\n" if res.get("serve") else "")
+
+
+def _suite_markdown(res: dict) -> str:
     m = res["meta"]
     lines = [f"# kvlab.bench — {m['device']}", "",
              f"{m['note']}.", "",
@@ -187,7 +194,8 @@ def public_sections(res: dict) -> list[str]:
     return lines
 
 
-def write_outputs(res: dict, out_dir: str, log=print) -> list[str]:
+def write_outputs(res: dict, out_dir: str, log=print, *, plots: list[str] | None = None) -> list[str]:
+    """``bench.json``, ``bench.md`` and the plots (``plots``: only these file names)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,8 +214,14 @@ def write_outputs(res: dict, out_dir: str, log=print) -> list[str]:
         f.write(markdown(res))
     written.append(path)
     for name, plot in PLOTS.items():
-        if plot.__name__ != "plot_public_call" and not res.get("extend"):
+        if plots is not None and name not in plots:
+            continue
+        if name == "10_bench_serve.png" and not res.get("serve"):
+            continue
+        if name.startswith("09_") and plot.__name__ != "plot_public_call" and not res.get("extend"):
             continue  # a run of the public calls only: the kernels' plots have no data
+        if name == "09_public_call.png" and not res.get("public_extend"):
+            continue
         fig = plot(res)
         path = os.path.join(out_dir, name)
         fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})

@@ -2,18 +2,28 @@
 
 Each chapter's checkers live in a module ``kvlab/check/chNN_*.py`` and register with
 :func:`kvlab.check.registry.exercise`. ``kvlab.check.hint(name, level)`` gives hints in steps;
-``kvlab.solutions.show(name)`` shows a reference solution.
+``kvlab.solutions.show(name)`` shows a reference solution; ``kvlab.check.progress()`` lists
+every exercise of the course with its state, kept between sessions; ``kvlab.check.recheck("NN")``
+ends each chapter by checking its exercises again.
+
+A wrong answer raises :class:`CheckFailed`. In a notebook it shows its message (and a picture),
+none of kvlab's frames, and does not stop Run All: later cells use the package's version
+(:func:`choose`) until the learner's passes (:mod:`kvlab.check.cells`).
 
 The floors of this package, each importing only from the floors below it::
 
+    review            progress, recheck: where the learner stands
     catalog           every exercise (imports each chapter module): hint, status, choose
     chNN_*.py         the chapters' cases and checkers
     core              run_cases, call_learner, compare_flat          picture (failure pictures)
+    inputs, compiled  read-only arguments compared; kernels compiled for a GPU (compile_child)
     sandbox           guarded_call: guard bands + audit + a child process
     workers, runner   the child processes; one call, here or in a child    shipping, pipes
     audit, guards     loads and stores checked in the interpreter; guard bands    messages
     findings, walk    what the net saw, in words; the one walker over arguments
-    failures, registry  CheckFailed, Case, Segment, Layout; the exercises and their status
+    registry          the exercises, their status and what a check records
+    cells, progress_file  a failure at the end of a notebook cell; the saved progress
+    failures          CheckFailed, Case, Segment, Layout
 
 Learner code always runs through :func:`call_learner`: a crash or a hang is reported instead
 of killing the notebook, and memory accesses outside a tensor are named (read or write, which
@@ -26,12 +36,13 @@ from .catalog import broken_modules, choose, exercises, hint, load_all, status
 from .core import call_learner, compare_flat, run_cases
 from .failures import Case, CheckFailed, Layout, LearnerRaised, Segment
 from .registry import EXERCISES, STARTER_MARKER, exercise, not_attempted
+from .review import progress, recheck
 
 _load_all = load_all  # kvlab.solutions loads every exercise through this name
 
 __all__ = ["CheckFailed", "LearnerRaised", "Case", "Segment", "Layout", "compare_flat", "exercise",
            "hint", "run_cases", "call_learner", "EXERCISES", "exercises", "broken_modules",
-           "status", "choose", "not_attempted", "STARTER_MARKER"]
+           "status", "choose", "not_attempted", "STARTER_MARKER", "progress", "recheck"]
 
 
 def __getattr__(name: str):

@@ -56,6 +56,19 @@ def extents_of(buffers, names: list[str], spans: list[int], band: int) -> list[E
     return out
 
 
+class Store(NamedTuple):
+    """The in-bounds lanes of one store of one program into a tracked argument: where they went
+    (element indices) and what they wrote, and which line of the kernel wrote them."""
+
+    argument: str
+    program: tuple[int, ...]
+    filename: str | None
+    line: int | None
+    function: str | None
+    indices: tuple[int, ...]
+    values: tuple
+
+
 class Order(NamedTuple):
     """The order in which the programs of a grid run: "natural", "reversed" or "shuffled"."""
 
@@ -96,9 +109,11 @@ def _learner_frame(start) -> tuple[str | None, int | None, str | None]:
 class Audit:
     """What one call's loads and stores did outside its arguments (see :func:`audited`)."""
 
-    def __init__(self, extents: list[Extent], order: Order = Order()):
+    def __init__(self, extents: list[Extent], order: Order = Order(), track=()):
         self.extents = sorted(extents, key=lambda e: e.lo)
         self.order = order
+        self.track = frozenset(track)  # arguments whose in-bounds stores are kept (Store)
+        self.stores: list[Store] = []
         self._lo = np.array([e.lo for e in self.extents] or [0], dtype=np.uint64)
         self._hi = np.array([e.hi for e in self.extents] or [0], dtype=np.uint64)
         self._start = np.array([e.start for e in self.extents] or [0], dtype=np.uint64)
@@ -129,6 +144,25 @@ class Audit:
         if kind == "write" and (active & inside).any():
             self._note_store(addr[active & inside][0], program)
         return far.reshape(np.shape(ptrs)) if far.any() else None
+
+    def note_store(self, ptrs: np.ndarray, mask: np.ndarray, values, itemsize: int,
+                   program: tuple[int, ...], frame) -> None:
+        """Keep the in-bounds lanes of a store into a tracked argument (see :class:`Store`)."""
+        addr = np.asarray(ptrs, dtype=np.uint64).ravel()
+        active = np.broadcast_to(np.asarray(mask, dtype=bool), np.shape(ptrs)).ravel()
+        try:
+            vals = np.broadcast_to(np.asarray(values), np.shape(ptrs)).ravel()
+        except ValueError:
+            vals = np.full(addr.shape, np.nan)
+        for e in self.extents:
+            if e.name not in self.track:
+                continue
+            sel = active & (addr >= np.uint64(e.start)) & (addr + np.uint64(itemsize) <= np.uint64(e.end))
+            if sel.any():
+                filename, line, function = _learner_frame(frame)
+                indices = ((addr[sel] - np.uint64(e.start)) // np.uint64(e.itemsize)).astype(np.int64)
+                self.stores.append(Store(e.name, self._program(program), filename, line, function,
+                                         tuple(indices.tolist()), tuple(vals[sel].tolist())))
 
     def _record(self, kind, addrs, idx, in_band, program, frame) -> None:
         filename, line, function = _learner_frame(frame)
@@ -216,6 +250,11 @@ def audited(audit: Audit) -> Iterator[Audit]:
         return guarded("read", cls.create_masked_load.__get__(builder), ptrs, mask, *rest, **kw)
 
     def store(ptrs, value, mask, *rest, **kw):
+        if audit.track:
+            item = np.dtype(tri._get_np_dtype(ptrs.get_element_ty())).itemsize
+            audit.note_store(ptrs.data, mask.data, value.data, item, builder.grid_idx,
+                             sys._getframe(1))
+
         def original(p, m, *r, **k):
             return cls.create_masked_store(builder, p, value, m, *r, **k)
         return guarded("write", original, ptrs, mask, *rest, **kw)

@@ -55,15 +55,16 @@ def lookup(name: str) -> Exercise:
     return EXERCISES[name]
 
 
-def hint(name: str, level: int = 1) -> str:
+def hint(name: str, level: int = 1) -> None:
     """Show hint ``level`` (1, 2, ...) for exercise ``name``; later hints say more."""
     lookup(name)
-    return show_hint(name, level)
+    show_hint(name, level)
 
 
 def status(name: str) -> str:
     """``"passed"``, ``"failed"``, ``"not attempted"`` or ``"not checked"``: the last check of
-    exercise ``name`` in this process."""
+    exercise ``name`` in this process (in IPython, a failure caught inside its cell does not
+    count: see :mod:`kvlab.check.cells`)."""
     lookup(name)
     return STATUS.get(name, "not checked")
 

@@ -5,7 +5,7 @@ tokens, how many pages of ``page_size`` slots it occupies: ``ceil(lengths[i] / p
 the last page maybe partly used. The checker runs named edge cases first (no requests, a
 request of 0 tokens, page_size 1, lengths that fill their last page exactly or spill one
 token over), then seeded random batches, against the slow and obvious oracle: add pages one
-by one until the tokens fit.
+by one until the tokens fit. ``lengths`` is read-only.
 """
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def pages_needed(fn, *, seed: int = 0, n_random: int = 8) -> int:
     def run_one(case: Case) -> None:
         lengths, page_size = case.args["lengths"], case.args["page_size"]
         expected = pages_by_counting(lengths, page_size)
-        got = call_learner(fn, list(lengths), page_size)
+        got = call_learner(fn, list(lengths), page_size, read_only=(0,))
         if isinstance(got, torch.Tensor):
             got = got.flatten().tolist()
         if got is None or isinstance(got, (int, float, str)) or not hasattr(got, "__len__"):

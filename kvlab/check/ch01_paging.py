@@ -3,7 +3,8 @@
 The learner writes ``fn(page_starts, page_size)`` returning every token slot of the given
 pages, in order, with the input's dtype and device. The checker runs named edge cases
 first (page_size 1, one page, no pages, pages out of order, large page ids), then seeded
-random ones, against :func:`kvlab.reference.page_to_token_ref`.
+random ones, against :func:`kvlab.reference.page_to_token_ref`. ``page_starts`` is read-only
+(returning it as it is, for ``page_size == 1``, is fine).
 """
 from __future__ import annotations
 
@@ -73,7 +74,8 @@ def page_to_token(fn, *, seed: int = 0, n_random: int = 8) -> int:
                               device=runtime.DEVICE)
         expected = page_to_token_ref(starts.tolist(), page_size)
         inputs = f"page_starts={starts.tolist()} ({dtype}), page_size={page_size}"
-        got = call_learner(fn, starts.clone(), page_size, layout=Layout(inputs=inputs))
+        got = call_learner(fn, starts.clone(), page_size, layout=Layout(inputs=inputs),
+                           read_only=(0,))
         if not isinstance(got, torch.Tensor):
             raise CheckFailed(f"[{case.name}] return a torch.Tensor, not {type(got).__name__}",
                               case=case.name)

@@ -5,7 +5,9 @@ The learner writes ``fn(page_table, allocated, allocation_info, page_size)`` tha
 the next ``(last_page - first_page) * page_size`` slots go to
 ``page_table[table_idx, first_page*page_size : last_page*page_size]``. The whole table is
 compared with :func:`kvlab.reference.write_page_table_ref`; a failure names the request
-row, the logical column and the page of the first wrong cell.
+row, the logical column and the page of the first wrong cell. ``allocated`` and
+``allocation_info`` are read-only, and a function that returns a new table instead of writing
+into ``page_table`` is told so.
 """
 from __future__ import annotations
 
@@ -50,10 +52,11 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         _case("an entry with no new pages", 2, 8, 2, [(0, 1, 1), (1, 0, 2)]),
         _case("nothing to write", 2, 8, 4, []),
         _case("the dummy row and the last column", 2, 8, 4, [(2, 0, 2)]),
+        _case("page_size 64, rows out of order", 3, 192, 64, [(2, 1, 3), (0, 0, 1), (3, 2, 3)]),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        page_size = rng.choice([1, 2, 4, 16])
+        page_size = rng.choice([1, 2, 4, 16, 64])
         pages_per_row = rng.randint(1, 4)
         max_req = rng.randint(1, 5)
         info = []
@@ -108,8 +111,8 @@ def write_page_table(fn, *, seed: int = 0, n_random: int = 8) -> int:
         got_table = table.clone()
         inputs = (f"page_table {tuple(table.shape)}, allocation_info={info}, "
                   f"page_size={page_size}")
-        call_learner(fn, got_table, allocated.clone(), list(info), page_size,
-                     layout=Layout(inputs=inputs))
+        returned = call_learner(fn, got_table, allocated.clone(), list(info), page_size,
+                                layout=Layout(inputs=inputs), read_only=(1, 2))
         got = got_table.detach().cpu().to(torch.int64)
         if got.shape != expected.shape:
             raise CheckFailed(f"[{case.name}] the page table changed shape: {tuple(got.shape)}, "
@@ -117,6 +120,15 @@ def write_page_table(fn, *, seed: int = 0, n_random: int = 8) -> int:
         wrong = (got != expected).flatten().nonzero().flatten().tolist()
         if not wrong:
             return
+        if (isinstance(returned, torch.Tensor) and returned.shape == expected.shape
+                and torch.equal(returned.detach().cpu().to(torch.int64), expected)):
+            raise CheckFailed(
+                f"[{case.name}] your function returned a new page table instead of writing into "
+                f"page_table: the table the caller passed is left with {len(wrong)} cell(s) "
+                "unwritten. Write in place (page_table[row, start:end] = ..., or one scatter "
+                "page_table[rows, cols] = ...); a copy made inside the function (page_table.clone(), "
+                "torch.where, page_table = ...) never reaches the caller", case=case.name,
+                label="in place")
         cols = expected.shape[1]
         r, c = divmod(wrong[0], cols)
         page = c // page_size

@@ -3,12 +3,16 @@
 
 ``match_prefix``: the learner walks a real :class:`~kvlab.radix_cache.RadixPrefixCache`
 (read only: ``cache.root``, ``node.children`` keyed by a node's first page of tokens,
-``node.key``) and returns the page-aligned matched length of ``input_ids``.
+``node.key``) and returns the page-aligned matched length of ``input_ids``. The tree must be
+left exactly as it was, LRU stamps and the clock included (a walk that stamps or splits is
+named), and so must ``input_ids``.
 
 ``match_req``: the learner matches a request's prompt the way ``CacheManager.match_req``
 does: ``prefix_cache.match_prefix(input_ids[:len(input_ids) - 1])``. The last prompt token
 is never taken from the cache, so the prefill always computes at least one position and
-gets the logits of the next token from it.
+gets the logits of the next token from it. ``input_ids`` is read-only, and the tree must be left
+as that one call leaves it (a second match, or a match of the whole prompt first, stamps and
+splits it differently).
 
 Both are checked on named edge cases and seeded random ones against
 :mod:`kvlab.reference.radix`.
@@ -22,6 +26,7 @@ import torch
 from ..radix_cache import RadixPrefixCache
 from ..reference.radix import PrefixStoreRef
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
+from .inputs import tree_difference, tree_state
 
 
 # --- match_prefix -------------------------------------------------------------------------
@@ -54,10 +59,6 @@ def _build_cache(page_size: int, sequences: list[list[int]]) -> RadixPrefixCache
         cache.insert_prefix(seq, torch.arange(next_slot, next_slot + n, dtype=torch.int32))
         next_slot += -(-n // page_size) * page_size
     return cache
-
-
-def _tree_state(cache: RadixPrefixCache):
-    return [(n.uid, n.key, n.ref_count) for n in cache.nodes()]
 
 
 #: a tree where a node ([1, 2, 3, 4]) has children whose first pages also occur inside it
@@ -100,6 +101,8 @@ def _match_cases(seed: int, n_random: int) -> list[Case]:
         case("page_size 4: diverges inside a node, where a child's first page follows: stop",
              4, [list(range(1, 13)) + [20, 21, 22, 23], list(range(1, 13)) + [9, 10, 11, 12]],
              [1, 2, 3, 4, 5, 6, 7, 0, 9, 10, 11, 12]),
+        case("page_size 64: two pages cached, the prompt leaves inside the second", 64,
+             [list(range(128)), list(range(64)) + [7] * 64], list(range(100)) + [0] * 40),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
@@ -166,8 +169,7 @@ def match_prefix(fn, *, seed: int = 0, n_random: int = 12) -> int:
         for seq in cached:
             ref.insert(seq)
         expected = ref.match_len(query)
-        before = _tree_state(cache)
-        got = call_learner(fn, cache, list(query))
+        got = call_learner(fn, cache, list(query), read_only=(0, 1))
         if isinstance(got, torch.Tensor) and got.numel() == 1:
             got = int(got)
         if not isinstance(got, int) or isinstance(got, bool):
@@ -184,9 +186,6 @@ def match_prefix(fn, *, seed: int = 0, n_random: int = 12) -> int:
                 f"[{case.name}] matched length: expected {expected}, got {got}{why}\n"
                 f"  page_size {P}; cached prompts: {cached}\n  query: {query}",
                 case=case.name, expected=expected, got=got)
-        if _tree_state(cache) != before:
-            raise CheckFailed(f"[{case.name}] your function changed the tree; matching only reads it",
-                              case=case.name)
 
     return run_cases("match_prefix", _match_cases(seed, n_random), run_one)
 
@@ -221,6 +220,8 @@ def _match_req_cases(seed: int, n_random: int) -> list[Case]:
         Case("cached prompt ends inside a page", {"P": 4, "cached": [sixteen], "prompt": sixteen[:14]}),
         Case("nothing cached", {"P": 2, "cached": [], "prompt": [1, 2, 3, 4]}),
         Case("page_size 1, two branches", {"P": 1, "cached": [[5, 6, 7], [5, 8, 9]], "prompt": [5, 8, 9]}),
+        Case("page_size 64: a prompt of exactly two cached pages",
+             {"P": 64, "cached": [list(range(192))], "prompt": list(range(128))}),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
@@ -259,8 +260,21 @@ def match_req(fn, *, seed: int = 0, n_random: int = 12) -> int:
             ref.insert(seq)
         expected = ref.match_len(prompt[: len(prompt) - 1])
         whole = ref.match_len(prompt)
-        got = _matched_len(call_learner(fn, cache, list(prompt)), case.name)
+        twin = _build_cache(P, cached)  # the tree as the one right call leaves it
+        match_req_solution(twin, prompt)
+        untouched = tree_state(_build_cache(P, cached))
+        answer = call_learner(fn, cache, list(prompt), read_only=(1,))
+        got = _matched_len(answer, case.name)
         if got == expected:
+            left = tree_state(cache)
+            why = tree_difference(tree_state(twin), left, old="should be", new="is")
+            if why and not (isinstance(answer, int) and left == untouched):
+                raise CheckFailed(
+                    f"[{case.name}] the matched length is right, but the tree is not as one "
+                    f"prefix_cache.match_prefix(input_ids[:len(input_ids) - 1]) leaves it: {why}\n"
+                    "  every match stamps the nodes it uses and may split one: match once\n"
+                    f"  page_size {P}; cached prompts: {cached}\n  prompt: {prompt}",
+                    case=case.name)
             return
         if got > expected and got == whole:
             why = (f": the prompt's last token must be recomputed so the prefill produces logits "

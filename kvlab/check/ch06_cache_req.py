@@ -9,8 +9,9 @@ The learner writes the accounting at the heart of ``CacheManager.cache_req``::
 ``row_slots`` is the request's page-table row over ``[0, req_cached_len)``. The learner works
 out ``new_cached_len`` (whole pages of ``req_cached_len``), the four regions, and which
 pages go back: the duplicate region always, the tail only when the request finished, one
-entry per page (``[::page_size]``). Checked against
-:func:`kvlab.reference.radix.cache_req_regions_ref`; a failure names the wrong region.
+entry per page (``[::page_size]``). ``row_slots`` is read-only. Checked against
+:func:`kvlab.reference.radix.cache_req_regions_ref`; a failure names the wrong region. The rows
+map shuffled pages from page 100 on, so a slot never equals its position by accident.
 
 ``cache_req_remap`` is what ``cache_req`` does to the row of a request that goes on running
 (``finished=False``)::
@@ -19,9 +20,10 @@ entry per page (``[::page_size]``). Checked against
         -> {"free": [page starts of the duplicate region], "row": [the row afterwards]}
 
 ``cached_slots`` are the slots the prefix cache holds for the request's tokens after the
-insert (``new_handle.get_matched_indices()``). The duplicate region's pages are freed, so
-the row must map the cached slots there instead; a row left pointing at freed pages is the
-source design's bug, and the checker says so::
+insert (``new_handle.get_matched_indices()``); both lists are read-only (a new ``row`` is
+returned). The duplicate region's pages are freed, so the row must map the cached slots there
+instead; a row left pointing at freed pages is the source design's bug, and the checker says
+so::
 
     position  0        old_cached_len      already_cached_len             req_cached_len
     before    | cached  | own pages (dup.)  | own pages (inserted, tail)     |
@@ -63,9 +65,13 @@ def cache_req_regions_solution(row_slots, old_cached_len, already_cached_len, re
     }
 
 
+#: the first page id of the rows' pages: no slot equals its position (or a small number)
+FIRST_PAGE = 100
+
+
 def _row(rng: random.Random, n: int, P: int) -> list[int]:
     """A row of whole pages from a shuffled pool: page k holds slots p*P .. p*P+P-1."""
-    pages = list(range(2 * (n // P + 2)))
+    pages = list(range(FIRST_PAGE, FIRST_PAGE + 2 * (n // P + 2)))
     rng.shuffle(pages)
     return [pages[i // P] * P + i % P for i in range(n)]
 
@@ -73,7 +79,7 @@ def _row(rng: random.Random, n: int, P: int) -> list[int]:
 def _random_geometry(rng: random.Random) -> tuple[int, int, int, int]:
     """A random (page_size, old, already, req) with old <= already <= req rounded up to a page,
     both cached lengths page-aligned: the shapes cache_req meets."""
-    P = rng.choice([1, 2, 4, 16])
+    P = rng.choice([1, 2, 4, 16, 64])
     req = rng.randrange(1, 5 * P + 3)
     new = page_aligned_len(req, P)
     already = rng.randrange(0, new // P + 1) * P
@@ -96,6 +102,7 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         case("page_size 1: no tail ever", 1, 2, 5, 7, True),
         case("hit, then a duplicate, then new pages", 2, 2, 6, 11, True),
         case("shorter than a page", 4, 0, 0, 3, True),
+        case("page_size 64: hit, duplicate, inserted and tail, finished", 64, 64, 192, 300, True),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
@@ -127,7 +134,8 @@ def cache_req_regions(fn, *, seed: int = 0, n_random: int = 16) -> int:
         row = _row(random.Random(a["seed"]), a["req"], P)
         new = page_aligned_len(a["req"], P)
         ref = cache_req_regions_ref(a["old"], a["already"], new, a["req"], a["finished"])
-        got = call_learner(fn, list(row), a["old"], a["already"], a["req"], P, a["finished"])
+        got = call_learner(fn, list(row), a["old"], a["already"], a["req"], P, a["finished"],
+                           read_only=(0,))
         where = (f"  page_size {P}, old_cached_len {a['old']}, already_cached_len {a['already']}, "
                  f"req_cached_len {a['req']}, finished={a['finished']}")
         if not isinstance(got, dict):
@@ -190,7 +198,7 @@ def _remap_inputs(a: dict) -> tuple[list[int], list[int]]:
     P, old, already, req = a["P"], a["old"], a["already"], a["req"]
     new = page_aligned_len(req, P)
     rng = random.Random(a["seed"])
-    pages = list(range(2 * (req // P + 2)))
+    pages = list(range(FIRST_PAGE, FIRST_PAGE + 2 * (req // P + 2)))
     rng.shuffle(pages)
     n_pages = -(-req // P)
     own, others = pages[:n_pages], pages[n_pages:]
@@ -214,6 +222,7 @@ def _remap_cases(seed: int, n_random: int) -> list[Case]:
         case("hit, then a duplicate, then new pages", 2, 2, 6, 11),
         case("duplicate up to the end (page-aligned, no tail)", 4, 4, 12, 12),
         case("nothing cached", 4, 0, 0, 3),
+        case("page_size 64: hit, two duplicate pages, a tail", 64, 64, 192, 250),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
@@ -250,7 +259,7 @@ def cache_req_remap(fn, *, seed: int = 0, n_random: int = 12) -> int:
         expected_free = row[old:already:P]
         where = (f"  page_size {P}, old_cached_len {old}, already_cached_len {already}, "
                  f"req_cached_len {req} (unfinished)")
-        got = call_learner(fn, list(row), list(cached), old, already, P)
+        got = call_learner(fn, list(row), list(cached), old, already, P, read_only=(0, 1))
         if not isinstance(got, dict) or "free" not in got or "row" not in got:
             raise CheckFailed(f"[{case.name}] return a dict with keys 'free' and 'row', got {got!r}",
                               case=case.name)

@@ -13,8 +13,11 @@ requests marked ``done`` back with ``manager.cache_req(req, finished=True)``.
 The checker builds the same scenario twice (prefill through the real CacheManager, then a
 few reference decode steps), runs the reference (the manager's own ``decode_step`` and
 ``complete_step``) on one copy and ``fn`` on the other, and
-compares the page table, the free list, every request's lengths and tokens, and finally
-runs ``check_integrity()`` on the learner's manager.
+compares the page table, the free list, every request's lengths and tokens, the whole prefix
+cache (nodes, locks, LRU stamps and the clock: a stray match or insert shows), and finally runs
+``check_integrity()`` on the learner's manager. ``next_tokens`` and ``done`` are read-only. The
+calls the learner makes are logged, so a step in the wrong order, or a handle the learner
+unlocked before ``cache_req``, is named with the request.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import random
 import torch
 
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
+from .inputs import tree_difference, tree_state
 
 
 def decode_step_solution(manager, reqs, next_tokens, done):
@@ -38,7 +42,8 @@ def decode_step_solution(manager, reqs, next_tokens, done):
 
 def _scenario(P: int, prompt_lens: list[int], warmup: int, seed: int, num_pages: int | None):
     """A manager with running requests, each prefilled and ``warmup`` decode steps in, built
-    with the manager's own serving words (``prefill`` / ``decode_step`` / ``complete_step``)."""
+    with the manager's own serving words (``prefill`` / ``decode_step`` / ``complete_step``).
+    The requests' rows are shuffled, so request ``i`` is not row ``i`` by accident."""
     from ..cache_manager import CacheManager, Req
     from ..paging import div_ceil, new_page_table
 
@@ -48,10 +53,11 @@ def _scenario(P: int, prompt_lens: list[int], warmup: int, seed: int, num_pages:
     table = new_page_table(len(prompt_lens), longest, P, device="cpu")
     manager = CacheManager(pages, P, table, page_table_writer="host")
     shared = [rng.randrange(50) for _ in range(min(prompt_lens))]
+    rows = random.Random(seed + 1).sample(range(len(prompt_lens)), len(prompt_lens))  # not 0, 1, ...
     reqs = []
     for i, n in enumerate(prompt_lens):
         ids = shared[: n // 2] + [rng.randrange(50) for _ in range(n - n // 2)]
-        reqs.append(Req(ids, table_idx=i))
+        reqs.append(Req(ids, table_idx=rows[i]))
     batch = manager.prefill(reqs)
     manager.complete_step(batch, [rng.randrange(50) for _ in reqs])  # caches each prompt too
     for _ in range(warmup):
@@ -80,10 +86,12 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         case("three requests, one crossing a boundary", 4, [5, 8, 10], 0, [False, True, False]),
         case("tight memory: exactly the pages this step needs are free", 4, [8, 4], 0,
              [False, False], num_pages=5),
+        case("page_size 64: one request crosses into a new page, one finishes", 64, [64, 70], 0,
+             [False, True]),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        P = rng.choice([1, 2, 4, 16])
+        P = rng.choice([1, 2, 4, 16, 64])
         n = rng.randint(1, 4)
         lens = [rng.randint(1, 3 * P + 2) for _ in range(n)]
         cases.append(case(f"random {i + 1} (page_size {P}, {n} requests)", P, lens, rng.randint(0, 3),
@@ -101,27 +109,45 @@ ORDER = ("the order of a decode step: 1. pages: manager.allocate_paged(reqs), on
          "3. finish: manager.cache_req(req, finished=True) for each done request, after its "
          "complete_one")
 _HAND_BACK = ("cache_req", "release_req", "abort")
+_UNLOCK = ("unlock", "lock_handle(unlock=True)")
 
 
 def record_calls(manager, reqs) -> list[tuple[str, int | None]]:
-    """Log ``(method, request index)`` of every call the learner makes on ``manager`` and ``reqs``."""
+    """Log ``(method, request index)`` of every call the learner makes on ``manager``, its prefix
+    cache's ``lock_handle(..., unlock=True)`` and ``reqs`` (not the calls those make inside)."""
     log: list[tuple[str, int | None]] = []
     index = {id(r): i for i, r in enumerate(reqs)}
+    depth = [0]
 
-    def wrap(obj, name, who):
+    def owner_of(handle, owner):
+        if id(owner) in index:
+            return index[id(owner)]
+        return next((i for i, r in enumerate(reqs) if r.cache_handle is handle), None)
+
+    def wrap(obj, name, who, shown=None):
         original = getattr(obj, name, None)
         if original is None:
             return
 
         def logged(*args, **kwargs):
-            log.append((name, who(args, kwargs)))
-            return original(*args, **kwargs)
+            if depth[0] == 0 and (label := shown(args, kwargs) if shown else name):
+                log.append((label, who(args, kwargs)))
+            depth[0] += 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
 
         setattr(obj, name, logged)
 
     wrap(manager, "allocate_paged", lambda a, k: None)
     for name in _HAND_BACK:
         wrap(manager, name, lambda a, k: index.get(id(a[0] if a else k.get("req"))))
+    wrap(manager, "unlock", lambda a, k: owner_of(a[0] if a else k.get("handle"),
+                                                  a[1] if len(a) > 1 else k.get("owner")))
+    wrap(manager.prefix_cache, "lock_handle",
+         lambda a, k: owner_of(a[0] if a else k.get("handle"), k.get("owner")),
+         lambda a, k: _UNLOCK[1] if (a[1] if len(a) > 1 else k.get("unlock")) else None)
     for i, req in enumerate(reqs):
         for name in ("append_token", "complete_one"):
             wrap(req, name, lambda a, k, i=i: i)
@@ -140,6 +166,16 @@ def order_problem(log: list[tuple[str, int | None]], done: list[bool]) -> str | 
         return "step 1 (pages): manager.allocate_paged(reqs) was never called" + yours
     if len(pages) > 1:
         return f"step 1 (pages): manager.allocate_paged was called {len(pages)} times" + yours
+    unlocks = [(k, name, i) for k, (name, i) in enumerate(log) if name in _UNLOCK]
+    if unlocks:
+        k, name, i = unlocks[0]
+        later = [m for m, (n, j) in enumerate(log) if n == "cache_req" and j == i and m > k]
+        then = (f", and then cache_req (call {later[0] + 1}) found the handle no longer locked "
+                "by the request" if later else "")
+        return (f"request {i}: your code unlocked its cache_handle itself ({name}, call "
+                f"{k + 1}){then}. cache_req unlocks the request's old handle itself, after "
+                "inserting its tokens, and a running request must keep its lock: leave the "
+                "unlocking to cache_req" + yours)
     if advance and advance[0][0] < pages[0]:
         k, name, i = advance[0]
         return (f"request {i}, step 2 (advance): {name} (call {k + 1}) came before "
@@ -194,7 +230,7 @@ def decode_step(fn, *, seed: int = 0, n_random: int = 6) -> int:
         reference_step(ref_m, ref_reqs, tokens, a["done"])
         log = record_calls(got_m, got_reqs)
         try:
-            call_learner(fn, got_m, got_reqs, list(tokens), list(a["done"]))
+            call_learner(fn, got_m, got_reqs, list(tokens), list(a["done"]), read_only=(2, 3))
         except Exception as e:  # noqa: BLE001 - a call in the wrong order may raise: say which
             problem = None if isinstance(e, NotImplementedError) else order_problem(log, a["done"])
             if problem is None:
@@ -203,7 +239,7 @@ def decode_step(fn, *, seed: int = 0, n_random: int = 6) -> int:
                               f"{type(e).__name__}: {e}", case=case.name) from e
         where = f"  page_size {a['P']}, prompt lengths {a['lens']}, done {a['done']}"
         try:
-            _compare(case, ref_m, ref_reqs, got_m, got_reqs, where)
+            _compare(case, ref_m, ref_reqs, got_m, got_reqs, where, tokens)
         except CheckFailed as err:
             problem = order_problem(log, list(a["done"]))
             if problem is None:
@@ -211,7 +247,7 @@ def decode_step(fn, *, seed: int = 0, n_random: int = 6) -> int:
             raise CheckFailed(f"[{case.name}] {problem}\n  and so: {err.message[len(case.name) + 3:]}",
                               case=case.name, label=problem.split(":")[0]) from None
 
-    def _compare(case, ref_m, ref_reqs, got_m, got_reqs, where) -> None:
+    def _compare(case, ref_m, ref_reqs, got_m, got_reqs, where, tokens) -> None:
         for i, (r, g) in enumerate(zip(ref_reqs, got_reqs)):
             for attr in ("cached_len", "device_len"):
                 if getattr(r, attr) != getattr(g, attr):
@@ -221,9 +257,14 @@ def decode_step(fn, *, seed: int = 0, n_random: int = 6) -> int:
                         case=case.name, expected=getattr(r, attr), got=getattr(g, attr),
                         label=f"request {i}")
             if r.input_ids != g.input_ids:
+                mine = [j for j, t in enumerate(tokens) if len(g.input_ids) == len(r.input_ids)
+                        and g.input_ids[-1] == t != r.input_ids[-1]]
+                why = (f"request {i} got next_tokens[{mine[0]}]; its token is next_tokens[{i}]: "
+                       "reqs and next_tokens go together, in order (a request's row, table_idx, "
+                       "is not its index)" if mine else "append the step's token once")
                 raise CheckFailed(f"[{case.name}] request {i}: input_ids should end "
-                                  f"{r.input_ids[-3:]}, got {g.input_ids[-3:]} (append the step's "
-                                  f"token once)\n{where}", case=case.name, label=f"request {i}")
+                                  f"{r.input_ids[-3:]}, got {g.input_ids[-3:]} ({why})\n{where}",
+                                  case=case.name, label=f"request {i}")
             if r.finished != g.finished:
                 raise CheckFailed(f"[{case.name}] request {i}: finished should be {r.finished} "
                                   f"(cache_req(req, finished=True) only for done requests)\n{where}",
@@ -240,6 +281,13 @@ def decode_step(fn, *, seed: int = 0, n_random: int = 6) -> int:
             raise CheckFailed(
                 f"[{case.name}] free list should be {ref_m.free_slots.tolist()}, got "
                 f"{got_m.free_slots.tolist()}\n{where}", case=case.name, label="free list")
+        row = lambda who: getattr(who, "table_idx", who)  # noqa: E731 - a lock's owner, by its row
+        why = tree_difference(tree_state(ref_m.prefix_cache, row), tree_state(got_m.prefix_cache, row),
+                              old="should be", new="is")
+        if why:
+            raise CheckFailed(f"[{case.name}] the prefix cache is not as the step leaves it: {why}\n"
+                              "  (a decode step matches nothing and inserts only through "
+                              f"cache_req)\n{where}", case=case.name, label="prefix cache")
         try:
             got_m.check_integrity()
         except AssertionError as e:

@@ -9,8 +9,12 @@ program walks the batch in blocks of ``BLOCK`` requests and keeps a running tota
     token_start[r] = sum over q < r of (seq[q] - pre[q])                    (where r's slots begin)
     page_start[r]  = sum over q < r of (ceil(seq[q]/P) - ceil(pre[q]/P))    (r's first free page)
 
-The checker runs it with a small ``BLOCK`` so that most batches span several blocks (the
-carry matters), on named edge cases and seeded random batches, against plain Python.
+The checker runs it with several small ``BLOCK`` sizes (4 to 32), so that most batches span
+several blocks (the carry matters) and a loop that steps by a fixed number shows, on named edge
+cases and seeded random batches (page sizes 1 to 64), against plain Python. ``prefix_lens``
+and ``seq_lens`` must be left as they were. The kernel is also compiled for a GPU
+(:mod:`kvlab.check.compiled`): a carry that starts as a Python ``0`` (int32) and becomes an
+int64 runs in the interpreter but does not compile.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from .failures import Layout
 
 NOT_WRITTEN = -1
 CHECK_BLOCK = 8  # small on purpose: a batch of 20 spans three blocks
+BLOCKS = (4, 8, 16, 32)  # the BLOCK sizes the cases use
 
 
 @triton.jit
@@ -68,12 +73,12 @@ def run_scan_kernel(kernel, prefix_lens, seq_lens, page_size, block=CHECK_BLOCK,
     token_start = torch.full((bs,), NOT_WRITTEN, dtype=torch.int64, device=dev)
     page_start = torch.full((bs,), NOT_WRITTEN, dtype=torch.int64, device=dev)
     call_learner(kernel, as_t(prefix_lens), as_t(seq_lens), token_start, page_start, bs, page_size,
-                 grid=(1,), BLOCK=block, layout=layout)
+                 grid=(1,), BLOCK=block, layout=layout, read_only=(0, 1))
     return token_start.cpu(), page_start.cpu()
 
 
-def _case(name, pre, seq, P, kind="edge"):
-    return Case(name, {"pre": pre, "seq": seq, "page_size": P}, kind)
+def _case(name, pre, seq, P, kind="edge", block=CHECK_BLOCK):
+    return Case(name, {"pre": pre, "seq": seq, "page_size": P, "block": block}, kind)
 
 
 def _cases(seed: int, n_random: int) -> list[Case]:
@@ -86,6 +91,12 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         _case("page_size 1", [0, 2, 2], [3, 2, 7], 1),
         _case(f"three blocks, page_size 16 ({2 * B + 5} requests)",
               [(7 * r) % 20 for r in range(2 * B + 5)], [(7 * r) % 20 + r for r in range(2 * B + 5)], 16),
+        _case("BLOCK 4: five blocks, page_size 64 (18 requests)", [(5 * r) % 70 for r in range(18)],
+              [(5 * r) % 70 + 3 * r for r in range(18)], 64, block=4),
+        _case("BLOCK 32, one block partly used (11 requests)", [r for r in range(11)],
+              [2 * r + 1 for r in range(11)], 4, block=32),
+        _case("BLOCK 16, page_size 1, two blocks (17 requests)", [0] * 17, list(range(1, 18)), 1,
+              block=16),
     ]
     rng = random.Random(seed * 1000 + 9)
     for i in range(n_random):
@@ -93,7 +104,9 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         bs = rng.randint(1, 4 * B)
         pre = [rng.randint(0, 3 * P) for _ in range(bs)]
         seq = [p + rng.choice([0, rng.randint(0, 3 * P + 1)]) for p in pre]
-        cases.append(_case(f"random {i + 1} (page_size {P}, {bs} requests)", pre, seq, P, "random"))
+        block = rng.choice(BLOCKS)
+        cases.append(_case(f"random {i + 1} (page_size {P}, {bs} requests, BLOCK {block})", pre,
+                           seq, P, "random", block))
     return cases
 
 
@@ -118,9 +131,9 @@ def extend_scan(kernel, *, seed: int = 0, n_random: int = 4) -> int:
     def run_one(case: Case) -> None:
         pre, seq, P = case.args["pre"], case.args["seq"], case.args["page_size"]
         exp_tok, exp_pg = extend_scan_ref(pre, seq, P)
-        B = CHECK_BLOCK
+        B = case.args["block"]
         inputs = f"prefix_lens={pre}, seq_lens={seq}, page_size={P}, BLOCK={B}"
-        got_tok, got_pg = run_scan_kernel(kernel, pre, seq, P, layout=Layout(inputs=inputs))
+        got_tok, got_pg = run_scan_kernel(kernel, pre, seq, P, B, layout=Layout(inputs=inputs))
         segments = [Segment(f"request {r} (block {r // B}, lane {r % B})", r, r + 1) for r in range(len(pre))]
         note = f"\n  inputs: {inputs}\n  ({NOT_WRITTEN} = never written)"
         for what, exp, got in (("token_start", exp_tok, got_tok), ("page_start", exp_pg, got_pg)):

@@ -14,8 +14,9 @@ at slot ``page_table[rows[b], positions[b]]`` of the pools, then returns paged a
 
 Checked against :func:`kvlab.hf.attention.paged_attention_reference`: first the pools
 (exactly the new tokens' slots changed, holding exactly their K/V), then the output
-(``atol=1e-4``). A failure names the request, the slot or head, and, when it recognises the
-mistake, says which one.
+(``atol=1e-4``), with the default ``scale`` and others (a model passes its own). ``q``, ``k``,
+``v``, ``page_table``, ``rows`` and ``positions`` are read-only. A failure names the request,
+the slot or head, and, when it recognises the mistake, says which one.
 """
 from __future__ import annotations
 
@@ -43,10 +44,11 @@ def paged_attention_step_solution(q, k, v, k_pool, v_pool, page_table, rows, pos
 
 
 def step_layout(P: int, lens: list[int], seed: int, heads: int = 4, kv_heads: int = 2,
-                head_dim: int = 16):
+                head_dim: int = 16, scale: float | None = None):
     """One decode step: request ``b`` has ``lens[b]`` tokens mapped in a shuffled row on
     shuffled pages; its last one (position ``lens[b] - 1``) is the new token, whose slot
-    holds stale values until the step writes it. Returns the step's arguments (a dict)."""
+    holds stale values until the step writes it. Returns the step's arguments (a dict);
+    ``scale`` defaults to ``1/sqrt(head_dim)``."""
     layout = random_paged_layout(seed, P, lens, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     g = torch.Generator().manual_seed(seed + 1)  # the new tokens' K/V
     return dict(
@@ -54,7 +56,8 @@ def step_layout(P: int, lens: list[int], seed: int, heads: int = 4, kv_heads: in
         k=torch.randn(len(lens), kv_heads, head_dim, generator=g),
         v=torch.randn(len(lens), kv_heads, head_dim, generator=g),
         k_pool=layout.k_pool, v_pool=layout.v_pool, page_table=layout.page_table,
-        rows=layout.table_idx, positions=layout.seq_lens - 1, scale=1.0 / math.sqrt(head_dim))
+        rows=layout.table_idx, positions=layout.seq_lens - 1,
+        scale=1.0 / math.sqrt(head_dim) if scale is None else scale)
 
 
 def expected_step(a: dict):
@@ -70,9 +73,9 @@ def expected_step(a: dict):
 
 
 def _cases(seed: int, n_random: int) -> list[Case]:
-    def case(name, P, lens, heads=4, kv_heads=2, head_dim=16, kind="edge", seed=0):
+    def case(name, P, lens, heads=4, kv_heads=2, head_dim=16, kind="edge", seed=0, scale=None):
         return Case(name, dict(P=P, lens=lens, heads=heads, kv_heads=kv_heads,
-                               head_dim=head_dim, seed=seed), kind)
+                               head_dim=head_dim, seed=seed, scale=scale), kind)
 
     cases = [
         case("one request, its first token", 4, [1]),
@@ -83,6 +86,9 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         case("four query heads share each K/V head", 2, [5, 8], heads=8, kv_heads=2),
         case("many requests, rows out of order", 2, [3, 9, 1, 6, 4, 11]),
         case("head_dim 12", 4, [6, 10], head_dim=12),
+        case("scale 0.2 (a model's own, not 1/sqrt(head_dim))", 4, [7, 3], scale=0.2),
+        case("page_size 64: the new token opens a page, and one in the middle of one", 64,
+             [65, 30]),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
@@ -91,13 +97,15 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         cases.append(case(f"random {i + 1} (page_size {P})", P,
                           [rng.randint(1, 3 * P + 3) for _ in range(rng.randint(1, 4))],
                           heads=kv_heads * rng.choice([1, 2, 3]), kv_heads=kv_heads,
-                          kind="random", seed=rng.randrange(1000)))
+                          kind="random", seed=rng.randrange(1000),
+                          scale=rng.choice([None, 0.1, 0.5])))
     return cases
 
 
 def _where(a: dict) -> str:
     return (f"  page_size {a['P']}, rows {a['args']['rows'].tolist()}, positions "
-            f"{a['args']['positions'].tolist()}, heads {a['heads']} on {a['kv_heads']} K/V heads")
+            f"{a['args']['positions'].tolist()}, heads {a['heads']} on {a['kv_heads']} K/V heads, "
+            f"scale {a['args']['scale']:.4g}")
 
 
 def _check_pools(case: str, a: dict, want_k, want_v, got_k, got_v) -> None:
@@ -154,6 +162,9 @@ def _diagnose_output(a: dict, want_k, want_v, got) -> str:
         "it attends before writing the new K/V (the new token's slot still held stale values)":
             lambda: paged_attention_reference(q, args["k_pool"], args["v_pool"], table, rows,
                                               positions + 1, args["scale"]),
+        "it uses 1/sqrt(head_dim) instead of the scale it is given (a model passes its own)":
+            lambda: paged_attention_reference(q, want_k, want_v, table, rows, positions + 1,
+                                              1.0 / math.sqrt(q.shape[-1])),
         "query head h reads K/V head h % kv_heads; with grouped-query attention it is "
         "h // (heads // kv_heads)":
             lambda: paged_attention_reference(
@@ -185,14 +196,16 @@ def paged_attention_step(fn, *, seed: int = 0, n_random: int = 4) -> int:
 
     def run_one(case: Case) -> None:
         c = case.args
-        args = step_layout(c["P"], c["lens"], c["seed"], c["heads"], c["kv_heads"], c["head_dim"])
+        args = step_layout(c["P"], c["lens"], c["seed"], c["heads"], c["kv_heads"], c["head_dim"],
+                           c["scale"])
         a = {**c, "args": args}
         want_k, want_v, want = expected_step(args)
         # the case and the reference live on the CPU; the learner's step runs on the runtime's device
         on = {name: args[name].to(runtime.DEVICE, copy=True) for name in
               ("q", "k", "v", "k_pool", "v_pool", "page_table", "rows", "positions")}
         got = call_learner(fn, on["q"], on["k"], on["v"], on["k_pool"], on["v_pool"],
-                           on["page_table"], on["rows"], on["positions"], args["scale"])
+                           on["page_table"], on["rows"], on["positions"], args["scale"],
+                           read_only=(0, 1, 2, 5, 6, 7))
         _check_pools(case.name, a, want_k, want_v, on["k_pool"].cpu(), on["v_pool"].cpu())
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
             shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__

@@ -30,10 +30,11 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 
 from .. import runtime
-from . import findings, picture, sandbox
+from . import compiled, findings, inputs, picture, sandbox
 from .audit import Order
 from .failures import Case, CheckFailed, Layout, Segment, fmt_values, label_at
 from .guards import explain_value
+from .messages import learner_traceback
 from .registry import EXERCISES, exercise  # noqa: F401  (kvlab.check.core.EXERCISES, as before)
 
 __all__ = ["Case", "CheckFailed", "Layout", "Segment", "call_learner", "compare_flat",
@@ -41,8 +42,11 @@ __all__ = ["Case", "CheckFailed", "Layout", "Segment", "call_learner", "compare_
 
 
 def compare_flat(expected, got, *, case: str, what: str = "output",
-                 segments: Sequence[Segment] | None = None) -> None:
-    """Compare two 1-D results; raise :class:`CheckFailed` naming the first wrong position."""
+                 segments: Sequence[Segment] | None = None, owned=None) -> None:
+    """Compare two 1-D results; raise :class:`CheckFailed` naming the first wrong position.
+
+    ``owned`` (booleans, one per position): compare only those positions; the context lines
+    show ``·`` at the others (e.g. the slots of another part of the same kernel)."""
     exp_full = torch.as_tensor(expected)
     shape = tuple(exp_full.shape)
     exp = exp_full.flatten().cpu().to(torch.int64)
@@ -59,9 +63,14 @@ def compare_flat(expected, got, *, case: str, what: str = "output",
             f"  expected: {fmt_values(exp)}\n  got:      {fmt_values(g)}",
             case=case, expected=exp, got=g, shape=shape, segments=segments, what=what,
         )
-    wrong = (g != exp).nonzero().flatten().tolist()
+    mine = torch.ones_like(exp, dtype=torch.bool) if owned is None else torch.as_tensor(owned)
+    wrong = ((g != exp) & mine).nonzero().flatten().tolist()
     if not wrong:
         return
+
+    def shown(v, lo, hi):
+        return "[" + ", ".join(str(int(v[j])) if mine[j] else "·" for j in range(lo, hi)) + "]"
+
     i = wrong[0]
     where = label_at(i, segments)
     lo, hi = max(0, i - 3), min(exp.numel(), i + 5)
@@ -69,12 +78,13 @@ def compare_flat(expected, got, *, case: str, what: str = "output",
         f"[{case}] {what} differs at {len(wrong)} of {exp.numel()} positions; "
         f"first at index {i}" + (f" ({where})" if where else "") + "\n"
         f"  expected[{i}] = {int(exp[i])}, got {int(g[i])}\n"
-        f"  expected[{lo}:{hi}] = {fmt_values(exp[lo:hi])}\n"
-        f"  got[{lo}:{hi}]      = {fmt_values(g[lo:hi])}"
+        f"  expected[{lo}:{hi}] = {shown(exp, lo, hi)}\n"
+        f"  got[{lo}:{hi}]      = {shown(g, lo, hi)}"
     )
-    bad_labels = sorted({label_at(j, segments) for j in wrong} - {None})
+    bad_labels = [b for b in dict.fromkeys(label_at(j, segments) for j in wrong) if b]
     if len(bad_labels) > 1:
-        msg += "\n  wrong values appear in: " + "; ".join(bad_labels)
+        msg += "\n  wrong values appear in: " + "; ".join(bad_labels[:8]) + (
+            f"; ... ({len(bad_labels)} in all)" if len(bad_labels) > 8 else "")
     if len(shape) == 2 and shape[1] > 0:  # a table: say which row and column too
         msg += f"\n  (index {i} is row {i // shape[1]}, column {i % shape[1]} of the {what})"
     why = explain_value(int(g[i]), _LAST_SENTINELS)
@@ -100,6 +110,7 @@ class _Attempt:
 _ATTEMPT: _Attempt | None = None  # the case running now (None: outside run_cases)
 _DEPTH = 0  # nested run_cases
 _LAST_SENTINELS: list = []  # the guard values of the latest call, to explain odd values
+_LAST_STORES: tuple = ()  # the tracked stores of the latest call (last_stores)
 
 
 def case_order(index: int) -> Order:
@@ -154,7 +165,7 @@ def _run_case(case: Case, run_one, order: Order) -> CheckFailed | None:
     if audited is None:
         return err  # right in the interpreter: a wrong answer here is the GPU's own
     if err is None or err.accesses or err.label == "crash" or audited.accesses or (
-            audited.label == "program order"):
+            audited.label in ("program order", "part region")):
         return audited.extend("\n  (found by running your kernel again in Triton's "
                               "interpreter, which checks every load and store and runs the "
                               "programs in a changed order)")
@@ -184,9 +195,13 @@ def _attempt(case: Case, run_one, order: Order,
         finally:
             _ATTEMPT = outer
     except CheckFailed as e:
+        if e.label == "compile":  # the kernel's source, whatever the case: no case named
+            return e, attempt
         return _merge_pending(attempt.pending, e, case.name).add_case(case.name), attempt
-    except Exception as e:  # the learner's code raised: say which case and what
-        err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}", case=case.name)
+    except Exception as e:  # the learner's code raised: say which case, what, and where
+        where = learner_traceback(e)
+        err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}"
+                          + (f"\n{where}" if where else ""), case=case.name)
         err.__cause__ = e
         return _merge_pending(attempt.pending, err, case.name), attempt
     if attempt.pending:  # the answer was right, but the code touched memory outside a tensor
@@ -204,8 +219,11 @@ def _merge_pending(pending: list[CheckFailed], err: CheckFailed, case: str) -> C
                      if line not in told)
     if body.startswith(f"[{case}] "):
         body = body[len(case) + 3:]
-    then = "and then: " if err.label in ("crash", "timeout") else "and so the answer is wrong: "
-    err.args = (f"{head}\n  {then}{body}",) + tuple(err.args[1:])
+    if err.label == "part region":  # the checker named the cause: it comes first
+        err.args = (f"{body}\n  and so: {head}",) + tuple(err.args[1:])
+    else:
+        then = "and then: " if err.label in ("crash", "timeout") else "and so the answer is wrong: "
+        err.args = (f"{head}\n  {then}{body}",) + tuple(err.args[1:])
     if not err.band_writes:
         err.band_writes = [w for p in pending for w in p.band_writes]
     err.accesses = [a for p in pending for a in p.accesses] + err.accesses
@@ -242,28 +260,50 @@ def _show_picture(err: CheckFailed) -> None:
 
 
 def call_learner(fn: Callable[..., Any], *args, grid=None, layout: Layout | None = None,
-                 **kwargs):
+                 read_only: Sequence[int | str] = (), track_stores: Sequence[int] = (), **kwargs):
     """Run the learner's function, or Triton kernel when ``grid`` is given: ``fn[grid](*args)``.
 
     Every checker runs learner code through here, inside the safety net
     (:mod:`kvlab.check.sandbox`). Tensors written in place are visible to the caller
     afterwards; the return value is passed back. ``layout`` names the programs and the parts of
-    the outputs in what the safety net reports. Inside :func:`run_cases` a memory finding is
-    told after the comparison (which names the wrong part); outside, it is raised at once.
+    the outputs in what the safety net reports. ``read_only`` lists the arguments (positions in
+    ``args``, or keyword names) that the exercise's statement says the code must only read:
+    each is compared after the call with a copy made before it (:mod:`kvlab.check.inputs`), and
+    a change is named with the argument. A kernel is first compiled for a GPU, once per kernel
+    source (:mod:`kvlab.check.compiled`): a refusal is raised (in the interpreter, after the
+    run, unless the interpreter raises too: its error is told as usual). Inside
+    :func:`run_cases` a memory finding or a changed input is told after the comparison (which
+    names the wrong part); outside, it is raised at once. ``track_stores`` (positions of
+    kernel arguments): in the interpreter, the audit keeps every store into them, with the
+    program and the line that made it, for :func:`last_stores`.
     """
-    global _LAST_SENTINELS
+    global _LAST_SENTINELS, _LAST_STORES
     attempt = _ATTEMPT
+    refused = compiled.problem(fn, args, kwargs) if grid is not None else None
+    if refused and not runtime.INTERPRET:  # on a GPU the launch would only fail to compile too
+        raise CheckFailed(refused, label="compile")
+    frozen = inputs.freeze_args(sandbox.param_names(fn), args, kwargs, read_only)
     out = sandbox.guarded_call(fn, args, kwargs, grid, keep_worker=attempt is not None,
                                order=attempt.order if attempt is not None else Order(),
-                               interpret=attempt is not None and attempt.interpret)
-    _LAST_SENTINELS = out.sentinels
+                               interpret=attempt is not None and attempt.interpret,
+                               track=tuple(_names(fn, track_stores)))
+    _LAST_SENTINELS, _LAST_STORES = out.sentinels, out.stores
+    if refused and out.error is None:  # an error the interpreter raises too is told as before
+        raise CheckFailed(refused, label="compile")
     if attempt is not None:
         attempt.programs = max(attempt.programs, out.programs)
+    found = []
     if out.accesses:
         err = CheckFailed(findings.message(out.accesses, layout or Layout()),
                           label="memory outside a tensor")
         err.band_writes = out.band_writes
         err.accesses = out.accesses
+        found.append(err)
+    changes = [(f.name, how) for f in frozen if (how := inputs.first_change(f))]
+    if changes and out.error is None:
+        trees = any(isinstance(f.copy, inputs.TreeState) and f.name in dict(changes) for f in frozen)
+        found.append(CheckFailed(inputs.message(changes, trees), label="read-only argument changed"))
+    for err in found:
         if attempt is None:
             if out.error is not None:
                 err.extend(f"\n  and then: {out.error}")
@@ -272,6 +312,22 @@ def call_learner(fn: Callable[..., Any], *args, grid=None, layout: Layout | None
     if out.error is not None:
         raise out.error
     return out.value
+
+
+def pending_findings() -> list[CheckFailed]:
+    """What the safety net filed in the case running now (empty outside :func:`run_cases`)."""
+    return list(_ATTEMPT.pending) if _ATTEMPT is not None else []
+
+
+def last_stores() -> tuple:
+    """The audit's :class:`~kvlab.check.audit.Store` records of the latest call's tracked
+    arguments (empty outside the interpreter's audit)."""
+    return _LAST_STORES
+
+
+def _names(fn, positions: Sequence[int]) -> list[str]:
+    names = sandbox.param_names(fn)
+    return [names[i] if i < len(names) else f"argument {i + 1}" for i in positions]
 
 
 def looks_like(got: torch.Tensor, slips: dict[str, Callable[[], torch.Tensor]], atol: float) -> str:

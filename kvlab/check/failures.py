@@ -1,7 +1,9 @@
 """What a check reports, and the vocabulary its messages use.
 
-* :class:`CheckFailed` - the learner's answer is wrong; the message says where and how.
-  :class:`LearnerRaised` - the learner's code raised (possibly in a child process).
+* :class:`CheckFailed` - the learner's answer is wrong; the message says where and how. In
+  IPython (a notebook) it is shown as its message alone (:meth:`CheckFailed._render_traceback_`):
+  the frames of the checker are machinery, not news. :class:`LearnerRaised` - the learner's
+  code raised (possibly in a child process); its message holds the learner's own lines.
 * :class:`Case` - one named input of a checker; :class:`Segment` - a labelled range of a flat
   output ("request 1, part 3"); :class:`Layout` - what a checker tells the safety net about a
   call, so that a memory finding is told in the same words ("by request 1, part 2").
@@ -16,6 +18,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 class CheckFailed(AssertionError):
     """The learner's answer differs from the reference. The message says where and how."""
+
+    #: the call that gave this verdict ("kvlab.check.page_to_token"), set by the registry; a
+    #: failure with one does not stop a notebook's Run All (:mod:`kvlab.check.cells`)
+    checked_by: str | None = None
+    #: one line shown under the message in a notebook (what happens next)
+    footer: str = ""
+    #: (exercise, call) still to be recorded as failing once this failure reaches the top of a
+    #: notebook cell: a failure caught inside the cell (a demonstration) does not count
+    pending: tuple | None = None
 
     def __init__(self, message: str, *, case: str | None = None, expected: Any = None,
                  got: Any = None, wrong: Sequence[int] | None = None, label: str | None = None,
@@ -53,6 +64,20 @@ class CheckFailed(AssertionError):
         """Append ``text`` to the message (a line of advice, the inputs); returns self."""
         self.args = (self.message + text,) + tuple(self.args[1:])
         return self
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython shows instead of a traceback: the message, headed by what failed.
+
+        None of kvlab's frames: a crash in the learner's code is told in the message, with the
+        learner's own lines. Plain Python and pytest ignore this and print the whole traceback.
+        """
+        first, *rest = self.message.splitlines() or [""]
+        head = self.checked_by or type(self).__name__
+        lines = [f"{_RED}✗ {head}:{_PLAIN} {first}", *rest]
+        return lines + ([self.footer] if self.footer else [])
+
+
+_RED, _PLAIN = "\x1b[1;31m", "\x1b[0m"  # bold red in a notebook's error output
 
 
 class LearnerRaised(CheckFailed):

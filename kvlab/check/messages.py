@@ -7,12 +7,17 @@ import re
 import signal
 import traceback
 
-_LIBRARY_PATH = re.compile(r"(site-packages|dist-packages|/lib/python\d|kvlab/check/)")
+_LIBRARY_PATH = re.compile(r"(site-packages|dist-packages|/lib/python\d)")
 _FRAME = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
+#: kvlab's own files (the checkers, and the package code a learner's function may call)
+_KVLAB = os.path.dirname(os.path.dirname(os.path.abspath(__file__))).replace(os.sep, "/") + "/"
 
 
 def is_learner_frame(filename: str) -> bool:
-    return not _LIBRARY_PATH.search(filename.replace(os.sep, "/"))
+    """A frame of the learner's code: not Python's library, an installed package or kvlab."""
+    path = filename.replace(os.sep, "/")
+    return not (_LIBRARY_PATH.search(path) or os.path.abspath(filename).replace(os.sep, "/")
+                .startswith(_KVLAB))
 
 
 def learner_traceback(e: BaseException) -> str:
@@ -29,10 +34,10 @@ def learner_traceback(e: BaseException) -> str:
     innermost = e
     while innermost.__cause__ is not None:
         innermost = innermost.__cause__
-    out = "\n".join(dict.fromkeys(lines))
+    out = list(dict.fromkeys(lines))
     if innermost is not e:
-        out += f"\n  (inner error: {type(innermost).__name__}: {innermost})"
-    return out
+        out.append(f"  (inner error: {type(innermost).__name__}: {innermost})")
+    return "\n".join(out)
 
 
 def is_cuda_error(e: BaseException) -> bool:

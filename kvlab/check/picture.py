@@ -18,18 +18,19 @@ from typing import Sequence
 
 import torch
 
+from ..viz.legibility import MAX_WIDTH_IN
+from . import cells
+
 #: Cells drawn at most per strip; a longer output shows a window around the first wrong cell.
-MAX_CELLS = 48
+#: (32 cells of an output area's width keep a 3-digit number at 7 pt inside its cell.)
+MAX_CELLS = 32
+#: Columns of a table beyond which its cells get colours but no numbers.
+MAX_ANNOTATED_COLUMNS = 16
 
 
 def front_end_present() -> bool:
     """True inside a Jupyter kernel (something can display a figure), False in plain Python."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, "kernel", None) is not None
+    return cells.in_kernel()
 
 
 def show_failure(err) -> bool:
@@ -82,7 +83,7 @@ def strip_figure(expected: torch.Tensor, got: torch.Tensor, *, segments=(), titl
              if i >= n_exp or i >= n_got or int(expected[i]) != int(got[i])]
     lo, hi = _window(n_exp, n_got, wrong)
     width = hi - lo
-    fig, ax = plt.subplots(figsize=(min(16, 1.2 + 0.36 * max(width, 4)), 2.1))
+    fig, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, 1.2 + 0.36 * max(width, 4)), 2.1))
     rows = [("expected", expected), ("got", got)]
     values = torch.cat([expected, got]) if n_exp + n_got else torch.zeros(1)
     vmin, vmax = int(values.min()), int(values.max())
@@ -99,9 +100,9 @@ def strip_figure(expected: torch.Tensor, got: torch.Tensor, *, segments=(), titl
             shade = (v - vmin) / (vmax - vmin) if vmax > vmin else 0.5
             ax.add_patch(Rectangle((x, y), 1, 1, facecolor=cmap(0.15 + 0.7 * shade),
                                    edgecolor="white", lw=0.5))
-            if width <= MAX_CELLS:
-                ax.text(x + 0.5, y + 0.5, str(v), ha="center", va="center",
-                        fontsize=7 if abs(v) < 1000 else 5, color="white")
+            if width <= MAX_CELLS:  # a long number stands on end rather than shrinking
+                ax.text(x + 0.5, y + 0.5, str(v), ha="center", va="center", fontsize=7,
+                        rotation=0 if len(str(v)) <= 3 else 90, color="white")
     for i in wrong:
         if lo <= i < hi:
             ax.add_patch(Rectangle((i - lo, 0), 1, 2, fill=False, edgecolor="red", lw=2))
@@ -148,15 +149,15 @@ def table_figure(expected: torch.Tensor, got: torch.Tensor, *, title: str = "",
             pass
     vmin = int(min(expected.min(), got.min()))
     vmax = int(max(expected.max(), got.max()))
-    fig, axes = plt.subplots(1, 2, figsize=(min(16, 2 + 0.5 * cols * 2), 1.2 + 0.35 * rows),
+    fig, axes = plt.subplots(1, 2, figsize=(min(MAX_WIDTH_IN, 2 + 0.5 * cols * 2), 1.2 + 0.35 * rows),
                              squeeze=False)
     for ax, name, vals in zip(axes[0], ("expected", "got"), (expected, got)):
         ax.imshow(vals.numpy(), cmap="viridis", vmin=vmin, vmax=vmax, aspect="auto",
                   interpolation="nearest")
-        if rows * cols <= 400:
+        if rows * cols <= 400 and cols <= MAX_ANNOTATED_COLUMNS:
             for r in range(rows):
                 for c in range(cols):
-                    ax.text(c, r, str(int(vals[r, c])), ha="center", va="center", fontsize=6,
+                    ax.text(c, r, str(int(vals[r, c])), ha="center", va="center", fontsize=7,
                             color="white")
         for r, c in wrong:
             ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, fill=False, edgecolor="red", lw=2))
@@ -177,7 +178,7 @@ def _page_table_pair(expected: torch.Tensor, got: torch.Tensor, page_size: int, 
 
     rows, cols = expected.shape
     mask = (expected != got).numpy()
-    fig, axes = plt.subplots(1, 2, figsize=(min(16, 3 + 0.45 * cols * 2), 1.6 + 0.4 * rows),
+    fig, axes = plt.subplots(1, 2, figsize=(min(MAX_WIDTH_IN, 3 + 0.45 * cols * 2), 1.6 + 0.4 * rows),
                              squeeze=False)
     for ax, name, vals in zip(axes[0], ("expected", "got"), (expected, got)):
         page_table_heatmap(vals, page_size, ax=ax, highlight=mask, title=f"{name} page table",

@@ -1,17 +1,21 @@
 """The exercises of the course: each checker with its hints and reference solution.
 
 A chapter's checker module registers its checkers with :func:`exercise`; the registered
-checker first asks whether the learner has started at all (:func:`not_attempted`) and
-remembers every outcome (``passed``, ``failed``, ``not attempted``), which
-:mod:`kvlab.check.catalog` reads for ``status`` and ``choose``.
+checker first asks whether the learner has started at all (:func:`not_attempted`), then
+records every outcome that counts (``passed``, ``failed``, ``not attempted``): in
+:data:`STATUS` for this process (:mod:`kvlab.check.catalog` reads it for ``status`` and
+``choose``), in :data:`LAST_CALL` (what ``recheck`` runs again) and in the progress file
+(:mod:`kvlab.check.progress_file`, read by ``progress``). In IPython a failure counts once it
+ends a cell (:mod:`kvlab.check.cells`): one caught inside the cell is a demonstration.
 """
 from __future__ import annotations
 
 import functools
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
+from . import cells, progress_file
 from .failures import CheckFailed
 
 #: The line a starter carries in each region the learner writes: ``# YOUR CODE HERE: <exercise>``.
@@ -28,6 +32,8 @@ class Exercise:
     #: the regions of a shared solution this exercise covers (titles of ``# ---- ... ----`` lines);
     #: empty: the whole solution. ``kvlab.solutions.show`` prints only these.
     solution_regions: tuple[str, ...] = ()
+    #: the chapter module's checker itself (raises CheckFailed), without the bookkeeping
+    grade: Callable[..., Any] | None = None
 
 
 EXERCISES: dict[str, Exercise] = {}
@@ -35,44 +41,89 @@ EXERCISES: dict[str, Exercise] = {}
 #: exercise name -> "passed", "failed" or "not attempted" (the last check of it in this process)
 STATUS: dict[str, str] = {}
 
+#: exercise name -> (fn, args, kwargs) of the last check of it that counted, in this process
+LAST_CALL: dict[str, tuple] = {}
+
+
+class Verdict(NamedTuple):
+    """What one check found: ``state`` is "passed", "failed" or "not attempted"."""
+
+    state: str
+    why: str | None = None  # not attempted: why it counts as untouched
+    error: CheckFailed | None = None  # failed: the failure
+
+
+def verdict(name: str, fn, args: tuple = (), kwargs: dict | None = None,
+            grade: Callable[..., Any] | None = None) -> Verdict:
+    """Run the checker of ``name`` (or ``grade``) on ``fn``; never raises :class:`CheckFailed`,
+    records nothing."""
+    why = not_attempted(fn, name)
+    if why is not None:
+        return Verdict("not attempted", why)
+    try:
+        (grade or EXERCISES[name].grade)(fn, *args, **(kwargs or {}))
+    except CheckFailed as err:
+        if _raised_not_implemented(err):
+            return Verdict("not attempted", "it raises NotImplementedError")
+        return Verdict("failed", error=err)
+    return Verdict("passed")
+
+
+def record(name: str, state: str, call: tuple) -> None:
+    """``state`` is now the outcome of exercise ``name`` (for choose, recheck and progress)."""
+    STATUS[name] = state
+    LAST_CALL[name] = call
+    progress_file.save(name, EXERCISES[name].chapter, state)
+
+
+def not_attempted_line(name: str, why: str) -> str:
+    return (f"not attempted yet: {name} ({why}). Write your answer, then run this cell again; "
+            f"kvlab.check.hint({name!r}, 1) gives a first hint.")
+
 
 def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
              solution: Callable[..., Any] | None = None, solution_regions: Sequence[str] = ()):
     """Decorator: register a checker under ``name`` with its hints and reference solution.
 
-    The registered checker first asks whether the learner has started (see
-    :func:`not_attempted`): an untouched starter is reported in one ``not attempted yet:``
-    line and the checker returns 0 without raising, so a learner can run a whole chapter
-    before writing anything. Every outcome is remembered in :data:`STATUS`.
+    The registered checker prints one line and returns None (nothing for a notebook to echo):
+    ``✓ ...`` when every case passes, ``not attempted yet: ...`` for an untouched starter (see
+    :func:`not_attempted`), so a learner can run a whole chapter before writing anything. A
+    wrong answer raises :class:`CheckFailed`; in a notebook it is shown and Run All goes on
+    (:mod:`kvlab.check.cells`). A chapter's exercises appear in ``kvlab.check.progress()`` and
+    ``recheck`` by being registered here: nothing else lists them.
     """
 
     def register(checker):
         @functools.wraps(checker)
-        def check(fn, *args, **kwargs):
-            why = not_attempted(fn, name)
-            if why is None:
-                try:
-                    result = checker(fn, *args, **kwargs)
-                except CheckFailed as err:
-                    if not _raised_not_implemented(err):
-                        STATUS[name] = "failed"
-                        raise
-                    why = "it raises NotImplementedError"
-                else:
-                    STATUS[name] = "passed"
-                    return result
-            STATUS[name] = "not attempted"
-            print(f"not attempted yet: {name} ({why}). Write your answer, then run this cell "
-                  f"again; kvlab.check.hint({name!r}, 1) gives a first hint.")
-            return 0
+        def check(fn, *args, **kwargs) -> None:
+            found, call = verdict(name, fn, args, kwargs, checker), (fn, args, kwargs)
+            if found.state == "failed":
+                raise _failure(name, found.error, call)
+            if found.state == "not attempted":
+                print(not_attempted_line(name, found.why))
+            record(name, found.state, call)
 
         EXERCISES[name] = Exercise(name, chapter, check, list(hints), solution,
-                                   tuple(solution_regions))
+                                   tuple(solution_regions), checker)
         check.exercise_name = name
         check.hint = lambda level=1: show_hint(name, level)
         return check
 
     return register
+
+
+def _failure(name: str, err: CheckFailed, call: tuple) -> CheckFailed:
+    """``err``, marked as exercise ``name``'s verdict; recorded now, or in IPython when it ends
+    the cell (see :mod:`kvlab.check.cells`)."""
+    err.checked_by = f"kvlab.check.{name}"
+    if cells.watch(lambda pending: record(*pending)):
+        err.pending = (name, "failed", call)
+        if cells.in_kernel():
+            err.footer = (f"(Run All goes on: later cells use the package's version until yours "
+                          f"passes. A hint: kvlab.check.hint({name!r}, 1).)")
+    else:
+        record(name, "failed", call)
+    return err
 
 
 def _source_of(fn) -> str:
@@ -113,17 +164,20 @@ def _raised_not_implemented(err: BaseException | None) -> bool:
     return False
 
 
-def show_hint(name: str, level: int = 1) -> str:
-    """Print hint ``level`` (1, 2, ...) of a registered exercise ``name`` and return it."""
+def hint_text(name: str, level: int = 1) -> str:
+    """Hint ``level`` (1, 2, ...) of a registered exercise ``name``, as :func:`show_hint` prints it."""
     ex = EXERCISES.get(name)
     if ex is None:
         known = ", ".join(sorted(EXERCISES)) or "(none)"
         raise KeyError(f"no exercise named {name!r}; known exercises: {known}")
     if not ex.hints:
-        text = f"No hints are written for {name!r}."
-    elif not 1 <= level <= len(ex.hints):
-        text = f"{name!r} has hints 1 to {len(ex.hints)}."
-    else:
-        text = f"Hint {level}/{len(ex.hints)} for {name}: {ex.hints[level - 1]}"
-    print(text)
-    return text
+        return f"No hints are written for {name!r}."
+    if not 1 <= level <= len(ex.hints):
+        return f"{name!r} has hints 1 to {len(ex.hints)}."
+    return f"Hint {level}/{len(ex.hints)} for {name}: {ex.hints[level - 1]}"
+
+
+def show_hint(name: str, level: int = 1) -> None:
+    """Print hint ``level`` (1, 2, ...) of a registered exercise ``name`` (returns None: a
+    notebook cell ending with it shows the hint once)."""
+    print(hint_text(name, level))

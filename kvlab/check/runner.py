@@ -44,7 +44,7 @@ def invoke(fn, call: dict, accesses: list):
     audit = None
     if grid is not None and runtime.INTERPRET and call.get("order") is not None:
         audit = Audit(extents_of(call["buffers"], call["names"], call["spans"], BAND),
-                      call["order"])
+                      call["order"], call.get("track", ()))
     cuda = [b.device for b in call["buffers"] if b.device.type == "cuda"]
     try:
         with audited(audit) if audit is not None else contextlib.nullcontext(), (
@@ -59,7 +59,7 @@ def invoke(fn, call: dict, accesses: list):
         return ret
     finally:
         if audit is not None:
-            accesses += audit.accesses
+            accesses += audit.accesses + audit.stores  # the stores of tracked arguments too
 
 
 # --- lists and dicts the learner's code changes ------------------------------------------------

@@ -48,7 +48,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 from .. import runtime
-from .audit import Order
+from .audit import Order, Store
 from .failures import CheckFailed, LearnerRaised
 from .findings import Access, merge
 from .guards import (BandWrite, Sentinel, band_accesses, band_writes, copy_back, guard_tensors,
@@ -72,6 +72,7 @@ class Outcome(NamedTuple):
     error: BaseException | None = None  # what the learner's code raised (or the crash)
     programs: int = 0  # programs in the kernel's grid (0: not a kernel)
     where: str = "inprocess"  # "inprocess", "fork" or "spawn"
+    stores: tuple = ()  # the audit's Store records of the tracked arguments
 
 
 def mode() -> str:
@@ -87,7 +88,8 @@ def can_fork() -> bool:
             and not torch.cuda.is_initialized())
 
 
-def _param_names(fn: Callable) -> list[str]:
+def param_names(fn: Callable) -> list[str]:
+    """The names of ``fn``'s positional parameters (a kernel's too), as its author wrote them."""
     target = getattr(fn, "fn", fn)  # a @triton.jit kernel keeps the Python function in .fn
     try:
         params = inspect.signature(target).parameters.values()
@@ -122,7 +124,7 @@ def audit_pass_enabled() -> bool:
 
 def guarded_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grid=None, *,
                  keep_worker: bool = False, order: Order | None = Order(),
-                 interpret: bool = False) -> Outcome:
+                 interpret: bool = False, track: tuple[str, ...] = ()) -> Outcome:
     """Run ``fn(*args, **kwargs)`` (or ``fn[grid](...)``) inside the safety net.
 
     Tensors written in place are copied back into the caller's tensors, and a returned view
@@ -130,6 +132,7 @@ def guarded_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grid=None, *
     next call of the same function (a checker run). ``order``: the order of the grid's
     programs in the interpreter (``None``: no audit). ``interpret``: on a GPU, run a kernel in
     Triton's interpreter instead (a spawned child), under the audit (``where="interpreter"``).
+    ``track``: arguments whose in-bounds stores the audit keeps (``Outcome.stores``).
     """
     programs = _grid_size(grid, fn, args, kwargs)
     if mode() == "off":
@@ -139,7 +142,7 @@ def guarded_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grid=None, *
             return Outcome(None, [], [], [], e, programs, "inprocess")
         return Outcome(value, [], [], [], None, programs, "inprocess")
 
-    names = _param_names(fn)
+    names = param_names(fn)
     found = [pair for i, a in enumerate(args)
              for pair in tensors_in(a, names[i] if i < len(names) else f"argument {i + 1}")]
     found += [pair for k, a in kwargs.items() for pair in tensors_in(a, k)]
@@ -151,7 +154,7 @@ def guarded_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grid=None, *
             "kwargs": replace_tensors(dict(kwargs), mapping), "grid": grid,
             "buffers": [g.buffer for g in guards.storages], "views": views,
             "names": [g.names[0] for g in guards.storages],
-            "spans": [g.span for g in guards.storages], "order": order}
+            "spans": [g.span for g in guards.storages], "order": order, "track": track}
     where = _child_kind(fn, grid, args, kwargs, named)
     accesses: list[Access] = []
     value, error = None, None
@@ -167,6 +170,8 @@ def guarded_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grid=None, *
             value = invoke(fn, call, accesses)
     except Exception as e:  # noqa: BLE001 - the learner's error, or the child's crash
         error = e
+    stores = tuple(a for a in accesses if isinstance(a, Store))
+    accesses = [a for a in accesses if not isinstance(a, Store)]
     value = replace_tensors(value, {id(v): t for (_, t), v in zip(named, views)})
     copy_back(guards)
     writes = band_writes(guards)
@@ -175,7 +180,7 @@ def guarded_call(fn: Callable[..., Any], args: tuple, kwargs: dict, grid=None, *
     seen = merge(accesses + band_accesses(writes) + sentinel_reads(guards, returned))
     if seen:
         close_worker()  # a stray store may have hit the child's own memory: start afresh
-    return Outcome(value, seen, writes, guards.sentinels(), error, programs, where)
+    return Outcome(value, seen, writes, guards.sentinels(), error, programs, where, stores)
 
 
 def _grid_size(grid, fn, args, kwargs) -> int:
@@ -183,7 +188,7 @@ def _grid_size(grid, fn, args, kwargs) -> int:
         return 0
     if callable(grid):
         try:
-            grid = grid(dict(zip(_param_names(fn), args), **kwargs))
+            grid = grid(dict(zip(param_names(fn), args), **kwargs))
         except Exception:  # noqa: BLE001 - the launch itself will say what is wrong
             return 1
     size = 1
@@ -282,7 +287,7 @@ def _run_spawned(fn, call: dict, guards, accesses: list,
         return None, "inprocess"
     if callable(call["grid"]):
         call = {**call, "grid": tuple(call["grid"](
-            dict(zip(_param_names(fn), call["args"]), **call["kwargs"])))}
+            dict(zip(param_names(fn), call["args"]), **call["kwargs"])))}
     worker = _SPAWNED.get(interpret)
     if worker is None or not worker.alive:
         try:

@@ -145,6 +145,30 @@ def ship(obj, seen: dict | None = None) -> Shipped:
     return shipped
 
 
+def to_plain(shipped: Shipped, memo: dict | None = None) -> dict:
+    """``shipped`` as dicts and tuples only, so that a child which has not imported kvlab can
+    unpickle it (:func:`from_plain` turns it back)."""
+    memo = {} if memo is None else memo
+    if id(shipped) in memo:
+        return memo[id(shipped)]
+    plain = memo[id(shipped)] = {f: getattr(shipped, f) for f in
+                                 ("name", "source", "filename", "is_jit", "jit_options", "reference")}
+    plain["refs"] = {name: (kind, to_plain(value, memo) if kind == "function" else value)
+                     for name, (kind, value) in shipped.refs.items()}
+    return plain
+
+
+def from_plain(plain: dict, memo: dict | None = None) -> Shipped:
+    memo = {} if memo is None else memo
+    if id(plain) in memo:
+        return memo[id(plain)]
+    fields = {k: v for k, v in plain.items() if k != "refs"}
+    shipped = memo[id(plain)] = Shipped(**fields)
+    shipped.refs = {name: (kind, from_plain(value, memo) if kind == "function" else value)
+                    for name, (kind, value) in plain["refs"].items()}
+    return shipped
+
+
 def file_names(shipped: Shipped, workdir: Path) -> dict[str, str]:
     """The files :func:`rebuild` writes for ``shipped`` and what it refers to -> their originals."""
     out, todo = {}, [shipped]

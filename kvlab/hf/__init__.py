@@ -7,8 +7,11 @@
 
 Modules: :mod:`~kvlab.hf.attention` (grouped-query paged attention in torch and Triton; needs
 no transformers), :mod:`~kvlab.hf.plugin` (the attention function registered with
-transformers, model checks), :mod:`~kvlab.hf.generator` (the serving loop),
-:mod:`~kvlab.hf.models` (small random models saved and loaded like real ones).
+transformers, model checks), :mod:`~kvlab.hf.step` (one step as the attention calls read it),
+:mod:`~kvlab.hf.prefill` (admission by memory, chunked prefill), :mod:`~kvlab.hf.graphs`
+(decode steps replayed from CUDA graphs, padded with the dummy row),
+:mod:`~kvlab.hf.generator` (the serving loop), :mod:`~kvlab.hf.models` (small random models
+saved and loaded like real ones).
 transformers itself is optional: ``pip install 'kvlab[hf]'``.
 """
 from __future__ import annotations
@@ -16,10 +19,12 @@ from __future__ import annotations
 from .attention import (check_paged_attention_inputs, paged_attention_reference,  # noqa: F401
                         paged_attention_step, paged_decode_attention, prefill_attention)
 from .generator import PagedGenerator, RequestStats, StepInfo  # noqa: F401
+from .graphs import graph_batch_sizes, pad_decode_batch  # noqa: F401
 from .models import tiny_config, tiny_model  # noqa: F401
 from .plugin import ATTENTION_NAME, SUPPORTED, check_model  # noqa: F401
 
-__all__ = ["PagedGenerator", "RequestStats", "StepInfo", "paged_attention_step",
+__all__ = ["PagedGenerator", "RequestStats", "StepInfo", "pad_decode_batch", "graph_batch_sizes",
+           "paged_attention_step",
            "paged_decode_attention", "paged_attention_reference", "prefill_attention",
            "check_paged_attention_inputs", "tiny_config", "tiny_model", "ATTENTION_NAME",
            "SUPPORTED", "check_model"]

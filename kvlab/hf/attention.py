@@ -23,8 +23,8 @@ Shapes (one layer; GQA: ``heads = kv_heads * group``)::
 * :func:`paged_attention_step` -- one decode step of one layer for a batch: write the new K/V
   at the slots the page table names, then paged attention over ``[0, position]`` (the
   chapter's exercise, and what :class:`kvlab.hf.PagedGenerator` runs for every decode token);
-* :func:`prefill_attention` -- several new tokens of one request at once (a prompt), causal,
-  through the row, in torch.
+* :func:`prefill_attention` -- several new tokens of one request at once (a prompt or a chunk
+  of one), causal, through the row, with torch's ``scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ from ..attention import check_paged_attention_inputs, check_rows_mapped, paged_d
 from ..errors import InvalidArgument
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_attention_reference",
-           "paged_decode_attention", "check_step_inputs", "paged_attention_step", "prefill_attention"]
+           "paged_decode_attention", "check_step_inputs", "paged_attention_step", "prefill_mask",
+           "prefill_attention"]
 
 
 # --- the reference ----------------------------------------------------------------------
@@ -107,21 +108,41 @@ def paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions,
 # --- prefill: several new tokens of one request -------------------------------------------
 
 
+def prefill_mask(start: int, T: int, group: int, device=None) -> torch.Tensor:
+    """Which positions each query of a prefill reads: ``[group * T, start + T]`` bool.
+
+    Query ``t`` (at position ``start + t``) reads positions ``<= start + t``; the ``T`` rows
+    repeat once per query head of a K/V head's group (see :func:`prefill_attention`)."""
+    seen = torch.arange(start + T, device=device)[None, :] <= (start + torch.arange(T, device=device))[:, None]
+    return seen.repeat(group, 1)
+
+
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                      slots: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+                      slots: torch.Tensor, start: int, scale: float, *,
+                      mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of ``T`` new tokens at positions ``start .. start+T-1`` of one request.
 
     ``q``: ``[T, heads, head_dim]``; ``slots``: the request's slots of positions
     ``0 .. start+T-1`` (its page-table row), whose K/V -- the cached prefix and the new
     tokens -- are in the pools already. Query ``t`` sees positions ``<= start + t``.
-    Returns ``[T, heads, head_dim]`` float32.
+    Returns ``[T, heads, head_dim]`` in ``q``'s dtype.
+
+    Grouped-query attention without copying K/V for each query head: the ``group`` query
+    heads of one K/V head become ``group * T`` queries of that head (``mask``, from
+    :func:`prefill_mask`, says what each reads; a step builds it once for all layers)::
+
+        q [T, heads, d] -> [kv_heads, group * T, d]      k, v [kv_heads, S, d]
     """
-    T, heads, _ = q.shape
-    group = heads // k_pool.shape[1]
-    k = k_pool[slots].float().repeat_interleave(group, dim=1)      # [S, heads, head_dim]
-    v = v_pool[slots].float().repeat_interleave(group, dim=1)
-    S = k.shape[0]
-    scores = torch.einsum("thd,shd->hts", q.float(), k) * scale
-    seen = torch.arange(S, device=q.device)[None, :] <= (start + torch.arange(T, device=q.device))[:, None]
-    scores = scores.masked_fill(~seen, float("-inf"))
-    return torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v)
+    T, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    if mask is None:
+        mask = prefill_mask(start, T, group, q.device)
+    k = k_pool[slots].transpose(0, 1).to(q.dtype)                 # [kv_heads, S, d]
+    v = v_pool[slots].transpose(0, 1).to(q.dtype)
+    grouped = q.transpose(0, 1).reshape(kv_heads, group * T, head_dim)  # head h = kv * group + g
+    # four dimensions (batch 1): with three, torch runs its plain matrix-product path on a GPU
+    # (torch 2.11 on an H200); with four, a fused kernel (kvlab.hf.step.PREFILL_BACKENDS)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped[None], k[None], v[None], attn_mask=mask[None, None], scale=scale)[0]
+    return out.reshape(heads, T, head_dim).transpose(0, 1)

@@ -15,6 +15,13 @@ the sync it makes anyway (a call without host lengths needs the page count), or 
 such point; :mod:`kvlab.alloc_checks` turns a refusal into the error that names the rule.
 Every load and store is masked against its tensor's length, so even inconsistent input
 cannot make a kernel touch memory out of bounds.
+
+No sum wraps unnoticed. Lengths may be anything below 2**63, so ``seq + P - 1`` could wrap:
+a request's pages are ``seq // P + (seq % P != 0)`` instead. The batch's totals (tokens and new
+pages) add per-request terms clamped to :data:`TOTAL_LIMIT` (2**50) and saturate there, so they
+are exact below the limit and at least the limit otherwise; a batch whose totals reach it is
+refused as out of pages (no pool comes near: its output alone would be 8 PiB). The checksums
+wrap on purpose, on the host as here: they are only compared.
 """
 from __future__ import annotations
 
@@ -59,6 +66,9 @@ _HOST_COPIES_DIFFER = tl.constexpr(int(Refusal.HOST_COPIES_DIFFER))
 _OUT_OF_PAGES = tl.constexpr(int(Refusal.OUT_OF_PAGES))
 #: "no request broke a rule": larger than any ``index * 16 + code``
 NONE_BAD = tl.constexpr(1 << 62)
+#: totals at or above this are refused as out of pages (terms are clamped, totals saturate here)
+_TOTAL_LIMIT = tl.constexpr(1 << 50)
+TOTAL_LIMIT = int(_TOTAL_LIMIT.value)
 #: checksum weights: w(i) = h ^ (h >> 29), h = (i + 1) * _MIX (int64, wrapping); the host
 #: computes the same in NumPy (kvlab.alloc_checks.checksum_weights)
 _MIX = tl.constexpr(0x5851F42D4C957F2D)
@@ -99,6 +109,20 @@ def decode_lane_code(seq, last, mask, page_free_ptr, pool_pages, page_size: tl.c
 
 
 @triton.jit
+def page_count(x, page_size: tl.constexpr):
+    """``ceil(x / page_size)`` for ``x >= 0``, without the ``x + page_size - 1`` that wraps near 2**63."""
+    return x // page_size + (x % page_size != 0).to(tl.int64)
+
+
+@triton.jit
+def saturating_total(carry, terms):
+    """``carry + sum(terms)``, exact while below :data:`TOTAL_LIMIT`, else at least it: each term
+    is clamped to the limit (a block of 1024 sums to at most 2**60) and the total stops at 2**51
+    (no int64 sum here can wrap)."""
+    return tl.minimum(carry + tl.sum(tl.minimum(terms, _TOTAL_LIMIT), axis=0), 2 * _TOTAL_LIMIT)
+
+
+@triton.jit
 def first_bad_key(code, offs):
     """``index * 16 + code`` of the first lane with a nonzero code, else ``NONE_BAD``."""
     return tl.min(tl.where(code > 0, offs * 16 + code, NONE_BAD), axis=0)
@@ -133,11 +157,12 @@ def check_and_scan(prefix_lens_ptr, seq_lens_ptr, last_loc_ptr, page_free_ptr, r
         code = tl.where(mask, code, 0)
         first_bad = tl.minimum(first_bad, first_bad_key(code, offs))
         extend = seq - pre
-        new_pages = (seq + page_size - 1) // page_size - (pre + page_size - 1) // page_size
+        new_pages = page_count(seq, page_size) - page_count(pre, page_size)
+        # (the scans are exact whenever the batch is accepted: its totals are then below the limit)
         tl.store(row_ptr + offs, tokens + tl.cumsum(extend, axis=0) - extend, mask=mask)
         tl.store(row_ptr + bs + offs, pages + tl.cumsum(new_pages, axis=0) - new_pages, mask=mask)
-        tokens += tl.sum(extend, axis=0)
-        pages += tl.sum(new_pages, axis=0)
+        tokens = saturating_total(tokens, extend)
+        pages = saturating_total(pages, new_pages)
         weight = checksum_weight(offs)
         sum_pre += tl.sum(pre * weight, axis=0)
         sum_seq += tl.sum(seq * weight, axis=0)
@@ -148,17 +173,20 @@ def check_and_scan(prefix_lens_ptr, seq_lens_ptr, last_loc_ptr, page_free_ptr, r
 def verdict(first_bad, tokens, pages, sum_pre, sum_seq, num_tokens, host_pages, host_copies,
              host_sum_pre, host_sum_seq, num_free):
     """The batch's refusal code (0: go ahead). A broken rule of a request comes first; then
-    host copies that differ from the device tensors; then the caller's counts; then pages."""
+    host copies that differ from the device tensors; then the caller's counts; then pages
+    (more than are free, or totals at :data:`TOTAL_LIMIT`: more than any pool holds)."""
     lane = tl.where(first_bad != NONE_BAD, first_bad % 16, 0)
     copies_differ = (host_copies != 0) & ((tokens != num_tokens) | (pages != host_pages)
                                           | (sum_pre != host_sum_pre) | (sum_seq != host_sum_seq))
     tokens_differ = (num_tokens >= 0) & (tokens != num_tokens)
     pages_differ = (host_pages >= 0) & (pages != host_pages)
+    # (.to: a decode step passes its batch size, an int32 scalar in the interpreter, as tokens)
+    too_many = (pages > num_free) | (pages.to(tl.int64) >= _TOTAL_LIMIT) | (tokens.to(tl.int64) >= _TOTAL_LIMIT)
     return tl.where(lane != 0, lane,
                     tl.where(copies_differ, _HOST_COPIES_DIFFER,
                              tl.where(tokens_differ, _TOKENS_MISMATCH,
                                       tl.where(pages_differ, _PAGES_MISMATCH,
-                                               tl.where(pages > num_free, _OUT_OF_PAGES, 0)))))
+                                               tl.where(too_many, _OUT_OF_PAGES, 0)))))
 
 
 @triton.jit

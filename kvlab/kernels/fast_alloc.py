@@ -48,7 +48,7 @@ import triton.language as tl
 
 from .. import runtime  # noqa: F401  (decides compiled vs interpreter before @triton.jit)
 from .alloc_checks import (NONE_BAD, bad_request, check_and_scan, checksum_weight, decode_lane_code,
-                           first_bad_key, record, verdict)
+                           first_bad_key, page_count, record, verdict)
 from .launch import Entry, Launcher, jit_options
 
 #: Output tokens one fill program writes (a power of two; lanes of one vector).
@@ -97,9 +97,10 @@ def _fill_tokens(t, refused, prefix_lens_ptr, last_loc_ptr, free_pages_ptr, page
 
     # request r's old page ends at ceil(pre/P)*P; tokens past it go on new pages
     #   | old page: last+1 .. | new page 0 | new page 1 | ... | last new page (maybe partial) |
-    old_page_end = (pre + page_size - 1) // page_size * page_size
-    on_old_page = pos < old_page_end
-    free_idx = first_page + pos // page_size - old_page_end // page_size
+    # (counted in pages: ceil(pre/P)*P itself may not fit int64 when pre is near 2**63)
+    pre_pages = page_count(pre, page_size)
+    on_old_page = pos // page_size < pre_pages
+    free_idx = first_page + pos // page_size - pre_pages
     takes_page = (go & (on_old_page == 0) & (free_idx >= 0) & (free_idx < num_free)) != 0
     page = tl.load(free_pages_ptr + free_head + free_idx, mask=takes_page, other=0).to(tl.int64)
     slot = tl.where(on_old_page, last + 1 + k, page * page_size + pos % page_size)
@@ -107,6 +108,13 @@ def _fill_tokens(t, refused, prefix_lens_ptr, last_loc_ptr, free_pages_ptr, page
     # the pages this program hands out are allocated from now on (no pool: nothing to mark)
     mark = (takes_page & (page >= 0) & (page < pool_pages)) != 0
     tl.store(page_free_ptr + page, tl.zeros([BLOCK], dtype=tl.int8), mask=mark)
+
+
+@triton.jit
+def report_word(pages, tokens):
+    """``(pages << 32) | tokens``, the teaching kernels' ``ret_values``; the host reads the pages
+    (``>> 32``), so the tokens are masked to 32 bits: 2**32 tokens or more never spill into them."""
+    return (pages << 32) | (tokens & 0xFFFFFFFF)
 
 
 # --- the kernels ------------------------------------------------------------------------------
@@ -159,7 +167,7 @@ def extend_fused_kernel(
     refused = (code != 0) | (prior != 0)
     if pid == 0:
         pre, seq, last = bad_request(first_bad, prefix_lens_ptr, seq_lens_ptr, last_loc_ptr)
-        record(status_ptr, report_ptr, (pages << 32) | tokens, code, prior, sticky, first_bad, pre, seq,
+        record(status_ptr, report_ptr, report_word(pages, tokens), code, prior, sticky, first_bad, pre, seq,
                 last, tokens, pages, num_tokens, host_pages, num_free, call_id, free_head)
     tl.debug_barrier()  # the row's stores visible to all of this program's threads
     t = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -187,7 +195,7 @@ def extend_scan_kernel(
     code = verdict(first_bad, tokens, pages, sum_pre, sum_seq, num_tokens, host_pages, host_copies,
                     host_sum_pre, host_sum_seq, num_free)
     pre, seq, last = bad_request(first_bad, prefix_lens_ptr, seq_lens_ptr, last_loc_ptr)
-    record(status_ptr, report_ptr, (pages << 32) | tokens, code, prior, sticky, first_bad, pre, seq,
+    record(status_ptr, report_ptr, report_word(pages, tokens), code, prior, sticky, first_bad, pre, seq,
             last, tokens, pages, num_tokens, host_pages, num_free, call_id, free_head)
     tl.store(scratch_ptr + 2 * bs, ((code != 0) | (prior != 0)).to(tl.int64))
 

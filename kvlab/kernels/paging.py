@@ -10,6 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import jit_options
+
 
 @triton.jit
 def page_to_token_kernel(
@@ -34,7 +36,10 @@ def page_to_token_kernel(
     tl.store(out_ptr + token, slot.to(out_ptr.dtype.element_ty), mask=in_range)
 
 
-@triton.jit
+# no specialisation on the number of runs (== 1, a multiple of 16) or on where the slots start
+# (a free list sliced anywhere): one compilation serves every write, so a serving loop that
+# compiled it at start-up never compiles again
+@triton.jit(**jit_options(["num_requests"], ["allocated_ptr"]))
 def write_page_table_kernel(
     page_table_ptr,  # [rows, row_stride] the page table (int32 or int64)
     row_stride,  # elements between two rows of the page table

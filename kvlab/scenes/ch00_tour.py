@@ -8,6 +8,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from ..paging import new_page_table, page_to_token, write_page_table
+from ..viz.legibility import MAX_WIDTH_IN
 from .registry import figure
 
 _REQUEST_COLORS = ["#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860", "#da8bc3",
@@ -115,7 +116,8 @@ def describe_step(s: SchedulerStep) -> str:
     if s.waiting:
         line += f"; waiting: {', '.join(s.waiting)}"
     if s.finished:
-        line += f"; finished: {', '.join(s.finished)} (pages freed)"
+        line += (f"; finished: {', '.join(s.finished)} (whole pages kept in the prefix cache, "
+                 "the rest freed)")
     return line
 
 
@@ -130,7 +132,7 @@ def timeline_figure(steps: Sequence[SchedulerStep] | None = None,
 
     steps = list(steps) if steps is not None else scheduler_timeline(requests)
     names = [r.name for r in requests]
-    fig, ax = plt.subplots(figsize=(1.35 * len(steps) + 2.2, 0.75 * len(names) + 1.6))
+    fig, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, 1.15 * len(steps) + 2.4), 0.75 * len(names) + 1.6))
     for s in steps:
         for e in s.work:
             y = names.index(e.name)
@@ -188,7 +190,7 @@ def fragmentation_figure(lengths: Sequence[int] = (11, 3, 7, 14), max_seq_len: i
     n_req = len(lengths)
     pool = n_req * max_seq_len
     n_pages = pool // page_size
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 3.9),
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(MAX_WIDTH_IN, 4.3),
                                       gridspec_kw={"height_ratios": [n_req, 2.2]})
 
     # Top: each request owns a contiguous run of max_seq_len slots; the unused tail is lost.
@@ -203,7 +205,7 @@ def fragmentation_figure(lengths: Sequence[int] = (11, 3, 7, 14), max_seq_len: i
     top.set_yticks([r + 0.5 for r in range(n_req)], [f"request {r} ({n} tok)" for r, n in enumerate(lengths)],
                    fontsize=8)
     top.set_xticks([])
-    top.set_title(f"contiguous: every request reserves max_seq_len = {max_seq_len} slots up front — "
+    top.set_title(f"contiguous: every request reserves max_seq_len = {max_seq_len} slots up front —\n"
                   f"{wasted} of {pool} slots ({100 * wasted / pool:.0f}%) reserved but unused", fontsize=9,
                   loc="left")
 
@@ -239,9 +241,9 @@ def fragmentation_figure(lengths: Sequence[int] = (11, 3, 7, 14), max_seq_len: i
     bottom.set_ylim(2, 0)
     bottom.set_yticks([])
     bottom.set_xticks([p * page_size + page_size / 2 for p in range(per_row // page_size)],
-                      [f"page {p}" for p in range(per_row // page_size)], fontsize=6)
+                      [f"page {p}" for p in range(per_row // page_size)], fontsize=7)
     free_pages = n_pages - taken
-    bottom.set_title(f"paged (page_size = {page_size}): requests take whole pages from anywhere in the pool — "
+    bottom.set_title(f"paged (page_size = {page_size}): requests take whole pages from anywhere in the pool —\n"
                      f"{tail_waste} slots unused in last pages, {free_pages} pages "
                      f"({free_pages * page_size} slots) still free for new requests", fontsize=9, loc="left")
     handles = [Patch(facecolor=_REQUEST_COLORS[r], label=f"request {r}") for r in range(n_req)]

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ..paging import UNMAPPED, div_ceil, new_page_table, page_to_token, write_page_table
+from ..viz.legibility import MAX_WIDTH_IN
 from .registry import figure
 
 
@@ -59,7 +60,7 @@ def before_after_figure(before: torch.Tensor, after: torch.Tensor, page_size: in
     changed = before != after
     mapped = torch.cat([before[before != UNMAPPED], after[after != UNMAPPED]]) // page_size
     pages = (int(mapped.min()), int(mapped.max())) if mapped.numel() else None  # one colour scale
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 0.42 * before.shape[0] + 1.6))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(MAX_WIDTH_IN, 0.42 * before.shape[0] + 1.8))
     page_table_heatmap(before, page_size, ax=left, colorbar=False, title="before",
                        page_range=pages)
     page_table_heatmap(after, page_size, ax=right, highlight=changed, page_range=pages,

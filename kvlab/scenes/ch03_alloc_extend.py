@@ -10,6 +10,7 @@ from typing import NamedTuple, Sequence
 import numpy as np
 
 from ..reference.alloc import ExtendPlan, alloc_extend_ref, kernel_page_reads_extend, pages_for
+from ..viz.legibility import MAX_WIDTH_IN
 from .registry import figure
 
 #: category ids of the pictures (colours come from tab10 in this order)
@@ -98,6 +99,24 @@ def draw_pool(pic: ExtendPicture, num_pages: int, ax, names: Sequence[str] | Non
     return ax
 
 
+def two_views_figure(pic: ExtendPicture, num_pages: int, names: Sequence[str],
+                     pool_names: Sequence[str], *, annotate: bool | None = None,
+                     logical_title: str | None = None, pool_title: str | None = None):
+    """The logical view over the physical view of one extend, one legend under both."""
+    import matplotlib.pyplot as plt
+
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(MAX_WIDTH_IN, 4.8))
+    draw_logical(pic, top, names=names, annotate=annotate, title=logical_title)
+    draw_pool(pic, num_pages, bottom, names=pool_names, annotate=annotate, title=pool_title)
+    legend = top.get_legend()
+    handles, labels = legend.legend_handles, [t.get_text() for t in legend.get_texts()]
+    top.get_legend().remove()
+    bottom.get_legend().remove()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
 def worked_example() -> ExtendPicture:
     """The source design's example: P = 64, A 70 -> 190, B 128 -> 260 (4 new pages)."""
     return prefill_then_extend([70, 128], [190, 260], 64, [4, 0, 2, 7, 3, 9, 5, 1, 6, 8])
@@ -105,19 +124,12 @@ def worked_example() -> ExtendPicture:
 
 @figure("03_alloc_extend_parts.png")
 def fig_worked_example():
-    import matplotlib.pyplot as plt
-
     pic = worked_example()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 4.4))
-    draw_logical(pic, top, names=["A: 70 -> 190", "B: 128 -> 260"],
-                 title="alloc_extend on the worked example (page_size 64): out_indices = "
-                       "[A 58 | A 62 | B 128 | B 4], 4 new pages")
-    draw_pool(pic, 10, bottom, names=["A", "B"],
-              title=f"where those slots are in the pool (10 pages; free_pages before = {pic.free_before})")
-    top.get_legend().set_bbox_to_anchor((1.01, 1.0))
-    bottom.get_legend().remove()
-    fig.tight_layout()
-    return fig
+    return two_views_figure(
+        pic, 10, ["A: 70 -> 190", "B: 128 -> 260"], ["A", "B"],
+        logical_title="alloc_extend on the worked example (page_size 64): out_indices = "
+                      "[A 58 | A 62 | B 128 | B 4], 4 new pages",
+        pool_title=f"where those slots are in the pool (10 pages; free_pages before = {pic.free_before})")
 
 
 def small_example() -> ExtendPicture:
@@ -127,20 +139,13 @@ def small_example() -> ExtendPicture:
 
 @figure("03_alloc_extend_small.png")
 def fig_small_example():
-    import matplotlib.pyplot as plt
-
     pic = small_example()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 4.2))
-    names = ["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"]
-    draw_logical(pic, top, names=names, annotate=True,
-                 title="logical view: column = token position, a number = the physical slot it got "
-                       "(page_size 4)")
-    draw_pool(pic, 12, bottom, names=["r0", "r1", "r2"], annotate=True,
-              title="physical view: column = slot in the pool, a number = the token position stored "
-                    f"there; free_pages before = {pic.free_before}")
-    bottom.get_legend().remove()
-    fig.tight_layout()
-    return fig
+    return two_views_figure(
+        pic, 12, ["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"], ["r0", "r1", "r2"], annotate=True,
+        logical_title="logical view: column = token position, a number = the physical slot it got "
+                      "(page_size 4)",
+        pool_title="physical view: column = slot in the pool, a number = the token position stored "
+                   f"there\n(free_pages before = {pic.free_before})")
 
 
 def draw_page_reads(prefix_lens: Sequence[int], seq_lens: Sequence[int], page_size: int,
@@ -156,8 +161,10 @@ def draw_page_reads(prefix_lens: Sequence[int], seq_lens: Sequence[int], page_si
     reads = kernel_page_reads_extend(prefix_lens, seq_lens, page_size)
     F = len(free_pages)
     total = max([F] + [i + 1 for r in reads for i in r])
-    if ax is None:
-        _, ax = plt.subplots(figsize=(max(6.0, 0.55 * total + 2), 1.2 + 0.45 * (len(reads) + 1)))
+    own_figure = ax is None
+    if own_figure:
+        _, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, max(6.0, 0.55 * total + 2)),
+                                      1.2 + 0.45 * (len(reads) + 1)))
     colours = plt.get_cmap("tab10")
     # row 0: free_pages itself, then one row per request
     for i in range(total):
@@ -192,6 +199,8 @@ def draw_page_reads(prefix_lens: Sequence[int], seq_lens: Sequence[int], page_si
     ax.legend(handles=[Patch(facecolor="white", edgecolor="#d62728", hatch="//",
                              label="read past the end")], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    if own_figure:  # the legend beside the axes stays inside the figure
+        ax.figure.tight_layout()
     return ax
 
 

@@ -54,7 +54,7 @@ def radix_steps_figure():
     from ..viz.tree import draw_tree_steps
 
     steps, _ = radix_steps()
-    return draw_tree_steps(steps, ncols=4, panel_width=3.6, panel_height=2.9)
+    return draw_tree_steps(steps, ncols=2)
 
 
 @figure("05_shared_prefix.png")

@@ -38,16 +38,18 @@ def page_sizes_figure():
 
 @figure("07_step_views.png")
 def step_views_figure(step: int | None = None):
-    """The explorer's four views of one busy step of the pressured run, in a 2 x 2 grid."""
+    """The explorer's four views of one busy step of the pressured run, one under the other."""
     import matplotlib.pyplot as plt
 
+    from ..viz.legibility import MAX_WIDTH_IN
     from ..viz.sim import VIEWS, describe_step, draw_step
 
     tl = pressured_run()
     if step is None:  # the step with the most mapped cells and a cache_req so far
         step = max(range(len(tl)), key=lambda i: (tl[i].last_regions is not None,
                                                   int((tl[i].page_table >= 0).sum())))
-    fig, axes = plt.subplots(2, 2, figsize=(15, 7.5), gridspec_kw=dict(height_ratios=[1, 1.15]))
+    fig, axes = plt.subplots(4, 1, figsize=(MAX_WIDTH_IN, 12.5),
+                             gridspec_kw=dict(height_ratios=[1, 1.1, 1.5, 0.8]))
     for ax, view in zip(axes.flat, VIEWS):
         draw_step(tl, step, view, ax)
     fig.suptitle(describe_step(tl[step]), fontsize=9)

@@ -6,6 +6,7 @@ import random
 
 import torch
 
+from ..viz.legibility import MAX_WIDTH_IN
 from .registry import figure
 
 #: the chapter's tiny model on the CPU (a GPU run uses the same shape; sizes differ elsewhere)
@@ -40,7 +41,13 @@ def gather_figure(page_size: int = 4):
     for r, n in enumerate(lens):
         slots = [p * P + o for p in pages[r] for o in range(P)][:n]
         table[r, :n] = torch.tensor(slots, dtype=torch.int32)
-    fig, (ax_t, ax_p) = plt.subplots(1, 2, figsize=(12, 3.2), gridspec_kw=dict(width_ratios=[1.1, 1.6]))
+    fig = plt.figure(figsize=(MAX_WIDTH_IN, 4.4))
+    grid = fig.add_gridspec(2, 2, width_ratios=[1.2, 1], height_ratios=[1, 1.2])
+    ax_t, ax_p, ax_note = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[1, :]), fig.add_subplot(grid[0, 1])
+    ax_note.set_axis_off()
+    ax_note.text(0.05, 0.5, "Each row lists where a request's tokens live.\nBelow, the pool: a request's "
+                 "tokens are\nscattered over it, in whole pages; attention\ngathers them through the row.",
+                 va="center", fontsize=8.5, color="#333333")
     page_table_heatmap(table, P, ax=ax_t, page_range=(0, num_pages - 1), colorbar=False,
                        title=f"page table (P={P}): row = request, value = slot")
     ax_t.set_yticks([0, 1])
@@ -54,7 +61,7 @@ def gather_figure(page_size: int = 4):
         fc = colours[owner[s][0]] if s in owner else "#f0f0f0"
         ax_p.add_patch(Rectangle((s, 0), 0.95, 1, fc=fc, ec="#888888", lw=0.4))
         if s in owner:
-            ax_p.text(s + 0.47, 0.5, f"t{owner[s][1]}", ha="center", va="center", fontsize=6.5)
+            ax_p.text(s + 0.47, 0.5, f"t{owner[s][1]}", ha="center", va="center", fontsize=7.5)
     for p in range(num_pages + 1):
         ax_p.plot([p * P - 0.025, p * P - 0.025], [-0.15, 1.15], color="black", lw=1.0)
         if p < num_pages:
@@ -62,9 +69,8 @@ def gather_figure(page_size: int = 4):
     ax_p.set_xlim(-0.5, num_pages * P + 0.5)
     ax_p.set_ylim(-0.7, 1.6)
     ax_p.set_axis_off()
-    ax_p.set_title("K pool of one layer (slots 0..31): t3 = the request's token at position 3\n"
-                   "blue: request A's K vectors, orange: request B's; attention gathers them by row",
-                   fontsize=9)
+    ax_p.set_title("K pool of one layer (slots 0..31): t3 = the request's token at position 3; "
+                   "blue: request A's K vectors, orange: request B's", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -17,6 +17,7 @@ from matplotlib.patches import Rectangle
 
 from ..bench import plots
 from ..reference.alloc import alloc_extend_ref, pages_for
+from ..viz.legibility import MAX_WIDTH_IN
 from .registry import figure
 
 BENCH_JSON = Path(__file__).resolve().parents[2] / "figures" / "bench.json"
@@ -32,18 +33,24 @@ def load_bench(path: "str | Path | None" = None) -> dict:
     return load(str(p))
 
 
+def _syncs(n) -> str:
+    return f"{n} sync" if n == 1 else f"{n} syncs"
+
+
 def public_call_rows(bench: dict, page_size: int = 16) -> list[str]:
-    """One line per public-call case of a saved benchmark: µs per call and syncs per call."""
+    """One line per public-call case of a saved benchmark: µs per call and syncs per call
+    (``19.6 µs, 0 syncs``)."""
     names = ("fast_host_lens", "fast", "teaching", "seed_wrapper")
-    lines = [f"{'alloc_extend':>22} " + " ".join(f"{n:>16}" for n in names)]
+    width = 20
+    lines = [f"{'alloc_extend':>17} " + " ".join(f"{n:>{width}}" for n in names)]
     for r in bench.get("public_extend", []):
         if r["page_size"] != page_size:
             continue
         cells = []
         for n in names:
             e = r["paths"].get(n, {})
-            cells.append(f"{e['loop_us']:8.1f}µs {e.get('syncs', '?')!s:>2}s" if "loop_us" in e else f"{'skipped':>16}")
-        lines.append(f"{r['case'] + ' P=' + str(page_size):>22} " + " ".join(f"{c:>16}" for c in cells))
+            cells.append(f"{e['loop_us']:.1f} µs, {_syncs(e.get('syncs', '?'))}" if "loop_us" in e else "skipped")
+        lines.append(f"{r['case'] + ' P=' + str(page_size):>17} " + " ".join(f"{c:>{width}}" for c in cells))
     return lines
 
 
@@ -61,13 +68,13 @@ def fill_mapping_figure(prefix_lens=(6, 4, 0, 9), seq_lens=(11, 4, 11, 15), page
     starts = plan.output_starts
     colors = plt.get_cmap("tab10").colors
 
-    fig, ax = plt.subplots(figsize=(min(16, 0.62 * T + 2.5), 3.6))
+    fig, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, 0.62 * T + 2.5), 3.8))
     for t in range(T):
         r, part = plan.parts[t]
         ax.add_patch(Rectangle((t, 0), 1, 1, facecolor=colors[r % 10], alpha=0.35 if part == 1 else 0.8,
                                edgecolor="white", hatch="//" if part == 1 else None))
         ax.text(t + 0.5, 0.5, str(plan.out_indices[t]), ha="center", va="center", fontsize=7)
-        ax.text(t + 0.5, -0.25, str(t), ha="center", va="center", fontsize=6, color="gray")
+        ax.text(t + 0.5, -0.25, str(t), ha="center", va="center", fontsize=7, color="gray")
     for p0 in range(0, T + 1, block):  # program boundaries
         ax.axvline(p0, color="black", lw=2)
         if p0 < T:
@@ -81,9 +88,10 @@ def fill_mapping_figure(prefix_lens=(6, 4, 0, 9), seq_lens=(11, 4, 11, 15), page
     ax.set_xlim(-0.2, T + 0.2)
     ax.set_ylim(-0.5, 2.6)
     ax.axis("off")
-    ax.set_title(f"Fast fill, page_size {P}, BLOCK {block}: each program finds its positions' requests in "
-                 f"token_start (binary search);\nhatched = rest of the old page (last_loc + 1 + k), solid = "
-                 f"new pages (free_pages[page_start + j] * P + pos % P). Numbers are slots.", fontsize=9)
+    ax.set_title(f"Fast fill, page_size {P}, BLOCK {block}: each program finds its positions' requests\n"
+                 f"in token_start (binary search); numbers are slots, t under each cell. Hatched = rest of\n"
+                 f"the old page (last_loc + 1 + k); solid = new pages (free_pages[page_start + j] * P + pos % P)",
+                 fontsize=9)
     return fig
 
 

@@ -1,11 +1,15 @@
 """Chapter 10's scenes: where kvlab plugs into a transformers model, a conversation that
-re-sends its history, and the pictures of what the prefix cache saved. Seeded; the schematic
-needs no transformers."""
+re-sends its history, the pictures of what the prefix cache saved, and a decode step padded
+with the dummy row. Seeded; the schematic and the padded step need no transformers."""
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
+if TYPE_CHECKING:
+    import torch
+
+from ..viz.legibility import MAX_WIDTH_IN
 from .registry import figure
 
 
@@ -49,9 +53,9 @@ def plug_in_figure():
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Rectangle
 
-    fig, ax = plt.subplots(figsize=(11, 4.2))
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 3.9))
     ax.set_xlim(0, 11)
-    ax.set_ylim(0, 4.2)
+    ax.set_ylim(0, 4.4)
     ax.axis("off")
     model_boxes = ["embed", "RMSNorm", "q, k, v proj", "RoPE", "attention", "o_proj + residual",
                    "RMSNorm", "MLP + residual", "lm_head"]
@@ -72,7 +76,8 @@ def plug_in_figure():
     # the page table and the pool
     P = 4
     table = [[8, 9, 10, 11, 20, 21], [8, 9, 10, 11, 4, -1]]
-    ax.text(5.2, 4.05, "page table (row = request, column = position)", ha="center", fontsize=9)
+    ax.text(5.2, 3.86, "page table\n(row = request, column = position)", ha="center", va="bottom",
+            fontsize=9)
     for r, row in enumerate(table):
         for t, slot in enumerate(row):
             x, yy = 3.9 + t * 0.42, 3.4 - r * 0.42
@@ -84,7 +89,8 @@ def plug_in_figure():
     ax.text(3.85, 3.17, "B", ha="right", va="center", fontsize=8)
     ax.text(5.2, 2.75, "positions 0-3: one cached page, shared", ha="center", fontsize=7.5, color="#31a354")
 
-    ax.text(8.9, 4.05, "K/V pool of one layer: [slots, kv_heads, head_dim]", ha="center", fontsize=9)
+    ax.text(8.9, 3.86, "K/V pool of one layer\n[slots, kv_heads, head_dim]", ha="center", va="bottom",
+            fontsize=9)
     owner = {8: "#a1d99b", 9: "#a1d99b", 10: "#a1d99b", 11: "#a1d99b", 20: "#9ecae1", 21: "#9ecae1",
              4: "#fdae6b"}
     for s in range(24):
@@ -138,4 +144,125 @@ def conversation_rows(rows: Sequence, prompt_lens: Sequence[int], cached: Sequen
                             max_cells=max_cells, row_label="turn (row 0 each time)")
     ax.set_yticks(range(turns))
     ax.set_yticklabels([f"turn {t + 1}" for t in range(turns)], fontsize=8)
+    return ax
+
+
+class PaddedStep(NamedTuple):
+    """One decode step padded to a captured batch size (plain data, on the CPU)."""
+
+    page_table: "torch.Tensor"   # [rows + 1, cols]: the last row is the dummy request's
+    page_size: int
+    dummy_row: int
+    dummy_page: int
+    running: int                 # real lanes; the rest are padding
+    rows: list[int]              # per lane: page-table row
+    positions: list[int]         # ... the position of its new token
+    slots: list[int]             # ... where its K/V goes: page_table[row, position]
+
+
+def padded_step(seed: int = 0, page_size: int = 4, running: int = 5, rows: int = 8,
+                sizes: Sequence[int] = (1, 2, 4, 8), num_pages: int = 40) -> PaddedStep:
+    """A small manager whose ``running`` requests (random prompt lengths, rows in random order)
+    have prefilled; their next decode step, padded with the dummy row to the next size."""
+    import torch
+
+    from ..cache_manager import CacheManager
+    from ..hf.graphs import pad_decode_batch
+    from ..paging import new_page_table
+    from ..req import Req
+
+    rng = random.Random(seed)
+    table = new_page_table(rows, 6 * page_size, page_size, device="cpu")
+    dummy_row, dummy_page = rows, num_pages
+    table[dummy_row] = dummy_page * page_size          # every entry: the dummy page's first slot
+    manager = CacheManager(num_pages, page_size, table, page_table_writer="host")
+    free = rng.sample(range(rows), running)
+    reqs = [Req([rng.randrange(100) for _ in range(rng.randint(2, 4 * page_size))], row) for row in free]
+    manager.complete_step(manager.prefill(reqs), [rng.randrange(100) for _ in reqs])
+    step = manager.decode_step(reqs)
+    lanes = pad_decode_batch(torch.tensor(step.table_idx), torch.tensor(step.start), table, sizes, dummy_row)
+    return PaddedStep(table.clone(), page_size, dummy_row, dummy_page, running,
+                      *(t.tolist() for t in lanes))
+
+
+@figure("10_padded_step.png")
+def padded_step_figure(step: "PaddedStep | None" = None):
+    """Top: the page table, each lane's cell outlined (what it writes and, up to it, reads);
+    the dummy row maps only the dummy page. Below: the lanes of the padded step."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+    from matplotlib.patches import Rectangle
+
+    from ..viz import page_table_heatmap
+
+    step = step if step is not None else padded_step()
+    table = step.page_table.numpy()
+    lanes = len(step.rows)
+    cols = max(step.positions) + 2
+    hit = np.zeros(table.shape, dtype=bool)
+    for r, p in zip(step.rows, step.positions):
+        hit[r, p] = True
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(MAX_WIDTH_IN, 7.4), gridspec_kw=dict(height_ratios=[3, 2]))
+    page_table_heatmap(table[:, :cols], step.page_size, ax=ax1, highlight=hit[:, :cols], colorbar=False,
+                       annotate=True, row_label="page-table row")
+    ax1.set_yticks(range(table.shape[0]))
+    ax1.set_yticklabels([f"{r}" if r != step.dummy_row else f"{r} (dummy)" for r in range(table.shape[0])],
+                        fontsize=9)
+    ax1.set_title(f"page table, P={step.page_size}: outlined = the cell each lane writes;\n"
+                  f"the dummy row maps page {step.dummy_page} only", fontsize=10)
+    ax2.axis("off")
+    ax2.set_xlim(0, lanes + 1.6)
+    ax2.set_ylim(0, 4.2)
+    for y, (name, values) in zip((2.6, 1.7, 0.8), (("row", step.rows), ("position", step.positions),
+                                                    ("slot", step.slots))):
+        ax2.text(1.5, y + 0.35, name, ha="right", va="center", fontsize=10)
+        for b, v in enumerate(values):
+            pad = b >= step.running
+            ax2.add_patch(Rectangle((1.6 + b, y), 0.95, 0.7, fc="#d9d9d9" if pad else "#c6dbef",
+                                    ec="#555555", lw=0.6))
+            ax2.text(2.075 + b, y + 0.35, str(v), ha="center", va="center", fontsize=10)
+    for b in range(lanes):
+        ax2.text(2.075 + b, 3.55, str(b), ha="center", va="center", fontsize=9, color="#555555")
+    ax2.text(1.5, 3.55, "lane", ha="right", va="center", fontsize=10)
+    ax2.text(1.6 + step.running + (lanes - step.running) / 2, 0.35, "padding: the dummy request",
+             ha="center", va="center", fontsize=9, color="#555555")
+    ax2.set_title(f"{step.running} running requests padded to the captured size {lanes}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def long_prompt_workload(seed: int = 0, long_prompt: int = 60, short: int = 3):
+    """``short`` requests that decode for a while, and one long prompt arriving at step 3:
+    does it stall them (whole prompts) or share the steps with them (chunks)?"""
+    from ..sim.workloads import RequestSpec, Workload
+
+    rng = random.Random(seed)
+
+    def tokens(n):
+        return tuple(rng.randrange(100) for _ in range(n))
+
+    reqs = [RequestSpec(i, tokens(rng.randint(4, 8)), tokens(12), 0, tag="short") for i in range(short)]
+    reqs.append(RequestSpec(short, tokens(long_prompt), tokens(4), 3, tag="long prompt"))
+    return Workload("long_prompt", "short requests decoding, then one long prompt", tuple(reqs))
+
+
+def prefill_per_step(timelines: dict, budget: int, ax=None):
+    """Prompt tokens computed per step, one group of bars per run, the budget as a line; a
+    dot where running requests decoded."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.2))
+    width = 0.8 / len(timelines)
+    colors = ["#fd8d3c", "#2e7d32", "#5b7fbf"]
+    for j, (name, tl) in enumerate(timelines.items()):
+        xs = [s.step - 0.4 + width * (j + 0.5) for s in tl.steps]
+        ax.bar(xs, [s.prefill_tokens for s in tl.steps], width, color=colors[j % 3], label=name)
+        ax.scatter([x for x, s in zip(xs, tl.steps) if s.decoded], [-2] * sum(bool(s.decoded) for s in tl.steps),
+                   marker="|", color=colors[j % 3], s=40)
+    ax.axhline(budget, color="black", ls="--", lw=1)
+    ax.text(0, budget + 1, f"token budget per step ({budget})", fontsize=9, va="bottom")
+    ax.set_xlabel("step (ticks below: running requests decoded in that step)")
+    ax.set_ylabel("prompt tokens computed")
+    ax.legend(fontsize=9, loc="upper right")
     return ax

@@ -27,7 +27,11 @@ Out of pages: a *waiting* request waits (it is not admitted until memory allows)
 back to the front of the queue with everything it generated so far -- its prompt pages
 stay in the prefix cache (unlocked), so its re-prefill is mostly a cache hit, unless
 they were evicted meanwhile. The token budget bounds prefill tokens per step, but the
-first admitted request of a step always goes (there is no chunked prefill).
+first admitted request of a step always goes -- unless ``chunked_prefill`` is on: then a
+prompt gets ``min(budget left, tokens it still has to compute)`` tokens per step (mini-sglang's
+``PrefillAdder``, ``scheduler/prefill.py``), keeps its row and its locked cache handle between
+chunks, goes first in the next step, produces its first token with its last chunk and is
+cached (``cache_req(finished=False)``) only then.
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ from ..args import check_page_size, div_ceil
 from ..cache_manager import CacheManager, ForwardBatch, Req
 from ..errors import IntegrityError, InvalidArgument
 from ..paging import new_page_table
-from ..radix_cache import RadixNode, RadixPrefixCache
+from .caches import counting_cache, free_page_ids
 from .timeline import MemorySplit, RequestStats, StepRecord, Timeline
 from .workloads import RequestSpec, Workload
 
@@ -69,20 +73,11 @@ class SimConfig:
     prefill_budget: int = 128
     max_seq_len: int | None = None
     cache_after_prefill: bool = True     # cache_req(finished=False) right after prefill
+    chunked_prefill: bool = False        # cut prompts into chunks of the budget left in a step
     remap_duplicates: bool = True        # False: the source design's stale row (caught by checks)
     page_table_writer: str = "host"      # "host" scatter (no kernel launch: fast in the interpreter) or "triton"
     max_steps: int = 5000
-
-
-class _CountingCache(RadixPrefixCache):
-    """The real radix cache, counting what eviction frees (for the timeline)."""
-
-    evicted_tokens = 0
-
-    def evict_leaves(self, num_tokens: int) -> list[RadixNode]:
-        evicted = super().evict_leaves(num_tokens)
-        self.evicted_tokens += sum(node.length for node in evicted)
-        return evicted
+    prefix_cache: str = "radix"          # or "hash" / "hash_uncached_first" (chapter 11; kvlab.sim.caches)
 
 
 @dataclass
@@ -93,6 +88,7 @@ class _Live:
     req: Req | None = None
     admit_order: int = -1
     done: bool = False
+    prefilled: bool = False     # its whole prompt is computed: it decodes
 
 
 @dataclass
@@ -101,6 +97,7 @@ class _StepLog:
     admitted: list[int] = field(default_factory=list)
     decoded: list[int] = field(default_factory=list)
     finished: list[int] = field(default_factory=list)
+    chunked: list[int] = field(default_factory=list)
     aborted: list[int] = field(default_factory=list)
     preempted: list[int] = field(default_factory=list)
     prefill_tokens: int = 0
@@ -135,7 +132,7 @@ class Simulator:
         self.workload = workload
         self.config = config
         self.page_table = new_page_table(config.max_running, max_seq_len, P, device)
-        self.cache = _CountingCache(P, device=self.page_table.device)
+        self.cache = counting_cache(config.prefix_cache, P, config.num_pages, self.page_table.device)
         self.manager = CacheManager(config.num_pages, P, self.page_table, self.cache,
                                     page_table_writer=config.page_table_writer,
                                     remap_duplicates=config.remap_duplicates)
@@ -147,7 +144,8 @@ class Simulator:
         self._finish_step: dict[int, int] = {}
         self._admits = 0
         self._last_regions: tuple = (None, -1, -1)   # (CacheRegions, rid, step) of the latest cache_req
-        self.timeline = Timeline(workload.name, P, config.num_pages, config.max_running)
+        self.timeline = Timeline(workload.name, P, config.num_pages, config.max_running,
+                                 prefix_cache=config.prefix_cache)
         for r in workload.requests:
             self.timeline.requests[r.rid] = RequestStats(r.rid, r.tag, len(r.prompt), len(r.output))
 
@@ -169,17 +167,23 @@ class Simulator:
         live.req = None
 
     def _complete(self, batch: ForwardBatch, lives: list[_Live], log: _StepLog) -> None:
-        """After the (pretend) forward pass: each request produced its next token. The manager
-        records them and caches what the phase asks; here the bookkeeping of a run."""
-        done = [live.generated + 1 == len(live.spec.output) for live in lives]
-        tokens = [live.spec.output[live.generated] for live in lives]
+        """After the (pretend) forward pass: each request produced its next token (a chunk of
+        a prompt that goes on produces none). The manager records them and caches what the
+        phase asks; here the bookkeeping of a run."""
+        chunk = [end < live.req.input_len for live, end in zip(lives, batch.end)]
+        done = [not c and live.generated + 1 == len(live.spec.output) for live, c in zip(lives, chunk)]
+        tokens = [None if c else live.spec.output[live.generated] for live, c in zip(lives, chunk)]
         settled = self.manager.complete_step(batch, tokens, done,
                                              cache_prompt=self.config.cache_after_prefill)
         live_of = {live.req: live for live in lives}
         if settled:
             req, log.regions = settled[-1]
             log.regions_rid = live_of[req].spec.rid
-        for live, finished in zip(lives, done):
+        for live, finished, chunked in zip(lives, done, chunk):
+            if chunked:
+                log.chunked.append(live.spec.rid)
+                continue
+            live.prefilled = True
             live.generated += 1
             self.timeline.requests[live.spec.rid].generated = live.generated
             if batch.phase == "decode":
@@ -221,7 +225,7 @@ class Simulator:
 
     def _decode(self, log: _StepLog) -> None:
         while self._running:
-            batch = [live.req for live in self._running.values()]
+            batch = [live.req for live in self._running.values() if live.prefilled]
             if self.manager.pages_needed(batch) <= self.manager.available_pages:
                 break
             youngest = max(self._running.values(), key=lambda live: live.admit_order)
@@ -231,37 +235,56 @@ class Simulator:
             self._waiting.appendleft(youngest)
             self.timeline.requests[youngest.spec.rid].preemptions += 1
             log.preempted.append(youngest.spec.rid)
-        lives = list(self._running.values())
+        lives = [live for live in self._running.values() if live.prefilled]
         if lives:
             batch = self.manager.decode_step([live.req for live in lives])
             self._complete(batch, lives, log)
 
+    def _chunk(self, req: Req, budget: int) -> int:
+        """Tokens ``req`` computes this step: the rest of its prompt, or with chunked prefill
+        at most the budget left (mini-sglang: ``chunk_size = min(token_budget, remain_len)``)."""
+        remain = req.input_len - req.cached_len
+        return min(budget, remain) if self.config.chunked_prefill else remain
+
     def _prefill(self, log: _StepLog) -> None:
         lives: list[_Live] = []
-        tokens = 0
-        while self._waiting and self._free_rows:
+        budget = self.config.prefill_budget
+        # prompts begun in an earlier step go first, on the row and handle they kept
+        for live in [l for l in self._running.values() if not l.prefilled]:
+            chunk = self._chunk(live.req, budget)
+            live.req.device_len = live.req.cached_len + chunk
+            if chunk <= 0 or (self.manager.pages_needed([l.req for l in lives] + [live.req])
+                              > self.manager.available_pages):
+                live.req.device_len = live.req.cached_len + 1
+                budget = 0                         # no newcomer overtakes a prompt begun earlier
+                break
+            budget -= chunk
+            lives.append(live)
+        while self._waiting and self._free_rows and (budget > 0 or not self.config.chunked_prefill):
             live = self._waiting[0]
             req = Req(list(live.input_ids), self._free_rows[0], rid=live.spec.rid)
             self.manager.admit(req)                # match_req + lock + map the hit into the row
-            extend = req.device_len - req.cached_len
-            over_budget = bool(lives) and tokens + extend > self.config.prefill_budget
+            chunk = self._chunk(req, budget)
+            req.device_len = req.cached_len + chunk
+            over_budget = bool(lives) and chunk > budget
             # admit() locked the hit, so evictable pages are counted after it
             no_memory = (self.manager.pages_needed([l.req for l in lives] + [req])
                          > self.manager.available_pages)
             if over_budget or no_memory:
                 self.manager.release_req(req)      # undo the admission: unlock, clear the row
                 break
+            budget -= chunk
             self._waiting.popleft()
             self._free_rows.pop(0)
             live.req = req
             live.admit_order = self._admits
             self._admits += 1
             self._running[live.spec.rid] = live
+            live.prefilled = False
             lives.append(live)
-            tokens += extend
             log.admitted.append(live.spec.rid)
             log.hit_tokens += req.cached_len
-            log.prompt_tokens += req.device_len
+            log.prompt_tokens += req.input_len
             stats = self.timeline.requests[live.spec.rid]
             if stats.first_admit_step < 0:
                 stats.first_admit_step, stats.hit_tokens = self.step_no, req.cached_len
@@ -281,7 +304,7 @@ class Simulator:
     def check(self) -> None:
         """Every invariant, naming the step and the request when one breaks."""
         P = self.config.page_size
-        free = set((self.manager.free_slots // P).tolist())
+        free = set(free_page_ids(self.manager, cached_too=True))  # no running row reads these
         for rid, live in self._running.items():
             req = live.req
             row = self.page_table[req.table_idx, : req.cached_len].tolist()
@@ -316,13 +339,14 @@ class Simulator:
                              info.protected_size // P, private)
         return StepRecord(
             step=self.step_no, arrived=tuple(log.arrived), admitted=tuple(log.admitted),
-            decoded=tuple(log.decoded), finished=tuple(log.finished), aborted=tuple(log.aborted),
+            decoded=tuple(log.decoded), finished=tuple(log.finished), chunked=tuple(log.chunked),
+            aborted=tuple(log.aborted),
             preempted=tuple(log.preempted), waiting=tuple(l.spec.rid for l in self._waiting),
             prefill_tokens=log.prefill_tokens, hit_tokens=log.hit_tokens,
             prompt_tokens=log.prompt_tokens, evicted_tokens=log.evicted_tokens,
             memory=memory, wasted_slots=wasted,
             page_table=self.page_table[: self.config.max_running].clone().cpu(),
-            row_rids=tuple(row_rids), free_pages=tuple((self.manager.free_slots // P).tolist()),
+            row_rids=tuple(row_rids), free_pages=free_page_ids(self.manager),
             tree=self.cache.snapshot(), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
             last_regions=self._last_regions[0], last_regions_rid=self._last_regions[1],
             last_regions_step=self._last_regions[2])
@@ -343,6 +367,7 @@ class Simulator:
         self.check()
         record = self._snapshot(log)
         self.timeline.steps.append(record)
+        self.timeline.cache_ops = self.cache.op_stats()
         self.step_no += 1
         return record
 

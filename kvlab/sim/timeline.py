@@ -3,11 +3,12 @@
 Each record is a small, self-contained snapshot -- plain tensors and tuples, no live
 objects -- so a timeline can be scrubbed, plotted and compared after the run:
 
-    step k:  events (arrived, admitted, finished, aborted, preempted)
+    step k:  events (arrived, admitted, chunked, finished, aborted, preempted)
              page table   rows 0..max_running-1, columns up to the longest mapped position
              free list    page ids in free-list order
              memory       pages: free | cached (evictable) | cached (locked) | private
-             cache tree   a TreeSnapshot: RadixPrefixCache.snapshot(), drawn by kvlab.viz.draw_tree
+             cache tree   the prefix cache's snapshot(): a TreeSnapshot (radix, drawn by
+                          kvlab.viz.draw_tree) or a HashSnapshot (chapter 11's hash cache)
              last cache_req regions (if any this step)
 """
 from __future__ import annotations
@@ -56,12 +57,13 @@ class StepRecord:
     page_table: torch.Tensor             # [max_running, cols] int32 (cropped copy, on CPU)
     row_rids: tuple[int, ...]            # rid owning each row (-1: free row)
     free_pages: tuple[int, ...]          # free list, in order (page ids)
-    tree: object                         # the prefix cache's snapshot() (a kvlab.radix_node.TreeSnapshot)
+    tree: object                         # the prefix cache's snapshot() (TreeSnapshot or HashSnapshot)
     cache_evictable: int                 # size_info, in tokens
     cache_protected: int
     last_regions: object | None = None   # the latest kvlab.CacheRegions up to this step
     last_regions_rid: int = -1           # ... of which request
     last_regions_step: int = -1          # ... made at which step
+    chunked: tuple[int, ...] = ()        # rids that computed a chunk of their prompt, not its end
 
 
 @dataclass
@@ -106,6 +108,8 @@ class Timeline:
     max_running: int
     steps: list[StepRecord] = field(default_factory=list)
     requests: dict[int, RequestStats] = field(default_factory=dict)
+    prefix_cache: str = "radix"          # which cache ran (kvlab.sim.caches.PREFIX_CACHES)
+    cache_ops: object = None             # kvlab.sim.caches.CacheOpStats: calls and host time
 
     def __len__(self) -> int:
         return len(self.steps)

@@ -1,7 +1,8 @@
 """Reference solutions, shown on request: ``kvlab.solutions.show("page_to_token")``.
 
-Solutions are registered with their exercise (see :mod:`kvlab.check.core`); this module
-prints their source so a learner who is stuck can read one, and returns the function.
+Solutions are registered with their exercise (see :mod:`kvlab.check.registry`); this module
+prints their source so a learner who is stuck can read one (:func:`show`; :func:`source` gives
+the text, :func:`get` the function).
 
 Some exercises share one solution and each write a part of it: chapter 03's three
 exercises are the three parts of one kernel. Such an exercise is registered with
@@ -86,11 +87,11 @@ def regions(src: str, titles: Sequence[str]) -> str:
     return "\n".join(out) + "\n"
 
 
-def show(name: str, *, whole: bool = False) -> str:
-    """Print the source of the reference solution of ``name`` and return it.
+def source(name: str, *, whole: bool = False) -> str:
+    """The text :func:`show` prints for exercise ``name``: a header, then the solution's source.
 
     An exercise that is one part of a shared solution (registered with ``solution_regions``)
-    shows only its own part, unless ``whole=True``. The header says where the code lives in
+    gets only its own part, unless ``whole=True``. The header says where the code lives in
     the package and which exercises share it.
     """
     _load_all()
@@ -109,5 +110,10 @@ def show(name: str, *, whole: bool = False) -> str:
                    f"kvlab.solutions.show({name!r}, whole=True) prints the whole function)")
     if shared:
         header += f"\n# (the same code is the solution of {', '.join(shared)})"
-    print(f"{header}\n{src}")
-    return src
+    return f"{header}\n{src}"
+
+
+def show(name: str, *, whole: bool = False) -> None:
+    """Print the reference solution of ``name`` (see :func:`source`). Returns None, so a
+    notebook cell ending with it shows the solution once."""
+    print(source(name, whole=whole))

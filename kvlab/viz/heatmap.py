@@ -18,6 +18,7 @@ from typing import Mapping, NamedTuple, Sequence
 import numpy as np
 
 from ..paging import UNMAPPED
+from .legibility import MAX_WIDTH_IN
 
 #: Default size limits before downsampling (columns) and before thinning labels.
 MAX_COLUMNS = 512
@@ -131,8 +132,8 @@ def page_table_heatmap(page_table, page_size: int, *, rows=None, cols=None, empt
         sub = _first_mapped_per_block(sub, blank_full[np.ix_(row_ids, col_ids)], block)[0]
     values = np.where(blank, np.nan, shown.astype(float))
 
-    if ax is None:
-        width = min(14.0, max(4.0, 0.32 * values.shape[1] + 1.5))
+    if ax is None:  # at most an output area wide (kvlab.viz.legibility)
+        width = min(MAX_WIDTH_IN, max(4.0, 0.32 * values.shape[1] + 1.5))
         height = min(9.0, max(1.6, 0.34 * values.shape[0] + 1.0))
         _, ax = plt.subplots(figsize=(width, height))
 

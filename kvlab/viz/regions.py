@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .legibility import MAX_WIDTH_IN
+
 REGION_COLOURS = {
     "hit": "#74c476",  # in the cache before the prefill
     "duplicate": "#fb6a4a",  # computed here, cached meanwhile by another request: freed
@@ -41,7 +43,7 @@ def region_bar(regions, ax=None, *, label: str | None = None, y: float = 0.0,
     n = regions.req_cached_len
     P = regions.page_size
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(14, 1.5 + 0.42 * max(n, 4)), 1.6))
+        _, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, 1.5 + 0.42 * max(n, 4)), 1.6))
     if show_slots is None:
         show_slots = n <= 40
     row = getattr(regions, "row_before", None)
@@ -53,7 +55,7 @@ def region_bar(regions, ax=None, *, label: str | None = None, y: float = 0.0,
                                    hatch="///" if freed else None))
             if show_slots and slots is not None:
                 ax.text(pos + 0.5, y + 0.4, str(slots[pos]), ha="center", va="center",
-                        fontsize=fontsize - 1)
+                        fontsize=max(7.0, fontsize - 1))
         # a name goes above its region when it fits (cells are ~0.42 inch = ~30 pt wide)
         if end > start and (end - start) * 30 >= len(name) * fontsize * 0.6:
             ax.text((start + end) / 2, y + 0.95, name, ha="center", va="bottom", fontsize=fontsize)
@@ -88,7 +90,7 @@ def region_bars(items: Sequence[tuple[str, object]], *, title: str | None = None
     import matplotlib.pyplot as plt
 
     longest = max((r.req_cached_len for _, r in items), default=4)
-    fig, ax = plt.subplots(figsize=(min(14, 2.5 + 0.42 * max(longest, 4)), 1.2 + 0.8 * len(items)))
+    fig, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, 2.5 + 0.42 * max(longest, 4)), 1.2 + 0.8 * len(items)))
     for i, (label, regions) in enumerate(items):
         region_bar(regions, ax, label=label, y=-1.4 * i, legend=False, fontsize=fontsize)
     ax.set_ylim(-1.4 * (len(items) - 1) - 0.2, 1.3)
@@ -118,7 +120,7 @@ def page_owner_strip(manager, ax=None, *, title: str | None = None, fontsize: fl
         colour[r] = row_colours[i % len(row_colours)]
     n = len(owners)
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(14, 1.5 + 0.35 * n), 1.3))
+        _, ax = plt.subplots(figsize=(min(MAX_WIDTH_IN, 1.5 + 0.35 * n), 1.3))
     for page, who in sorted(owners.items()):
         if len(who) == 1:
             w = who[0]
@@ -128,7 +130,7 @@ def page_owner_strip(manager, ax=None, *, title: str | None = None, fontsize: fl
             fc, ec, lw = "white", "#d62728", 2.0
         ax.add_patch(Rectangle((page, 0), 1, 1, fc=fc, ec=ec, lw=lw))
         if n <= 48:
-            ax.text(page + 0.5, 0.5, str(page), ha="center", va="center", fontsize=fontsize - 1)
+            ax.text(page + 0.5, 0.5, str(page), ha="center", va="center", fontsize=max(7.0, fontsize - 1))
     ax.set_xlim(0, n)
     ax.set_ylim(0, 1)
     ax.set_yticks([])

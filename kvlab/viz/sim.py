@@ -14,6 +14,8 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from .legibility import MAX_WIDTH_IN
+
 MEMORY_COLOURS = {
     "free": "#e0e0e0",
     "cached_evictable": "#9ecae1",
@@ -139,17 +141,26 @@ def compare_page_sizes(timelines: Mapping[int, object]):
     """
     import matplotlib.pyplot as plt
 
+    from matplotlib.patches import Patch
+
     sizes = list(timelines)
-    fig = plt.figure(figsize=(4.0 * len(sizes) + 1.5, 5.8))
-    grid = fig.add_gridspec(2, len(sizes), height_ratios=[1.3, 1])
+    fig = plt.figure(figsize=(MAX_WIDTH_IN, 6.4))
+    grid = fig.add_gridspec(3, len(sizes), height_ratios=[1.3, 0.18, 1])
     top = max(t.num_pages * t.page_size for t in timelines.values())
     for i, P in enumerate(sizes):
         ax = fig.add_subplot(grid[0, i])
-        memory_over_time(timelines[P], ax, unit="slots", legend=(i == len(sizes) - 1),
+        memory_over_time(timelines[P], ax, unit="slots", legend=False,
                          title=f"P = {P}: {timelines[P].num_pages} pages")
         ax.set_ylim(0, top)
+        if i:
+            ax.set_ylabel("")
+    keys = ("private", "cached_locked", "cached_evictable", "free")
+    legend_ax = fig.add_subplot(grid[1, :])
+    legend_ax.set_axis_off()
+    legend_ax.legend(handles=[Patch(fc=MEMORY_COLOURS[k], label=MEMORY_LABELS[k]) for k in keys],
+                     loc="center", ncol=4, fontsize=7.5, frameon=False)
     summaries = {P: timelines[P].summary() for P in sizes}
-    ax = fig.add_subplot(grid[1, :])
+    ax = fig.add_subplot(grid[2, :])
     x = np.arange(len(sizes))
     w = 0.38
     hits = [summaries[P].hit_rate * 100 for P in sizes]
@@ -199,21 +210,21 @@ def step_free_list(record, num_pages: int, page_size: int, ax=None):
     kind = _page_owners(record, num_pages, page_size)
     per_row = min(num_pages, 16 if num_pages <= 64 else 32)
     n_rows = -(-num_pages // per_row)
-    ax = _axes(ax, (min(12, 0.5 * per_row + 1), 0.55 * n_rows + 1.2))
+    ax = _axes(ax, (min(MAX_WIDTH_IN, 0.5 * per_row + 1), 0.55 * n_rows + 1.2))
     colours = [MEMORY_COLOURS[k] for k in ("free", "cached_evictable", "cached_locked", "private")]
     order = {p: i + 1 for i, p in enumerate(record.free_pages)}
     for p in range(num_pages):
         r, c = divmod(p, per_row)
         ax.add_patch(Rectangle((c, -r), 0.95, 0.9, fc=colours[kind[p]], ec="#555555", lw=0.5))
-        ax.text(c + 0.47, -r + 0.62, f"p{p}", ha="center", va="center", fontsize=6, color="#333333")
+        ax.text(c + 0.47, -r + 0.62, f"p{p}", ha="center", va="center", fontsize=7, color="#333333")
         if p in order and num_pages <= 96:
-            ax.text(c + 0.47, -r + 0.25, f"#{order[p]}", ha="center", va="center", fontsize=6.5,
+            ax.text(c + 0.47, -r + 0.25, f"#{order[p]}", ha="center", va="center", fontsize=7,
                     weight="bold")
     ax.set_xlim(-0.1, per_row)
     ax.set_ylim(-n_rows + 0.8, 1.0)
     ax.set_axis_off()
-    ax.set_title(f"step {record.step}: {record.memory.free} free pages (#n = free-list order)",
-                 fontsize=9)
+    ax.set_title(f"step {record.step}: every page by owner; pN = page N, #n = its place in the free "
+                 f"list ({record.memory.free} free)", fontsize=9)
     ax.legend(handles=[Patch(fc=c, ec="#555555", label=MEMORY_LABELS[k])
                        for k, c in zip(("free", "cached_evictable", "cached_locked", "private"), colours)],
               loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=4, fontsize=7, frameon=False)
@@ -229,7 +240,7 @@ def step_page_table(record, num_pages: int, page_size: int, ax=None):
     used = (table >= 0).any(0).nonzero()
     cols = int(used.max()) + 1 if used.numel() else page_size
     cols = min(table.shape[1], -(-max(cols, 1) // page_size) * page_size)
-    ax = _axes(ax, (min(13, 0.2 * cols + 3), 0.45 * table.shape[0] + 1.4))
+    ax = _axes(ax, (min(MAX_WIDTH_IN, 0.2 * cols + 3), 0.45 * table.shape[0] + 1.4))
     page_table_heatmap(table, page_size, cols=slice(0, cols), ax=ax, page_range=(0, num_pages - 1),
                        title=f"step {record.step}: page table (P={page_size})")
     ax.set_yticks(range(table.shape[0]))
@@ -238,12 +249,13 @@ def step_page_table(record, num_pages: int, page_size: int, ax=None):
     return ax
 
 
-def step_tree(record, previous=None, ax=None, fontsize: float = 6.5):
-    """The prefix cache at the end of the step (new nodes green-edged, evicted ones faded)."""
+def step_tree(record, previous=None, ax=None, fontsize: float = 7.0):
+    """The prefix cache at the end of the step (new nodes green-edged, evicted ones faded),
+    with a line saying how to read a node."""
     from .tree import draw_tree
 
     n = max(len(record.tree.nodes), 1)
-    ax = _axes(ax, (min(14, 2.0 + 1.6 * n), 3.6))
+    ax = _axes(ax, (min(MAX_WIDTH_IN, 2.0 + 1.6 * n), 3.6))
     if not record.tree.nodes and previous is None:
         ax.set_axis_off()
         ax.text(0.5, 0.5, "the prefix cache is empty", ha="center", va="center", fontsize=9)
@@ -251,7 +263,7 @@ def step_tree(record, previous=None, ax=None, fontsize: float = 6.5):
         return ax
     draw_tree(record.tree, ax, previous=previous.tree if previous is not None else None,
               title=f"step {record.step}: prefix cache — {record.cache_evictable} evictable, "
-                    f"{record.cache_protected} locked tokens", fontsize=fontsize)
+                    f"{record.cache_protected} locked tokens", fontsize=fontsize, explain=True)
     return ax
 
 
@@ -265,16 +277,16 @@ def step_regions(record, ax=None):
         ax.set_axis_off()
         ax.text(0.5, 0.5, "no cache_req yet", ha="center", va="center", fontsize=9)
         return ax
-    ax = _axes(ax, (min(14, 2.5 + 0.3 * max(regions.req_cached_len, 4)), 2.0))
+    ax = _axes(ax, (min(MAX_WIDTH_IN, 2.5 + 0.3 * max(regions.req_cached_len, 4)), 2.0))
     what = "finished" if regions.finished else "unfinished"
     region_bar(regions, ax, label=f"req {record.last_regions_rid}",
                show_slots=regions.req_cached_len <= 32)
     ax.set_title(f"step {record.last_regions_step}: cache_req(req {record.last_regions_rid}, {what})",
-                 fontsize=9, pad=18)
+                 fontsize=9, pad=22)
     return ax
 
 
-def draw_step(timeline, step: int, view: str = "page table", ax=None, fontsize: float = 6.5):
+def draw_step(timeline, step: int, view: str = "page table", ax=None, fontsize: float = 7.0):
     """One of :data:`VIEWS` for ``timeline[step]``; returns the Axes."""
     if view not in VIEWS:
         raise ValueError(f"view: one of {VIEWS} (got {view!r})")
@@ -294,7 +306,8 @@ def step_figure(timeline, step: int, view: str = "page table"):
     """A Figure holding one view of one step, with a line of what happened at that step."""
     import matplotlib.pyplot as plt
 
-    sizes = {"page table": (10, 3.6), "free list": (9, 3.4), "cache tree": (12, 4.2), "regions": (10, 2.6)}
+    sizes = {"page table": (MAX_WIDTH_IN, 3.6), "free list": (9, 3.4), "cache tree": (MAX_WIDTH_IN, 4.4),
+             "regions": (MAX_WIDTH_IN, 2.6)}
     fig, ax = plt.subplots(figsize=sizes[view])
     draw_step(timeline, step, view, ax, fontsize=8)
     fig.text(0.01, 0.005, describe_step(timeline[step]), fontsize=7.5, ha="left", va="bottom",
@@ -317,7 +330,8 @@ def describe_step(record) -> str:
     if record.evicted_tokens:
         parts.append(f"evicted {record.evicted_tokens} tok")
     m = record.memory
-    parts.append(f"pages: {m.free} free, {m.cached_evictable}+{m.cached_locked} cached, {m.private} private")
+    parts.append(f"pages: {m.free} free, {m.cached_evictable} cached evictable, {m.cached_locked} cached "
+                 f"locked, {m.private} private")
     return f"step {record.step}: " + "; ".join(parts)
 
 
@@ -326,7 +340,7 @@ def step_grid(timeline, steps: Sequence[int], view: str = "page table"):
     import matplotlib.pyplot as plt
 
     heights = {"page table": 2.4, "free list": 2.4, "cache tree": 3.6, "regions": 1.8}[view]
-    fig, axes = plt.subplots(len(steps), 1, figsize=(10, heights * len(steps)), squeeze=False)
+    fig, axes = plt.subplots(len(steps), 1, figsize=(MAX_WIDTH_IN, heights * len(steps)), squeeze=False)
     for ax, s in zip(axes[:, 0], steps):
         draw_step(timeline, s, view, ax)
     fig.tight_layout()

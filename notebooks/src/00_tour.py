@@ -1,15 +1,27 @@
 # %% [markdown]
 # # 00 · A tour: why an LLM server keeps its KV cache in pages
 #
-# **Goal.** By the end of this chapter you know *why* a server keeps a KV cache at all, the
-# words the rest of the course uses for what a server does with it (**prefill**, **decode**,
-# **extend**, a **scheduler step**), *why* it cuts the cache into fixed-size pages, what a
-# **page table** is, and which runtime your notebook is on.
+# **Time:** about 30 minutes. **Assumes:** Python and PyTorch basics (tensors, matrix
+# products); nothing about serving, Triton or GPUs.
+#
+# **Goal.** By the end of this chapter you know *why* a server keeps a [KV cache](glossary.md#kv-cache) at all, the
+# words the rest of the course uses for what a server does with it (**[prefill](glossary.md#prefill)**, **[decode](glossary.md#decode)**,
+# **[extend](glossary.md#extend)**, a **[scheduler step](glossary.md#scheduler-step)**), *why* it cuts the cache into fixed-size [pages](glossary.md#page), what a
+# **[page table](glossary.md#page-table)** is, and which runtime your notebook is on.
 #
 # Every token a model has seen leaves behind a key and a value vector in every layer: the
 # **KV cache**. A server keeps those vectors in one big preallocated pool on the GPU and hands
 # pieces of it to requests as they arrive, grow and finish. How it hands out those pieces
 # decides how many requests fit at once, and that decides throughput.
+#
+# **Two real engines, one [source design](glossary.md#source-design).** The course rebuilds the memory manager of two
+# serving engines: mini-sglang's `CacheManager` (whole pages, driven from the host) and
+# SGLang's `PagedTokenToKVPoolAllocator` ([token slots](glossary.md#token-slot) for a whole batch in one Triton launch).
+# It rebuilds them as the study notes it is made from describe them, and calls that snapshot
+# **the source design**. The engines have moved on since: chapters say what SGLang does today
+# where it differs, and mark as **[Departure](glossary.md#departure)** every place where kvlab deliberately does
+# something else, with the reason. Words like these are collected, one or two sentences each,
+# in the [glossary](glossary.md).
 
 # %%
 import random
@@ -31,10 +43,10 @@ random.seed(0)
 # ## Which runtime am I on?
 #
 # kvlab's kernels are written in [Triton](https://triton-lang.org). A Triton kernel is launched
-# as a *grid* of **program instances** ("programs" for short): copies of the same function that
+# as a *grid* of **[program instances](glossary.md#program)** ("programs" for short): copies of the same function that
 # differ only in their index, `tl.program_id(0)`, and each work on their own piece of the data
 # (one request, or one block of a long array). With a CUDA GPU the kernels are compiled and the
-# programs run in parallel. Without one, importing kvlab switches Triton to its **interpreter**
+# programs run in parallel. Without one, importing kvlab switches Triton to its **[interpreter](glossary.md#interpreter)**
 # (`TRITON_INTERPRET=1`, set before any kernel is defined): each program then runs as NumPy code
 # on the CPU, one after another.
 #
@@ -156,21 +168,25 @@ assert bytes_per_token == 128 * 1024
 #
 # A serving engine runs a loop. Each turn of the loop is a **scheduler step**: the scheduler picks
 # a batch of requests, the allocator finds KV slots for the tokens this step adds, the model runs
-# one forward pass over the batch, and each request that produced a token gets it appended
-# (requests that are done give their KV back). Two kinds of batches:
+# one forward pass over the batch, and each request that produced a token gets it appended.
+# A request that is done hands its KV back: its whole pages go to the [prefix cache](glossary.md#prefix-cache) (chapter 05),
+# where a later request with the same beginning can use them, and only what the cache does not
+# keep is freed: the partly filled last page, and pages another request cached first
+# (mini-sglang's `cache_req(finished=True)` in `python/minisgl/scheduler/cache.py`; chapter 06).
+# Two kinds of batches:
 #
 # - **prefill**: a new request's prompt goes through the model in one pass, all its tokens at
 #   once. That writes the prompt's keys and values into the cache and produces the first output
 #   token. If part of the prompt is already cached (another request had the same beginning:
-#   chapter 05), only the rest is computed. A prompt too long for one step's token budget is
-#   cut into pieces over several steps (*chunked prefill*); a piece that stops mid-prompt
+#   chapter 05), only the rest is computed. A prompt too long for one step's [token budget](glossary.md#token-budget) is
+#   cut into pieces over several steps (*[chunked prefill](glossary.md#chunked-prefill)*); a piece that stops mid-prompt
 #   samples no token.
 # - **decode**: each running request feeds its newest token, the cache grows by exactly one
 #   token per request, and each request gets its next token.
 #
 # **Extend** is the word SGLang's allocator uses for both: a step *extends* request `i` from
 # `prefix_lens[i]` tokens in the cache (`pre`) to `seq_lens[i]` (`seq`), and needs
-# `seq - pre` new KV slots. A prefill is an extend from `pre = 0` (or from a cache hit, or from
+# `seq - pre` new KV slots. A prefill is an extend from `pre = 0` (or from a [cache hit](glossary.md#cache-hit), or from
 # the previous chunk) to the prompt's length; a decode step is an extend by one,
 # `seq = pre + 1`. Chapter 03 hands out slots for a whole batch of extends in one kernel launch,
 # chapter 04 for a decode step.
@@ -289,7 +305,7 @@ print("every row maps exactly its length; each logical page sits in one physical
 # with the same system prompt. Its KV is the same for all of them, so the server computes it
 # once, keeps its pages, and points every new request's first table entries at them. Below,
 # requests 0, 1 and 2 share their first two pages (same slots, same colours); request 3 has
-# a different prompt. Chapter 05 builds the radix tree that finds such shared prefixes.
+# a different prompt. Chapter 05 builds the [radix tree](glossary.md#radix-tree) that finds such shared prefixes.
 
 # %%
 shared, P = sharing_table(page_size=4, seed=0)
@@ -317,12 +333,12 @@ plt.show()
 #
 # Each chapter has exercises checked by `kvlab.check.<name>`. This one is small: write
 # `pages_needed(lengths, page_size)`, the number of pages each request occupies, one int per
-# request, in order. Use `kvlab.div_ceil`.
+# request, in order, as a new list (`lengths` is read-only). Use `kvlab.div_ceil`.
 #
 # `kvlab.check.pages_needed(pages_needed)` tries named edge cases (no requests, a request with
 # no tokens yet, `page_size = 1`, lengths that fill their last page exactly or spill one token
 # over) and random batches, against the slow and obvious way: add pages until the tokens fit.
-# Until you write the body, the checker only says `not attempted yet`. Stuck?
+# Until you write the body, the [checker](glossary.md#checker) only says `not attempted yet`. Stuck?
 # `kvlab.check.hint("pages_needed", 1)` (then 2, 3); a solution:
 # `kvlab.solutions.show("pages_needed")`.
 
@@ -347,23 +363,24 @@ kvlab.check.hint("pages_needed", 1);
 # %% [markdown]
 # ## The course map
 #
-# | # | chapter | you build (lifted into kvlab) |
+# | # | chapter | you build ([lifted](glossary.md#lift) into kvlab) |
 # |---|---|---|
-# | 00 | tour: why a KV cache, why pages; which runtime am I on | runtime report, first heatmap |
-# | 01 | pages → token slots (and a Triton primer) | `page_to_token` (torch + Triton) |
-# | 02 | the page table | `write_page_table` (pinned host indices + scatter; Triton) |
-# | 03 | the three-part `alloc_extend_kernel` | `PagedTokenAllocator.alloc_extend` |
-# | 04 | decode, one token at a time | `alloc_decode` |
-# | 05 | the radix prefix cache | `RadixPrefixCache` |
-# | 06 | `cache_req` region accounting | `CacheManager` |
-# | 07 | a serving loop you can scrub through | simulator + ipywidgets explorer |
-# | 08 | capstone: attention through the page table | paged decode attention, tiny model |
-# | 09 | making it fast | benchmarks, scalable kernels |
+# | 00 | [tour: why a KV cache, why pages; which runtime am I on](00_tour.ipynb) | runtime report, first heatmap |
+# | 01 | [pages → token slots (and a Triton primer)](01_page_to_token.ipynb) | `page_to_token` (torch + Triton) |
+# | 02 | [the page table](02_page_table.ipynb) | `write_page_table` ([pinned](glossary.md#pinned-memory) host indices + scatter; Triton) |
+# | 03 | [the three-part `alloc_extend_kernel`](03_alloc_extend.ipynb) | `PagedTokenAllocator.alloc_extend` |
+# | 04 | [decode, one token at a time](04_alloc_decode.ipynb) | `alloc_decode` |
+# | 05 | [the radix prefix cache](05_radix_cache.ipynb) | `RadixPrefixCache` |
+# | 06 | [`cache_req` region accounting](06_cache_req.ipynb) | `CacheManager` |
+# | 07 | [a serving loop you can scrub through](07_serving_loop.ipynb) | simulator + ipywidgets explorer |
+# | 08 | [capstone: attention through the page table](08_capstone_attention.ipynb) | [paged decode attention](glossary.md#paged-attention), tiny model |
+# | 09 | [making it fast](09_making_it_fast.ipynb) | benchmarks, scalable kernels |
+# | 10 | [serve a real model](10_serve_a_real_model.ipynb) | `kvlab.hf.PagedGenerator`: a transformers model through `CacheManager` |
+# | 11 | [the hash-chained prefix cache](11_hash_prefix_cache.ipynb) | `HashPrefixCache` (vLLM's and nano-vllm's prefix cache), measured beside the radix tree |
 #
-# Two real designs guide the course: mini-sglang's `CacheManager` (whole pages, driven from the
-# host) and SGLang's `PagedTokenToKVPoolAllocator` (token slots for a whole batch in one Triton
-# launch). We rebuild both, test them against plain-Python references, and fix the hazards
-# they carry.
+# Both source designs, mini-sglang's `CacheManager` and SGLang's `PagedTokenToKVPoolAllocator`,
+# are rebuilt, tested against plain-Python references, and cleared of the hazards they carry.
+# The [glossary](glossary.md) has every term of the course.
 #
 # ## Summary
 #

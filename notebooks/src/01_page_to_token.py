@@ -1,16 +1,19 @@
 # %% [markdown]
 # # 01 · Pages → token slots
 #
-# **Goal.** Build mini-sglang's `_page_to_token`: given the pages a request was just handed,
-# list every token slot inside them, in order. First with three tensor operations
+# **Time:** about 60 minutes. **Assumes:** chapter 00; PyTorch indexing and broadcasting. No
+# Triton yet: this chapter introduces it.
+#
+# **Goal.** Build mini-sglang's `_page_to_token`: given the [pages](glossary.md#page) a request was just handed,
+# list every [token slot](glossary.md#token-slot) inside them, in order. First with three tensor operations
 # (`unsqueeze`, `arange`, `flatten`); then, after a short Triton primer (four small kernels,
 # each with a result to predict), as your first Triton kernel. Both are checked against a
 # plain-Python reference, and you finish by putting the torch version together yourself.
 #
-# **Vocabulary.** The KV pool has `num_pages * page_size` *slots* (one token's K and V each).
-# Page `k` owns slots `k*P ... k*P + P - 1` (`P` = `page_size`). mini-sglang's free list does
-# not store page ids but **page starts** — `free_slots = arange(num_pages) * page_size` — so a
-# page is named by its first slot. The allocator hands out page starts; the page table needs
+# **Vocabulary.** The [KV pool](glossary.md#kv-pool) has `num_pages * page_size` *slots* (one token's K and V each).
+# Page `k` owns slots `k*P ... k*P + P - 1` (`P` = `page_size`). mini-sglang's [free list](glossary.md#free-list) does
+# not store page ids but **[page starts](glossary.md#page-start)** — `free_slots = arange(num_pages) * page_size` — so a
+# page is named by its first slot. The allocator hands out page starts; the [page table](glossary.md#page-table) needs
 # one slot per token. `page_to_token` bridges the two.
 
 # %%
@@ -43,7 +46,7 @@ plt.show()
 # %% [markdown]
 # ## Build it step by step
 #
-# The worked example from the source: pages `[4, 8]`, `page_size = 4` should give
+# The worked example of the [source design](glossary.md#source-design) (chapter 00): pages `[4, 8]`, `page_size = 4` should give
 # `[4, 5, 6, 7, 8, 9, 10, 11]`. Each page start needs the offsets `0, 1, ..., P-1` added to it.
 # Broadcasting does all the adds at once if the starts form a **column** and the offsets a **row**.
 
@@ -79,7 +82,7 @@ assert slots.data_ptr() == grid.data_ptr()
 #
 # You will put the pieces and these two details together yourself at the end of the chapter
 # (**your turn**). The package already has the finished function, `kvlab.page_to_token`, and
-# the rest of the chapter uses it until yours passes its checker.
+# the rest of the chapter uses it until yours passes its [checker](glossary.md#checker).
 
 # %% [markdown]
 # ## A Triton primer: four small kernels
@@ -93,29 +96,34 @@ assert slots.data_ptr() == grid.data_ptr()
 # ### 1. `tl.program_id`: which program instance am I?
 #
 # `kernel[grid](args)` launches the function once per entry of the grid: `grid = (4,)` gives four
-# **program instances** (programs), numbered `0..3`. They all run the same code; the only thing
-# that tells them apart is `tl.program_id(0)`. A pointer argument (a torch tensor passed in)
-# points at element 0; `ptr + k` points at element `k`, and `tl.store` writes there.
+# **[program instances](glossary.md#program)** (programs), numbered `0..3`. They all run the same code; the only thing
+# that tells them apart is `tl.program_id(0)`. Its partner `tl.num_programs(0)` says how many
+# programs the grid has (here 4), so `pid == tl.num_programs(0) - 1` picks out the last one: a
+# program that can speak for the whole launch (chapter 03's kernel lets it report totals). A
+# pointer argument (a torch tensor passed in) points at element 0; `ptr + k` points at element
+# `k`, and `tl.store` writes there.
 
 # %%
 @triton.jit
 def whoami_kernel(out_ptr):
     pid = tl.program_id(0)  # 0, 1, 2, ... : which program instance this is
     tl.store(out_ptr + pid, pid * 10)
+    if pid == tl.num_programs(0) - 1:  # only the last program: it stores the grid's size
+        tl.store(out_ptr + 5, tl.num_programs(0))
 
 
 out = torch.full((6,), -1, dtype=torch.int32, device=device)
 whoami_kernel[(4,)](out)
 print(out.tolist())  # predict first: four programs, six entries
-assert out.tolist() == [0, 10, 20, 30, -1, -1]
+assert out.tolist() == [0, 10, 20, 30, -1, 4]
 
 # %% [markdown]
 # ### 2. `tl.arange` and a mask: many lanes per program
 #
 # A program usually handles a whole block of elements at once. `tl.arange(0, BLOCK)` is a small
-# tensor `[0, 1, ..., BLOCK-1]`; each of its entries is a **lane**, and one operation on it works
+# tensor `[0, 1, ..., BLOCK-1]`; each of its entries is a **[lane](glossary.md#lane)**, and one operation on it works
 # on every lane. Program `pid` takes elements `pid * BLOCK + [0..BLOCK)`. When `n` is not a
-# multiple of `BLOCK`, the last program has lanes past the end: a **mask** (one boolean per lane)
+# multiple of `BLOCK`, the last program has lanes past the end: a **[mask](glossary.md#mask)** (one boolean per lane)
 # turns their loads and stores off. Below, `n = 10` elements, `BLOCK = 4`, so
 # `cdiv(10, 4) = 3` programs; `out` has two spare entries at the end, filled with `-1`.
 
@@ -140,12 +148,12 @@ assert out[:n].tolist() == [2 * v for v in range(100, 110)] and out[n:].tolist()
 # %% [markdown]
 # Without the mask, program 2's lanes 10 and 11 would store into `out[10]` and `out[11]` (and
 # read `x` past its end). Here they would land in our spare entries; in a real kernel they land
-# in someone else's memory. On a GPU that is silent corruption; in the interpreter it can crash
+# in someone else's memory. On a GPU that is silent corruption; in the [interpreter](glossary.md#interpreter) it can crash
 # the Python process. **Mask every load and store** whose lanes can run past the end.
 #
 # ### 3. Why `BLOCK` is a compile-time power of two
 #
-# The `BLOCK: tl.constexpr` annotation makes `BLOCK` a **compile-time constant**: its value is
+# The `BLOCK: tl.constexpr` annotation makes `BLOCK` a **[compile-time constant](glossary.md#constexpr)**: its value is
 # baked into the compiled kernel. It has to be, because `tl.arange(0, BLOCK)` *makes a tensor
 # of `BLOCK` lanes*, and Triton fixes every tensor's shape when it compiles the kernel (the GPU
 # code for 4 lanes and for 128 lanes is different code). Triton also requires that length to be
@@ -350,7 +358,8 @@ except kvlab.check.CheckFailed as err:
 # %% [markdown]
 # Now yours. Put the torch version together: `my_page_to_token(page_starts, page_size)` returns every slot
 # of the given pages, page after page, with the input's dtype and device, and the input itself
-# when `page_size == 1`. Everything it needs is in the build-up cells above.
+# when `page_size == 1`; it never changes `page_starts` (read-only). Everything it needs is in
+# the build-up cells above.
 #
 # The checker tries named edge cases first (page size 1, a single page, no pages, pages out of
 # order, large page ids), then random ones, and checks the result's dtype and device as well as
@@ -411,8 +420,8 @@ print("notebook == kvlab.page_to_token == kvlab.paging.page_to_token_triton")
 #   (the `flatten` of the fresh, contiguous sum is a view: no copy).
 # - Keep the input's dtype and device (build `arange` with `dtype=`, `device=`); `page_size == 1`
 #   is the identity.
-# - Triton runs a kernel as a grid of program instances told apart by `tl.program_id`; each
-#   works on a block of lanes, `tl.arange(0, BLOCK)`, whose length is a compile-time power of
+# - Triton runs a kernel as a grid of program instances told apart by `tl.program_id`
+#   (`tl.num_programs` counts them); each works on a block of lanes, `tl.arange(0, BLOCK)`, whose length is a compile-time power of
 #   two; masks switch off the lanes past the end, and a masked `tl.sum` needs `other=0`.
 # - As a Triton kernel `page_to_token` is one lane per output slot,
 #   `out[i] = starts[i // P] + i % P`, masked at the end. Lengths and page sizes are runtime

@@ -1,10 +1,13 @@
 # %% [markdown]
 # # 02 · The page table
 #
+# **Time:** about 45 minutes. **Assumes:** chapters 00 and 01 (pages, page starts,
+# `page_to_token`, the Triton primer).
+#
 # **Goal.** Build mini-sglang's `_write_page_table`: after a batch of requests has been handed
-# new pages, record in the **page table** which physical slot holds each new token. We build the
-# table itself (and why it has one row too many), the `first_page`/`last_page` arithmetic of
-# `allocate_paged`, the host path (pinned index tensors and a single scatter), then a Triton
+# new [pages](glossary.md#page), record in the **[page table](glossary.md#page-table)** which physical [slot](glossary.md#token-slot) holds each new token. We build the
+# table itself (and why it has one [row](glossary.md#row) too many), the `first_page`/`last_page` arithmetic of
+# `allocate_paged`, the host path ([pinned](glossary.md#pinned-memory) index tensors and a single scatter), then a Triton
 # kernel that does the same write with no per-token work on the host.
 #
 # The table, row by row:
@@ -39,18 +42,18 @@ print("device:", device, "| pinned host memory available:", kvlab.runtime.can_pi
 #
 # `kvlab.new_page_table(max_running_req, max_seq_len, page_size)` makes an `int32` table of shape
 # `(max_running_req + 1, aligned_max_seq_len)`. Each choice has a reason, and kvlab departs from
-# mini-sglang in three of them (marked **departure**).
+# mini-sglang in three of them (marked **[departure](glossary.md#departure)**).
 #
-# **One row per request slot, plus one.** On a GPU, mini-sglang runs decode steps from **CUDA
-# graphs**. A CUDA graph is a recording of a whole sequence of GPU kernel launches (here: one
+# **One row per request slot, plus one.** On a GPU, mini-sglang runs [decode](glossary.md#decode) steps from **[CUDA
+# graphs](glossary.md#cuda-graph)**. A CUDA graph is a recording of a whole sequence of GPU kernel launches (here: one
 # decode forward pass of the model, hundreds of kernels) that the host can later replay with a
 # single call, instead of launching each kernel again; what it cannot do is change the shapes it
 # recorded, so each batch size needs its own graph. mini-sglang records graphs for the batch
 # sizes `[1, 2, 4] + list(range(8, cuda_graph_max_bs + 1, 8))` (1, 2, 4, 8, 16, 24, ...; by
 # default up to 256 on a GPU with more than 80 GB free, else 160) and pads a decode batch up to
-# the next recorded size with copies of a **dummy request**. The dummy's attention reads and KV
+# the next recorded size with copies of a **[dummy request](glossary.md#dummy-row)**. The dummy's attention reads and KV
 # writes must land somewhere harmless, so it gets a row of its own, the last one
-# (`table_idx = max_running_req`). mini-sglang also gives its KV pool one extra **dummy page**
+# (`table_idx = max_running_req`). mini-sglang also gives its [KV pool](glossary.md#kv-pool) one extra **dummy page**
 # (`num_pages + 1` pages) and fills the dummy row with that page's first slot, so every padded
 # request reads and writes only the dummy page.
 #
@@ -81,9 +84,10 @@ assert [padded_size(b) for b in (3, 9, 100)] == [4, 16, 104]
 #
 # **Departure:** kvlab rounds up to **whole pages** instead, `div_ceil(max_seq_len, P) * P`,
 # because a request's last page is always written whole (`last_page * P` columns), so a width
-# of whole pages always has room for it. When `P` divides 32 (P = 1, 2, ..., 32) a multiple of 32
-# is also a multiple of `P` and both roundings leave room; for `P = 64` a 32-rounded width can end
-# in the middle of a page (a question at the end of the chapter asks what then happens).
+# of whole pages always has room for it. Page sizes are powers of two, so when `P` divides 32
+# (`P` = 1, 2, 4, 8, 16 or 32) a multiple of 32 is also a multiple of `P` and both roundings leave
+# room; for `P = 64` a 32-rounded width can end in the middle of a page (a question at the end of
+# the chapter asks what then happens).
 #
 # **Filled with `-1`.** **Departure:** mini-sglang zero-initialises its table (`torch.zeros`), but
 # slot 0 is a real slot (the first token of page 0): a bug that reads an entry nobody wrote would
@@ -105,7 +109,7 @@ assert table.shape == (max_running_req + 1, 16) and (table == kvlab.UNMAPPED).al
 # A running request knows two lengths:
 #
 # - `cached_len`: tokens whose KV slots are already mapped in its row (from earlier steps, or
-#   from a prefix-cache hit);
+#   from a [prefix-cache hit](glossary.md#cache-hit));
 # - `device_len`: tokens that need slots after this step.
 #
 # Pages `[0, first_page)` of its row are already mapped, with `first_page = div_ceil(cached_len, P)`
@@ -113,7 +117,7 @@ assert table.shape == (max_running_req + 1, 16) and (table == kvlab.UNMAPPED).al
 # it. It needs mapped pages up to `last_page = div_ceil(device_len, P)`. If `last_page > first_page`
 # it gets `last_page - first_page` new pages, recorded as `(table_idx, first_page, last_page)`.
 #
-# Four requests make the cases: a prefill from scratch, a prefill after a prefix-cache hit of
+# Four requests make the cases: a [prefill](glossary.md#prefill) from scratch, a prefill after a prefix-cache hit of
 # two pages, a decode step that still fits in its page, and one that needs a new page.
 
 # %%
@@ -141,7 +145,7 @@ assert allocation_info == [(0, 0, 3), (1, 2, 4), (3, 2, 3)] and needed_pages == 
 # token 8 opens page 2.
 #
 # Now set the table up as earlier steps left it (rows 1-3 have their old pages), take six pages
-# from a shuffled free list and expand them into slots with chapter 01's `page_to_token`:
+# from a shuffled [free list](glossary.md#free-list) and expand them into slots with chapter 01's `page_to_token`:
 
 # %%
 rng = random.Random(0)
@@ -181,7 +185,7 @@ assert allocated.numel() == sum((last - first) * P for _, first, last in allocat
 # goes on with its next work while the copy runs. From ordinary (pageable) memory the same call
 # is accepted too, but it runs synchronously: CUDA first copies pageable data into a pinned
 # staging buffer of its own, and the call returns only when that is done. So `non_blocking=True`
-# pays off only together with pinning. (Pinning needs CUDA; in the interpreter everything is on
+# pays off only together with pinning. (Pinning needs CUDA; in the [interpreter](glossary.md#interpreter) everything is on
 # the CPU and these copies do nothing.)
 
 # %%
@@ -234,7 +238,7 @@ assert torch.equal(after_host[2], before[2]) and (after_host[-1] == kvlab.UNMAPP
 # program r:   page_table[row, first_page*P : last_page*P] = allocated[offset : offset + (last-first)*P]
 # ```
 #
-# One program per request copies its run in blocks of `BLOCK` columns with a **runtime loop**
+# One [program](glossary.md#program) per request copies its run in blocks of `BLOCK` columns with a **runtime loop**
 # (`range(0, length, BLOCK)`): the trip count depends on the request's length, not on anything
 # compiled in, so one compilation serves every batch.
 
@@ -348,11 +352,12 @@ assert torch.equal(table, snapshot)
 # ## Your turn
 #
 # Write `my_write_page_table(page_table, allocated, allocation_info, page_size)`: it writes into
-# `page_table` in place and returns nothing. Any correct method passes. It does not have to build
+# `page_table` in place and returns nothing (`allocated` and `allocation_info` are read-only).
+# Any correct method passes. It does not have to build
 # per-token indices like the host path: one slice assignment per `allocation_info` entry is
 # enough, if you keep track of where each entry's slots start in `allocated`.
 #
-# The checker compares the whole table with the reference on edge cases (page size 1, entries
+# The [checker](glossary.md#checker) compares the whole table with the reference on edge cases (page size 1, entries
 # with no new pages, the dummy row, requests that already have pages) and random batches; on a
 # mistake it names the request row, the logical column and the page of the first wrong cell.
 # Until you write the body it only says `not attempted yet`. Hints:

@@ -1,23 +1,26 @@
 # %% [markdown]
 # # 03 · The three-part `alloc_extend_kernel`
 #
+# **Time:** about 90 minutes. **Assumes:** chapters 00-02, and chapter 01's Triton primer in
+# particular (`tl.program_id`, `tl.num_programs`, masks, `other=0`, masked sums).
+#
 # **Goal.** Rebuild the heart of SGLang's `PagedTokenToKVPoolAllocator`: one Triton launch that
-# hands out a KV slot to *every* new token of *every* request in a batch. You will derive the
-# three parts of the kernel by hand on the source's worked example, see how each program finds
-# its place with the masked sums of chapter 01's primer, run the kernel and validate it against a
-# plain-Python reference, write its slots into a page table, see what goes wrong when pages run
+# hands out a KV [slot](glossary.md#token-slot) to *every* new token of *every* request in a batch. You will derive the
+# [three parts](glossary.md#three-parts) of the kernel by hand on the source's worked example, see how each [program](glossary.md#program) finds
+# its place with the [masked](glossary.md#mask) sums of chapter 01's primer, run the kernel and validate it against a
+# plain-Python reference, write its slots into a [page table](glossary.md#page-table), see what goes wrong when [pages](glossary.md#page) run
 # out (and how the allocator avoids it), compare the source's kernel with SGLang's today, and
 # finally write the three parts yourself.
 #
 # **The terms.** Chapter 00 called a step that grows a request's KV from `pre` to `seq` tokens an
-# **extend**; a prefill is an extend from 0 (or from a prefix-cache hit, or from the previous
+# **[extend](glossary.md#extend)**; a [prefill](glossary.md#prefill) is an extend from 0 (or from a [prefix-cache hit](glossary.md#cache-hit), or from the previous
 # chunk of a long prompt). The allocator receives one value per request, for a whole batch:
 #
 # | name | meaning |
 # |---|---|
-# | `prefix_lens` | tokens already in the KV cache before this batch (`pre`) |
+# | `prefix_lens` | tokens already in the [KV cache](glossary.md#kv-cache) before this batch (`pre`) |
 # | `seq_lens` | tokens the request should have after this batch (`seq`) |
-# | `last_loc` | the physical slot of the last prefix token (`-1` when `pre == 0`) |
+# | [`last_loc`](glossary.md#last-loc) | the physical slot of the last prefix token (`-1` when `pre == 0`) |
 # | `extend_num_tokens` | new tokens in the whole batch, `sum(seq - pre)` |
 # | `out_indices` | the answer: one physical slot per new token, requests one after another |
 #
@@ -36,8 +39,8 @@ import triton.language as tl
 
 import kvlab
 from kvlab.scenes.ch02_page_table import before_after_figure
-from kvlab.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, draw_pool,
-                                            prefill_then_extend, small_example, worked_example)
+from kvlab.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, prefill_then_extend,
+                                            small_example, two_views_figure, worked_example)
 from kvlab.kernels import alloc_extend_kernel
 from kvlab.reference.alloc import (alloc_extend_ref, kernel_page_reads_extend, pages_needed_extend,
                                    part_lengths, unpack_ret_value)
@@ -66,11 +69,8 @@ print("device:", device)
 
 # %%
 pic = small_example()
-fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 4.2))
-draw_logical(pic, top, names=["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"], annotate=True)
-draw_pool(pic, 12, bottom, names=["r0", "r1", "r2"], annotate=True)
-bottom.get_legend().remove()
-fig.tight_layout()
+fig = two_views_figure(pic, 12, ["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"], ["r0", "r1", "r2"],
+                       annotate=True)
 plt.show()
 print("free_pages before the extend:", pic.free_before)
 print("out_indices:", pic.plan.out_indices)
@@ -78,7 +78,7 @@ print("out_indices:", pic.plan.out_indices)
 # %% [markdown]
 # ## The three parts by hand: the worked example
 #
-# The source design's example has `P = 64` and two requests:
+# The [source design](glossary.md#source-design)'s example has `P = 64` and two requests:
 #
 # - **A**: `pre = 70`, `seq = 190`. Its 70 cached tokens are positions 0..69; the last of them,
 #   position 69, sits at offset `69 % 64 = 5` of its second page, so the first new token,
@@ -159,7 +159,7 @@ for pid in range(bs):
 assert (output_start_loc, new_page_start_loc) == (120, 1)
 
 # %% [markdown]
-# Every program re-sums *all* earlier requests: `bs` programs × `bs` lanes = O(bs²) work for a
+# Every program re-sums *all* earlier requests: `bs` programs × `bs` [lanes](glossary.md#lane) = O(bs²) work for a
 # batch. Fine for a few hundred requests; chapter 09 does it with one prefix sum instead.
 #
 # ## One program, written out in plain Python
@@ -232,7 +232,7 @@ assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
 # loops, written as masked stores: that is **your exercise** at the end of this chapter, so the
 # chapter runs the package's kernel until then.
 #
-# Three sizes are compile-time constants (`tl.constexpr`), because each is a `tl.arange` length:
+# Three sizes are [compile-time constants](glossary.md#constexpr) (`tl.constexpr`), because each is a `tl.arange` length:
 # `bs_upper = next_power_of_2(bs)` for the masked sums, `page_size` for parts 1 and 3 (at most
 # one page each), and `max_num_extend_tokens = next_power_of_2(extend_num_tokens)` for part 2,
 # which may span many pages. On a GPU every new value of one of them compiles a new kernel:
@@ -242,7 +242,7 @@ assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
 # a masked-off lane without `other` as undefined, and these lanes go into `tl.sum` (the source
 # leaves `other` out). And part 1's `min(seq_len, ...)` is written `tl.minimum(...)`: a style
 # choice, not a fix, since compiled Triton turns the built-in `min` into `tl.minimum` and the
-# interpreter runs it as Python's `min` (SGLang writes `min`).
+# [interpreter](glossary.md#interpreter) runs it as Python's `min` (SGLang writes `min`).
 #
 # Launch it on the worked example, exactly as the allocator does:
 
@@ -274,7 +274,7 @@ print("the kernel reproduces [A 58 | A 62 | B 128 | B 4]")
 # tokens were written. The last program has summed every request, so it packs both into one
 # 64-bit integer, pages in the high 32 bits, tokens in the low 32:
 # `(num_new_pages << 32) | extend_num_tokens`. One `.item()` reads it: the host waits for the GPU
-# to finish the kernel and copy the number back (a *sync*). The store comes before part 1 in the
+# to finish the kernel and copy the number back (a *[sync](glossary.md#sync)*). The store comes before part 1 in the
 # kernel, because parts 1 and 2 may `return` early.
 
 # %%
@@ -287,7 +287,7 @@ assert (pages, tokens) == unpack_ret_value(ret) == (4, 252)
 #
 # `kvlab.reference.alloc.alloc_extend_ref` is the same computation as plain Python loops, request
 # by request. Random batches with page sizes 1, 16 and 64; prefixes that are empty, page-aligned
-# or not; some empty extends (`seq == pre`). Prefixes live on pages of their own and the free list
+# or not; some empty extends (`seq == pre`). Prefixes live on pages of their own and the [free list](glossary.md#free-list)
 # is shuffled, as it would be after a while of serving.
 
 # %%
@@ -326,7 +326,12 @@ assert all(v > 0 for v in seen.values())
 # %% [markdown]
 # ## The allocator around the kernel
 #
-# `kvlab.PagedTokenAllocator` owns `free_pages` (every page id `0..num_pages-1` is usable) and
+# `kvlab.PagedTokenAllocator` owns `free_pages`, where every page id `0..num_pages-1` is usable.
+# **[Departure](glossary.md#departure):** SGLang keeps page 0 out of its free list: its `clear()` starts it as
+# `free_pages = arange(1, num_pages + 1)` ("the padded slot 0 is used for writing dummy outputs
+# from padded tokens", `python/sglang/srt/mem_cache/allocator.py`), so its pool has
+# `num_pages + 1` pages and padded requests write into page 0. kvlab pads nothing (as chapter
+# 02's unmapped [dummy row](glossary.md#dummy-row)), so page 0 is an ordinary page here. The allocator
 # wraps the launch in five steps: (1) check the arguments, (2) count the new pages on the host,
 # (3) refuse with `OutOfPages` if there are too few, (4) launch, (5) drop the used pages from the
 # front of `free_pages`. With `impl="teaching"` step 4 launches this chapter's kernel (the
@@ -336,6 +341,7 @@ assert all(v > 0 for v in seen.values())
 
 # %%
 alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4, impl="teaching")
+assert sorted(alloc.free_pages.tolist()) == list(range(12))  # page 0 too (SGLang: 1..num_pages)
 alloc.free_pages = torch.tensor([5, 2, 9, 0, 7, 3, 10, 1, 8, 6, 4, 11], device=device)
 prefix = alloc.alloc_extend(torch.tensor([0, 0, 0], device=device), torch.tensor([3, 4, 0], device=device),
                             torch.tensor([-1, -1, -1], device=device), extend_num_tokens=7)
@@ -387,13 +393,9 @@ print("each row maps exactly its seq_len positions; position t sits at offset t 
 
 # %%
 pic = worked_example()
-fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 4.4))
-draw_logical(pic, top, names=["A: 70 -> 190", "B: 128 -> 260"],
-             title="logical view: row = request, column = token position (page_size 64)")
-draw_pool(pic, 10, bottom, names=["A", "B"],
-          title="physical view: row = request, column = slot in the KV pool (10 pages)")
-bottom.get_legend().remove()
-fig.tight_layout()
+fig = two_views_figure(pic, 10, ["A: 70 -> 190", "B: 128 -> 260"], ["A", "B"],
+                       logical_title="logical view: row = request, column = token position (page_size 64)",
+                       pool_title="physical view: row = request, column = slot in the KV pool (10 pages)")
 plt.show()
 
 # %% [markdown]
@@ -406,9 +408,10 @@ seq_r = [p + rng.randint(0, 40) for p in pre_r]
 free_r = list(range(24))
 rng.shuffle(free_r)
 pic_r = prefill_then_extend(pre_r, seq_r, 16, free_r)
-fig, ax = plt.subplots(figsize=(11, 2.8))
+fig, ax = plt.subplots(figsize=(9.6, 2.8))
 draw_logical(pic_r, ax, names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)],
              title="logical view: row = request (pre -> seq), column = token position (page_size 16)")
+fig.tight_layout()
 plt.show()
 assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
     int(pic_r.table[r, p - 1]) if p else -1 for r, p in enumerate(pre_r)], pic_r.free_before, 16).out_indices
@@ -416,7 +419,7 @@ assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
 # %% [markdown]
 # ## When pages run out
 #
-# In the source design the host launches the kernel **first**, reads `ret_values`, and only then
+# In the source design the host launches the kernel **first**, reads [`ret_values`](glossary.md#ret-values), and only then
 # checks `num_new_pages > len(free_pages)` and returns `None` (SGLang still launches first
 # today: see the box below). By then every program has already
 # loaded its page ids from `free_pages`, and a program whose pages lie past the end of the
@@ -511,17 +514,26 @@ assert alloc.state().equals(before)
 # Below is the kernel with its bookkeeping given: the masked sums of the skeleton above, plus
 # `pre_page_end = ceil(pre/P)*P`, `seq_page_start = floor(seq/P)*P` and
 # `offs_page = tl.arange(0, page_size)`. Write the three parts, translating `one_program`'s
-# loops into masked stores (the checks `if ... return` between them are given). Each part has its
-# own checker, so you can do them one at a time:
+# loops into masked stores (the checks `if ... return` between them are given). The kernel writes
+# only `out_indices` and `ret_values`; `pre_lens`, `seq_lens`, `last_loc` and `free_pages` are
+# read-only. Each part has its own [checker](glossary.md#checker), so you can do them one at a time:
 #
 # - `kvlab.check.alloc_extend_part1(kernel)`: the rest of the old page, `last_loc + 1, ...`;
 # - `kvlab.check.alloc_extend_part2(kernel)`: whole new pages, `free_pages[new_page_start_loc + k // P] * P + k % P`;
 # - `kvlab.check.alloc_extend_part3(kernel)`: the new last page from offset 0, **and** `ret_values`
-#   (it is written near the top: the starter marks both places with `alloc_extend_part3`).
+#   (it is written near the top: the [starter](glossary.md#starter) marks both places with `alloc_extend_part3`).
+#
+# **Do the parts in order: 1, then 2, then 3.** Each part starts where the one before it
+# stopped. Part 2 stores from `output_start_loc + num_part1`, and part 3 from
+# `output_start_loc + num_part1 + num_part2`; the `if ... return` between them reads those
+# counts too. While part 1 is still the starter (`num_part1 = 0`), every part-2 slot of a
+# request with an unaligned prefix lands in the wrong place, however right part 2 is; and part 3
+# needs both counts before it. For `ret_values`, the last program is the one with
+# `pid == tl.num_programs(0) - 1` (chapter 01's first primer).
 #
 # A checker compares only its own part's slots with the reference (a slot you have not written
-# yet shows as `-1`) and on a mistake names the case, the request and the part, the first wrong
-# slot, expected vs got. Until a part is written its checker says `not attempted yet`. Hints:
+# yet shows as `-1`, another part's position as `·`) and on a mistake names the case, the request
+# and the part, the first wrong slot, expected vs got. Until a part is written its checker says `not attempted yet`. Hints:
 # `kvlab.check.hint("alloc_extend_part1", 1)` (then 2, 3, 4; the same for parts 2 and 3); each
 # part's reference: `kvlab.solutions.show("alloc_extend_part1")` shows part 1 only.
 

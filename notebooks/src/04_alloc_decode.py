@@ -1,16 +1,19 @@
 # %% [markdown]
 # # 04 · Decode, one token at a time: `alloc_decode`
 #
-# **Goal.** After the prefill (chapter 03's `alloc_extend`), a request grows by exactly one token
-# per scheduler step until it stops: the **decode** steps of chapter 00. Every decode step the
-# server needs one new KV slot per running request, and it asks for all of them in one launch:
-# SGLang's `alloc_decode_kernel`. You will derive its one rule, watch requests cross page
+# **Time:** about 45 minutes. **Assumes:** chapter 03 (the extend kernel, its masked sums and
+# page counts).
+#
+# **Goal.** After the [prefill](glossary.md#prefill) (chapter 03's `alloc_extend`), a request grows by exactly one token
+# per [scheduler step](glossary.md#scheduler-step) until it stops: the **[decode](glossary.md#decode)** steps of chapter 00. Every decode step the
+# server needs one new KV [slot](glossary.md#token-slot) per running request, and it asks for all of them in one launch:
+# SGLang's `alloc_decode_kernel`. You will derive its one rule, watch requests cross [page](glossary.md#page)
 # boundaries step by step, validate the kernel against the reference, write a run of steps into
-# a page table, and write the kernel yourself.
+# a [page table](glossary.md#page-table), and write the kernel yourself.
 #
 # **Lengths after the token.** As in SGLang, `alloc_decode(seq_lens, last_loc)` takes the lengths
 # *after* this step's token: `seq = pre + 1`. The new token is token number `seq - 1` (counting
-# from 0), and `last_loc` is the slot of the token before it (`-1` for a request with no tokens
+# from 0), and [`last_loc`](glossary.md#last-loc) is the slot of the token before it (`-1` for a request with no tokens
 # yet).
 
 # %%
@@ -79,8 +82,8 @@ for P_ in (1, 2, 16, 64):  # and for other page sizes, far out
 #
 # Several requests may cross a boundary in the same step. They take pages from the front of
 # `free_pages` in request order, so request `pid` takes `free_pages[k]` where `k` counts the
-# requests *before* it that also need one. As in chapter 03, each program finds `k` alone, with a
-# masked sum over the requests `0..pid`:
+# requests *before* it that also need one. As in chapter 03, each [program](glossary.md#program) finds `k` alone, with a
+# [masked](glossary.md#mask) sum over the requests `0..pid`:
 
 # %%
 seq_lens = torch.tensor([5, 7, 9, 1, 6])  # P = 4: tokens 4, 6, 8, 0, 5
@@ -101,10 +104,10 @@ for pid in range(bs):
 # %% [markdown]
 # ## The kernel
 #
-# `kvlab.kernels.alloc_decode_kernel` mirrors the source design. It is chapter 03's kernel with
-# the three parts collapsed into one `if`: one program per request, the masked sum above to find
+# `kvlab.kernels.alloc_decode_kernel` mirrors the [source design](glossary.md#source-design). It is chapter 03's kernel with
+# the [three parts](glossary.md#three-parts) collapsed into one `if`: one program per request, the masked sum above to find
 # `k`, then either `last_loc + 1` or the first slot of `free_pages[k]`; the last program reports
-# the number of new pages in `ret_values`. Writing it is **your exercise** at the end of the
+# the number of new pages in [`ret_values`](glossary.md#ret-values). Writing it is **your exercise** at the end of the
 # chapter; until then the chapter runs the package's kernel. Here it is on the batch above:
 
 # %%
@@ -243,7 +246,7 @@ import ipywidgets as widgets
 
 
 def show_step(step=1):
-    fig, ax = plt.subplots(figsize=(9, 1.9))
+    fig, ax = plt.subplots(figsize=(8.6, 1.9))
     draw_decode_steps([hist[step - 1]], 4, [ax], first_step=step)
     plt.show()
 
@@ -253,7 +256,7 @@ widgets.interact(show_step, step=widgets.IntSlider(value=1, min=1, max=len(hist)
 # %% [markdown]
 # ## When pages run out
 #
-# The decode kernel reads `free_pages[k]` for every crossing request, just like the extend
+# The decode kernel reads `free_pages[k]` for every crossing request, just like the [extend](glossary.md#extend)
 # kernel, so the same rule applies: the allocator counts the crossings on the host,
 # `sum((seq - 1) % P == 0)`, before launching, and raises `OutOfPages` with nothing changed.
 
@@ -282,9 +285,13 @@ print("one request:", small.alloc_decode(torch.tensor([5], device=device), torch
 # - otherwise it starts a page and takes the first slot of **`free_pages[k]`, where `k` is the
 #   number of requests before it in the batch (`0 .. pid - 1`) that also start a page** (pages go
 #   out from the front of `free_pages` in request order, as in chapter 03); count them with a
-#   masked load and `tl.sum`, as in "Which free page is mine?" above;
+#   masked load and `tl.sum`, as in "Which free page is mine?" above (a comparison gives a
+#   block of booleans: turn it into numbers with `.to(tl.int32)` before you sum it);
 # - the last program (`pid == tl.num_programs(0) - 1`) stores the number of requests that took a
 #   new page in `ret_values`.
+#
+# The kernel writes only `out_indices` and `ret_values`; `seq_lens`, `last_loc` and `free_pages`
+# are read-only.
 #
 # `kvlab.check.alloc_decode(kernel)` runs it on named edge cases (page size 1, a request's very
 # first token, several crossings at once) and random batches; on a mistake it names the request
@@ -335,7 +342,7 @@ _ = kvlab.check.hint("alloc_decode", 1)
 # The kernel is `kvlab.kernels.alloc_decode_kernel` and the allocator step
 # `kvlab.PagedTokenAllocator.alloc_decode`. Your kernel against the package's, and the notebook's
 # host step (count crossings, refuse if short, launch, slice) against the allocator, on random
-# batches. Your kernel is used once it has passed its checker; until then the package's stands
+# batches. Your kernel is used once it has passed its [checker](glossary.md#checker); until then the package's stands
 # in, and the cell says so.
 
 # %%
@@ -409,7 +416,7 @@ except kvlab.check.CheckFailed as err:
 #   (SGLang today counts them on the host too, from `seq_lens_cpu`, but still after the launch;
 #   chapter 03's box.)
 #
-# Next: chapter 05 lets requests *share* pages through a radix prefix cache.
+# Next: chapter 05 lets requests *share* pages through a radix [prefix cache](glossary.md#prefix-cache).
 #
 # ## Questions
 #

@@ -1,8 +1,11 @@
 # %% [markdown]
 # # 05 · The radix prefix cache: requests that share a prefix share its pages
 #
-# **Goal.** Build the prefix cache of mini-sglang: a tree of cached token sequences whose KV
-# pages a new request can reuse instead of recomputing. By the end you can say what
+# **Time:** about 75 minutes. **Assumes:** chapters 00-02 (pages, the page table, rows); trees
+# and dictionaries in Python. No Triton in this chapter.
+#
+# **Goal.** Build the [prefix cache](glossary.md#prefix-cache) of mini-sglang: a tree of cached token sequences whose KV
+# [pages](glossary.md#page) a new request can reuse instead of recomputing. By the end you can say what
 # `match_prefix`, `insert_prefix`, `lock_handle` and `evict` do to the tree, why every key is
 # cut on **page boundaries**, why a request never matches its *last* prompt token, who may
 # unlock what, and which cached pages an out-of-memory server may throw away.
@@ -43,10 +46,10 @@ plt.show()
 # %% [markdown]
 # ## Build-up 1: a prefix store made of whole pages
 #
-# What does "the cache holds a prefix" mean when memory comes in pages of `P` slots? The KV of
+# What does "the cache holds a prefix" mean when memory comes in pages of `P` [slots](glossary.md#token-slot)? The KV of
 # a token depends on *every token before it*, so a cached page is only reusable by a request
 # whose tokens agree **from the very start** up to the end of that page. And a page is the
-# unit the page table maps: a request cannot borrow half a page and fill the other half with
+# unit the [page table](glossary.md#page-table) maps: a request cannot borrow half a page and fill the other half with
 # its own tokens, because the other half belongs to whoever wrote it.
 #
 # So the simplest correct store has one entry per cached page, keyed by *all the tokens from
@@ -102,7 +105,7 @@ assert page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P) == 6
 #
 # This store is correct but wasteful: the key of page *k* repeats all *k* earlier pages, so
 # a prompt of *n* pages stores about *n²/2* pages of keys, and matching hashes ever longer
-# tuples. A **radix tree** stores each run of pages once: a node holds a sequence of whole
+# tuples. A **[radix tree](glossary.md#radix-tree)** stores each run of pages once: a node holds a sequence of whole
 # pages that no cached prompt branches out of, its children hang off its end, and a child is
 # found by its **first page** of tokens. Page-aligned everywhere:
 #
@@ -112,10 +115,10 @@ assert page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P) == 6
 # * when a prompt leaves a node part-way, the node is **split** at the last whole matched page.
 #
 # `kvlab.RadixPrefixCache` is that tree (mini-sglang's `RadixPrefixCache`). Its answers come
-# as **handles**. A handle is the cache's receipt for a prefix it holds: `handle.cached_len`
+# as **[handles](glossary.md#handle)**. A handle is the cache's receipt for a prefix it holds: `handle.cached_len`
 # says how many tokens the prefix has, `handle.node` is the tree node where it ends, and
 # `handle.get_matched_indices()` gathers the prefix's KV slots from the root down to that
-# node. A request keeps the handle of its cached prefix for as long as it runs (and locks it,
+# node. A request keeps the handle of its cached prefix for as long as it runs (and [locks](glossary.md#lock) it,
 # as we will see). `insert_prefix(ids, slots)` returns the length that was already cached and
 # a handle for the inserted prefix:
 
@@ -147,8 +150,8 @@ plt.show()
 # handle's). A match that ends inside a node splits it, so a handle always ends exactly at a
 # node boundary.
 #
-# Every node also carries `last_access`, a stamp of the **LRU clock**: when memory runs short,
-# the cache evicts the *least recently used* pages first, and the stamps say which those are.
+# Every node also carries `last_access`, a stamp of the **[LRU clock](glossary.md#lru-stamp)**: when memory runs short,
+# the cache [evicts](glossary.md#eviction) the *least recently used* pages first, and the stamps say which those are.
 # The clock is a counter, `cache.clock`, not wall time (mini-sglang stamps nodes with
 # `time.monotonic_ns()`; a counter makes every run of this notebook draw the same trees). It
 # ticks on every `match_prefix` and every `insert_prefix`, and that call stamps **only the
@@ -189,15 +192,43 @@ for node in small.nodes():
 assert stamps(small) == {(1, 2, 3, 4): small.clock, (5, 6): old_stamp}
 
 # %% [markdown]
+# **[Departure](glossary.md#departure): the split's upper half gets the new stamp.** mini-sglang leaves it old. Its
+# `split_at` creates the upper node with the split node's `timestamp`, and its `_tree_walk`
+# returns right after the split, before the line that stamps the node it walked into
+# (`node.timestamp = tic`; `python/minisgl/kvcache/radix_cache.py`). So there a prefix a
+# request has just matched keeps the stamp of its last *whole* use. kvlab stamps it because the
+# match did use those pages: once the lower half is evicted, the upper half is a leaf, and with
+# an old stamp it would be evicted ahead of prefixes nobody has read for longer.
+#
+# **Why the printed clock jumps by 2 on an insert.** An `insert_prefix` that adds a node ticks
+# the clock twice: once for its walk down the tree (stamping the nodes the prompt shares with
+# the cache), and once more for the new node, so a new leaf is always newer than the path above
+# it. mini-sglang has the same order in real time: its walk reads `tic = time.monotonic_ns()`,
+# and the new node reads the clock again when it is created. An insert with nothing new to add
+# ticks once. That is why the two inserts of the first tree above left the clock at 4, and the
+# stamps in it are 2, 3 and 4:
+
+# %%
+clocked = RadixPrefixCache(page_size=2, device="cpu")
+ticks = []
+for ids in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]):  # new, one more page, nothing new
+    before_clock = clocked.clock
+    clocked.insert_prefix(ids, torch.arange(len(ids), dtype=torch.int32))
+    ticks.append(clocked.clock - before_clock)
+print("clock ticks per insert:", ticks, "| stamps:", stamps(clocked))
+assert ticks == [2, 2, 1]
+assert stamps(clocked) == {(1, 2, 3, 4): 5, (5, 6): 5}  # the third insert's walk stamped both
+
+# %% [markdown]
 # ## Why `match_req` drops the last token
 #
 # A server does not match the whole prompt, though. The object it matches for is a request,
 # `kvlab.Req` (mini-sglang's `Req`): its `input_ids`, its row in the page table `table_idx`,
 # and two lengths, `cached_len` (tokens whose KV is computed) and `device_len` (tokens that
 # will have KV after the coming step). `CacheManager.match_req(req)` (chapter 06 builds the
-# manager) matches `input_ids[:input_len - 1]`. The prefill's job (chapter 00) is to produce
+# manager) matches `input_ids[:input_len - 1]`. The [prefill](glossary.md#prefill)'s job (chapter 00) is to produce
 # the logits of the *next* token, and those come out of the forward pass at the last prompt
-# position. If every prompt token were a cache hit there would be nothing to run the model
+# position. If every prompt token were a [cache hit](glossary.md#cache-hit) there would be nothing to run the model
 # on, and no next token. Cutting the last token guarantees at least one position is
 # computed. (With pages, the cut costs more than one token when the prompt ends exactly on a
 # page boundary: that whole last page is recomputed.)
@@ -225,7 +256,7 @@ assert cm.match_req(Req([1, 2, 3, 4, 5, 6], 0)).cached_len == 4
 # is never a candidate, and its ancestors are locked too, so a running request's prefix can
 # never disappear under it.
 #
-# A lock has an **owner**: the request that took it (`owner=`; a cache manager passes the
+# A lock has an **[owner](glossary.md#owner)**: the request that took it (`owner=`; a cache manager passes the
 # `Req`). Only a holder may take its lock back: `lock_handle(handle, unlock=True, owner=...)`
 # by an owner that holds no lock on that handle raises `CacheMisuse` and changes nothing.
 # Reference counts alone cannot tell whose lock an unlock removes: one request unlocking twice
@@ -286,7 +317,7 @@ record("evict(4): B's leaf is older than [5 6]")
 
 print("evict(1) freed slots", freed_1.tolist(), "| evict(4) freed slots", freed_2.tolist())
 assert freed_1.numel() == 4 and freed_2.numel() == 4  # a leaf goes whole: 4 tokens for evict(1)
-draw_tree_steps(steps, ncols=4, panel_width=3.6, panel_height=2.9)
+draw_tree_steps(steps, ncols=2)
 plt.show()
 
 # %% [markdown]
@@ -298,7 +329,7 @@ plt.show()
 # than `[5 6]`, so it is the next to go.
 #
 # Finally, lock what is left of the system prompt (as a new request E would) and ask for far
-# more than is evictable: `evict` frees every unlocked leaf and returns what it got, and the
+# more than is [evictable](glossary.md#evictable): `evict` frees every unlocked leaf and returns what it got, and the
 # locked node stays.
 
 # %%
@@ -316,7 +347,7 @@ assert keep.get_matched_indices().tolist() == [6, 7, 8, 9]
 # %% [markdown]
 # Two details matter for the cache manager in chapter 06:
 #
-# * `evict` returns **token slots** (`P` per page), while the free list holds **page starts**:
+# * `evict` returns **token slots** (`P` per page), while the [free list](glossary.md#free-list) holds **[page starts](glossary.md#page-start)**:
 #   the manager appends `evicted[::P]`. Keep that stride straight or pages leak or double up.
 # * When fewer tokens are evictable than asked, kvlab's `evict` frees what it can and returns
 #   it; mini-sglang's `evict` instead asserts `size <= evictable_size` before it removes
@@ -422,7 +453,7 @@ assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 
 # %% [markdown]
 # ## Your turn
 #
-# Three exercises. Each checker runs your function on named edge cases and on seeded random
+# Three exercises. Each [checker](glossary.md#checker) runs your function on named edge cases and on seeded random
 # ones, and says which case failed and how. Here is what a failure looks like: a typical slip
 # in the second exercise, matching the whole prompt, is caught with the case it failed on.
 
@@ -443,7 +474,7 @@ else:
 # `RadixPrefixCache` from `cache.root`, find each child by the next whole page
 # (`node.children.get(tuple(...))`), count how far its `node.key` agrees with the prompt, round
 # down to whole pages, and stop when the prompt leaves the tree. Only read the tree (no splits,
-# no stamps). Stuck? `kvlab.check.hint("match_prefix", 1)` (then 2, 3) gives hints in steps,
+# no stamps: the checker compares every node, its LRU stamp and the clock) and `input_ids`. Stuck? `kvlab.check.hint("match_prefix", 1)` (then 2, 3) gives hints in steps,
 # and `kvlab.solutions.show("match_prefix")` prints a reference solution.
 
 # %%
@@ -486,7 +517,8 @@ kvlab.check.hint("match_prefix", 1);
 # %% [markdown]
 # **Exercise `match_req`.** Write `my_match_req(prefix_cache, input_ids)`: how a server matches
 # a new request's prompt. Return what `prefix_cache.match_prefix` returns (a `MatchResult`; the
-# matched length as an int is accepted too). Remember what the prefill is for: the checker
+# matched length as an int is accepted too); `input_ids` is read-only, and the tree must end as
+# one match leaves it. Remember what the prefill is for: the checker
 # tries a prompt that is cached whole, a one-token prompt, page size 1, and a prompt one page
 # longer than the cache. Hints: `kvlab.check.hint("match_req", 1)`.
 
@@ -510,7 +542,7 @@ kvlab.check.match_req(my_match_req);
 # `store` maps `tuple(prefix up to the end of a page) -> that page's slots`; `indices` holds
 # one slot per token of `input_ids`. Return how many tokens were already cached from the
 # start (whole pages), and a dict of the entries to add: one per new *whole* page. Leave
-# `store` itself unchanged. The checker tries partial last pages, everything cached, equal
+# `store` itself unchanged (`store`, `input_ids` and `indices` are read-only). The checker tries partial last pages, everything cached, equal
 # page contents after a different first page, and page size 1.
 # Hints: `kvlab.check.hint("insert_prefix", 1)`.
 
@@ -587,7 +619,7 @@ print("match_prefix, match_req and the page-store insert agree with kvlab")
 #   `kvlab.viz.draw_tree` / `draw_tree_steps`.
 #
 # Next: chapter 06 puts the cache, the free list and the page table together in
-# `CacheManager`, and follows `cache_req` through its four regions.
+# `CacheManager`, and follows `cache_req` through its four [regions](glossary.md#region).
 #
 # ## Questions
 #

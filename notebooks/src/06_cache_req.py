@@ -1,12 +1,15 @@
 # %% [markdown]
 # # 06 · `cache_req`: settling a request's pages with the prefix cache
 #
-# **Goal.** Put chapter 05's prefix cache, the free list and the page table together into
+# **Time:** about 75 minutes. **Assumes:** chapter 02 (the page table, `allocate_paged`) and
+# chapter 05 (the prefix cache: match, insert, handles, locks, evict).
+#
+# **Goal.** Put chapter 05's [prefix cache](glossary.md#prefix-cache), the [free list](glossary.md#free-list) and the [page table](glossary.md#page-table) together into
 # mini-sglang's `CacheManager`, and follow its most delicate method, `cache_req`, through the
-# **four regions** of a request's row. You will see a plain hit, the *duplicate* region that
-# appears when two requests with one prompt are prefilled in the same batch, finished and
-# unfinished tails, and a real bug of the source design (a page-table row left pointing at
-# freed pages) and its fix. After every step one invariant is checked: every page is in
+# **four [regions](glossary.md#region)** of a request's row. You will see a plain hit, the *duplicate* region that
+# appears when two requests with one prompt are [prefilled](glossary.md#prefill) in the same batch, finished and
+# unfinished tails, and a real bug of the [source design](glossary.md#source-design) (a page-table row left pointing at
+# freed [pages](glossary.md#page)) and its fix. After every step one invariant is checked: every page is in
 # exactly one place.
 
 # %%
@@ -54,7 +57,7 @@ random.seed(0)
 # |    hit     |  duplicate (free it) |  newly inserted     |  tail (free if finished) |
 # ```
 #
-# * **hit** `[0, old)`: in the cache before the prefill; the request's handle covers it.
+# * **hit** `[0, old)`: in the cache before the prefill; the request's [handle](glossary.md#handle) covers it.
 # * **duplicate** `[old, already)`: the request computed these, but *meanwhile another request
 #   inserted the same tokens*. The cache keeps its own copy, so the request's pages here must
 #   be freed or they leak.
@@ -63,7 +66,7 @@ random.seed(0)
 #   unfinished one keeps decoding into it.
 #
 # Here are the four cache_req calls this chapter walks through, drawn as region bars (numbers:
-# the slot each position mapped before the call; hatched: returned to the free list).
+# the [slot](glossary.md#token-slot) each position mapped before the call; hatched: returned to the free list).
 
 # %%
 region_bars(scenarios(), title="cache_req: the four regions of [0, req.cached_len)")
@@ -74,21 +77,21 @@ plt.show()
 #
 # `CacheManager(num_pages, page_size, page_table)` owns:
 #
-# * `free_slots`: the **page start** slot of every free page, `arange(num_pages) * P` at first;
-#   `_allocate(n)` takes pages from the front and, when too few are free, evicts from the
+# * `free_slots`: the **[page start](glossary.md#page-start)** slot of every free page, `arange(num_pages) * P` at first;
+#   `_allocate(n)` takes pages from the front and, when too few are free, [evicts](glossary.md#eviction) from the
 #   prefix cache and appends `evicted[::P]` (evict returns token slots, the list wants pages);
 # * `prefix_cache`: chapter 05's `RadixPrefixCache`;
 # * `page_table`: chapter 02's table; `allocate_paged(reqs)` maps pages
 #   `[div_ceil(cached_len, P), div_ceil(device_len, P))` of each request with one allocation and
 #   one page-table write (the Triton writer of chapter 02 by default).
 #
-# kvlab's manager also **tracks running requests**, so it can check the conservation law:
+# kvlab's manager also **tracks running requests**, so it can check the [conservation law](glossary.md#conservation-law):
 # free pages + pages in the cache + pages owned by running requests = all pages, each exactly once.
 # `page_owners()` says where every page is; `check_integrity()` raises `IntegrityError` naming
 # the first page that is lost or owned twice.
 #
-# A request starts with `admit(req)` (chapter 05): `match_req`, then lock the hit's handle
-# with **the request as its owner**, then write the hit's slots into the request's row. Every
+# A request starts with `admit(req)` (chapter 05): `match_req`, then [lock](glossary.md#lock) the hit's handle
+# with **the request as its [owner](glossary.md#owner)**, then write the hit's slots into the request's row. Every
 # lock the manager takes belongs to a request, and only that request's calls take it back.
 
 # %%
@@ -149,7 +152,19 @@ assert (old_len, already, new_handle.cached_len) == (0, 0, 8) and duplicate_page
 
 # %% [markdown]
 # Nothing was cached before, so A's first two pages become the cache's and the 2-token tail
-# stays with A. The real call does the same to the manager's cache, and records the regions:
+# stays with A. The real call does the same to the manager's cache, and returns what it did as a
+# `kvlab.CacheRegions`, plain data that this chapter prints, draws and checks:
+#
+# | field | what it holds |
+# |---|---|
+# | `hit`, `duplicate`, `inserted`, `tail` | the four regions, each a `Region(start, end)` of positions |
+# | `old_cached_len`, `already_cached_len`, `new_cached_len`, `req_cached_len` | the four lengths `old`, `already`, `new`, `req` |
+# | `table_idx`, `page_size`, `finished` | the request's row, the page size, and whether the request ended |
+# | `row_before` | the request's row over `[0, req)` before the call: the slot of each position |
+# | `row_after` | the same positions after the call (it differs where a duplicate was remapped) |
+# | `duplicate_slots`, `tail_slots` | the slots of the duplicate region, and of the tail |
+# | `freed_pages` | the page starts the call gave back to the free list |
+# | `remapped` | whether the duplicate part of the row now points at the cache's slots |
 
 # %%
 regions_a = cm.cache_req(a, finished=False)
@@ -183,7 +198,7 @@ assert torch.equal(cm.page_table[0, :8], cm.page_table[1, :8])  # the very same 
 # taken back only by the request that holds it: `cache_req` and `release_req` unlock as the
 # request they are settling. An unlock on behalf of a request that holds no lock on the
 # handle is refused with `CacheMisuse`, and nothing changes. Without owners a stray unlock
-# would just lower a reference count: the pages would look evictable while A and B still
+# would just lower a reference count: the pages would look [evictable](glossary.md#evictable) while A and B still
 # read them, and the next eviction would hand them to someone else.
 
 # %%
@@ -256,7 +271,7 @@ assert not {s - s % P for s in cm.page_table[3, :13].tolist()} & free_pages  # n
 # In mini-sglang's `cache_req`, the duplicate pages are freed while the request's page-table
 # row still points at them. If the request is finished, nobody reads that row again. But
 # mini-sglang's scheduler calls `cache_req(req, finished=False)` right after a request's
-# prefill (it skips a chunked request that is still part-way through its prompt, and decode
+# prefill (it skips a chunked request that is still part-way through its prompt, and [decode](glossary.md#decode)
 # steps do not call it; the other call is `finished=True` when the request ends). After that
 # call the request keeps decoding, and its attention reads every position through the row:
 # also the duplicate positions, from pages that are free, and that the next allocation hands
@@ -304,7 +319,7 @@ else:
 
 # %% [markdown]
 # `check_integrity` compares each running row's cached part with the slots of its locked
-# handle, so it catches the stale row *before* a newcomer overwrites anything. kvlab's default
+# handle, so it catches the [stale row](glossary.md#stale-row) *before* a newcomer overwrites anything. kvlab's default
 # rewrites `row[old.cached_len : cached_len]` to `new_handle.get_matched_indices()` over the
 # same range, so the row reads the cached copy, which is locked and safe:
 
@@ -497,9 +512,9 @@ for page_size in (1, 4, 16):
 # ```
 #
 # The lengths are the diagram's `old`, `already` and `req`; `row_slots` is the request's row
-# over `[0, req)`. Work out `new` yourself (what does `insert_prefix` keep?), then the four
+# over `[0, req)` (read-only). Work out `new` yourself (what does `insert_prefix` keep?), then the four
 # regions, then which pages go back: one entry per page, duplicates always, the tail only when
-# finished. The checker names the first wrong region. Hints:
+# finished. The [checker](glossary.md#checker) names the first wrong region. Hints:
 # `kvlab.check.hint("cache_req_regions", 1)` (then 2, 3); a solution:
 # `kvlab.solutions.show("cache_req_regions")`.
 
@@ -539,7 +554,7 @@ kvlab.check.hint("cache_req_regions", 1);
 # ```
 #
 # so that the duplicate pages go back to the free list *and* the row never points at them
-# again (scenario 3's bug). The checker draws the row it expected over the one you returned,
+# again (scenario 3's bug). `row_slots` and `cached_slots` are read-only: return a new row. The checker draws the row it expected over the one you returned,
 # region by region. This is what it says about the source design's behaviour, which frees
 # the duplicate pages and leaves the row as it was:
 

@@ -1,10 +1,13 @@
 # %% [markdown]
 # # 07 · A serving loop you can scrub through
 #
+# **Time:** about 60 minutes. **Assumes:** chapters 05 and 06 (`CacheManager`, `cache_req`);
+# chapter 00's prefill, decode and scheduler steps.
+#
 # **Goal.** Put every piece of chapters 01-06 to work at once: a small, deterministic server
-# loop that admits requests, matches their prefixes, allocates pages for prefill and decode,
-# caches finished requests, evicts when memory runs short, and checks after *every* step that
-# no page was lost, leaked or handed to two owners. Then watch it run: memory over time, the
+# loop that admits requests, matches their prefixes, allocates [pages](glossary.md#page) for [prefill](glossary.md#prefill) and [decode](glossary.md#decode),
+# caches finished requests, [evicts](glossary.md#eviction) when memory runs short, and checks after *every* step that
+# no page was lost, leaked or handed to two [owners](glossary.md#owner). Then watch it run: memory over time, the
 # prefix hit rate, evictions, the same traffic at page sizes 1, 16 and 64, and a slider that
 # takes you through the run step by step.
 #
@@ -31,9 +34,9 @@ random.seed(0)
 # %% [markdown]
 # ## Intuition: one step of a server
 #
-# As chapter 00 put it, a server runs in **scheduler steps**: each step puts a batch through
+# As chapter 00 put it, a server runs in **[scheduler steps](glossary.md#scheduler-step)**: each step puts a batch through
 # the model. Newly admitted requests compute their prompt (*prefill*), running requests compute
-# one more token each (*decode*); either way each request is *extended* by the tokens the step
+# one more token each (*decode*); either way each request is *[extended](glossary.md#extend)* by the tokens the step
 # computes. mini-sglang runs a step as a prefill batch or as a decode batch; this chapter's
 # simulator, `kvlab.sim`, does both in one step (decode the running requests, then prefill
 # the newly admitted ones), which keeps runs short. Around each forward pass, the memory
@@ -49,9 +52,9 @@ random.seed(0)
 #            then cache_req(finished=False)             to the queue (see "The simulator")
 # ```
 #
-# Here is what that looks like for a mixed workload squeezed into 24 pages of 4 slots. Every
-# page is always in exactly one of four places: free (grey), cached and evictable (blue),
-# cached and locked by a running request (orange), or private to one running request (purple).
+# Here is what that looks like for a mixed workload squeezed into 24 pages of 4 [slots](glossary.md#token-slot). Every
+# page is always in exactly one of four places: free (grey), cached and [evictable](glossary.md#evictable) (blue),
+# cached and [locked](glossary.md#lock) by a running request (orange), or private to one running request (purple).
 
 # %%
 fig = timeline_dashboard(pressured_run())
@@ -59,9 +62,9 @@ plt.show()
 
 # %% [markdown]
 # Read it from left to right: the purple and orange bands are requests at work; blue is the
-# prefix cache filling up with finished prompts; when the grey runs out, the red bars below
+# [prefix cache](glossary.md#prefix-cache) filling up with finished prompts; when the grey runs out, the red bars below
 # show the cache giving pages back (eviction), and a ▼ marks a running request pushed back
-# into the queue (preemption). Green bars in the middle are prompt tokens that did **not**
+# into the queue ([preemption](glossary.md#preemption)). Green bars in the middle are prompt tokens that did **not**
 # have to be computed because the cache had them.
 #
 # ## Build-up 1: workloads a server sees
@@ -155,9 +158,9 @@ manager.check_integrity()
 # done)`: for running requests `reqs` (each with `cached_len == device_len - 1`: the step
 # computes the KV of its last token), map new pages where needed, record each request's token
 # (`next_tokens[i]`) and advance it, and hand the requests marked `done[i]` back to the cache
-# as finished. The order of the calls matters. `kvlab.check.decode_step` runs it against the
+# as finished (`next_tokens` and `done` are read-only). The order of the calls matters. `kvlab.check.decode_step` runs it against the
 # reference on named scenarios (page size 1, page boundaries, requests finishing, exactly
-# enough memory) and random ones, and compares the page table, the free list, every request's
+# enough memory) and random ones, and compares the [page table](glossary.md#page-table), the [free list](glossary.md#free-list), every request's
 # lengths, and the integrity check. Your function then drives the serving loop below.
 # Hints: `kvlab.check.hint("decode_step", 1)` (up to 3); the reference:
 # `kvlab.solutions.show("decode_step")`.
@@ -190,10 +193,10 @@ kvlab.check.hint("decode_step", 1);
 # ## The loop, by hand
 #
 # Now the whole loop, written out. Each step: arrivals join the queue; every running request
-# decodes one token, with **your** `my_decode_step` once it has passed its checker (until
+# decodes one token, with **your** `my_decode_step` once it has passed its [checker](glossary.md#checker) (until
 # then the reference stands in, and the cell says which one runs); then waiting requests are
 # admitted while a page-table row is free, and prefilled in **one** `allocate_paged` call.
-# (This version has memory to spare; the kvlab version below adds the token budget, aborts,
+# (This version has memory to spare; the kvlab version below adds the [token budget](glossary.md#token-budget), aborts,
 # eviction-aware admission and preemption.)
 
 # %%
@@ -262,11 +265,11 @@ print(f"{len(steps)} steps; free pages at the end: {len(steps[-1][1])} of 64 "
 # %% [markdown]
 # ## The simulator: `kvlab.sim`
 #
-# `kvlab.sim.Simulator` is that loop, lifted into the package and made to survive memory
+# `kvlab.sim.Simulator` is that loop, [lifted](glossary.md#lift) into the package and made to survive memory
 # pressure. Its rules (see `kvlab/sim/scheduler.py`):
 #
 # * **a waiting request waits** until a row is free, the step's prefill **token budget** allows
-#   it (the first request of a step always goes: there is no chunked prefill), and its pages fit
+#   it (the first request of a step always goes: there is no [chunked prefill](glossary.md#chunked-prefill)), and its pages fit
 #   in *free + evictable* pages — counted *after* `admit` locked its own hit;
 # * **a running request that needs a page and finds none** (even after eviction) preempts the
 #   *youngest* running request: its pages go back, its prompt and everything it generated go to
@@ -308,6 +311,19 @@ print(f"hit rate {summary.hit_rate:.0%}")
 # independently: at every step the four kinds of page add up to all pages, no page is both
 # free and cached, no running row maps a free page, a free row maps nothing; at the end
 # nothing is running, every page is free or evictable, and every request ended exactly once.
+#
+# A run's [timeline](glossary.md#timeline), a `Timeline`, holds one `StepRecord` per step (`tl.steps`, or `tl[k]`), and the run's
+# `num_pages` and `page_size`. The fields of a step `s` that `check_timeline` reads:
+#
+# | field | what it holds |
+# |---|---|
+# | `s.step` | the step's number |
+# | `s.memory` | a `MemorySplit` of the pages at the end of the step: `free`, `cached_evictable`, `cached_locked`, `private`; `.total` adds them up, `.in_use` is locked + private |
+# | `s.free_pages` | the free list: page ids, in the order the allocator hands them out |
+# | `s.page_table` | the page table at the end of the step, one row per request slot (a CPU copy) |
+# | `s.row_rids` | the request id that owns each row, `-1` for a free row |
+# | `s.tree` | the prefix cache's `snapshot()`: `s.tree.nodes` has one `NodeInfo` per node, whose `page_ids` are the physical pages the node holds (beside its `pages` of tokens, `ref_count` and `last_access`) |
+# | `s.finished`, `s.aborted` | the request ids that ended at this step |
 
 # %%
 def check_timeline(tl, workload):
@@ -338,7 +354,7 @@ for seed in range(3):
 print("invariants hold on 45 runs (5 workloads x 3 page sizes x 3 seeds), all under memory pressure")
 
 # %% [markdown]
-# What does it look like when an invariant breaks? The source design's hazard from chapter 06:
+# What does it look like when an invariant breaks? The [source design](glossary.md#source-design)'s hazard from chapter 06:
 # two requests with the *same* prompt are prefilled in one batch; the second one's pages
 # duplicate the first one's, `cache_req(finished=False)` frees them — and, without kvlab's fix
 # (`remap_duplicates=False`), leaves the request's row pointing at the freed pages. The very
@@ -382,7 +398,7 @@ assert runs[1].summary().mean_wasted_slots == 0 < runs[16].summary().mean_wasted
 # Move the slider (or press ▶) and pick a view: the **page table** (rows = requests, colour =
 # physical page), the **free list** (every page by owner; free ones numbered in the order the
 # allocator will hand them out), the **cache tree** (orange = locked by a running request,
-# blue = evictable, green border = new this step, faded = just evicted), and the **regions** of
+# blue = evictable, green border = new this step, faded = just evicted), and the **[regions](glossary.md#region)** of
 # the latest `cache_req`. Without a widget front end (a notebook viewer, CI) you see a picture
 # of the current view instead.
 
@@ -445,7 +461,7 @@ for trial in range(6):
 #   tighter and to show the hard cases.
 #
 # Next, chapter 08 puts a tiny transformer on top and proves the whole manager correct: the
-# tokens it generates through the page table equal those of a plain contiguous KV cache.
+# tokens it generates through the page table equal those of a plain contiguous [KV cache](glossary.md#kv-cache).
 #
 # ## Questions
 #

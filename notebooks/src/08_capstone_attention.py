@@ -1,15 +1,18 @@
 # %% [markdown]
 # # 08 · Capstone: attention through the page table
 #
-# **Goal.** Close the loop. Chapters 01-07 hand out KV *slots*; here a model finally writes
-# its keys and values into those slots and reads them back through the page table. You will
-# build a KV pool, paged attention in plain torch (a warm-up exercise), a paged
-# decode-attention kernel in Triton (one program per request and head, an online softmax over
+# **Time:** about 90 minutes. **Assumes:** chapters 01 (Triton), 02 and 05-07; attention and
+# softmax as in a transformer layer (queries, keys, values, heads).
+#
+# **Goal.** Close the loop. Chapters 01-07 hand out KV *[slots](glossary.md#token-slot)*; here a model finally writes
+# its keys and values into those slots and reads them back through the [page table](glossary.md#page-table). You will
+# build a [KV pool](glossary.md#kv-pool), [paged attention](glossary.md#paged-attention) in plain torch (a warm-up exercise), a paged
+# decode-attention kernel in Triton (one [program](glossary.md#program) per request and head, an [online softmax](glossary.md#online-softmax) over
 # the request's tokens in blocks: its update is the main exercise), and then serve a tiny
 # transformer through kvlab's `CacheManager`. The proof that the whole memory manager is
-# right: the tokens it generates are **identical** to those of a plain contiguous KV cache,
+# right: the tokens it generates are **identical** to those of a plain contiguous [KV cache](glossary.md#kv-cache),
 # the logits agree to `1e-4`, and a batch that shares a cached prefix computes **fewer**
-# prefill tokens for the same answers.
+# [prefill](glossary.md#prefill) tokens for the same answers.
 
 # %%
 import math
@@ -43,7 +46,7 @@ N_RANDOM = kvlab.runtime.pick(cpu=4, gpu=40)
 #
 # The attention of one new token needs the keys and values of *every earlier token* of its
 # request. In a contiguous cache those sit side by side. In a paged cache they sit wherever
-# the allocator found free pages, and the request's **page-table row** says where: position
+# the allocator found free [pages](glossary.md#page), and the request's **page-table row** says where: position
 # `t` lives at slot `page_table[row, t]`. Attention "gathers" K and V through the row.
 
 # %%
@@ -108,7 +111,8 @@ print("attention through the page table == attention over the contiguous K/V")
 #
 # Now for a whole batch. Write `my_paged_attention_torch(q, k_pool, v_pool, page_table,
 # table_idx, seq_lens)` that returns `[batch, heads, head_dim]`: request `b` attends to
-# positions `[0, seq_lens[b])` of row `table_idx[b]` (rows need not be in request order).
+# positions `[0, seq_lens[b])` of row `table_idx[b]` (rows need not be in request order); every
+# argument is read-only.
 # `kvlab.check.paged_attention` compares it with the reference on edge cases and random
 # layouts and, when it recognises a mistake (reading the pool without the row, using row `b`
 # instead of `table_idx[b]`, forgetting the scale), says so. Hints:
@@ -190,7 +194,7 @@ print("online softmax with a rescale between the blocks: no overflow, same answe
 #
 # One program per `(request, head)`. It reads its row index and length, loads its query,
 # and loops over the request's tokens in blocks — `range(0, seq_len, BLOCK_N)` with a
-# **runtime** bound, so a new length never recompiles. Every load is masked (`mask_n`
+# **runtime** bound, so a new length never recompiles. Every load is [masked](glossary.md#mask) (`mask_n`
 # beyond the request's length, `mask_d` beyond `head_dim` when it is not a power of two), and
 # the host checks before launch that every slot the row names for `[0, seq_len)` is inside the
 # pool (`check_paged_attention_inputs`): an unmapped `-1` would otherwise be read as a slot.
@@ -208,12 +212,14 @@ print("online softmax with a rescale between the blocks: no overflow, same answe
 # **Exercise `paged_attention_kernel`.** The kernel below is complete except for the online
 # softmax update inside the loop: from `scores` and `v`, compute `m_new`, `alpha` and `p`,
 # then the new `acc`, `l_i` and `m_i`, as build-up 3 did in torch. In Triton: `tl.max(x, 0)`
-# and `tl.sum(x, 0)` reduce a block to a scalar, `tl.maximum` and `tl.exp` work lane by lane,
+# and `tl.sum(x, 0)` reduce a block to a scalar, `tl.maximum` and `tl.exp` work [lane](glossary.md#lane) by lane,
 # and `p[:, None] * v` weighs each row of `v` by its lane's `p`. The masked lanes need no
 # care if you get the order right: their score is `-inf`, so their `p` is `exp(-inf) = 0`.
+# The kernel writes only `out`; its other tensors are read-only.
 # `kvlab.check.paged_attention_kernel` launches your kernel on blocks smaller than most
-# requests, with scores that rise from block to block, fall, and are large enough that a plain
-# `exp` overflows, and names the mistake when it recognises it. Hints:
+# requests (`BLOCK_N` 4 to 16, with the default `scale` and others), with scores that rise from
+# block to block, fall, and are large enough that a plain `exp` overflows, and names the
+# mistake when it recognises it. Hints:
 # `kvlab.check.hint("paged_attention_kernel", 1)` (up to 3); the reference:
 # `kvlab.solutions.show("paged_attention_kernel")`.
 
@@ -285,7 +291,7 @@ kvlab.check.hint("paged_attention_kernel", 1);
 # compare on the named edge cases — page size 1, page-aligned and unaligned lengths, a single
 # one-token request, many requests with rows out of order, a `head_dim` that is not a power
 # of two, blocks smaller than a page and larger than a request — and on seeded random layouts.
-# From here on the chapter uses your kernel once it has passed its checker; until then,
+# From here on the chapter uses your kernel once it has passed its [checker](glossary.md#checker); until then,
 # kvlab's `paged_decode_attention` stands in (the next cell says which one runs).
 
 # %%
@@ -336,17 +342,17 @@ except InvalidArgument as err:
 # %% [markdown]
 # ## A tiny model, served through the page table
 #
-# `kvlab.attention.TinyTransformer` has seeded random weights (no download): 2 layers, 2
+# `kvlab.engine.TinyTransformer` has seeded random weights (no download): 2 layers, 2
 # heads of 16 dims, a vocabulary of 96, learned absolute positions. Its `forward` takes an
 # `attend(layer, q, k, v)` callback, so the same weights run two ways:
 #
 # * `generate_contiguous`: each request keeps its own K/V tensors, side by side — the baseline;
-# * `PagedEngine.generate`: the memory manager of this course. `admit` (match + lock the hit),
+# * `PagedEngine.generate`: the memory manager of this course. `admit` (match + [lock](glossary.md#lock) the hit),
 #   one `allocate_paged` for the batch, prefill of only the *uncached* positions with
 #   `store_kv` at the row's slots (prefill attention gathers through the row in torch), then
-#   `cache_req(finished=False)`; each decode step `allocate_paged` + `store_kv` + **the Triton
+#   `cache_req(finished=False)`; each [decode](glossary.md#decode) step `allocate_paged` + `store_kv` + **the Triton
 #   paged decode attention**; finally `cache_req(finished=True)`, so the prompt and answer
-#   stay in the prefix cache for the next batch.
+#   stay in the [prefix cache](glossary.md#prefix-cache) for the next batch.
 #
 # Two batches share a 14-token system prompt. We serve both through one engine and compare
 # with the baseline. The page table is photographed after the second batch's prefill.
@@ -401,7 +407,7 @@ assert engine.manager.running == []
 # of its own.
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 2.8), gridspec_kw=dict(width_ratios=[1.6, 1]))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1]))
 cols = max(len(p) for p in second) + NEW_TOKENS
 cols = -(-cols // 4) * 4
 page_table_heatmap(photos["prefill"][:N_REQ].cpu(), 4, cols=slice(0, cols), ax=ax1, colorbar=False,
@@ -451,11 +457,11 @@ print(f"✓ the notebook's kernel == kvlab's kernel, the torch version == kvlab'
 #
 # ## Questions
 #
-# 1. Many models use *grouped-query attention*: `H` query heads share `H / G` K/V heads (each
+# 1. Many models use *[grouped-query attention](glossary.md#grouped-query-attention)*: `H` query heads share `H / G` K/V heads (each
 #    group of `G` query heads reads the same K and V). What changes in the pool's shape, in
 #    the kernel's grid and in its loads? What does the kernel then read less of?
 # 2. `PagedEngine` runs decode attention in Triton but prefill attention in torch, by
-#    gathering the row. What would a paged *prefill* (extend) attention kernel have to do
+#    gathering the row. What would a paged *prefill* ([extend](glossary.md#extend)) attention kernel have to do
 #    that this decode kernel does not?
 
 # %% [markdown] tags=["solution"]

@@ -1,17 +1,21 @@
 # %% [markdown]
 # # 09 · Making it fast
 #
-# **Goal.** Chapters 03 and 04 rebuilt SGLang's `alloc_extend_kernel` and `alloc_decode_kernel`
-# as the source design wrote them. They are correct, and they carry three costs that only show
-# up on a GPU under load. This chapter measures each one, removes it, and checks that the faster
-# kernels hand out exactly the same slots:
+# **Time:** about 75 minutes, and 30 more for the optional part on host costs. **Assumes:**
+# chapters 03 and 04 (the teaching kernels); the optional part also CUDA streams and pinned
+# memory (chapter 02).
 #
-# 1. **The recompile trap.** `tl.arange(0, next_power_of_2(extend_num_tokens))` is a
+# **Goal.** Chapters 03 and 04 rebuilt SGLang's `alloc_extend_kernel` and `alloc_decode_kernel`
+# as the [source design](glossary.md#source-design) wrote them. They are correct, and they carry three costs that only show
+# up on a GPU under load. This chapter measures each one, removes it, and checks that the faster
+# kernels hand out exactly the same [slots](glossary.md#token-slot):
+#
+# 1. **The [recompile trap](glossary.md#recompile-trap).** `tl.arange(0, next_power_of_2(extend_num_tokens))` is a
 #    *compile-time* size. Every new power of two of tokens (or of the batch size) compiles a new
 #    kernel: a fraction of a second to many seconds, in the middle of serving.
-# 2. **O(bs²) prefix sums.** Each program re-sums the lengths of every request before it.
-# 3. **A host sync per batch.** `ret_values.item()` waits for the GPU on every call, and the
-#    page count arrives only *after* the kernel has already read `free_pages`.
+# 2. **O(bs²) prefix sums.** Each [program](glossary.md#program) re-sums the lengths of every request before it.
+# 3. **A host [sync](glossary.md#sync) per batch.** `ret_values.item()` waits for the GPU on every call, and the
+#    [page](glossary.md#page) count arrives only *after* the kernel has already read `free_pages`.
 #
 # The numbers in this chapter were measured on an H200 by `python -m kvlab.bench` and saved in
 # `figures/bench.json`, so the plots read the same on a laptop. On a GPU the chapter also
@@ -23,8 +27,8 @@
 # >
 # > | | the source design (chapters 03-04, this chapter's "teaching" path) | SGLang today |
 # > |---|---|---|
-# > | part 2 of `alloc_extend_kernel` | `tl.arange(0, max_num_extend_tokens)`, a `constexpr`: a compilation per power of two of tokens | a loop with a runtime bound over blocks of `BLOCK_EXTEND = 4096` lanes: one compilation for every extend length |
-# > | how many pages were taken | the last program packs them into `ret_values`; the host reads it back (`.item()`: a sync) | `ret_values` and `max_num_extend_tokens` are gone: the host counts the new pages from `seq_lens_cpu` and `prefix_lens_cpu` (`get_num_new_pages`), no sync |
+# > | part 2 of `alloc_extend_kernel` | `tl.arange(0, max_num_extend_tokens)`, a `constexpr`: a compilation per power of two of tokens | a loop with a runtime bound over blocks of `BLOCK_EXTEND = 4096` [lanes](glossary.md#lane): one compilation for every [extend](glossary.md#extend) length |
+# > | how many pages were taken | the last program packs them into [`ret_values`](glossary.md#ret-values); the host reads it back (`.item()`: a sync) | `ret_values` and `max_num_extend_tokens` are gone: the host counts the new pages from `seq_lens_cpu` and `prefix_lens_cpu` (`get_num_new_pages`), no sync |
 # > | the batch size | `bs_upper = next_power_of_2(bs)`, a `constexpr` | the same: a compilation per power of two of the batch size |
 # > | where a request's output starts | every program re-sums the lengths of the batch: O(bs²) | the same |
 # > | out of pages | decided after the launch, once the kernel has read `free_pages` | the same: the kernel is launched first, and `alloc_extend` returns `None` afterwards if the pages were short |
@@ -127,10 +131,10 @@ print(f"fast first calls on unseen shapes: {min(fast_ms):.2f} .. {max(fast_ms):.
 #
 # ## Cost 2: prefix sums, O(bs²)
 #
-# Program `pid` of the teaching kernel loads the lengths of requests `0 .. pid` (a masked
+# Program `pid` of the teaching kernel loads the lengths of requests `0 .. pid` (a [masked](glossary.md#mask)
 # `tl.arange(0, bs_upper)`) and sums them, to learn where its output starts and which free page
 # is its first. Every program does this, so the batch as a whole loads `bs × bs_upper` lengths,
-# twice. A single scan does the same job with `bs` loads:
+# twice. A single [scan](glossary.md#scan) does the same job with `bs` loads:
 
 # %%
 def lengths_loaded(bs: int) -> tuple[int, int]:
@@ -162,7 +166,7 @@ plt.show()
 # it does not wait, but it still compares them with `free_pages` only after the launch.)
 #
 # But the scheduler that builds a batch *already knows* its lengths on the host: it decided them.
-# So the fast path takes the counts (`extend_num_tokens`, `num_new_pages`, or the host lengths
+# So the fast path takes the counts (`extend_num_tokens`, `num_new_pages`, or the [host lengths](glossary.md#host-lengths)
 # themselves) as arguments, decides out-of-pages *before* launching, and never waits. Compare the
 # fast path with and without the sync:
 
@@ -179,7 +183,7 @@ for row in bench["extend"]:
 # %% [markdown]
 # ## Build it: one formula per token
 #
-# The teaching kernel writes each request in three parts (rest of the old page, whole new pages,
+# The teaching kernel writes each request in [three parts](glossary.md#three-parts) (rest of the old page, whole new pages,
 # the partial last page). Look at one output token instead. Request `r` grows from `pre` to
 # `seq`; its `k`-th new token has logical position `pos = pre + k`. Its old page ends at
 # `old_end = ceil(pre / P) * P`. Then
@@ -189,7 +193,7 @@ for row in bench["extend"]:
 #   `free_pages[page_start[r] + j]`, at offset `pos % P`.
 #
 # Parts 1, 2 and 3 all fall out of this. What each token needs from its request is `pre`,
-# `last_loc`, and two exclusive prefix sums: `token_start[r]` (where `r`'s slots begin in the
+# [`last_loc`](glossary.md#last-loc), and two exclusive prefix sums: `token_start[r]` (where `r`'s slots begin in the
 # output) and `page_start[r]` (`r`'s first page in `free_pages`). Build it in torch, printing
 # shapes as we go, on the source's worked example (P = 64, A: 70 → 190, B: 128 → 260):
 
@@ -225,7 +229,7 @@ print("A:", slots[:3].tolist(), "...", slots[57:60].tolist(), "... | B:", slots[
       slots[-4:].tolist())
 
 # %% [markdown]
-# `out_indices` is one flat list; what it means shows in the page table. Put each request's
+# `out_indices` is one flat list; what it means shows in the [page table](glossary.md#page-table). Put each request's
 # prefix in its row (A's 70 tokens on pages 0 and 1, so its last prefix token is slot
 # `1 * 64 + 5`; B's 128 tokens on pages 4 and 2, ending at slot `2 * 64 + 63`), then write
 # each request's part of `out_indices` at its new positions `[pre, seq)`. Every position must
@@ -259,13 +263,19 @@ plt.show()
 # Triton fill):
 
 # %%
-def extend_slots_torch(pre, seq, last_loc, free_pages, page_size):
-    """Slots of a batched extend: one formula per output token (this chapter's build-up)."""
+def extend_slots_torch(pre, seq, last_loc, free_pages, page_size, starts=None):
+    """Slots of a batched extend: one formula per output token (this chapter's build-up).
+
+    ``starts``: ``(token_start, page_start)`` from elsewhere (a scan kernel); default: cumsum.
+    """
     P = page_size
     extend = seq - pre
     new_pages = (seq + P - 1) // P - (pre + P - 1) // P
-    token_start = torch.cumsum(extend, 0) - extend
-    page_start = torch.cumsum(new_pages, 0) - new_pages
+    if starts is None:
+        token_start = torch.cumsum(extend, 0) - extend
+        page_start = torch.cumsum(new_pages, 0) - new_pages
+    else:
+        token_start, page_start = starts
     t = torch.arange(int(extend.sum()), device=pre.device)
     r = torch.searchsorted(token_start, t, right=True) - 1
     k = t - token_start[r]
@@ -283,7 +293,7 @@ def extend_slots_torch(pre, seq, last_loc, free_pages, page_size):
 # `kvlab.kernels.fast_alloc` does the same on the GPU, in one of two shapes:
 #
 # - **Two launches** (large batches): `extend_scan_kernel`, one program, walks the batch in blocks
-#   of 1024 requests with a running *carry*, checks each request and writes `token_start` and
+#   of 1024 requests with a running [*carry*](glossary.md#carry), checks each request and writes `token_start` and
 #   `page_start`; then `extend_fill_kernel`, one program per 1024 output tokens, applies the formula
 #   above.
 # - **One launch** (up to `FUSED_MAX_BATCH` = 4096 requests, while the repeated scans stay small): a
@@ -391,7 +401,7 @@ plt.show()
 # ## Measure it yourself (GPU only)
 #
 # On a GPU this cell times the teaching and the fast path on a few of the benchmark's batches,
-# in this process. In the interpreter the timings would mean nothing, so it only says so.
+# in this process. In the [interpreter](glossary.md#interpreter) the timings would mean nothing, so it only says so.
 
 # %%
 if kvlab.INTERPRET:
@@ -428,12 +438,18 @@ else:
 # and converted with `.to(tl.int64)`, so their sums are `int64`). Compiled Triton refuses such a
 # kernel: *"Loop-carried variable carry has initial type int32 but is re-assigned to int64 in
 # loop! Please make sure that the type stays consistent."* The interpreter does not check
-# this and runs the kernel without complaint, so a scan that passes the checker here can fail
-# to compile on a GPU. Start the carry as an `int64` scalar instead, the sum of a block of
-# `int64` zeros: `tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)` (the kernels in
-# `kvlab.kernels.fast_alloc` do the same).
+# this and runs the kernel without complaint, so a scan that passes in the interpreter could fail
+# to compile on a GPU; the [checker](glossary.md#checker) therefore also compiles your kernel for
+# a GPU (Triton compiles without one) and tells you, with the line. Start the carry as an `int64`
+# scalar instead, the sum of a block of `int64` zeros: `tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)`
+# (the kernels in `kvlab.kernels.fast_alloc` do the same).
 #
-# The checker runs your kernel with `BLOCK = 8`, so most batches span several blocks.
+# Within a block, `tl.cumsum(x, axis=0)` is what `torch.cumsum` is on the host: the
+# *inclusive* running sum of the block's lanes (`[5 0 3 7]` gives `[5 5 8 15]`); subtract `x`
+# to make it exclusive, as above.
+#
+# The checker runs your kernel with `BLOCK` from 4 to 32, so most batches span several blocks;
+# `prefix_lens` and `seq_lens` are read-only.
 # Stuck? `kvlab.check.hint("extend_scan", 1)` (then 2, 3, 4), and as a last resort
 # `kvlab.solutions.show("extend_scan")`.
 
@@ -474,29 +490,52 @@ kvlab.check.hint("extend_scan", 1);
 # kvlab.solutions.show("extend_scan")   # uncomment to read a reference solution
 
 # %% [markdown]
-# ## Lift: the notebook's function vs kvlab's
+# ## Lift: your scan and the notebook's fill vs kvlab's
 #
-# The torch build-up of this chapter against the package's fast path, on fresh random batches:
+# Your `my_extend_scan` gives every request its `token_start` and `page_start`, and the
+# build-up's formula (`extend_slots_torch`) turns them into slots. Together they must hand out
+# exactly the slots of the package's fast path, on fresh random batches of up to 20 requests
+# (several blocks of 8). Until your scan has passed its checker, the reference solution stands
+# in for it, and the cell says so.
 
 # %%
+scan_kernel = kvlab.check.choose("extend_scan", my_extend_scan, kvlab.solutions.get("extend_scan"))
+
+
+def scan_starts(kernel, pre, seq, page_size, block=8):
+    """(token_start, page_start) of a batch, from a scan kernel: one program, BLOCK requests at a time."""
+    token_start, page_start = torch.empty_like(pre), torch.empty_like(pre)
+    kernel[(1,)](pre, seq, token_start, page_start, len(pre), page_size, BLOCK=block)
+    return token_start, page_start
+
+
 for trial in range(kvlab.runtime.pick(cpu=5, gpu=100)):
     P = rng.choice([1, 16, 64])
-    pre_l, seq_l, last_l, free_l = random_extend_batch(rng, P, max_bs=8)
-    mine = extend_slots_torch(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P)
-    theirs = alloc_extend_fast(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P,
+    pre_l, seq_l, last_l, free_l = random_extend_batch(rng, P, max_bs=20)
+    pre_t, seq_t = as_t(pre_l), as_t(seq_l)
+    starts = scan_starts(scan_kernel, pre_t, seq_t, P)
+    extend, new_pages = seq_t - pre_t, (seq_t + P - 1) // P - (pre_t + P - 1) // P
+    assert torch.equal(starts[0], torch.cumsum(extend, 0) - extend)
+    assert torch.equal(starts[1], torch.cumsum(new_pages, 0) - new_pages)
+    mine = extend_slots_torch(pre_t, seq_t, as_t(last_l), as_t(free_l), P, starts=starts)
+    theirs = alloc_extend_fast(pre_t, seq_t, as_t(last_l), as_t(free_l), P,
                                prefix_lens_cpu=pre_l, seq_lens_cpu=seq_l)
     assert torch.equal(mine, theirs.out_indices)
-print("the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
+print("your scan + the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 
 # %% [markdown]
-# ## Where the time of a public call goes
+# ## Optional: where the time of a public call goes
+#
+# *This part is optional.* It follows the host's side of a call, down to Triton's C launcher,
+# pointers passed as addresses and [pinned](glossary.md#pinned-memory) memory: what matters when you tune a serving loop
+# on a GPU. Nothing after it depends on it; skip to the summary if you like.
 #
 # A serving engine never calls these kernels bare. It calls `kvlab.PagedTokenAllocator`
 # (`alloc_extend`, `alloc_decode`): host code that checks the arguments, counts the pages,
-# launches, and takes the pages off the free list. On a small batch the kernel itself runs for a
+# launches, and takes the pages off the [free list](glossary.md#free-list). On a small batch the kernel itself runs for a
 # few microseconds, so what a caller waits for is almost all host time, of three kinds:
 #
-# - **the launch floor**: the host work of one Triton launch, even of a kernel that does
+# - **the [launch floor](glossary.md#launch-floor)**: the host work of one Triton launch, even of a kernel that does
 #   nothing. `kernel[grid](...)` binds every argument and looks the compiled kernel up on every
 #   call; the allocator keeps the compiled kernel and launches it directly
 #   (`kvlab.kernels.launch.Launcher`), which is allowed because its kernels compile once for
@@ -514,7 +553,7 @@ print("the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 #   same pass as one C loop is one call (`kvlab.native_counts`, built once per machine with
 #   the C compiler Triton uses for its own launchers; NumPy does it where there is none).
 #
-# The saved H200 run times each public call side by side with the seed wrapper (the source
+# The saved H200 run times each public call side by side with the [seed wrapper](glossary.md#seed-wrapper) (the source
 # design's host code: one launch, `ret_values.item()`, the slice) and with the floor:
 
 # %%
@@ -555,13 +594,17 @@ plt.show()
 #
 # - rules on the lengths run on the **host copies** the scheduler already has
 #   (`prefix_lens_cpu=`, `seq_lens_cpu=`), one pass over the whole batch (in C, or a few NumPy
-#   operations);
+#   operations). The same pass keeps every count exact: a length may be anything below 2**63,
+#   and four requests of 2**62 tokens must not add up to a wrapped 0;
 # - rules that need device data (`last_loc` on an allocated page, host copies equal to the
 #   device tensors, via a checksum) run **inside the kernel's own pass**: every program checks
 #   the whole batch before it writes anything and reaches the same verdict; a refused batch gets
 #   slots of -1 and takes no page. The refusal is recorded on the device and raised by the next
 #   call that reads the device anyway (a call without host lengths, `free`,
-#   `check_device_errors()`), with the allocator rolled back to just before the refused call.
+#   `check_device_errors()`, or a call the host refuses: the older error comes first), with the
+#   allocator rolled back to just before the refused call. Until then the allocator's counters
+#   (`num_free_pages`, `free_pages`) still count only the calls that stand: reading one after a
+#   call with host lengths is a read of the device too.
 #
 # And where a call must wait (no host lengths: the page count has to come from the GPU), it
 # waits once and copies nothing: the kernel writes its verdict into `ret_values`, which on a GPU
@@ -579,6 +622,8 @@ alloc.alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu
 before = alloc.state()
 refused = alloc.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])  # 22: page 5, free
 print("the call returned without waiting; its slots:", refused.tolist())
+print("free pages:", alloc.num_free_pages, "(the refused call's page is not counted: this read waits for the device)")
+assert alloc.num_free_pages == 7
 try:
     alloc.check_device_errors()  # the one read of the device
     raise AssertionError("should have been refused")
@@ -655,7 +700,7 @@ else:
 # ## Questions
 #
 # 1. SGLang today loops over part 2 in blocks of 4096 and counts pages on the host, but keeps
-#    `bs_upper` as a `constexpr`. For a server whose prefill batches have 1 to 256 requests,
+#    `bs_upper` as a `constexpr`. For a server whose [prefill](glossary.md#prefill) batches have 1 to 256 requests,
 #    how many versions of its extend kernel get compiled (per page size)? How would you get
 #    that down to one, and what would each option cost?
 # 2. The fast path uses one launch (`extend_fused_kernel`, every program scans the batch

@@ -39,6 +39,7 @@ CHROMIUM_ARGS = [
 # What an executed cell error looks like in JupyterLab 4 (stderr warnings use another mime type).
 ERROR_OUTPUT = '.jp-RenderedText[data-mime-type="application/vnd.jupyter.error"]'
 STDERR_OUTPUT = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _TRACEBACK = re.compile(r"Traceback \(most recent call last\)"
                         r"|^(\w+\.)*\w*(Error|Exception|Interrupt|Exit)\b", re.M)
 
@@ -229,13 +230,43 @@ class NotebookPage:
         self.page.screenshot(path=str(path), full_page=False)
         return path
 
+    # -- editing ------------------------------------------------------------------------
+    def code_cell(self, containing: str):
+        """The code cell whose source contains ``containing`` (exactly one must), by position:
+        the locator still finds it after its source is edited."""
+        cells = self.page.locator(".jp-NotebookPanel .jp-CodeCell")
+        sources = cells.evaluate_all(
+            "els => els.map(e => e.querySelector('.jp-InputArea-editor').innerText)")
+        hits = [i for i, text in enumerate(sources) if containing in text.replace("\u00a0", " ")]
+        assert len(hits) == 1, f"{self.name}: code cells {hits} contain {containing!r}"
+        return cells.nth(hits[0])
+
+    def type_into(self, cell, source: str) -> None:
+        """Replace ``cell``'s source by ``source``, typed into its editor as a learner would
+        (select all, then the text as one input: no auto-indent on top of the given one)."""
+        editor = cell.locator(".cm-content").first
+        editor.scroll_into_view_if_needed()
+        editor.click()
+        self.page.keyboard.press("Control+A")
+        self.page.keyboard.press("Delete")
+        self.page.keyboard.insert_text(source)
+        typed = editor.evaluate("el => [...el.querySelectorAll('.cm-line')]"
+                                ".map(line => line.textContent).join('\\n')")
+        typed = typed.replace("\u00a0", " ").rstrip()
+        assert typed == source.rstrip(), f"{self.name}: the editor holds {typed!r}"
+
     # -- running ------------------------------------------------------------------------
-    def run_all(self, timeout_s: float = 300.0) -> RunResult:
-        """Run → Run All Cells, then wait until all code cells ran and the kernel is idle."""
+    def run_all(self, timeout_s: float = 300.0, expected_errors: re.Pattern | None = None
+                ) -> RunResult:
+        """Run → Run All Cells, then wait until all code cells ran and the kernel is idle.
+
+        ``expected_errors``: error outputs matching it are what the test wants to see (a failed
+        check), not a reason to stop; any other error still fails.
+        """
         self.page.locator(".jp-NotebookPanel .jp-Notebook").first.click(position={"x": 5, "y": 5})
         self.menu("Run", "Run All Cells")
         start = time.monotonic()
-        n_code = self.wait_until_executed(timeout_s)
+        n_code = self.wait_until_executed(timeout_s, expected_errors)
         return RunResult(code_cells=n_code, seconds=time.monotonic() - start)
 
     def menu(self, menu: str, item: str) -> None:
@@ -268,8 +299,8 @@ class NotebookPage:
         return [text for mime, text in texts
                 if mime.endswith("error") or looks_like_an_error(text)]
 
-    def raise_on_cell_error(self) -> None:
-        errors = self.cell_errors()
+    def raise_on_cell_error(self, expected: re.Pattern | None = None) -> None:
+        errors = [e for e in self.cell_errors() if expected is None or not expected.search(e)]
         if errors:
             self.screenshot("cell-error")
             raise CellError(f"{self.name}: a cell raised:\n{errors[0][-3000:]}")
@@ -292,28 +323,30 @@ class NotebookPage:
         else:
             raise AssertionError(f"{self.name}: saving with Ctrl+S did not reach the server")
         nb = self.server.api("GET", f"api/contents/{self.name}?content=1")["content"]
-        return [f"cell {i}: {out.get('ename')}: {out.get('evalue')}"
+        return [f"cell {i}: {out.get('ename')}: {out.get('evalue')}\n"
+                + _ANSI.sub("", "\n".join(out.get("traceback", [])))
                 for i, cell in enumerate(nb["cells"]) for out in cell.get("outputs", [])
                 if out.get("output_type") == "error"]
 
-    def wait_until_executed(self, timeout_s: float) -> int:
+    def wait_until_executed(self, timeout_s: float, expected: re.Pattern | None = None) -> int:
         """Poll until every code cell shows an execution count and the kernel stays idle.
 
-        Fails at once on an error shown in the page; fails too when the kernel has gone idle
-        with cells left unrun (Run All stops at a cell that raised).
+        Fails at once on an error shown in the page (other than ``expected`` ones); fails too
+        when the kernel has gone idle with cells left unrun (Run All stops at a cell that raised).
         """
         deadline = time.monotonic() + timeout_s
         idle_in_a_row = 0
         while time.monotonic() < deadline:
-            self.raise_on_cell_error()
+            self.raise_on_cell_error(expected)
             prompts = self.prompts()
             running = any("*" in p for p in prompts)
             states = self.server.kernel_states()
             idle = bool(states) and all(s == "idle" for s in states) and not running
             idle_in_a_row = idle_in_a_row + 1 if idle else 0
             if idle_in_a_row >= 3:  # idle for three polls: not just a gap between cells
-                self.raise_on_cell_error()
-                errors = self.saved_errors()
+                self.raise_on_cell_error(expected)
+                errors = [e for e in self.saved_errors()
+                          if expected is None or not expected.search(e)]
                 if errors:
                     self.screenshot("cell-error")
                     raise CellError(f"{self.name}: a cell raised: {errors[0]}")

@@ -3,11 +3,14 @@
 Each test opens a notebook in a real JupyterLab, runs all cells from the Run menu, fails on
 any cell error shown in the page, and then looks at what a learner would look at: the
 simulator's timeline slider must change the picture (chapter 07), the allocator chapter's
-heatmap must render (chapter 03). The first two tests check the harness itself on small
-notebooks. Screenshots: ``test-output/ui/``.
+heatmap must render (chapter 03), and a wrong answer typed into chapter 01's exercise shows its
+message and picture without the checker's frames while Run All still reaches the last cell.
+The first two tests check the harness itself on small notebooks. Screenshots:
+``test-output/ui/``.
 """
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -112,3 +115,43 @@ def test_ch03_page_table_heatmap_renders(open_notebook):
     png = img.screenshot(path=str(nb.shots / f"{Path(nb.name).stem}-heatmap-element.png"))
     assert image_colours(png) >= 8, f"{nb.name}: the largest figure looks blank"
     nb.screenshot("heatmap")
+
+
+#: typed into chapter 01's exercise: the right number of slots, the wrong values
+WRONG_ANSWER = """def my_page_to_token(page_starts, page_size):
+    return page_starts.repeat_interleave(page_size)  # every slot of a page is its start
+
+
+kvlab.check.page_to_token(my_page_to_token);"""
+
+
+def test_ch01_a_wrong_answer_reads_at_a_glance_and_run_all_goes_on(open_notebook):
+    nb = open_notebook(chapter("01"))
+    exercise = nb.code_cell("# YOUR CODE HERE: page_to_token")
+    nb.type_into(exercise, WRONG_ANSWER)
+    # the check's failure and the chapter's recheck are the only errors; Run All must reach the
+    # last cell (run_all fails when the kernel goes idle with cells left unrun)
+    result = nb.run_all(timeout_s=400, expected_errors=re.compile(
+        r"✗ kvlab\.check\.(page_to_token|recheck\('01'\)):|CheckFailed: \[the example|"
+        r"CheckFailed: 1 of 1 exercise of chapter 01 fails"))
+    print(f"{nb.name}: {result.code_cells} code cells in {result.seconds:.0f} s")
+    exercise = nb.code_cell("kvlab.check.page_to_token(my_page_to_token)")
+    shown = exercise.locator(".jp-OutputArea").first.inner_text()
+    assert "kvlab/check" not in shown and "Traceback" not in shown and "File " not in shown, shown
+    assert "✗ kvlab.check.page_to_token: [the example: pages [4, 8] with page_size 4]" in shown
+    assert "got[0:6]      = [4, 4, 4, 4, 8, 8]" in shown  # the typed answer ran
+    assert "Run All goes on" in shown
+    picture = exercise.locator(".jp-OutputArea-output img").first
+    assert picture.evaluate("img => img.naturalWidth") >= 200, "no failure picture"
+    assert image_colours(picture.screenshot()) >= 8, "the failure picture looks blank"
+    exercise.scroll_into_view_if_needed()
+    exercise.screenshot(path=str(nb.shots / f"{Path(nb.name).stem}-wrong-answer.png"))
+    # the cells after it went on with the package's version, and said so
+    lift = nb.code_cell('kvlab.check.choose("page_to_token"')
+    assert "using kvlab.paging.page_to_token (your my_page_to_token has not passed" in \
+        lift.locator(".jp-OutputArea").first.inner_text()
+    last = nb.page.locator(".jp-NotebookPanel .jp-CodeCell").last
+    assert "kvlab.check.recheck" in last.locator(".jp-InputArea-editor").inner_text()
+    assert "1 failing (page_to_token)" in last.locator(".jp-OutputArea").first.inner_text()
+    last.scroll_into_view_if_needed()
+    last.screenshot(path=str(nb.shots / f"{Path(nb.name).stem}-wrong-answer-recheck.png"))

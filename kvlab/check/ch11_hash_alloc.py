@@ -1,0 +1,240 @@
+"""Chapter 11's allocation exercises: ``kvlab.check.allocate_pages(fn)`` and
+``kvlab.check.free_pages(fn)``, on a real :class:`~kvlab.hash_cache.HashPrefixCache`.
+
+``allocate_pages(cache, input_ids) -> (pages, cached_len)``: nano-vllm's ``allocate`` from the
+cache's building blocks (``lookup``, ``take_cached``, ``take_free``, ``cache_page``): the cached
+chain first (hits), then pages from the head of the free queue, each new full page cached.
+
+``free_pages(cache, pages)``: drop one reference per page, last page first; a page nobody holds
+joins the tail of ``cache.free_queue`` and keeps its hash; a count never goes below zero (the
+call refuses, changing nothing).
+
+Each case builds the same cache twice (with :func:`kvlab.check.ch11_hash_chain.build_pool`),
+runs the learner's function on one and the oracle (:mod:`kvlab.reference.hashchain`) on the
+other, and compares the answer, every reference count, the free queue in order and which pages
+are cached under which hash.
+"""
+from __future__ import annotations
+
+import random
+
+from ..hash_chain import chain_hash, page_hashes, short
+from .ch11_hash_chain import _A, _B, build_pool
+from .core import Case, CheckFailed, call_learner, exercise, run_cases
+
+
+def compare_pool(case: str, cache, ref, where: str) -> None:
+    """The learner's cache against the oracle: counts, queue, cached pages and their hashes."""
+    P = cache.page_size
+    for p, (r, g) in enumerate(zip(ref.refs, cache.ref_count)):
+        if r != g:
+            why = " (it went below zero: a page with no reference left was freed)" if g < 0 else ""
+            raise CheckFailed(f"[{case}] page {p}: ref_count should be {r}, got {g}{why}{where}",
+                              case=case, label=f"page {p}", expected=r, got=g)
+    if ref.queue != list(cache.free_queue):
+        raise CheckFailed(f"[{case}] free queue (head first) should be {ref.queue}, got "
+                          f"{list(cache.free_queue)} (a hit on a free page takes it out of the queue, "
+                          "new pages come from its head, a page nobody holds any more joins its tail, "
+                          f"last page first){where}", case=case, label="free queue")
+    expected = {p: page_hashes(list(key), P)[-1] for key, p in ref.page_of.items()}
+    got = {p: h for h, p in cache.hash_to_page.items()}
+    for p in sorted(set(expected) | set(got)):
+        if expected.get(p) == got.get(p) and cache.page_hash[p] == expected.get(p):
+            continue
+        if p not in expected:
+            tokens = cache.page_tokens[p]
+            why = (f"it holds a partial page {list(tokens or [])}: only full pages are cached"
+                   if tokens is not None and len(tokens) < P else "it should not be cached")
+            raise CheckFailed(f"[{case}] page {p} is cached under {short(got.get(p))}, but {why}{where}",
+                              case=case, label=f"page {p}")
+        if p not in got:
+            raise CheckFailed(f"[{case}] page {p} should be findable under hash {short(expected[p])}, "
+                              "but hash_to_page does not send that hash to it (a new full page is "
+                              "cached when it is allocated, and a freed page keeps its hash until the "
+                              f"free queue hands it out){where}", case=case,
+                              label=f"page {p}")
+        raise CheckFailed(f"[{case}] page {p} is cached under {short(got[p])}, expected "
+                          f"{short(expected[p])} (the chained hash of every token up to its end){where}",
+                          case=case, label=f"page {p}")
+    try:
+        cache.check_integrity()
+    except AssertionError as e:
+        raise CheckFailed(f"[{case}] the cache's integrity check fails: {e}{where}", case=case) from None
+
+
+# --- allocate_pages -----------------------------------------------------------------------
+
+
+def allocate_pages_solution(cache, input_ids):
+    """Pages for a new sequence: its cached chain (hits), then new pages; returns (pages, cached_len)."""
+    P = cache.page_size
+    pages, parent, cached_len, hitting = [], None, 0, True
+    for start in range(0, len(input_ids), P):
+        tokens = input_ids[start:start + P]
+        full = len(tokens) == P
+        h = chain_hash(parent, tokens) if full else None
+        page = cache.lookup(h, tokens) if hitting and full else None
+        if page is not None:
+            cache.take_cached(page)  # a hit: one more reference (a free page leaves the queue)
+            cached_len += P
+        else:
+            hitting = False  # after a miss nothing further can hit: the chain is broken
+            page = cache.take_free()  # the head of the free queue; a cached one loses its hash
+            if full:
+                cache.cache_page(page, h, tokens, parent)
+        pages.append(page)
+        parent = h
+    return pages, cached_len
+
+
+def _alloc_cases(seed: int, n_random: int) -> list[Case]:
+    def case(name, P, script, ids, kind="edge", num_pages=12):
+        return Case(name, {"P": P, "script": script, "ids": ids, "pages": num_pages}, kind)
+
+    cases = [
+        case("empty cache: every page new, full ones cached", 2, [], [1, 2, 3, 4, 5]),
+        case("hits on pages in use", 2, [("alloc", _A)], _A[:4] + [0, 0, 0]),
+        case("hits on free cached pages: they leave the queue", 2, [("alloc", _A), ("free", 0)], _A[:6] + [0]),
+        case("the partial last page is never cached", 4, [("alloc", _A)], _A[:6]),
+        case("same tokens after another beginning: a miss", 2, [("alloc", _B)], [1, 2, 9, 9, 9, 9]),
+        case("a later page cached, an earlier one not: stop at the miss", 2,
+             [("alloc", _A), ("free", 0), ("orphan", _A)], _A),
+        case("the queue hands out a cached page: its hash goes", 2,
+             [("alloc", _A), ("free", 0), ("alloc", _B)], [7, 7, 7, 7, 7], num_pages=7),
+        case("page_size 1", 1, [("alloc", [5, 6, 7]), ("free", 0)], [5, 6, 8]),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        P = rng.choice([1, 2, 4])
+        starts = [[rng.randrange(3) for _ in range(3 * P)] for _ in range(2)]
+        script, n = [], 0
+        for _ in range(rng.randrange(1, 4)):
+            script.append(("alloc", rng.choice(starts)[: rng.randrange(1, 3 * P + 1)] + [rng.randrange(3)]))
+            if rng.random() < 0.6:
+                script.append(("free", n))
+            n += 1
+        ids = rng.choice(starts)[: rng.randrange(0, 3 * P + 1)] + [rng.randrange(3) for _ in range(rng.randrange(1, 3))]
+        cases.append(case(f"random {i + 1} (page_size {P})", P, script, ids, "random", num_pages=14))
+    return cases
+
+
+@exercise(
+    "allocate_pages",
+    chapter="11",
+    hints=[
+        "Walk the prompt page by page (the last page may be partial). While every page so far "
+        "was a hit, hash a full page with its parent and cache.lookup(h, tokens): a page found "
+        "is a hit, cache.take_cached(page) gives it one more reference.",
+        "The first miss ends the hits for good. From there on every page is new: "
+        "cache.take_free() hands out the head of the free queue; a new FULL page becomes "
+        "findable with cache.cache_page(page, h, tokens, parent). A partial page gets no hash.",
+        "Keep parent = h after every page (hit or not) so the next hash chains from it; return "
+        "(pages, cached_len) with cached_len = P * number of hits.",
+    ],
+    solution=allocate_pages_solution,
+)
+def allocate_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
+    """Check ``fn(cache, input_ids) -> (pages, cached_len)`` (nano-vllm's allocate)."""
+
+    def run_one(case: Case) -> None:
+        a = case.args
+        cache, ref, _ = build_pool(a["P"], a["pages"], a["script"])
+        expected = ref.allocate(a["ids"])
+        got = call_learner(fn, cache, list(a["ids"]))
+        where = f"\n  page_size {a['P']}; cached with {a['script']}\n  input_ids {a['ids']}"
+        if not (isinstance(got, (tuple, list)) and len(got) == 2):
+            raise CheckFailed(f"[{case.name}] return (pages, cached_len), not {got!r}"[:200] + where,
+                              case=case.name)
+        pages, cached_len = [int(p) for p in got[0]], got[1]
+        if cached_len != expected.cached_len:
+            raise CheckFailed(f"[{case.name}] cached_len should be {expected.cached_len}, got "
+                              f"{cached_len} (hits are the cached chain from the first page, in whole "
+                              f"pages){where}", case=case.name, expected=expected.cached_len, got=cached_len)
+        if pages != list(expected.pages):
+            raise CheckFailed(f"[{case.name}] pages should be {list(expected.pages)}, got {pages} (hits "
+                              f"first, then the head of the free queue){where}", case=case.name)
+        compare_pool(case.name, cache, ref, where)
+
+    return run_cases("allocate_pages", _alloc_cases(seed, n_random), run_one)
+
+
+# --- free_pages ---------------------------------------------------------------------------
+
+
+def free_pages_solution(cache, pages):
+    """Drop one reference from each page, last page first; a page nobody holds joins the queue."""
+    for page in set(pages):  # refuse before changing anything: a count never goes below zero
+        if cache.ref_count[page] < list(pages).count(page):
+            raise ValueError(f"page {page} has no reference left to drop")
+    for page in reversed(pages):  # the tail of a chain is evicted before its beginning
+        cache.ref_count[page] -= 1
+        if cache.ref_count[page] == 0:
+            cache.free_queue.append(page)  # it keeps its hash: still findable until reused
+
+
+def _free_cases(seed: int, n_random: int) -> list[Case]:
+    def case(name, P, script, k, kind="edge"):
+        return Case(name, {"P": P, "script": script, "k": k}, kind)
+
+    two = [("alloc", _A), ("alloc", _A[:4] + [6, 6, 6])]
+    cases = [
+        case("free one sequence: last page first", 2, [("alloc", _A)], 0),
+        case("shared pages stay out of the queue", 2, two, 1),
+        case("the last holder frees the shared pages", 2, two + [("free", 1)], 0),
+        case("a partial page queues too (without a hash)", 4, [("alloc", _A[:6])], 0),
+        case("pages freed already: refuse, change nothing", 2, [("alloc", _A), ("free", 0)], 0),
+        case("page_size 1", 1, [("alloc", [5, 6, 7]), ("alloc", [5, 6, 9])], 0),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        P = rng.choice([1, 2, 4])
+        start = [rng.randrange(3) for _ in range(3 * P)]
+        script = [("alloc", start[: rng.randrange(1, 3 * P + 1)] + [rng.randrange(3)]) for _ in range(3)]
+        cases.append(case(f"random {i + 1} (page_size {P})", P, script, rng.randrange(3), "random"))
+    return cases
+
+
+@exercise(
+    "free_pages",
+    chapter="11",
+    hints=[
+        "For each page, from the LAST to the first: cache.ref_count[page] -= 1. The deep end of a "
+        "chain then queues before its beginning, so it is evicted first.",
+        "A page whose count reaches 0 goes to the tail: cache.free_queue.append(page). Leave its "
+        "hash alone: a later prompt with the same prefix can still hit it, until the queue hands "
+        "the page out again.",
+        "Before changing anything, check that every page has a reference to drop "
+        "(cache.ref_count[page] >= how often it appears); if not, raise an error.",
+    ],
+    solution=free_pages_solution,
+)
+def free_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
+    """Check ``fn(cache, pages)`` (nano-vllm's deallocate: reference counts and the free queue)."""
+
+    def run_one(case: Case) -> None:
+        a = case.args
+        script = a["script"]
+        cache, ref, allocations = build_pool(a["P"], 12, script)
+        pages = list(allocations[a["k"]])
+        where = f"\n  page_size {a['P']}; cached with {script}\n  free the pages {pages} of allocation {a['k']}"
+        refused = False
+        try:
+            ref.free(pages)
+        except Exception:  # noqa: BLE001 - the oracle refuses: the learner must too
+            refused = True
+        try:
+            call_learner(fn, cache, list(pages))
+        except CheckFailed:
+            raise
+        except Exception as e:  # noqa: BLE001
+            if not refused:
+                raise CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}{where}",
+                                  case=case.name) from e
+        else:
+            if refused:
+                raise CheckFailed(f"[{case.name}] these pages have no reference left to drop: free "
+                                  "must refuse (raise) before changing anything, so that no count "
+                                  f"goes below zero{where}", case=case.name)
+        compare_pool(case.name, cache, ref, where)
+
+    return run_cases("free_pages", _free_cases(seed, n_random), run_one)

@@ -1,0 +1,439 @@
+"""The hash-chained prefix cache: vLLM's and nano-vllm's answer to prefix sharing.
+
+Built in chapter 11 (``notebooks/11_hash_prefix_cache.ipynb``), beside the radix tree of
+chapters 05-06. There is no tree. The cache *is* the page pool:
+
+* every full page that holds a prompt's KV is known by a **chained hash**
+  (:func:`~kvlab.hash_chain.chain_hash` of its parent page's hash and its own tokens), and a
+  dict ``hash_to_page`` finds it again. A partial last page has no hash and is never shared;
+* **reference counts** instead of locks: a page is held by every sequence that maps it;
+* a page whose count falls to zero goes to the tail of the **free queue** *with its hash*: it
+  stays findable (a later prompt can take it back, a hit) until the queue hands it out for
+  other tokens, which drops the hash. Handing out the head of the queue is the eviction: the
+  free queue is the LRU order, and a sequence's pages are freed last page first, so the deep
+  end of a chain goes before its beginning (vLLM's ``KVCacheManager.free``, nano-vllm's
+  ``BlockManager.deallocate``).
+
+Every page is in one of three states, which :meth:`HashPrefixCache.check_integrity` proves::
+
+    free, uncached    in the free queue, no hash          (never used, or a partial page)
+    free, cached      in the free queue, with its hash    (a hit takes it back out)
+    referenced        ref_count > 0, not in the queue     (hash or not: mapped by a sequence)
+
+Two sets of words. The block manager's (nano-vllm's ``allocate`` / ``deallocate`` /
+``may_append``): :meth:`~HashPrefixCache.match`, :meth:`~HashPrefixCache.allocate`,
+:meth:`~HashPrefixCache.free`, :meth:`~HashPrefixCache.append_token`, built in the chapter from
+the building blocks ``lookup``, ``take_cached``, ``take_free``, ``cache_page``. And the radix
+cache's, so that :class:`~kvlab.cache_manager.CacheManager` (and the simulator of chapter 07)
+can run on either cache: ``match_prefix``, ``insert_prefix``, ``lock_handle`` (a reference on
+every page of a handle, with an owner), ``evict_leaves`` (take pages from the head of the
+queue), ``size_info``. Because this cache keeps the free pages itself (``keeps_free_pages``),
+the manager leaves its own free list empty and hands freed pages back through :meth:`free`.
+
+Departures, each said where it happens: BLAKE2b instead of xxh64/SHA-256
+(:mod:`kvlab.hash_chain`); a reused page's hash leaves ``hash_to_page`` at once (nano-vllm at
+commit 2f352ae leaves the entry and relies on comparing the page's tokens); one page per hash
+(vLLM's ``BlockHashToBlockMap`` may hold duplicates); ``uncached_first=True`` puts freed pages
+without a hash at the head of the queue (vLLM's ``BlockPool.free_blocks`` does, nano-vllm does
+not).
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Hashable, Sequence
+
+import torch
+
+from .args import check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
+from .errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
+from .hash_chain import (Allocation, FreeQueue, HashCacheHandle, HashSnapshot, PageHash, PageNode,
+                         TakenPage, chain_hash, page_hashes, short)
+from .radix_node import InsertResult, MatchResult, NodeInfo, SizeInfo
+from .runtime import default_device
+
+__all__ = ["HashPrefixCache", "HashCacheHandle", "Allocation", "chain_hash", "page_hashes"]
+
+
+class HashPrefixCache:
+    """A pool of ``num_pages`` pages of ``page_size`` slots whose full pages are cached by
+    chained hash (chapter 11). See the module docstring for the states and the two sets of words.
+
+    State (read it freely; change it only through the methods): ``ref_count[p]``,
+    ``page_hash[p]`` / ``page_parent[p]`` / ``page_tokens[p]`` (``None`` for an uncached page),
+    ``hash_to_page`` and ``free_queue`` (a :class:`~kvlab.hash_chain.FreeQueue`, head first).
+    ``evicted_pages`` counts cached pages handed out for other tokens.
+    """
+
+    #: the free pages live here, not in a cache manager's free list
+    keeps_free_pages = True
+
+    def __init__(self, num_pages: int, page_size: int, device: "torch.device | str | None" = None, *,
+                 uncached_first: bool = False):
+        self.num_pages = check_int("num_pages", num_pages, minimum=1)
+        self.page_size = check_page_size(page_size)
+        if not isinstance(uncached_first, bool):
+            raise InvalidArgument("uncached_first", "must be a bool", f"got {uncached_first!r}")
+        self.uncached_first = uncached_first
+        self.device = default_device(device)
+        self.ref_count = [0] * self.num_pages
+        self.page_hash: list[PageHash | None] = [None] * self.num_pages
+        self.page_parent: list[PageHash | None] = [None] * self.num_pages
+        self.page_tokens: list[tuple[int, ...] | None] = [None] * self.num_pages
+        self.hash_to_page: dict[PageHash, int] = {}
+        self.free_queue = FreeQueue(range(self.num_pages))  # page ids in order at first
+        self._locks: dict[tuple[Hashable, tuple[int, ...]], int] = {}  # (owner, pages) -> count
+        self.evicted_pages = 0
+
+    # --- the building blocks -----------------------------------------------------------
+
+    def lookup(self, h: PageHash, tokens: Sequence[int]) -> int | None:
+        """The page cached under hash ``h`` holding exactly ``tokens``, or ``None``.
+
+        The tokens are compared too (nano-vllm does; vLLM's older ``BlockHash`` carried them),
+        so a hash collision can never hand out a page with other tokens."""
+        page = self.hash_to_page.get(h)
+        if page is None or self.page_tokens[page] != tuple(tokens):
+            return None
+        return page
+
+    def take_cached(self, page: int) -> None:
+        """One more reference on a cached ``page`` (a hit); a free page leaves the free queue."""
+        if self.ref_count[page] == 0:
+            self.free_queue.remove(page)
+        self.ref_count[page] += 1
+
+    def take_free(self) -> int:
+        """Hand out the head of the free queue with one reference; a cached page loses its hash
+        there (that is the eviction)."""
+        if not self.free_queue:
+            raise OutOfPages(1, 0, "take_free")
+        page = self.free_queue.popleft()
+        self._forget(page)
+        self.ref_count[page] = 1
+        return page
+
+    def cache_page(self, page: int, h: PageHash, tokens: Sequence[int], parent: PageHash | None) -> None:
+        """Make a full page findable under ``h`` (its chained hash from ``parent`` and ``tokens``).
+
+        A free page that still holds ``h`` (it lost its parent to the queue: no prompt can
+        reach it any more) gives it up; a page in use keeps it, and ``page`` stays uncached."""
+        owner = self.hash_to_page.get(h)
+        if owner is not None and owner != page:
+            if self.ref_count[owner] > 0:
+                return
+            self._forget(owner)
+        self._forget(page)
+        self.page_hash[page], self.page_parent[page] = h, parent
+        self.page_tokens[page] = tuple(tokens)
+        self.hash_to_page[h] = page
+
+    def _forget(self, page: int) -> None:
+        h = self.page_hash[page]
+        if h is None:
+            return
+        if self.hash_to_page.get(h) == page:
+            del self.hash_to_page[h]
+        self.page_hash[page] = self.page_parent[page] = self.page_tokens[page] = None
+        if self.ref_count[page] == 0:
+            self.evicted_pages += 1  # a cached page is handed out for other tokens
+
+    # --- the block manager's words (nano-vllm's allocate / deallocate / may_append) ----
+
+    def match(self, input_ids) -> HashCacheHandle:
+        """The longest cached chain of full pages from the start of ``input_ids``. Reads only."""
+        ids = check_token_ids("input_ids", input_ids)
+        P = self.page_size
+        pages, hashes, parent = [], [], None
+        for start in range(0, len(ids) - P + 1, P):
+            tokens = ids[start:start + P]
+            h = chain_hash(parent, tokens)
+            page = self.lookup(h, tokens)
+            if page is None:
+                break  # a chain cannot skip a page: every later hash depends on this one
+            pages.append(page)
+            hashes.append(h)
+            parent = h
+        return HashCacheHandle(len(pages) * P, tuple(pages), tuple(hashes), self)
+
+    def pages_needed(self, input_ids) -> int:
+        """Free-queue pages :meth:`allocate` would take: new pages plus hits that are free now."""
+        ids = check_token_ids("input_ids", input_ids)
+        hit = self.match(ids)
+        return div_ceil(len(ids), self.page_size) - len(hit.pages) + sum(
+            1 for p in hit.pages if self.ref_count[p] == 0)
+
+    def allocate(self, input_ids) -> Allocation:
+        """Pages for a new sequence of ``input_ids``: its cached chain (hits, one more reference
+        each), then pages from the head of the free queue for the rest; every new *full* page
+        is cached at once (nano-vllm's ``allocate``). All or nothing: :class:`OutOfPages`
+        before any change when the queue is short."""
+        ids = check_token_ids("input_ids", input_ids)
+        needed = self.pages_needed(ids)
+        if needed > len(self.free_queue):
+            raise OutOfPages(needed, len(self.free_queue), "allocate")
+        P = self.page_size
+        hit = self.match(ids)
+        for page in hit.pages:
+            self.take_cached(page)
+        pages, parent = list(hit.pages), (hit.hashes[-1] if hit.hashes else None)
+        for start in range(hit.cached_len, len(ids), P):
+            tokens = ids[start:start + P]
+            page = self.take_free()
+            if len(tokens) == P:
+                h = chain_hash(parent, tokens)
+                self.cache_page(page, h, tokens, parent)
+                parent = h
+            pages.append(page)
+        return Allocation(tuple(pages), hit.cached_len)
+
+    def free(self, pages: Sequence[int]) -> None:
+        """Drop one reference from each page, **last page first**; a page nobody holds any more
+        joins the free queue and keeps its hash. Refuses (:class:`CacheMisuse`, nothing
+        changed) to drop a reference a page does not have: a count never goes below zero."""
+        pages = [check_int(f"pages[{i}]", p) for i, p in enumerate(pages)]
+        for page, times in Counter(pages).items():
+            if not 0 <= page < self.num_pages:
+                raise InvalidArgument("pages", f"page ids in [0, {self.num_pages})", f"got {page}")
+            if self.ref_count[page] < times:
+                raise CacheMisuse(f"free: page {page} has {self.ref_count[page]} reference(s), "
+                                  f"{times} would be dropped (freed twice, or never allocated?)")
+        released = []
+        for page in reversed(pages):  # the tail of a chain is evicted before its beginning
+            self.ref_count[page] -= 1
+            if self.ref_count[page] == 0:
+                released.append(page)
+        fresh = [p for p in released if self.page_hash[p] is None]
+        for page in released:
+            if self.page_hash[page] is not None or not self.uncached_first:
+                self.free_queue.append(page)
+        for page in reversed(fresh if self.uncached_first else []):
+            self.free_queue.appendleft(page)  # vLLM: free_block_queue.prepend_n(fresh_blocks)
+
+    def append_token(self, pages: Sequence[int], input_ids) -> tuple[int, ...]:
+        """After a decode step appended one token (``input_ids`` includes it): a new page when
+        the token starts one, and the last page cached when the token fills it (nano-vllm's
+        ``may_append``). Returns the sequence's pages."""
+        ids = check_token_ids("input_ids", input_ids)
+        P, pages = self.page_size, [check_int("pages", p) for p in pages]
+        if len(pages) < div_ceil(len(ids), P):
+            pages.append(self.take_free())
+        if ids and len(ids) % P == 0 and self.page_hash[pages[-1]] is None:
+            parent = None
+            if len(pages) > 1:  # a page that twins one in use carries no hash: chain from the tokens
+                parent = self.page_hash[pages[-2]] or page_hashes(ids[:-P], P)[-1]
+            self.cache_page(pages[-1], chain_hash(parent, ids[-P:]), ids[-P:], parent)
+        return tuple(pages)
+
+    # --- the radix cache's words, for CacheManager ----------------------------------------
+
+    def match_prefix(self, input_ids) -> MatchResult:
+        """:meth:`match` as the radix cache answers it (a ``MatchResult`` holding the handle)."""
+        return MatchResult(self.match(input_ids))
+
+    def insert_prefix(self, input_ids, indices) -> InsertResult:
+        """Cache the full pages of ``input_ids`` whose KV sits in ``indices`` (one slot per token).
+
+        Returns ``(cached_len, handle)``: how many tokens were cached before (the caller's
+        slots there are duplicates it still holds) and a handle for the inserted full pages.
+        Every new page must be held by the caller alone (one reference, no hash); that
+        reference passes to the cache, so the pages are evictable until someone locks the
+        handle (the radix cache's new node is unlocked too)."""
+        ids = check_token_ids("input_ids", input_ids)
+        indices = check_slots("indices", indices)
+        if indices.numel() != len(ids):
+            raise InvalidArgument("indices", "one slot per token: len(indices) == len(input_ids)",
+                                  f"got {indices.numel()} slots for {len(ids)} tokens")
+        P = self.page_size
+        insert_len = len(ids) // P * P
+        hit = self.match(ids[:insert_len])
+        new_slots = indices[hit.cached_len:insert_len]
+        check_whole_pages("indices", new_slots, P)
+        new_pages = [int(s) // P for s in new_slots[::P].tolist()]
+        for page in new_pages:
+            if not 0 <= page < self.num_pages:
+                raise InvalidArgument("indices", f"slots of pages in [0, {self.num_pages})",
+                                      f"page {page}")
+            if self.ref_count[page] != 1 or self.page_hash[page] is not None or new_pages.count(page) > 1:
+                raise InvalidArgument("indices", "a page to insert is held by the caller alone and "
+                                      "not cached yet", f"page {page}: ref_count {self.ref_count[page]},"
+                                      f" hash {short(self.page_hash[page])}")
+        hashes, parent = list(hit.hashes), (hit.hashes[-1] if hit.hashes else None)
+        for i, page in enumerate(new_pages):
+            tokens = ids[hit.cached_len + i * P: hit.cached_len + (i + 1) * P]
+            parent = chain_hash(parent, tokens)
+            self.cache_page(page, parent, tokens, hashes[-1] if hashes else None)
+            hashes.append(parent)
+        self.free(new_pages)  # the caller's reference passes to the cache
+        handle = HashCacheHandle(insert_len, hit.pages + tuple(new_pages), tuple(hashes), self)
+        return InsertResult(hit.cached_len, handle)
+
+    def holds(self, handle) -> bool:
+        """Whether every page of ``handle`` still carries its hash in this cache."""
+        return (isinstance(handle, HashCacheHandle) and handle.cache is self and
+                all(self.page_hash[p] == h for p, h in zip(handle.pages, handle.hashes)))
+
+    def lock_handle(self, handle: HashCacheHandle, unlock: bool = False, *, owner=None) -> None:
+        """Take (or with ``unlock=True`` give back) one reference on every page of ``handle``
+        for ``owner``. Only an owner that holds a lock may unlock it (:class:`CacheMisuse`
+        otherwise, nothing changed). The empty handle protects nothing."""
+        if not isinstance(handle, HashCacheHandle):
+            raise InvalidArgument("handle", "must be a HashCacheHandle from this cache",
+                                  f"got {type(handle).__name__}")
+        if not self.holds(handle):
+            raise CacheMisuse("lock_handle: a page of the handle's prefix was reused for other "
+                              "tokens (or the handle belongs to another cache); lock a handle right "
+                              "after match_prefix/insert_prefix")
+        try:
+            key = (owner, handle.pages)
+            held = self._locks.get(key, 0)
+        except TypeError:
+            raise InvalidArgument("owner", "must be hashable (a Req, a string, an int, None)",
+                                  f"got {type(owner).__name__}") from None
+        if not handle.pages:
+            return
+        if unlock:
+            if held == 0:
+                raise CacheMisuse(f"lock_handle(unlock=True): the handle (pages {list(handle.pages)}) "
+                                  f"is not locked by {owner!r}"[:160] + ". Only the owner that locked "
+                                  "a handle may unlock it, once per lock")
+            if held == 1:
+                del self._locks[key]
+            else:
+                self._locks[key] = held - 1
+            self.free(handle.pages)
+        else:
+            self._locks[key] = held + 1
+            for page in handle.pages:
+                self.take_cached(page)
+
+    def is_locked_by(self, handle, owner=None) -> bool:
+        """Whether ``owner`` holds a lock on ``handle`` (the empty handle: always)."""
+        if not self.holds(handle):
+            return False
+        if not handle.pages:
+            return True
+        try:
+            return self._locks.get((owner, handle.pages), 0) > 0
+        except TypeError:
+            return False
+
+    @property
+    def size_info(self) -> SizeInfo:
+        """Cached tokens on free pages (evictable) and on referenced pages (protected)."""
+        free = sum(1 for p in self.hash_to_page.values() if self.ref_count[p] == 0)
+        return SizeInfo(free * self.page_size, (len(self.hash_to_page) - free) * self.page_size)
+
+    @property
+    def num_free_uncached(self) -> int:
+        """Pages in the free queue without a hash (the cache manager counts them as free)."""
+        return len(self.free_queue) - self.size_info.evictable_size // self.page_size
+
+    def evict_leaves(self, num_tokens: int) -> list[TakenPage]:
+        """Take ``div_ceil(num_tokens, P)`` pages (or all there are) from the head of the free
+        queue, one reference each, cached ones losing their hash; return them in order so that
+        :meth:`undo_evict` can put them back. The cache manager's word for "pages, please"."""
+        n = min(div_ceil(check_int("num_tokens", num_tokens, minimum=0), self.page_size),
+                len(self.free_queue))
+        taken = []
+        for page in self.free_queue.head(n):
+            taken.append(TakenPage(page, self.page_hash[page], self.page_parent[page],
+                                   self.page_tokens[page], self._slots([page])))
+            self.take_free()
+        return taken
+
+    def evict(self, num_tokens: int) -> torch.Tensor:
+        """:meth:`evict_leaves`, returning the token slots of the pages taken."""
+        taken = self.evict_leaves(num_tokens)
+        return torch.cat([t.value for t in taken]) if taken else self._slots([])
+
+    def undo_evict(self, taken: Sequence[TakenPage]) -> None:
+        """Put back the pages of an :meth:`evict_leaves` call at the head of the queue, with their
+        hashes (a caller's rollback). Only valid while nothing else changed since."""
+        for t in taken:
+            if self.ref_count[t.page] != 1 or self.page_hash[t.page] is not None or (
+                    t.hash is not None and t.hash in self.hash_to_page):
+                raise CacheMisuse(f"undo_evict: page {t.page} cannot go back (the cache changed)")
+        for t in reversed(taken):
+            self.ref_count[t.page] = 0
+            self.free_queue.appendleft(t.page)
+            if t.hash is not None:
+                self.cache_page(t.page, t.hash, t.tokens, t.parent)
+                self.evicted_pages -= 1
+
+    # --- views and checks -----------------------------------------------------------------
+
+    def _slots(self, pages: Sequence[int]) -> torch.Tensor:
+        P = self.page_size
+        starts = torch.tensor(list(pages), dtype=torch.int32).unsqueeze(1) * P
+        return (starts + torch.arange(P, dtype=torch.int32)).flatten().to(self.device)
+
+    def nodes(self) -> list[PageNode]:
+        """Every page in the cache's keeping (free, or cached), by page id."""
+        pages = [p for p in range(self.num_pages) if self.ref_count[p] == 0 or self.page_hash[p] is not None]
+        slots, P = self._slots(pages), self.page_size
+        return [PageNode(p, slots[i * P:(i + 1) * P], self.ref_count[p]) for i, p in enumerate(pages)]
+
+    def all_cached_indices(self) -> torch.Tensor:
+        """The slots of every cached page."""
+        return self._slots(sorted(self.hash_to_page.values()))
+
+    def snapshot(self) -> HashSnapshot:
+        """The cache as plain data: cached pages as one-page tree nodes (``last_access``: the
+        page's place in the free queue, 1 = next out; 0 while referenced), and the queue."""
+        place = {p: i + 1 for i, p in enumerate(self.free_queue)}
+        nodes, order = [], {}
+
+        def depth(p):  # parents before children: sort by chain depth
+            d, h = 0, self.page_parent[p]
+            while h is not None and h in self.hash_to_page and d <= self.num_pages:
+                d, h = d + 1, self.page_parent[self.hash_to_page[h]]
+            return d
+
+        for p in sorted(self.hash_to_page.values(), key=lambda p: (depth(p), p)):
+            parent = self.hash_to_page.get(self.page_parent[p]) if self.page_parent[p] else None
+            order[p] = len(order)
+            nodes.append(NodeInfo(p, parent if parent in order else None, (self.page_tokens[p],),
+                                  (p,), self.ref_count[p], place.get(p, 0)))
+        info = self.size_info
+        return HashSnapshot(self.page_size, tuple(nodes),
+                            tuple(sorted((p, h) for h, p in self.hash_to_page.items())),
+                            tuple(self.free_queue), tuple(self.ref_count),
+                            info.evictable_size, info.protected_size)
+
+    def check_integrity(self) -> None:
+        """Raise :class:`IntegrityError` unless every page is free-and-uncached, free-and-cached
+        or referenced; ``hash_to_page`` and ``page_hash`` agree; every cached page's hash is
+        ``chain_hash(its parent's hash, its tokens)`` (so, page by page from the first, a hash
+        stands for every token before it); and locks are held on cached pages only."""
+        for p in range(self.num_pages):
+            if self.ref_count[p] < 0:
+                raise IntegrityError(f"page {p} has ref_count {self.ref_count[p]} (below zero)")
+            if (self.ref_count[p] == 0) != (p in self.free_queue):
+                raise IntegrityError(f"page {p} has ref_count {self.ref_count[p]} but is "
+                                     f"{'' if p in self.free_queue else 'not '}in the free queue")
+        if len(self.free_queue) != sum(1 for r in self.ref_count if r == 0):
+            raise IntegrityError("the free queue holds a page twice or a page that does not exist")
+        for h, p in self.hash_to_page.items():
+            if self.page_hash[p] != h:
+                raise IntegrityError(f"hash_to_page[{short(h)}] = page {p}, but page {p} carries "
+                                     f"hash {short(self.page_hash[p])}")
+        for p, h in enumerate(self.page_hash):
+            if h is None:
+                continue
+            if self.hash_to_page.get(h) != p:
+                raise IntegrityError(f"page {p} carries hash {short(h)} but hash_to_page sends it to "
+                                     f"{self.hash_to_page.get(h)}")
+            tokens = self.page_tokens[p]
+            if tokens is None or len(tokens) != self.page_size or chain_hash(self.page_parent[p], tokens) != h:
+                raise IntegrityError(f"page {p}: hash {short(h)} is not the chained hash of its "
+                                     f"parent {short(self.page_parent[p])} and its tokens {tokens}")
+        held = Counter()
+        for (owner, pages), count in self._locks.items():
+            for p in pages:
+                if self.page_hash[p] is None:
+                    raise IntegrityError(f"a lock of {owner!r} covers page {p}, which is not cached")
+                held[p] += count
+        for p, count in held.items():
+            if self.ref_count[p] < count:
+                raise IntegrityError(f"page {p} has ref_count {self.ref_count[p]} but {count} "
+                                     "lock(s) are held on it")

@@ -1,0 +1,202 @@
+"""The pieces of the hash-chained prefix cache (chapter 11): the chained page hash, the free
+queue, and the plain-data results of the cache's calls.
+
+:class:`~kvlab.hash_cache.HashPrefixCache` is the cache that uses them. The design is vLLM's
+and nano-vllm's: a full page is known by a hash **chained** from its parent page's hash and
+its own token ids, so one hash stands for every token from the start of the prompt to the
+end of that page::
+
+    page 0            page 1                 page 2
+    [1 2 3 4]         [5 6 7 8]              [9 10 11 12]
+    h0 = H(-, p0)     h1 = H(h0, p1)         h2 = H(h1, p2)     H = BLAKE2b-128
+
+Departure: nano-vllm hashes with xxh64 (``xxhash``) and vLLM with SHA-256 over a CBOR
+encoding; kvlab uses ``hashlib.blake2b`` (16-byte digests) over the parent's digest and the
+token ids as little-endian int64, which needs nothing beyond Python's standard library and
+gives the same digest on every machine and in every run (Python's own ``hash()`` is salted
+per process, so it could not be compared between runs or shown in a figure).
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, NamedTuple, Sequence
+
+import torch
+
+from .errors import CacheMisuse, InvalidArgument
+
+__all__ = ["PageHash", "chain_hash", "page_hashes", "short", "FreeQueue", "HashCacheHandle",
+           "Allocation", "TakenPage", "PageNode", "HashSnapshot"]
+
+#: A page's chained hash: 16 bytes (vLLM's ``BlockHash`` is ``bytes`` too).
+PageHash = bytes
+DIGEST_SIZE = 16
+
+
+def chain_hash(parent: PageHash | None, page_tokens: Sequence[int]) -> PageHash:
+    """The hash of one full page: BLAKE2b over the parent page's hash and this page's tokens.
+
+    ``parent`` is ``None`` for the first page of a prompt (nano-vllm passes ``-1`` there, vLLM
+    a seed ``NONE_HASH``). Two pages with the same tokens after different prefixes get
+    different hashes, because their parents differ.
+    """
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    if parent is not None:
+        h.update(parent)
+    try:
+        h.update(struct.pack(f"<{len(page_tokens)}q", *page_tokens))
+    except struct.error:
+        raise InvalidArgument("page_tokens", "token ids must be ints that fit in int64",
+                              f"got {list(page_tokens)[:8]}") from None
+    return h.digest()
+
+
+def page_hashes(input_ids: Sequence[int], page_size: int) -> list[PageHash]:
+    """The chained hash of every **full** page of ``input_ids`` (a partial last page has none)."""
+    out: list[PageHash] = []
+    parent = None
+    for start in range(0, len(input_ids) - page_size + 1, page_size):
+        parent = chain_hash(parent, input_ids[start:start + page_size])
+        out.append(parent)
+    return out
+
+
+def short(h: PageHash | None, n: int = 4) -> str:
+    """A hash as a few hex digits, for printing and drawing (``-`` for no hash)."""
+    return "-" if h is None else h.hex()[: 2 * n]
+
+
+class FreeQueue:
+    """The free pages, in the order they are handed out again: the head goes first.
+
+    vLLM's ``FreeKVCacheBlockQueue`` is a doubly linked list so that a page can leave from the
+    middle in O(1) (a cache hit on a free page); nano-vllm uses a ``deque`` and ``remove``
+    (O(n)). An ``OrderedDict`` gives the O(1) removal with Python's own code.
+    """
+
+    def __init__(self, pages: Iterable[int] = ()):
+        self._pages: OrderedDict[int, None] = OrderedDict((p, None) for p in pages)
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def __contains__(self, page: int) -> bool:
+        return page in self._pages
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._pages)
+
+    def __repr__(self) -> str:
+        return f"FreeQueue({list(self._pages)})"
+
+    def append(self, page: int) -> None:
+        """Put ``page`` at the tail: it is handed out after every page already queued."""
+        if page in self._pages:
+            raise CacheMisuse(f"page {page} is already in the free queue")
+        self._pages[page] = None
+
+    def appendleft(self, page: int) -> None:
+        """Put ``page`` at the head: it is handed out next."""
+        self.append(page)
+        self._pages.move_to_end(page, last=False)
+
+    def remove(self, page: int) -> None:
+        """Take ``page`` out of the queue wherever it is (a cache hit on a free page)."""
+        if page not in self._pages:
+            raise CacheMisuse(f"page {page} is not in the free queue")
+        del self._pages[page]
+
+    def popleft(self) -> int:
+        """Take the head page."""
+        if not self._pages:
+            raise CacheMisuse("the free queue is empty")
+        return self._pages.popitem(last=False)[0]
+
+    def head(self, n: int) -> list[int]:
+        """The first ``n`` pages, without taking them."""
+        out = []
+        for p in self._pages:
+            if len(out) == n:
+                break
+            out.append(p)
+        return out
+
+
+@dataclass(frozen=True, eq=False)
+class HashCacheHandle:
+    """A matched or inserted prefix of the hash cache: ``cached_len`` tokens on ``pages``,
+    page ``i`` known by ``hashes[i]``. It stays valid while every page still carries its hash
+    (a page reused for other tokens loses it); lock it to keep it so."""
+
+    cached_len: int
+    pages: tuple[int, ...]
+    hashes: tuple[PageHash, ...]
+    cache: object = field(repr=False)
+
+    def __repr__(self) -> str:
+        return (f"HashCacheHandle(cached_len={self.cached_len}, pages={list(self.pages)}, "
+                f"hashes=[{', '.join(short(h) for h in self.hashes)}])")
+
+    def get_matched_indices(self) -> torch.Tensor:
+        """The KV slots of the prefix, first page first (a 1-D int32 tensor of ``cached_len`` slots)."""
+        cache = self.cache
+        if not cache.holds(self):
+            raise CacheMisuse("get_matched_indices: a page of the handle's prefix was reused for "
+                              "other tokens; lock a handle to keep its prefix in the cache")
+        P = cache.page_size
+        starts = torch.tensor(self.pages, dtype=torch.int32).unsqueeze(1) * P
+        slots = (starts + torch.arange(P, dtype=torch.int32)).flatten()
+        return slots.to(cache.device)
+
+
+class Allocation(NamedTuple):
+    """What :meth:`HashPrefixCache.allocate <kvlab.hash_cache.HashPrefixCache.allocate>` gave a
+    sequence: one page per (full or partial) page of its tokens, the first ``cached_len //
+    page_size`` of them cache hits."""
+
+    pages: tuple[int, ...]
+    cached_len: int
+
+
+class TakenPage(NamedTuple):
+    """A page taken from the head of the free queue, with what it held before (for an undo).
+    ``value``: its token slots (the radix cache's evicted nodes have the same field)."""
+
+    page: int
+    hash: PageHash | None
+    parent: PageHash | None
+    tokens: tuple[int, ...] | None
+    value: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.value.numel()
+
+
+class PageNode(NamedTuple):
+    """A page in the cache's keeping (free, or cached), as the cache manager's checks list it."""
+
+    uid: int  # the page id
+    value: torch.Tensor  # its token slots
+    ref_count: int
+
+
+class HashSnapshot(NamedTuple):
+    """The hash cache as plain data (:meth:`HashPrefixCache.snapshot
+    <kvlab.hash_cache.HashPrefixCache.snapshot>`), for drawing and comparing.
+
+    ``nodes`` has one :class:`~kvlab.radix_node.NodeInfo` per cached page (parent: the page
+    that holds the parent hash, when that one is cached too), so the drawings of the radix
+    tree can show the same pages as a tree of one-page nodes.
+    """
+
+    page_size: int
+    nodes: tuple  # of kvlab.radix_node.NodeInfo, parents before children
+    hashes: tuple[tuple[int, PageHash], ...]  # (page, hash) of every cached page
+    free_queue: tuple[int, ...]  # head first
+    ref_counts: tuple[int, ...]  # per page
+    evictable_size: int
+    protected_size: int

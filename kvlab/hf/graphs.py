@@ -1,0 +1,167 @@
+"""Decode steps replayed from CUDA graphs, padded with the page table's dummy row (chapter 10).
+
+A decode step of a small model is a few hundred small kernels, each launched from Python:
+the GPU waits for the host. A CUDA graph records those launches once and replays them with
+one call. Its shapes and addresses are frozen, so a server captures the decode step at a
+few batch sizes, reading its inputs from fixed buffers, and pads a batch up to the next
+captured size. mini-sglang (``python/minisgl/engine/graph.py``, ``GraphRunner``) captures at
+``[1, 2, 4]`` and every multiple of 8 up to a maximum (``_determine_cuda_graph_bs``), largest
+first, all graphs sharing one memory pool; a batch larger than the largest size runs
+without a graph. Its engine (``engine/engine.py``) keeps one extra page-table row for a
+*dummy request* (row ``max_running_req``) and one extra page in the KV pool (the
+*dummy page*, page ``num_pages``, which no request ever owns), and fills the dummy row with
+the dummy page's slot. Padded lanes are that request at position 0, so they write their K/V
+into the dummy page and read only it::
+
+    page table                                   KV pool
+    row 0    [ 12 13 14 15 | 40 41 42 .. ]        page 3  = slots 12..15   (request A)
+    row 1    [  4  5  6  7 | ..          ]        ...
+    row R    [  D  D  D  D   D  D  D  D ]  dummy  page num_pages = slots D..D+P-1: nobody's
+
+    5 running requests, padded to the captured size 8:
+    lane        0   1   2   3   4 |  5  6  7
+    row         3   0   7   1   2 |  R  R  R
+    position   40  17  33   8  21 |  0  0  0
+    slot       ..  ..  ..  ..  .. |  D  D  D        (page_table[row, position])
+
+:func:`pad_decode_batch` is that padding (chapter 10's exercise); :class:`DecodeGraphs`
+keeps the buffers and the graphs and runs a decode step through them. Without CUDA (the
+interpreter) it runs the very same padded step without capturing it, so the tokens are the
+same everywhere.
+"""
+from __future__ import annotations
+
+import gc
+from typing import Callable, Sequence
+
+import torch
+
+from ..args import check_int
+from ..errors import InvalidArgument
+from .step import StepBatch, to_device
+
+__all__ = ["graph_batch_sizes", "graph_size", "pad_decode_batch", "DecodeGraphs"]
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """The batch sizes mini-sglang captures: 1, 2, 4, then every multiple of 8 up to ``max_bs``."""
+    max_bs = check_int("max_bs", max_bs, minimum=1)
+    return [s for s in (1, 2, 4) if s <= max_bs] + list(range(8, max_bs + 1, 8))
+
+
+def graph_size(n: int, sizes: Sequence[int]) -> int | None:
+    """The smallest captured size that holds ``n`` lanes (``None``: larger than every size)."""
+    return next((s for s in sorted(sizes) if s >= n), None)
+
+
+def pad_decode_batch(rows: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
+                     sizes: Sequence[int], dummy_row: int):
+    """Pad one decode step's lanes up to the next captured batch size (mini-sglang's
+    ``GraphRunner.pad_batch``).
+
+    ``rows[b]``, ``positions[b]``: request ``b``'s page-table row and the position of its new
+    token (int64 tensors, on the page table's device). Returns ``(rows, positions, slots)``
+    of length ``graph_size(len(rows), sizes)``: the real lanes unchanged, then padded lanes
+    of the dummy request (row ``dummy_row``, position 0), and every lane's K/V slot
+    ``page_table[rows, positions]`` -- for a padded lane the dummy page's. A batch larger
+    than every size is returned unpadded (it runs without a graph).
+    """
+    n = len(rows)
+    size = graph_size(n, sizes) or n
+    rows = torch.cat([rows, rows.new_full((size - n,), dummy_row)])
+    positions = torch.cat([positions, positions.new_zeros(size - n)])
+    return rows, positions, page_table[rows, positions]
+
+
+class DecodeGraphs:
+    """The decode step at the batch sizes ``sizes``: fixed input buffers, and a CUDA graph
+    per size captured at construction (``capture=True``) or the same step run eagerly.
+
+    :meth:`run` takes the real lanes (token ids, rows, positions), pads them with the dummy
+    request, runs the step and returns each real lane's greedy next token and logits.
+    """
+
+    def __init__(self, model, pool, page_table: torch.Tensor, dummy_row: int,
+                 sizes: Sequence[int], *, capture: bool, decode_step: Callable | None = None):
+        if not sizes:
+            raise InvalidArgument("sizes", "at least one batch size", "got none")
+        if capture and page_table.device.type != "cuda":
+            raise InvalidArgument("decode_graphs", '"capture" needs a model on a CUDA device (graphs '
+                                  'record GPU work): use "eager" or "off" elsewhere',
+                                  f"the model is on {page_table.device}")
+        self.model = model
+        self.page_table = page_table
+        self.dummy_row = dummy_row
+        self.sizes = sorted(sizes)
+        self.capture = capture
+        device = page_table.device
+        max_bs = self.sizes[-1]
+        # rows 0..2: token ids, positions, page-table rows of the lanes; the graphs read these
+        self.inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
+        self.inputs[2].fill_(dummy_row)
+        self.logits = torch.zeros(max_bs, model.config.vocab_size, dtype=model.dtype, device=device)
+        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.steps = {bs: StepBatch(pool=pool, page_table=page_table, single_rows=self.inputs[2, :bs],
+                                    single_positions=self.inputs[1, :bs], decode_step=decode_step)
+                      for bs in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if capture:
+            self._capture()
+
+    def fits(self, n: int) -> bool:
+        """A decode step of ``n`` requests has a size to run at."""
+        return n <= self.sizes[-1]
+
+    def padded_size(self, n: int) -> int:
+        return graph_size(n, self.sizes) or n
+
+    def _forward(self, bs: int) -> None:
+        """The step at size ``bs``: what a graph records and replays."""
+        ids, positions = self.inputs[0, :bs], self.inputs[1, :bs]
+        logits = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                            logits_to_keep=0, kvlab_step=self.steps[bs]).logits[0]
+        self.logits[:bs].copy_(logits)
+        torch.argmax(logits, dim=-1, out=self.tokens[:bs])
+
+    def _capture(self) -> None:
+        """Largest size first, one memory pool for all (mini-sglang's order); every lane the
+        dummy request. A run before each capture compiles and initialises what it uses.
+
+        Python's garbage collector stays off meanwhile: collecting an old generator in the
+        middle of a capture would free its graphs' memory (a ``cudaFree``), which a capture
+        does not allow."""
+        pool = None
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for bs in reversed(self.sizes):
+                self._forward(bs)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward(bs)
+                pool = graph.pool() if pool is None else pool
+                self.graphs[bs] = graph
+        finally:
+            if was_enabled:
+                gc.enable()
+        torch.cuda.synchronize(self.page_table.device)
+
+    def run(self, input_ids: Sequence[int], rows: Sequence[int], positions: Sequence[int]):
+        """One decode step of ``len(rows)`` requests (at most the largest size): returns
+        ``(tokens, logits)`` of the real lanes, on the device. Nothing here waits for the GPU."""
+        n = len(rows)
+        lanes = to_device(torch.tensor([input_ids, positions, rows], dtype=torch.int64),
+                          self.page_table.device)
+        rows_p, positions_p, _ = pad_decode_batch(lanes[2], lanes[1], self.page_table, self.sizes,
+                                                  self.dummy_row)
+        bs = len(rows_p)
+        self.inputs[0, n:bs].zero_()
+        self.inputs[0, :n].copy_(lanes[0])
+        self.inputs[1, :bs].copy_(positions_p)
+        self.inputs[2, :bs].copy_(rows_p)
+        if self.capture:
+            self.graphs[bs].replay()
+        else:
+            self._forward(bs)
+        return self.tokens[:n], self.logits[:n]

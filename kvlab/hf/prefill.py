@@ -1,0 +1,130 @@
+"""Who prefills in the next step, and how much of each prompt (chapter 10).
+
+mini-sglang decides this in its ``PrefillAdder`` (``python/minisgl/scheduler/prefill.py``),
+once per step, walking the waiting requests in order:
+
+* **a token budget**: at most ``token_budget`` prompt tokens are computed per step
+  (``max_extend_tokens``, 8192 by default in ``scheduler/config.py``); a request gets
+  ``chunk_size = min(token_budget, remain_len)`` of what it still has to compute, and a
+  request cut short (a ``ChunkedReq``) goes first in the next step, **keeping its page-table
+  row and its locked cache handle** -- so one long prompt cannot stall the running decodes
+  for a whole step of its own;
+* **admission by memory**: a new request is admitted only if a page-table row is free and
+  what it may still need (its uncached prompt and its whole answer) fits beside what the
+  admitted ones may still need (``reserved_size``), counting evictable cached pages as free;
+  the first that does not fit stops the walk.
+
+kvlab counts the same reservation in pages: a request may still allocate
+``div_ceil(prompt + max_new_tokens - 1, P)`` pages minus those its row maps now (the last
+new token's K/V is never computed), so no step can run out of pages half-way.
+
+kvlab adds one rule of its own (SGLang's in-batch prefix sharing): a prompt that shares whole
+pages with a prompt still being computed (admitted this step, or in chunks) waits until that
+prompt's pages are in the prefix cache, then reads them from there instead of computing them
+again. It steps aside for the requests behind it rather than stopping the walk.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from ..args import div_ceil
+
+__all__ = ["Seq", "PrefillAdder", "shared_pages"]
+
+
+@dataclass(eq=False)
+class Seq:
+    """One prompt's journey through the serving loop."""
+
+    index: int
+    prompt: list[int]
+    req: object = None            # kvlab.Req while admitted
+    cached: int = 0               # prompt tokens found in the prefix cache at admission
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    finished_by: str = ""
+
+    @property
+    def remain(self) -> int:
+        """Prompt tokens whose K/V is still to be computed."""
+        return len(self.prompt) - self.req.cached_len
+
+
+def shared_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
+    """Tokens of the whole pages ``a`` and ``b`` start with in common (list slices compare at
+    C speed: a binary search over the number of pages, not a loop over tokens)."""
+    lo, hi = 0, min(len(a), len(b)) // page_size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid * page_size] == b[:mid * page_size]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * page_size
+
+
+class PrefillAdder:
+    """One step's prefill plan: chunks of running prompts first, then new requests while a
+    row, the token budget and memory allow. ``chunked=False``: no chunks -- the budget then
+    bounds whole prompts, and the first prompt of a step always goes whole."""
+
+    def __init__(self, manager, max_new: int, token_budget: int, *, chunked: bool,
+                 holding: Sequence[Seq]):
+        self.manager = manager
+        self.P = manager.page_size
+        self.max_new = max_new
+        self.token_budget = token_budget
+        self.chunked = chunked
+        # pages the requests holding rows (``holding``), and those admitted now, may still take
+        self.reserved = sum(self.pages_to_come(s) for s in holding)
+        self.added: list[Seq] = []   # this step's prefills, in order
+        self.deferred = 0
+
+    def pages_to_come(self, seq: Seq) -> int:
+        """Pages ``seq`` may still allocate: all it may ever map minus what its row maps now."""
+        total = div_ceil(len(seq.prompt) + self.max_new - 1, self.P)
+        return total - self.manager.allocated_pages(seq.req)
+
+    def _take(self, seq: Seq) -> bool:
+        """Give ``seq`` its chunk of this step's budget: ``req.device_len`` marks its end."""
+        chunk = seq.remain if not self.chunked else min(self.token_budget, seq.remain)
+        if chunk <= 0 or (not self.chunked and self.added and chunk > self.token_budget):
+            return False
+        self.token_budget -= chunk
+        seq.req.device_len = seq.req.cached_len + chunk
+        self.added.append(seq)
+        return True
+
+    def add_chunk(self, seq: Seq) -> bool:
+        """The next chunk of a prompt admitted earlier (its row and handle are kept)."""
+        return self._take(seq)
+
+    def try_admit(self, seq: Seq, free_rows: list[int], computing: Sequence[Seq]) -> str:
+        """Admit ``seq`` if a row, the budget and memory allow: ``"added"``; ``"wait"``: it
+        shares whole pages with a prompt still being computed (the walk goes on);
+        ``"full"``: no room (the walk stops). ``computing``: prompts not yet cached."""
+        from ..req import Req
+
+        if not free_rows or self.token_budget <= 0:
+            return "full"
+        req = Req(list(seq.prompt), table_idx=free_rows[0])
+        hit = self.manager.match_req(req).handle.cached_len      # prompt[:-1] in the radix cache
+        shared = max((shared_pages(seq.prompt[:-1], other.prompt, self.P)
+                      for other in list(computing) + self.added), default=0)
+        if shared > hit:
+            self.deferred += 1
+            return "wait"
+        seq.req = req
+        self.manager.admit(req)           # match + lock the hit + map it into the row
+        need = self.pages_to_come(seq)
+        if self.reserved + need > self.manager.available_pages or not self._take(seq):
+            self.manager.release_req(req)   # not now: rows, pages and locks as before
+            seq.req = None
+            return "full"
+        self.reserved += need
+        seq.cached = req.cached_len
+        free_rows.pop(0)
+        return "added"

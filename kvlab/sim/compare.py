@@ -1,0 +1,149 @@
+"""The radix tree and the hash-chained cache side by side, measured (chapter 11).
+
+:func:`compare_caches` runs the simulator of chapter 07 on the same seeded workloads with each
+prefix cache of :mod:`kvlab.sim.caches` and each pool size, and returns one :class:`CacheRun`
+per run: prefix-hit tokens, evicted tokens (and how many of them no allocation asked for: the
+radix tree evicts whole leaves), pages in use, preemptions, and the median host time
+of a ``match_prefix`` / ``insert_prefix``. :func:`first_divergence` names the first step at
+which two runs differ (hits or where the pages are), :func:`lookup_cost` times one lookup of
+each cache on the same prompts, interleaved, and :func:`comparison_table` prints the rows.
+
+Pool sizes are set per workload from its requests (``P`` = page size)::
+
+    tight   the longest request's pages: one long request fills memory (preemptions)
+    half    twice that
+    ample   every request's pages at once: nothing ever has to be evicted
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+from typing import NamedTuple, Sequence
+
+import torch
+
+from ..args import div_ceil
+from ..hash_cache import HashPrefixCache
+from ..radix_cache import RadixPrefixCache
+from .caches import PREFIX_CACHES
+from .scheduler import SimConfig, simulate
+from .timeline import Timeline
+from .workloads import Workload
+
+__all__ = ["CacheRun", "pool_sizes", "compare_caches", "first_divergence", "comparison_table",
+           "LookupCost", "lookup_cost"]
+
+
+class CacheRun(NamedTuple):
+    workload: str
+    pool: str                # "tight", "half" or "ample"
+    num_pages: int
+    cache: str               # one of kvlab.sim.caches.PREFIX_CACHES
+    prompt_tokens: int
+    hit_tokens: int
+    evicted_tokens: int
+    over_evicted: int        # evicted tokens beyond what the allocations asked for (whole radix leaves)
+    peak_in_use: int         # pages (locked cached + private) at the fullest step
+    mean_in_use: float
+    preemptions: int
+    steps: int
+    match_us: float          # median host time of one match_prefix
+    insert_us: float         # ... of one insert_prefix
+    diverged_at: int | None  # first step that differs from the radix run of the same pool (None: never)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+def pool_sizes(workload: Workload, page_size: int) -> dict[str, int]:
+    """``tight`` / ``half`` / ``ample`` page counts for ``workload`` (see the module docstring)."""
+    need = [div_ceil(r.total_len, page_size) for r in workload.requests]
+    tight = max(need)
+    return {"tight": tight, "half": 2 * tight, "ample": max(sum(need), 2 * tight)}
+
+
+def first_divergence(a: Timeline, b: Timeline) -> int | None:
+    """The first step whose prefix hits, evictions or page split differ between two runs (or
+    where one run ends before the other); ``None`` when they agree at every step."""
+    for i, (x, y) in enumerate(zip(a.steps, b.steps)):
+        if (x.hit_tokens, x.evicted_tokens, x.memory, x.admitted) != (
+                y.hit_tokens, y.evicted_tokens, y.memory, y.admitted):
+            return i
+    return None if len(a.steps) == len(b.steps) else min(len(a.steps), len(b.steps))
+
+
+def compare_caches(workloads: Sequence[Workload], config: SimConfig = SimConfig(),
+                   caches: Sequence[str] = PREFIX_CACHES,
+                   pools: Sequence[str] = ("tight", "half", "ample")) -> list[CacheRun]:
+    """Run every workload with every cache and pool size (``config`` sets the rest)."""
+    rows = []
+    for workload in workloads:
+        sizes = pool_sizes(workload, config.page_size)
+        for pool in pools:
+            runs = {cache: simulate(workload, replace(config, num_pages=sizes[pool], prefix_cache=cache))
+                    for cache in caches}
+            for cache, timeline in runs.items():
+                s, ops = timeline.summary(), timeline.cache_ops
+                in_use = [r.memory.in_use for r in timeline.steps]
+                base = runs.get("radix")
+                rows.append(CacheRun(
+                    workload.name, pool, sizes[pool], cache, s.prompt_tokens, s.hit_tokens,
+                    s.evicted_tokens, max(0, s.evicted_tokens - ops.asked_tokens), s.peak_in_use_pages, sum(in_use) / max(len(in_use), 1),
+                    s.preemptions, s.steps, ops.match_us, ops.insert_us,
+                    None if base is None else first_divergence(base, timeline)))
+    return rows
+
+
+def comparison_table(rows: Sequence[CacheRun]) -> str:
+    """The rows as a fixed-width table (one line per run)."""
+    head = (f"{'workload':22s} {'pool':>10s} {'cache':>20s} {'hit rate':>8s} {'hit tok':>7s} "
+            f"{'evicted':>7s} {'over':>5s} {'peak':>4s} {'mean':>5s} {'pre':>3s} {'steps':>5s} "
+            f"{'match us':>8s} {'insert us':>9s} {'differs':>7s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        diverged = "-" if r.cache == "radix" else ("never" if r.diverged_at is None else f"step {r.diverged_at}")
+        lines.append(f"{r.workload:22s} {r.pool + ' ' + str(r.num_pages):>10s} {r.cache:>20s} "
+                     f"{r.hit_rate:8.1%} {r.hit_tokens:7d} {r.evicted_tokens:7d} {r.over_evicted:5d} {r.peak_in_use:4d} "
+                     f"{r.mean_in_use:5.1f} {r.preemptions:3d} {r.steps:5d} {r.match_us:8.1f} "
+                     f"{r.insert_us:9.1f} {diverged:>7s}")
+    return "\n".join(lines)
+
+
+class LookupCost(NamedTuple):
+    prompt_len: int
+    radix_us: float
+    hash_us: float
+
+    @property
+    def ratio(self) -> float:
+        """hash / radix: how many times longer one hash lookup takes."""
+        return self.hash_us / self.radix_us
+
+
+def lookup_cost(prompt_lens: Sequence[int], page_size: int = 16, repeats: int = 200,
+                seed: int = 0) -> list[LookupCost]:
+    """Time ``match_prefix`` of a fully cached prompt of each length on both caches, in turns
+    (radix, hash, radix, ...), and return the median host microseconds of each. The radix
+    walk compares tokens page by page; the hash walk hashes every page (BLAKE2b in C) and looks
+    it up in a dict, then compares the page's tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for n in prompt_lens:
+        ids = torch.randint(0, 30000, (n,), generator=gen).tolist()
+        pages = div_ceil(n, page_size)
+        radix = RadixPrefixCache(page_size, device="cpu")
+        radix.insert_prefix(ids, torch.arange(n, dtype=torch.int32))
+        hashed = HashPrefixCache(pages, page_size, device="cpu")
+        hashed.free(hashed.allocate(ids).pages)
+        times: dict[str, list[int]] = {"radix": [], "hash": []}
+        for _ in range(repeats):
+            for name, cache in (("radix", radix), ("hash", hashed)):
+                start = time.perf_counter_ns()
+                cache.match_prefix(ids)
+                times[name].append(time.perf_counter_ns() - start)
+        assert radix.match_prefix(ids).cached_len == hashed.match_prefix(ids).cached_len
+        out.append(LookupCost(n, statistics.median(times["radix"]) / 1e3,
+                              statistics.median(times["hash"]) / 1e3))
+    return out

@@ -1,0 +1,355 @@
+"""Chapter 11's hash-chained prefix cache: against the plain-Python oracle on random traces, its
+invariants, its errors, and its use by CacheManager and the simulator."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvlab
+from kvlab import CacheManager, HashPrefixCache, Req
+from kvlab.errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
+from kvlab.hash_chain import FreeQueue, chain_hash, page_hashes
+from kvlab.paging import new_page_table
+from kvlab.reference import PagePoolRef
+
+
+def state(cache: HashPrefixCache) -> dict:
+    return dict(refs=list(cache.ref_count), hashes=list(cache.page_hash), map=dict(cache.hash_to_page),
+                queue=list(cache.free_queue), locks=dict(cache._locks), evicted=cache.evicted_pages)
+
+
+def agree(cache: HashPrefixCache, ref: PagePoolRef) -> None:
+    assert cache.ref_count == ref.refs
+    assert list(cache.free_queue) == ref.queue
+    assert set(cache.hash_to_page.values()) == ref.cached_pages()
+    for key, page in ref.page_of.items():  # a page's hash stands for its whole prefix
+        assert cache.page_hash[page] == page_hashes(list(key), cache.page_size)[-1]
+    assert cache.evicted_pages == ref.evicted
+    cache.check_integrity()
+
+
+# --- the chained hash ----------------------------------------------------------------------
+
+
+def test_the_chained_hash_is_the_same_on_every_machine_and_run():
+    # BLAKE2b-128 over nothing (no parent) and the tokens 1, 2 as little-endian int64
+    assert chain_hash(None, [1, 2]).hex() == __import__("hashlib").blake2b(
+        (1).to_bytes(8, "little") + (2).to_bytes(8, "little"), digest_size=16).hexdigest()
+    assert len(chain_hash(None, [1, 2])) == 16
+
+
+def test_a_page_hash_covers_its_whole_prefix():
+    a, b = page_hashes([1, 2, 3, 4], 2), page_hashes([9, 9, 3, 4], 2)
+    assert a[1] != b[1]  # the same page [3 4] after another first page
+    assert a[1] == chain_hash(chain_hash(None, [1, 2]), [3, 4])
+    assert chain_hash(None, [3, 4]) not in (a[1], b[1])  # without the parent it would collide
+    assert page_hashes([1, 2, 3], 2) == a[:1]  # a partial last page has no hash
+    assert page_hashes([], 4) == [] and page_hashes([5], 1) == [chain_hash(None, [5])]
+    with pytest.raises(InvalidArgument, match="int64"):
+        chain_hash(None, [1 << 70])
+
+
+def test_the_free_queue_keeps_its_order_and_refuses_double_entries():
+    q = FreeQueue([3, 1, 2])
+    q.remove(1)
+    q.append(1)
+    q.appendleft(7)
+    assert list(q) == [7, 3, 2, 1] and q.head(2) == [7, 3] and q.popleft() == 7
+    with pytest.raises(CacheMisuse):
+        q.append(3)
+    with pytest.raises(CacheMisuse):
+        q.remove(9)
+
+
+# --- the block manager's words against the oracle ------------------------------------------
+
+
+OPS = st.lists(st.tuples(st.sampled_from(["new", "decode", "finish", "take"]), st.integers(0, 10**6)),
+               min_size=5, max_size=40)
+
+
+@given(ops=OPS, page_size=st.sampled_from([1, 2, 4]), uncached_first=st.booleans())
+def test_random_traces_agree_with_the_oracle(ops, page_size, uncached_first):
+    rng = random.Random(len(ops) * 7 + page_size)
+    prompts = [[rng.randrange(5) for _ in range(3 * page_size)] for _ in range(2)]
+    cache = HashPrefixCache(10, page_size, device="cpu", uncached_first=uncached_first)
+    ref = PagePoolRef(10, page_size, uncached_first)
+    live: dict[int, tuple[list[int], tuple[int, ...]]] = {}
+    for n, (op, x) in enumerate(ops):
+        r = random.Random(x)
+        if op == "new" or not live:
+            ids = r.choice(prompts)[: r.randrange(3 * page_size + 1)] + [r.randrange(5) for _ in range(r.randrange(3))]
+            if not ids:
+                continue
+            try:
+                got = cache.allocate(ids)
+            except OutOfPages:
+                with pytest.raises(OutOfPages):
+                    ref.allocate(ids)
+                continue
+            assert got == tuple(ref.allocate(ids))
+            live[n] = (ids, got.pages)
+        elif op == "decode":
+            sid = r.choice(sorted(live))
+            ids, pages = live[sid]
+            ids = ids + [r.randrange(5)]
+            if len(pages) < -(-len(ids) // page_size) and not cache.free_queue:
+                continue
+            pages = cache.append_token(pages, ids)
+            assert pages == ref.append_token(live[sid][1], ids)
+            live[sid] = (ids, pages)
+        elif op == "finish":
+            sid = r.choice(sorted(live))
+            cache.free(live[sid][1])
+            ref.free(live.pop(sid)[1])
+        else:  # the cache manager's "pages, please": the head of the queue
+            n_pages = r.randrange(0, 3)
+            taken = cache.evict_leaves(n_pages * page_size)
+            assert [t.page for t in taken] == [ref.take_head() for _ in range(min(n_pages, len(ref.queue)))]
+            cache.free([t.page for t in taken])
+            ref.free([t.page for t in taken])
+        agree(cache, ref)
+
+
+def test_allocation_hits_the_cached_chain_and_caches_its_new_full_pages():
+    cache = HashPrefixCache(8, 2, device="cpu")
+    first = cache.allocate([1, 2, 3, 4, 5])
+    assert first == ((0, 1, 2), 0)
+    assert cache.page_hash[2] is None  # [5] is half a page: never cached
+    second = cache.allocate([1, 2, 3, 4, 9, 9])
+    assert second.cached_len == 4 and second.pages[:2] == (0, 1) and cache.ref_count[:2] == [2, 2]
+    cache.free(first.pages)
+    assert list(cache.free_queue) == [4, 5, 6, 7, 2]  # pages 0 and 1 are still held by second
+    cache.free(second.pages)
+    assert list(cache.free_queue) == [4, 5, 6, 7, 2, 3, 1, 0]  # last page first: the deep end goes first
+    third = cache.allocate([1, 2, 3, 4, 7])
+    assert third == ((0, 1, 4), 4)  # a hit takes a free cached page back out of the queue
+    cache.check_integrity()
+
+
+def test_a_freed_page_stays_findable_until_the_queue_hands_it_out():
+    cache = HashPrefixCache(3, 2, device="cpu")
+    cache.free(cache.allocate([1, 2, 3, 4]).pages)  # queue: 2 | 1 0
+    assert cache.match([1, 2, 3, 4]).cached_len == 4
+    cache.allocate([7, 7])  # takes page 2 (never cached)
+    assert cache.match([1, 2, 3, 4]).cached_len == 4 and cache.evicted_pages == 0
+    cache.allocate([8, 8])  # takes page 1: [3 4] is evicted, its hash dropped
+    assert cache.match([1, 2, 3, 4]).cached_len == 2 and cache.evicted_pages == 1
+    cache.check_integrity()
+
+
+def test_uncached_first_puts_freed_pages_without_a_hash_at_the_head():
+    nano, vllm = (HashPrefixCache(6, 2, device="cpu", uncached_first=u) for u in (False, True))
+    for cache in (nano, vllm):
+        cache.free(cache.allocate([1, 2, 3, 4, 5]).pages)
+    assert list(nano.free_queue) == [3, 4, 5, 2, 1, 0]
+    assert list(vllm.free_queue) == [2, 3, 4, 5, 1, 0]
+
+
+def test_decode_fills_the_partial_page_and_caches_it_when_full():
+    cache = HashPrefixCache(6, 2, device="cpu")
+    ids = [1, 2, 3]
+    pages = cache.allocate(ids).pages
+    ids.append(4)
+    pages = cache.append_token(pages, ids)  # [3 4] is full now: cached
+    assert pages == (0, 1) and cache.page_hash[1] == page_hashes(ids, 2)[1]
+    ids.append(5)
+    pages = cache.append_token(pages, ids)  # 5 starts a new page
+    assert pages == (0, 1, 2) and cache.page_hash[2] is None
+    cache.check_integrity()
+
+
+# --- refusals change nothing ---------------------------------------------------------------
+
+
+def test_a_count_never_goes_below_zero():
+    cache = HashPrefixCache(4, 2, device="cpu")
+    got = cache.allocate([1, 2, 3])
+    cache.free(got.pages)
+    before = state(cache)
+    with pytest.raises(CacheMisuse, match="freed twice"):
+        cache.free(got.pages)
+    with pytest.raises(CacheMisuse):
+        cache.free([3, 3])
+    assert state(cache) == before
+
+
+def test_out_of_pages_is_decided_before_anything_changes():
+    cache = HashPrefixCache(3, 2, device="cpu")
+    cache.allocate([1, 2, 3, 4])
+    before = state(cache)
+    with pytest.raises(OutOfPages):
+        cache.allocate([5, 6, 7, 8])
+    assert state(cache) == before and cache.pages_needed([1, 2, 3, 4, 5]) == 1
+
+
+def test_insert_and_lock_follow_the_radix_cache_contract():
+    cache = HashPrefixCache(8, 2, device="cpu")
+    slots = cache.evict(6)  # three pages for the caller: 0, 1, 2
+    assert slots.tolist() == [0, 1, 2, 3, 4, 5]
+    already, handle = cache.insert_prefix([1, 2, 3, 4, 5], slots[:5])
+    assert already == 0 and handle.cached_len == 4 and handle.pages == (0, 1)
+    assert cache.ref_count[:3] == [0, 0, 1]  # inserted pages are evictable until locked
+    cache.lock_handle(handle, owner="a")
+    assert cache.is_locked_by(handle, "a") and not cache.is_locked_by(handle, "b")
+    with pytest.raises(CacheMisuse, match="not locked by"):
+        cache.lock_handle(handle, unlock=True, owner="b")
+    assert cache.size_info == (0, 4)
+    assert cache.match_prefix([1, 2, 3, 4, 9]).handle.get_matched_indices().tolist() == [0, 1, 2, 3]
+    mine = cache.evict(2)  # page 3 for the caller; its first two pages are duplicates
+    again = cache.insert_prefix([1, 2, 3, 4, 6, 6], torch.cat([torch.arange(10, 14), mine]))
+    assert again.cached_len == 4 and again.handle.pages == (0, 1, 3)
+    with pytest.raises(InvalidArgument, match="held by the caller alone"):
+        cache.insert_prefix([1, 2, 8, 8], [0, 1, 14, 15])  # page 7 is free, not the caller's
+    with pytest.raises(InvalidArgument, match="one slot per token"):
+        cache.insert_prefix([1, 2], [0])
+    cache.lock_handle(handle, unlock=True, owner="a")
+    cache.check_integrity()
+
+
+def test_a_handle_whose_page_was_reused_cannot_be_locked():
+    cache = HashPrefixCache(2, 2, device="cpu")
+    pages = cache.evict(4)
+    _, handle = cache.insert_prefix([1, 2, 3, 4], pages)
+    cache.evict(4)  # both pages handed out again: the prefix is gone
+    assert not cache.holds(handle)
+    with pytest.raises(CacheMisuse, match="reused"):
+        cache.lock_handle(handle, owner="a")
+    with pytest.raises(CacheMisuse):
+        handle.get_matched_indices()
+
+
+def test_undo_evict_puts_pages_and_hashes_back():
+    cache = HashPrefixCache(4, 2, device="cpu")
+    cache.free(cache.allocate([1, 2, 3, 4]).pages)
+    before = state(cache)
+    taken = cache.evict_leaves(6)  # pages 2, 3 (never used) and 1 ([3 4], evicted)
+    assert cache.match([1, 2, 3, 4]).cached_len == 2 and cache.evicted_pages == 1
+    cache.undo_evict(taken)
+    assert state(cache) == before
+
+
+# --- check_integrity catches each broken invariant ------------------------------------------
+
+
+def _break(how: str) -> HashPrefixCache:
+    cache = HashPrefixCache(6, 2, device="cpu")
+    got = cache.allocate([1, 2, 3, 4, 5])
+    if how == "referenced page in the queue":
+        cache.free_queue.append(got.pages[0])
+    elif how == "negative count":
+        cache.ref_count[5] = -1
+    elif how == "hash map disagrees":
+        del cache.hash_to_page[cache.page_hash[1]]
+    elif how == "a hash that ignores the parent":
+        h = chain_hash(None, [3, 4])
+        del cache.hash_to_page[cache.page_hash[1]]
+        cache.page_hash[1], cache.hash_to_page[h] = h, 1
+    elif how == "a lock on an uncached page":
+        cache._locks[("x", (2,))] = 1
+    return cache
+
+
+@pytest.mark.parametrize("how", ["referenced page in the queue", "negative count", "hash map disagrees",
+                                 "a hash that ignores the parent", "a lock on an uncached page"])
+def test_check_integrity_names_each_broken_invariant(how):
+    with pytest.raises(IntegrityError):
+        _break(how).check_integrity()
+    _break("nothing").check_integrity()
+
+
+# --- the cache manager and the simulator on the hash cache ----------------------------------
+
+
+def test_the_cache_manager_serves_requests_on_the_hash_cache():
+    P = 2
+    cm = CacheManager(8, P, new_page_table(3, 16, P), prefix_cache="hash", page_table_writer="host")
+    assert cm.num_free_pages == 8 and len(cm.free_slots) == 0  # the free pages live in the cache
+    a = Req([1, 2, 3, 4, 5], 0)
+    cm.complete_step(cm.prefill([a]), [6])  # [1 2|3 4] cached, locked by a
+    b = Req([1, 2, 3, 4, 9, 9, 9], 1)
+    cm.prefill([b])
+    assert b.cached_len == 4 and cm.page_table[1, :4].tolist() == cm.page_table[0, :4].tolist()
+    cm.check_integrity()
+    cm.release_req(b)
+    cm.complete_step(cm.decode_step([a]), [7], [True])
+    assert cm.prefix_cache.size_info.protected_size == 0 and cm.available_pages == 8
+    cm.check_integrity()
+    with pytest.raises(InvalidArgument, match="num_pages"):
+        CacheManager(8, P, new_page_table(1, 8, P), prefix_cache=HashPrefixCache(9, P))
+
+
+def test_a_failed_page_table_write_on_the_hash_cache_rolls_everything_back(monkeypatch):
+    cm = CacheManager(5, 4, new_page_table(3, 20, 4), prefix_cache="hash", page_table_writer="host")
+    a = Req(list(range(12)), 0)
+    cm.complete_step(cm.prefill([a]), [0], [True])  # 3 cached pages in the queue, 2 never used
+    b, c = Req([70 + i for i in range(6)], 1), Req([80 + i for i in range(9)], 2)
+    for r in (b, c):
+        cm.admit(r)
+
+    def fail(*args):
+        raise RuntimeError("the write failed")
+
+    monkeypatch.setattr(kvlab.cache_manager, "write_page_table", fail)
+    before = (state(cm.prefix_cache), cm.page_table.tolist())
+    with pytest.raises(RuntimeError, match="write failed"):
+        cm.allocate_paged([b, c])
+    assert (state(cm.prefix_cache), cm.page_table.tolist()) == before
+    cm.check_integrity()
+
+
+@pytest.mark.parametrize("name", ["shared_system_prompt", "multi_turn_chat", "few_shot", "random_prompts", "mixed"])
+def test_with_room_to_spare_the_two_caches_agree_step_by_step(name):
+    from kvlab.sim import SimConfig, make_workload, simulate
+
+    w = make_workload(name, seed=3)
+    runs = {kind: simulate(w, SimConfig(num_pages=400, page_size=4, prefix_cache=kind))
+            for kind in ("radix", "hash", "hash_uncached_first")}
+    hits = {k: t.series("hit_tokens") for k, t in runs.items()}
+    memory = {k: t.series("memory") for k, t in runs.items()}
+    assert hits["radix"] == hits["hash"] == hits["hash_uncached_first"]
+    assert memory["radix"] == memory["hash_uncached_first"]
+    assert sum(t.summary().evicted_tokens for t in runs.values()) == 0
+
+
+@pytest.mark.parametrize("kind", ["hash", "hash_uncached_first"])
+def test_the_simulator_runs_on_the_hash_cache_under_pressure(kind):
+    from kvlab.sim import SimConfig, make_workload, simulate
+
+    workload = make_workload("mixed", seed=1)
+    timeline = simulate(workload, SimConfig(num_pages=20, page_size=4, prefix_cache=kind))
+    s = timeline.summary()  # every step was checked (check_integrity of manager and cache)
+    assert s.evicted_tokens > 0 and s.hit_tokens > 0 and s.finished + s.aborted == len(workload)
+    assert all(r.memory.total == 20 for r in timeline.steps)
+    assert timeline.cache_ops.matches > 0 and timeline.cache_ops.insert_us > 0
+
+
+def test_a_prefix_cache_is_named_or_refused():
+    from kvlab.sim import SimConfig, make_workload, simulate
+
+    with pytest.raises(InvalidArgument, match="config.prefix_cache"):
+        simulate(make_workload("random_prompts", seed=0, n_requests=2), SimConfig(prefix_cache="tree"))
+    with pytest.raises(InvalidArgument, match='"radix", "hash"'):
+        CacheManager(4, 2, new_page_table(1, 8, 2), prefix_cache="tree")
+    with pytest.raises(InvalidArgument, match="page_size"):
+        CacheManager(4, 2, new_page_table(1, 8, 2), prefix_cache=HashPrefixCache(4, 4))
+
+
+def test_the_chapter_scenes_tell_the_story_they_draw():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.scenes.ch11_hash_cache import free_queue_figure, free_queue_steps, hash_chain_figure
+
+    steps, cache = free_queue_steps()
+    (_, first, taken), (_, second, _), (_, third, _) = steps
+    assert first.free_queue == (6, 7, 3, 5, 4, 2, 1, 0) and list(taken) == [6, 7, 3, 5, 4]
+    assert 4 not in dict(second.hashes) and second.free_queue == (2, 1, 0)  # B's [7 8 9 10] evicted
+    assert {0, 1, 2} <= {p for p, r in enumerate(third.ref_counts) if r}  # D hit the system prompt
+    cache.check_integrity()
+    for fig in (hash_chain_figure(), free_queue_figure()):
+        assert fig.axes
