@@ -438,3 +438,48 @@ def test_a_finding_is_placed_by_the_kernels_own_section_comments(tmp_path):
     assert describe(read, layout) == (
         "a read past the end of `free` (3 reads, up to 2 elements out) by request 1, part 2 "
         "(and 1 more request) (in k, line 5: page = tl.load(free + pid, mask=pid < 4))")
+
+
+# --- a hash-chained cache as plain data (kvlab.check.pool_state) ---------------------------
+
+
+def _pool():
+    from kvlab.hash_cache import HashPrefixCache
+
+    cache = HashPrefixCache(6, 2, device="cpu")
+    cache.allocate([1, 2, 3, 4, 5])  # pages 0, 1 (cached) and 2 (partial), held
+    cache.free(cache.allocate([1, 2, 7, 7]).pages)  # page 3 cached and freed: in the queue
+    return cache
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda c: c.take_cached(0), "page 0: its reference count ref_count was 1, now 2"),
+    (lambda c: c.page_tokens.__setitem__(3, None), "page 3: its tokens page_tokens was [7, 7], now None"),
+    (lambda c: c.page_parent.__setitem__(1, None), "page 1: its parent's hash page_parent was"),
+    (lambda c: c.hash_to_page.pop(c.page_hash[3]), "; now it has no such hash"),
+    (lambda c: (c.free_queue.remove(3), c.free_queue.appendleft(3)),
+     "the free queue (head first) was [4, 5, 3], now [3, 4, 5]"),
+    (lambda c: setattr(c, "evicted_pages", 1), "evicted_pages (cached pages handed out for other tokens) was 0, now 1"),
+    (lambda c: c._locks.__setitem__(("req", (0,)), 1), "the lock table (owner, pages, count) was [], now"),
+])
+def test_pool_difference_names_what_changed_in_a_hash_cache(change, says):
+    from kvlab.check.pool_state import pool_difference, pool_state
+
+    cache = _pool()
+    before = pool_state(cache)
+    assert pool_difference(before, pool_state(cache)) is None
+    change(cache)
+    assert says in pool_difference(before, pool_state(cache))
+
+
+def test_a_read_only_hash_cache_that_changed_is_named_with_its_argument():
+    cache = _pool()
+
+    def touches(cache, input_ids):
+        cache.take_cached(cache.match(input_ids).pages[0])
+
+    with pytest.raises(CheckFailed) as info:
+        core.call_learner(touches, cache, [1, 2], read_only=(0,))
+    text = str(info.value)
+    assert "your code changed `cache`" in text and "page 0: its reference count ref_count was 1, now 2" in text
+    assert "Only read the cache" in text

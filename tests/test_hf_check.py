@@ -95,9 +95,9 @@ from kvlab.check.ch10_graphs import pad_decode_batch_solution  # noqa: E402
 
 def test_pad_decode_batch_passes_the_solution_and_the_package(capsys):
     kvlab.check.pad_decode_batch(pad_decode_batch_solution, n_random=2)
-    assert "✓ pad_decode_batch: all 9 cases pass" in capsys.readouterr().out
+    assert "✓ pad_decode_batch: all 12 cases pass" in capsys.readouterr().out
     kvlab.check.pad_decode_batch(kvlab.hf.pad_decode_batch, n_random=3)
-    assert "✓ pad_decode_batch: all 10 cases pass" in capsys.readouterr().out
+    assert "✓ pad_decode_batch: all 13 cases pass" in capsys.readouterr().out
     assert kvlab.check.status("pad_decode_batch") == "passed"
 
 

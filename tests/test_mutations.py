@@ -457,7 +457,7 @@ CH11 = [
            ("slots of the matched pages",), "returns page ids instead of slots"),
     Mutant("allocate_pages", "h = chain_hash(parent, tokens) if full else None",
            "h = chain_hash(None, tokens) if full else None",
-           ("page 1 is cached under", "the chained hash of every token up to its end"),
+           ("page 7 is cached under", "the chained hash of every token up to its end"),
            "allocation caches pages under a hash that ignores the parent"),
     Mutant("allocate_pages", "full = len(tokens) == P", "full = len(tokens) > 0",
            ("holds a partial page", "only full pages are cached"), "allocation caches (and matches) a partial page"),
@@ -739,6 +739,82 @@ BLIND_SPOTS = [
            ("uses row b instead of row rows[b]",), "row b instead of rows[b]", "lucky"),
     Mutant("paged_attention_step", "    v_pool[slots] = v\n", "    v_pool[slots] = v\n    k_pool[slots - 1] = k\n",
            ("changed, but no new token belongs there",), "also writes the slot before each new one", "state"),
+    Mutant("pad_decode_batch", "    size = next((s for s in sorted(sizes) if s >= n), n)",
+           "    sizes.sort()\n    size = next((s for s in sizes if s >= n), n)",
+           ("[sizes given out of order]", "your code changed `sizes`", "`sizes[0]` was 8, now 1"),
+           "sorts the caller's sizes", "input"),
+    Mutant("pad_decode_batch", "    size = next((s for s in sorted(sizes) if s >= n), n)",
+           "    size = 1 << (n - 1).bit_length() if n <= max(sizes) else n",
+           ("[sizes 1 2 4 8 12 16 24", "has 12 lanes", "got lengths [16, 16, 16]", "pads to the next power of two"),
+           "pads to the next power of two (right while the captured sizes are the powers of two)", "param"),
+    Mutant("pad_decode_batch", "rows.new_full((size - n,), dummy_row)", "rows.new_full((size - n,), page_table.shape[0] - 1)",
+           ("rows differs", "(padded lanes)", "the dummy row is dummy_row (6)"),
+           "the dummy row taken as the table's last (right while it is the last)", "param"),
+    Mutant("pad_decode_batch", "s for s in sorted(sizes) if s >= n", "s for s in sizes if s >= n",
+           ("[sizes given out of order]", "the first size that holds the batch in the order given"),
+           "the first size that holds the batch, in the order given (right while sizes come sorted)", "lucky"),
+    # chapter 11
+    Mutant("page_hashes", "    hashes, parent = [], None\n",
+           "    hashes, parent = [], None\n"
+           "    del input_ids[len(input_ids) // page_size * page_size:]  # (a partial page has no hash)\n",
+           ("[a partial last page has no hash]", "your code changed `input_ids`", "`input_ids` had 6 items, now 4"),
+           "trims the caller's prompt to whole pages", "input"),
+    Mutant("page_hashes", "input_ids[start:start + page_size])", "input_ids[start:start + 4])",
+           ("[page_size 1: one hash per token]", "hash of page 0 ([5])"), "pages of 4 tokens written in", "param"),
+    Mutant("page_hashes", "        parent = chain_hash(parent, input_ids[start:start + page_size])\n"
+           "        hashes.append(parent)\n",
+           "        hashes.append(chain_hash(parent, input_ids[start:start + page_size]))\n"
+           "        parent = chain_hash(None, input_ids[start:start + page_size])\n",
+           ("hash of page 2", "the previous page hashed alone"),
+           "the parent is the previous page hashed alone (right for the first two pages)", "lucky"),
+    Mutant("hash_match", "    P = cache.page_size\n",
+           "    P = cache.page_size\n    del input_ids[len(input_ids) // P * P:]  # (whole pages only)\n",
+           ("[cached pages freed: still findable]", "your code changed `input_ids`", "had 9 items, now 8"),
+           "trims the caller's prompt to whole pages", "input"),
+    Mutant("hash_match", "    P = cache.page_size\n", "    P = 2\n",
+           ("[query ends in a partial page]", "matched pages: expected 1, got 0"), "a page size of 2 written in", "param"),
+    Mutant("hash_match", "slots = [page * P + i for page in pages for i in range(P)]", "slots = list(range(len(pages) * P))",
+           ("slots of the matched pages", "these are the positions 0, 1, 2", "the matched pages here are [10, 1, 11, 6]"),
+           "the positions as slots (right while the pages are 0, 1, 2, ...)", "lucky"),
+    Mutant("hash_match", "        pages.append(page)\n", "        cache.take_cached(page)  # (a hit)\n        pages.append(page)\n",
+           ("your code changed `cache`", "page 1: its reference count ref_count was 1, now 2"),
+           "takes a reference on every hit", "state"),
+    Mutant("hash_match", "        pages.append(page)\n",
+           "        if page in cache.free_queue:  # (recently used: to the back of the queue)\n"
+           "            cache.free_queue.remove(page)\n            cache.free_queue.append(page)\n        pages.append(page)\n",
+           ("your code changed `cache`", "the free queue (head first) was [11, 7,"),
+           "moves a free page it hits to the tail of the free queue", "state"),
+    Mutant("allocate_pages", "    return pages, cached_len\n",
+           "    del input_ids[:cached_len]  # (what is left to compute)\n    return pages, cached_len\n",
+           ("[hits on pages in use]", "your code changed `input_ids`", "had 7 items, now 3"),
+           "cuts the cached prefix off the caller's prompt", "input"),
+    Mutant("allocate_pages", "    P = cache.page_size\n", "    P = 2\n",
+           ("[the partial last page is never cached]", "cached_len should be 4, got 0"), "a page size of 2 written in", "param"),
+    Mutant("allocate_pages", "            page = cache.take_free()",
+           "            low = min(cache.free_queue)  # (the lowest-numbered free page)\n"
+           "            cache.free_queue.remove(low)\n            cache.free_queue.appendleft(low)\n"
+           "            page = cache.take_free()",
+           ("[empty cache: every page new, full ones cached]", "pages should be [6, 7, 8], got [0, 1, 2]"),
+           "takes the lowest-numbered free page (right while the queue is in page order)", "lucky"),
+    Mutant("allocate_pages", "cache.cache_page(page, h, tokens, parent)", "cache.cache_page(page, h, tokens, None)",
+           ("not as the reference solution leaves it", "page 7: its parent's hash page_parent should be"),
+           "caches a new page without its parent", "state"),
+    Mutant("allocate_pages", "            page = cache.take_free()",
+           "            page = cache.free_queue.popleft()  # (the head, by hand)\n            cache.ref_count[page] = 1",
+           ("page 4 is cached under", "handed out loses its old hash: cache.take_free() drops it"),
+           "takes the queue's head by hand (the page keeps its old hash)", "state"),
+    Mutant("free_pages", "    for page in reversed(pages):", "    pages.reverse()\n    for page in pages:",
+           ("your code changed `pages`", "`pages[0]` was 9, now 11"), "reverses the caller's list", "input"),
+    Mutant("free_pages", "    for page in reversed(pages):", "    for page in sorted(pages, reverse=True):",
+           ("[free one sequence: last page first]", "free queue (head first) should be"),
+           "frees the highest page first (right while pages were handed out in order)", "lucky"),
+    Mutant("free_pages", "            cache.free_queue.append(page)  #",
+           "            cache.evicted_pages += cache.page_hash[page] is not None\n            cache.free_queue.append(page)  #",
+           ("evicted_pages should be 0, got 4",), "counts a freed cached page as evicted", "state"),
+    Mutant("free_pages", "            cache.free_queue.append(page)  #",
+           "            cache.page_tokens[page] = None\n            cache.free_queue.append(page)  #",
+           ("not as the reference solution leaves it", "page 2: its tokens page_tokens should be [5, 6], is None"),
+           "drops a freed page's tokens", "state"),
 ]
 
 MUTANTS = (CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
@@ -772,11 +848,15 @@ APPLIES = {
     "decode_step": _FAULTS | {"lucky", "state", "blame"},
     "paged_attention": _FAULTS | {"lucky"}, "paged_attention_kernel": _FAULTS | {"lucky", "compiled"},
     "extend_scan": _FAULTS | {"lucky", "compiled"}, "paged_attention_step": _FAULTS | {"lucky", "state"},
+    "pad_decode_batch": _FAULTS | {"lucky"},
+    "page_hashes": _FAULTS | {"lucky"}, "hash_match": _FAULTS | {"lucky", "state"},
+    "allocate_pages": _FAULTS | {"lucky", "state"},
+    "free_pages": {"input", "lucky", "state"},  # no parameter of the statement enters the code
 }
 
 
 def test_every_class_of_slip_has_a_mutant_on_every_exercise_it_applies_to():
-    assert set(APPLIES) <= set(COURSE_EXERCISES) and len(APPLIES) == 17
+    assert set(APPLIES) == set(COURSE_EXERCISES) and len(APPLIES) == 22
     missing = [(name, kind) for name, kinds in APPLIES.items() for kind in sorted(kinds)
                if not any(m.exercise == name and m.kind == kind for m in MUTANTS)]
     assert not missing
@@ -786,7 +866,7 @@ COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_
                     "alloc_extend_part3", "alloc_decode", "match_prefix", "match_req",
                     "insert_prefix", "cache_req_regions", "cache_req_remap", "decode_step",
                     "paged_attention", "paged_attention_kernel", "extend_scan", "paged_attention_step",
-                    "page_hashes", "hash_match", "allocate_pages", "free_pages"]
+                    "pad_decode_batch", "page_hashes", "hash_match", "allocate_pages", "free_pages"]
 
 
 # --- correct answers written differently must pass -----------------------------------------------
@@ -880,6 +960,19 @@ REWRITES = [
     Rewrite("paged_attention_step", "    k_pool[slots] = k                                 # all of its K/V heads at once\n"
             "    v_pool[slots] = v\n", "    k_pool.index_copy_(0, slots, k)\n    v_pool.index_copy_(0, slots, v)\n",
             "the new K/V stored with index_copy_"),
+    Rewrite("pad_decode_batch", "    rows = torch.cat([rows, rows.new_full((size - n,), dummy_row)])\n"
+            "    positions = torch.cat([positions, positions.new_zeros(size - n)])\n"
+            "    return rows, positions, page_table[rows, positions]",
+            "    slots = torch.cat([page_table[rows, positions], page_table[dummy_row, 0].repeat(size - n)])\n"
+            "    pad = torch.nn.functional.pad\n"
+            "    return pad(rows, (0, size - n), value=dummy_row), pad(positions, (0, size - n)), slots",
+            "the real slots looked up before padding, the padded ones from the dummy row; F.pad"),
+    Rewrite("page_hashes", "    hashes, parent = [], None\n",
+            "    hashes, parent = [], None\n    input_ids = list(input_ids)  # a copy, trimmed to whole pages\n"
+            "    del input_ids[len(input_ids) // page_size * page_size:]\n",
+            "the prompt trimmed to whole pages, in a copy"),
+    Rewrite("free_pages", "    for page in reversed(pages):", "    for page in pages[::-1]:",
+            "the pages walked through a reversed copy"),
 ]
 
 
@@ -940,10 +1033,36 @@ def match_req_by_a_walk_of_its_own(prefix_cache, input_ids):
     return match_prefix_solution(prefix_cache, input_ids[:-1])
 
 
+def hash_match_through_the_caches_match(cache, input_ids):
+    """The cache's own match (it only reads), its pages turned into slots."""
+    P, hit = cache.page_size, cache.match(input_ids)
+    return len(hit.pages), [page * P + i for page in hit.pages for i in range(P)]
+
+
+def allocate_pages_hits_first(cache, input_ids):
+    """Every hit first (one match, then take_cached), then the new pages from the queue."""
+    from kvlab.hash_chain import chain_hash
+
+    P, hit = cache.page_size, cache.match(input_ids)
+    for page in hit.pages:
+        cache.take_cached(page)
+    pages, parent = list(hit.pages), (hit.hashes[-1] if hit.hashes else None)
+    for start in range(hit.cached_len, len(input_ids), P):
+        tokens, page = input_ids[start:start + P], cache.take_free()
+        if len(tokens) == P:
+            h = chain_hash(parent, tokens)
+            cache.cache_page(page, h, tokens, parent)
+            parent = h
+        pages.append(page)
+    return pages, hit.cached_len
+
+
 OTHER_SHAPES = [("paged_attention", vectorised_attention), ("write_page_table", write_page_table_by_rows),
                 ("cache_req_regions", cache_req_regions_with_a_loop),
                 ("decode_step", decode_step_in_the_managers_words),
-                ("match_req", match_req_by_a_walk_of_its_own)]
+                ("match_req", match_req_by_a_walk_of_its_own),
+                ("hash_match", hash_match_through_the_caches_match),
+                ("allocate_pages", allocate_pages_hits_first)]
 
 
 @pytest.mark.parametrize("exercise, answer", OTHER_SHAPES, ids=lambda x: getattr(x, "__name__", x))

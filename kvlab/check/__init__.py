@@ -17,6 +17,7 @@ The floors of this package, each importing only from the floors below it::
     chNN_*.py         the chapters' cases and checkers
     core              run_cases, call_learner, compare_flat          picture (failure pictures)
     inputs, compiled  read-only arguments compared; kernels compiled for a GPU (compile_child)
+    pool_state        a hash-chained cache as plain data, and how two differ in words
     sandbox           guarded_call: guard bands + audit + a child process
     workers, runner   the child processes; one call, here or in a child    shipping, pipes
     audit, guards     loads and stores checked in the interpreter; guard bands    messages

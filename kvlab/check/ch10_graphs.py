@@ -11,11 +11,15 @@ that padding::
 ``>= n``): the real lanes unchanged, then padded lanes of the dummy request -- row
 ``dummy_row``, position 0 -- and every lane's slot ``page_table[row, position]``. The dummy
 row maps only the dummy page, so a padded lane writes and reads nothing of anyone's. A batch
-larger than every size is returned as it is (it runs without a graph).
+larger than every size is returned as it is (it runs without a graph). ``rows``, ``positions``,
+``page_table`` and ``sizes`` are read-only.
 
 Checked against :func:`kvlab.hf.graphs.pad_decode_batch` on edge cases and seeded random
 steps: first the size, then rows, positions and slots lane by lane (padded lanes apart from
-real ones); a recognised slip is named.
+real ones); a recognised slip is named. Every parameter varies: page sizes 1 to 64, batches of
+1 to 10 requests, captured sizes in any order and not only powers of two, and the dummy row
+anywhere in the table (the last row only in some cases, row 0 never), while the requests sit
+in shuffled rows on shuffled pages.
 """
 from __future__ import annotations
 
@@ -39,26 +43,28 @@ def pad_decode_batch_solution(rows, positions, page_table, sizes, dummy_row):
     return rows, positions, page_table[rows, positions]
 
 
-def step_case(P: int, lens: list[int], table_rows: int, seed: int) -> dict:
-    """A page table of ``table_rows`` rows plus the dummy row (last): request ``b`` holds
-    ``lens[b]`` positions on shuffled pages in a shuffled row; its new token is its last."""
+def step_case(P: int, lens: list[int], table_rows: int, seed: int, dummy_row: int | None = None) -> dict:
+    """A page table of ``table_rows`` rows plus the dummy row (``dummy_row``, the last by
+    default): request ``b`` holds ``lens[b]`` positions on shuffled pages in a shuffled row of
+    the others; its new token is its last."""
     rng = random.Random(seed)
+    dummy = table_rows if dummy_row is None else dummy_row
     cols = max(lens) // P * P + P
     table = torch.full((table_rows + 1, cols), -1, dtype=torch.int32)
-    table[table_rows] = DUMMY_PAGE * P
+    table[dummy] = DUMMY_PAGE * P
     pages = rng.sample(range(DUMMY_PAGE), sum(-(-n // P) for n in lens))
-    rows = rng.sample(range(table_rows), len(lens))
+    rows = rng.sample([r for r in range(table_rows + 1) if r != dummy], len(lens))
     for row, n in zip(rows, lens):
         mine = [pages.pop() for _ in range(-(-n // P))]
         table[row, :len(mine) * P] = torch.tensor([p * P + i for p in mine for i in range(P)])
     return dict(rows=torch.tensor(rows, dtype=torch.int64),
                 positions=torch.tensor([n - 1 for n in lens], dtype=torch.int64),
-                page_table=table, dummy_row=table_rows)
+                page_table=table, dummy_row=dummy)
 
 
 def _cases(seed: int, n_random: int) -> list[Case]:
-    def case(name, P, lens, sizes, kind="edge", seed=0):
-        return Case(name, dict(P=P, lens=lens, sizes=sizes, seed=seed), kind)
+    def case(name, P, lens, sizes, kind="edge", seed=0, dummy="middle"):
+        return Case(name, dict(P=P, lens=lens, sizes=sizes, seed=seed, dummy=dummy), kind)
 
     cases = [
         case("5 running requests, captured sizes 1 2 4 8", 4, [5, 9, 2, 13, 7], [1, 2, 4, 8]),
@@ -67,18 +73,27 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         case("page_size 1, 3 requests pad to 4", 1, [3, 1, 6], [1, 2, 4, 8]),
         case("sizes given out of order", 4, [2, 5, 9], [8, 1, 4, 2]),
         case("larger than every captured size: unpadded", 4, [3, 4, 5, 6, 7], [1, 2, 4]),
-        case("mini-sglang's sizes (1, 2, 4, 8, 16), 9 requests", 16, [17, 3, 30, 1, 16, 8, 25, 2, 11],
+        case("mini-sglang's sizes up to 16 (1, 2, 4, then multiples of 8), 9 requests", 16, [17, 3, 30, 1, 16, 8, 25, 2, 11],
              [1, 2, 4, 8, 16]),
+        case("sizes 1 2 4 8 12 16 24, 10 requests pad to 12 (not to a power of two)", 2,
+             [4, 1, 7, 3, 5, 2, 8, 6, 1, 3], [1, 2, 4, 8, 12, 16, 24]),
+        case("the dummy row is the table's last, as in PagedGenerator", 4, [6, 2, 9], [4, 8], dummy="last"),
+        case("page_size 64: 3 requests pad to 4", 64, [65, 1, 130], [1, 2, 4, 8]),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        P = rng.choice([1, 2, 4, 16])
+        P = rng.choice([1, 2, 4, 16, 64])
         n = rng.randint(1, 10)
-        sizes = sorted(rng.sample([1, 2, 3, 4, 6, 8, 12, 16], rng.randint(1, 4)))
+        sizes = rng.sample([1, 2, 3, 4, 6, 8, 12, 16], rng.randint(1, 4))  # in any order
         cases.append(case(f"random {i + 1} (page_size {P}, {n} requests, sizes {sizes})", P,
                           [rng.randint(1, 3 * P + 3) for _ in range(n)], sizes, "random",
-                          rng.randrange(1000)))
+                          rng.randrange(1000), rng.choice(["middle", "last"])))
     return cases
+
+
+def _dummy_row(where: str, table_rows: int, seed: int) -> int:
+    """The dummy row of a case: the table's last row, or one in the middle (never row 0)."""
+    return table_rows if where == "last" else random.Random(seed).randint(1, table_rows - 1)
 
 
 def _want_size(n: int, sizes) -> int:
@@ -86,6 +101,9 @@ def _want_size(n: int, sizes) -> int:
 
 
 def _diagnose_size(n: int, sizes, got: int) -> str:
+    if got != _want_size(n, sizes) and got == next((s for s in sizes if s >= n), None):
+        return ("\n  looks like it took the first size that holds the batch in the order given: "
+                "sizes may come in any order, take the smallest that holds it")
     if got == max(sizes) and got != _want_size(n, sizes):
         return ("\n  looks like it always pads to the largest captured size: pad to the smallest "
                 "one that holds the batch (fewer wasted lanes)")
@@ -94,6 +112,9 @@ def _diagnose_size(n: int, sizes, got: int) -> str:
     if n > max(sizes):
         return ("\n  no captured size holds this batch: return it unpadded (the step runs "
                 "without a graph)")
+    if got == 1 << max(n - 1, 0).bit_length():
+        return ("\n  looks like it pads to the next power of two: pad to the smallest of the "
+                "captured sizes that holds the batch (they need not be powers of two)")
     return ""
 
 
@@ -105,8 +126,12 @@ def _diagnose_lanes(a: dict, what: str, got: torch.Tensor) -> str:
             return ("\n  looks like padded lanes use row 0: a real request's row, whose page would "
                     "then be written by every padded lane -- use the dummy row")
         if bool((pad == -1).all()):
-            return ("\n  looks like padded lanes use row -1: that indexes the last row by chance "
-                    "only; name dummy_row itself")
+            return ("\n  looks like padded lanes use row -1: that is the table's last row, not "
+                    "the dummy row; name dummy_row itself")
+        if bool((pad == a["page_table"].shape[0] - 1).all()):
+            return (f"\n  looks like padded lanes use the table's last row ({a['page_table'].shape[0] - 1}): "
+                    f"the dummy row is dummy_row ({dummy}) wherever it is (PagedGenerator's happens "
+                    "to be the last)")
         if bool((pad == got[n - 1]).all()):
             return "\n  looks like it repeated the last real lane: its request would be written twice"
     if what == "positions" and pad.numel() and n and bool((pad == got[n - 1]).all()):
@@ -139,10 +164,12 @@ def pad_decode_batch(fn, *, seed: int = 0, n_random: int = 4) -> int:
 
     def run_one(case: Case) -> None:
         c = case.args
-        a = step_case(c["P"], c["lens"], 10 if len(c["lens"]) <= 9 else len(c["lens"]) + 1, c["seed"])
+        table_rows = 10 if len(c["lens"]) <= 9 else len(c["lens"]) + 1
+        a = step_case(c["P"], c["lens"], table_rows, c["seed"], _dummy_row(c["dummy"], table_rows, c["seed"] + sum(c["lens"])))
         want = pad_decode_batch_solution(a["rows"], a["positions"], a["page_table"], c["sizes"], a["dummy_row"])
         on = {k: v.to(runtime.DEVICE, copy=True) for k, v in a.items() if isinstance(v, torch.Tensor)}
-        got = call_learner(fn, on["rows"], on["positions"], on["page_table"], list(c["sizes"]), a["dummy_row"])
+        got = call_learner(fn, on["rows"], on["positions"], on["page_table"], list(c["sizes"]), a["dummy_row"],
+                           read_only=(0, 1, 2, 3))
         n = len(c["lens"])
         where = (f"\n  {n} running requests, captured sizes {list(c['sizes'])}, dummy_row {a['dummy_row']} "
                  f"(it maps slot {DUMMY_PAGE * c['P']}, the dummy page's first)")

@@ -9,22 +9,29 @@ chain first (hits), then pages from the head of the free queue, each new full pa
 joins the tail of ``cache.free_queue`` and keeps its hash; a count never goes below zero (the
 call refuses, changing nothing).
 
-Each case builds the same cache twice (with :func:`kvlab.check.ch11_hash_chain.build_pool`),
-runs the learner's function on one and the oracle (:mod:`kvlab.reference.hashchain`) on the
-other, and compares the answer, every reference count, the free queue in order and which pages
-are cached under which hash.
+Each case builds the same cache three times (with :func:`kvlab.check.ch11_hash_chain.build_pool`,
+the free queue in a shuffled order, page 0 never first): the learner's function runs on one,
+the oracle (:mod:`kvlab.reference.hashchain`) and the reference solution on the others. The
+answer and every reference count, the free queue in order, which pages are cached under which
+hash and ``evicted_pages`` are compared with the oracle (a recognised slip is named), then
+everything else the cache keeps (each page's parent hash and tokens, the locks) with the
+reference's cache (:mod:`kvlab.check.pool_state`). ``input_ids`` and ``pages`` are read-only.
+Page sizes run from 1 to 64.
 """
 from __future__ import annotations
 
 import random
 
 from ..hash_chain import chain_hash, page_hashes, short
-from .ch11_hash_chain import _A, _B, build_pool
+from .ch11_hash_chain import _A, _B, _LONG, build_pool, pool_order, shown_script
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
+from .failures import fmt_values
+from .pool_state import pool_difference, pool_state
 
 
-def compare_pool(case: str, cache, ref, where: str) -> None:
-    """The learner's cache against the oracle: counts, queue, cached pages and their hashes."""
+def compare_pool(case: str, cache, ref, twin, where: str) -> None:
+    """The learner's cache against the oracle (counts, queue, cached pages and their hashes,
+    evictions), then against ``twin``, the cache the reference solution left (all the rest)."""
     P = cache.page_size
     for p, (r, g) in enumerate(zip(ref.refs, cache.ref_count)):
         if r != g:
@@ -43,8 +50,13 @@ def compare_pool(case: str, cache, ref, where: str) -> None:
             continue
         if p not in expected:
             tokens = cache.page_tokens[p]
-            why = (f"it holds a partial page {list(tokens or [])}: only full pages are cached"
-                   if tokens is not None and len(tokens) < P else "it should not be cached")
+            if tokens is not None and len(tokens) < P:
+                why = f"it holds a partial page {list(tokens)}: only full pages are cached"
+            elif ref.refs[p] > 0:
+                why = ("it should not be cached (was it handed out again for other tokens? A page "
+                       "handed out loses its old hash: cache.take_free() drops it)")
+            else:
+                why = "it should not be cached"
             raise CheckFailed(f"[{case}] page {p} is cached under {short(got.get(p))}, but {why}{where}",
                               case=case, label=f"page {p}")
         if p not in got:
@@ -56,10 +68,27 @@ def compare_pool(case: str, cache, ref, where: str) -> None:
         raise CheckFailed(f"[{case}] page {p} is cached under {short(got[p])}, expected "
                           f"{short(expected[p])} (the chained hash of every token up to its end){where}",
                           case=case, label=f"page {p}")
+    if cache.evicted_pages != ref.evicted:
+        raise CheckFailed(f"[{case}] evicted_pages should be {ref.evicted}, got {cache.evicted_pages} "
+                          "(it counts the cached pages handed out for other tokens: take_free counts "
+                          "one when it hands out a page that still has a hash; a freed page keeps "
+                          f"its hash and is not evicted yet){where}", case=case, label="evicted_pages",
+                          expected=ref.evicted, got=cache.evicted_pages)
+    why = pool_difference(pool_state(twin), pool_state(cache), old="should be", new="is")
+    if why:
+        raise CheckFailed(f"[{case}] the cache is not as the reference solution leaves it: {why}"
+                          f"{where}", case=case, label="cache")
     try:
         cache.check_integrity()
     except AssertionError as e:
         raise CheckFailed(f"[{case}] the cache's integrity check fails: {e}{where}", case=case) from None
+
+
+def _where(a: dict, what: str) -> str:
+    """The case's setting, for a failure message: page size, first queue order, script, call."""
+    order = fmt_values(pool_order(a["pages"], a["seed"]), 16)
+    return (f"\n  page_size {a['P']}; free queue at first {order}; cached with "
+            f"{shown_script(a['script'])}\n  {what}")
 
 
 # --- allocate_pages -----------------------------------------------------------------------
@@ -89,7 +118,8 @@ def allocate_pages_solution(cache, input_ids):
 
 def _alloc_cases(seed: int, n_random: int) -> list[Case]:
     def case(name, P, script, ids, kind="edge", num_pages=12):
-        return Case(name, {"P": P, "script": script, "ids": ids, "pages": num_pages}, kind)
+        return Case(name, {"P": P, "script": script, "ids": ids, "pages": num_pages,
+                           "seed": sum(name.encode())}, kind)  # each case its own page order
 
     cases = [
         case("empty cache: every page new, full ones cached", 2, [], [1, 2, 3, 4, 5]),
@@ -102,10 +132,14 @@ def _alloc_cases(seed: int, n_random: int) -> list[Case]:
         case("the queue hands out a cached page: its hash goes", 2,
              [("alloc", _A), ("free", 0), ("alloc", _B)], [7, 7, 7, 7, 7], num_pages=7),
         case("page_size 1", 1, [("alloc", [5, 6, 7]), ("free", 0)], [5, 6, 8]),
+        case("full pages handed out again: each one evicted", 2,
+             [("alloc", _A), ("free", 0), ("alloc", [9] * 8)], [8] * 8, num_pages=10),
+        case("page_size 64: a hit, then a new full page and a partial one", 64,
+             [("alloc", _LONG), ("free", 0)], _LONG[:64] + [3] * 70),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        P = rng.choice([1, 2, 4])
+        P = rng.choice([1, 2, 4, 8])
         starts = [[rng.randrange(3) for _ in range(3 * P)] for _ in range(2)]
         script, n = [], 0
         for _ in range(rng.randrange(1, 4)):
@@ -138,10 +172,12 @@ def allocate_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
 
     def run_one(case: Case) -> None:
         a = case.args
-        cache, ref, _ = build_pool(a["P"], a["pages"], a["script"])
+        cache, ref, _ = build_pool(a["P"], a["pages"], a["script"], a["seed"])
+        twin, _, _ = build_pool(a["P"], a["pages"], a["script"], a["seed"])
         expected = ref.allocate(a["ids"])
-        got = call_learner(fn, cache, list(a["ids"]))
-        where = f"\n  page_size {a['P']}; cached with {a['script']}\n  input_ids {a['ids']}"
+        allocate_pages_solution(twin, list(a["ids"]))
+        got = call_learner(fn, cache, list(a["ids"]), read_only=(1,))
+        where = _where(a, f"input_ids {fmt_values(a['ids'], 24)}")
         if not (isinstance(got, (tuple, list)) and len(got) == 2):
             raise CheckFailed(f"[{case.name}] return (pages, cached_len), not {got!r}"[:200] + where,
                               case=case.name)
@@ -153,7 +189,7 @@ def allocate_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
         if pages != list(expected.pages):
             raise CheckFailed(f"[{case.name}] pages should be {list(expected.pages)}, got {pages} (hits "
                               f"first, then the head of the free queue){where}", case=case.name)
-        compare_pool(case.name, cache, ref, where)
+        compare_pool(case.name, cache, ref, twin, where)
 
     return run_cases("allocate_pages", _alloc_cases(seed, n_random), run_one)
 
@@ -174,7 +210,8 @@ def free_pages_solution(cache, pages):
 
 def _free_cases(seed: int, n_random: int) -> list[Case]:
     def case(name, P, script, k, kind="edge"):
-        return Case(name, {"P": P, "script": script, "k": k}, kind)
+        return Case(name, {"P": P, "script": script, "k": k, "pages": 12,
+                           "seed": sum(name.encode())}, kind)  # each case its own page order
 
     two = [("alloc", _A), ("alloc", _A[:4] + [6, 6, 6])]
     cases = [
@@ -184,10 +221,12 @@ def _free_cases(seed: int, n_random: int) -> list[Case]:
         case("a partial page queues too (without a hash)", 4, [("alloc", _A[:6])], 0),
         case("pages freed already: refuse, change nothing", 2, [("alloc", _A), ("free", 0)], 0),
         case("page_size 1", 1, [("alloc", [5, 6, 7]), ("alloc", [5, 6, 9])], 0),
+        case("page_size 64: the shared first page stays, the rest queue", 64,
+             [("alloc", _LONG), ("alloc", _LONG[:64] + [1] * 64)], 1),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        P = rng.choice([1, 2, 4])
+        P = rng.choice([1, 2, 4, 8])
         start = [rng.randrange(3) for _ in range(3 * P)]
         script = [("alloc", start[: rng.randrange(1, 3 * P + 1)] + [rng.randrange(3)]) for _ in range(3)]
         cases.append(case(f"random {i + 1} (page_size {P})", P, script, rng.randrange(3), "random"))
@@ -214,16 +253,18 @@ def free_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
     def run_one(case: Case) -> None:
         a = case.args
         script = a["script"]
-        cache, ref, allocations = build_pool(a["P"], 12, script)
+        cache, ref, allocations = build_pool(a["P"], a["pages"], script, a["seed"])
+        twin, _, _ = build_pool(a["P"], a["pages"], script, a["seed"])
         pages = list(allocations[a["k"]])
-        where = f"\n  page_size {a['P']}; cached with {script}\n  free the pages {pages} of allocation {a['k']}"
+        where = _where(a, f"free the pages {pages} of allocation {a['k']}")
         refused = False
         try:
             ref.free(pages)
+            free_pages_solution(twin, list(pages))
         except Exception:  # noqa: BLE001 - the oracle refuses: the learner must too
             refused = True
         try:
-            call_learner(fn, cache, list(pages))
+            call_learner(fn, cache, list(pages), read_only=(1,))
         except CheckFailed:
             raise
         except Exception as e:  # noqa: BLE001
@@ -235,6 +276,6 @@ def free_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
                 raise CheckFailed(f"[{case.name}] these pages have no reference left to drop: free "
                                   "must refuse (raise) before changing anything, so that no count "
                                   f"goes below zero{where}", case=case.name)
-        compare_pool(case.name, cache, ref, where)
+        compare_pool(case.name, cache, ref, twin, where)
 
     return run_cases("free_pages", _free_cases(seed, n_random), run_one)

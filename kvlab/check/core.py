@@ -301,8 +301,7 @@ def call_learner(fn: Callable[..., Any], *args, grid=None, layout: Layout | None
         found.append(err)
     changes = [(f.name, how) for f in frozen if (how := inputs.first_change(f))]
     if changes and out.error is None:
-        trees = any(isinstance(f.copy, inputs.TreeState) and f.name in dict(changes) for f in frozen)
-        found.append(CheckFailed(inputs.message(changes, trees), label="read-only argument changed"))
+        found.append(CheckFailed(inputs.message(changes, frozen), label="read-only argument changed"))
     for err in found:
         if attempt is None:
             if out.error is not None:

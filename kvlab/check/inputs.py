@@ -11,6 +11,9 @@ call and :func:`first_change` says in words how it changed::
     list, dict      every item, deep                       "input_ids had 12 items, now 11: the last one (7) is gone"
     prefix cache    every node (key, slots, locks, LRU     "node [5, 6] (positions 4..5): its LRU stamp
                     stamp, parent), the clock, the sizes    last_access was 2, now 3"
+    hash cache      every page (ref_count, hash, parent,   "page 3: its reference count ref_count was
+                    tokens), hash_to_page, the free queue   0, now 1" (:mod:`kvlab.check.pool_state`)
+                    in order, evicted_pages, the locks
 
 :func:`tree_state` and :func:`tree_difference` also compare a learner's tree with the
 reference's (chapter 07's decode step).
@@ -22,8 +25,10 @@ from typing import Any, Callable, Hashable, NamedTuple
 
 import torch
 
+from ..hash_cache import HashPrefixCache
 from ..radix_cache import RadixPrefixCache
 from .failures import fmt_values
+from .pool_state import PoolState, pool_difference, pool_state
 
 
 class NodeState(NamedTuple):
@@ -114,6 +119,8 @@ def freeze(name: str, value: Any) -> Frozen:
         return Frozen(name, value, value.detach().clone())
     if isinstance(value, RadixPrefixCache):
         return Frozen(name, value, tree_state(value))
+    if isinstance(value, HashPrefixCache):
+        return Frozen(name, value, pool_state(value))
     if isinstance(value, (list, tuple, dict, set, int, float, str, bool, type(None))):
         return Frozen(name, value, copy.deepcopy(value))
     return Frozen(name, value, _UNCHECKED)  # an object kvlab cannot copy: not compared
@@ -141,6 +148,11 @@ def first_change(frozen: Frozen) -> str | None:
         return _tensor_change(name, old, value)
     if isinstance(value, RadixPrefixCache):
         return tree_difference(old, tree_state(value))
+    if isinstance(value, HashPrefixCache):
+        try:
+            return pool_difference(old, pool_state(value))
+        except Exception as e:  # noqa: BLE001 - the learner broke its state beyond reading
+            return f"`{name}` can no longer be read as a cache: {type(e).__name__}: {e}"
     return _plain_change(name, old, value)
 
 
@@ -206,15 +218,24 @@ def _short(x: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def message(changes: list[tuple[str, str]], trees: bool = False) -> str:
+_ADVICE = {
+    "tree": "Only read the tree (cache.root, node.children, node.key): match_prefix and "
+            "insert_prefix stamp the nodes they use, tick the clock and may split a node",
+    "pool": "Only read the cache (cache.lookup, cache.page_size, cache.ref_count): take_cached, "
+            "take_free, cache_page, allocate and free change it, and so does moving a page in "
+            "cache.free_queue (its order is the eviction order)",
+    "plain": "Work on a copy (list(x), x.clone()) or build a new result",
+}
+
+
+def message(changes: list[tuple[str, str]], frozen: list[Frozen] = ()) -> str:
     """The finding: which read-only arguments changed (``(name, how)`` pairs), and how.
-    ``trees``: one of them is a prefix cache."""
+    ``frozen``: the copies, to advise on the kind of argument that changed."""
     names = ", ".join(f"`{name}`" for name, _ in changes)
     lines = "".join(f"\n  {how}" for _, how in changes)
     one = len(changes) == 1
-    advice = ("Only read the tree (cache.root, node.children, node.key): match_prefix and "
-              "insert_prefix stamp the nodes they use, tick the clock and may split a node"
-              if trees else "Work on a copy (list(x), x.clone()) or build a new result")
+    kinds = {type(f.copy) for f in frozen if f.name in dict(changes)}
+    advice = _ADVICE["tree" if TreeState in kinds else "pool" if PoolState in kinds else "plain"]
     return (f"your code changed {names}, {'an argument' if one else 'arguments'} it must only "
             f"read:{lines}\n  {'It is an input' if one else 'They are inputs'} your function must "
             f"not change: the caller still uses it afterwards. {advice}")

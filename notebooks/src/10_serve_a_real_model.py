@@ -565,10 +565,14 @@ plt.show()
 # 2. every lane's slot, `page_table[row, position]` -- for a padded lane, the dummy page's;
 # 3. a batch larger than every size is returned as it is (it runs without a graph).
 #
+# `rows`, `positions`, `page_table` and `sizes` are read-only. The dummy row is whichever row
+# `dummy_row` names (`PagedGenerator`'s is the table's last; the checker puts it elsewhere too).
+#
 # `kvlab.check.pad_decode_batch` checks the size, then rows, positions and slots lane by lane,
-# on edge cases (nothing to pad, one request, page size 1, sizes out of order, a batch too
-# large for any graph) and random steps. Hints: `kvlab.check.hint("pad_decode_batch", 1)` (up
-# to 3); the reference: `kvlab.solutions.show("pad_decode_batch")`.
+# on edge cases (nothing to pad, one request, page sizes 1 and 64, sizes out of order or not
+# powers of two, a batch too large for any graph) and random steps. Hints:
+# `kvlab.check.hint("pad_decode_batch", 1)` (up to 3); the reference:
+# `kvlab.solutions.show("pad_decode_batch")`.
 
 # %%
 def my_pad_decode_batch(rows, positions, page_table, sizes, dummy_row):

@@ -479,7 +479,7 @@ else:
 # %% [markdown]
 # **Exercise `page_hashes`.** Write `my_page_hashes(input_ids, page_size) -> list`: the chained
 # hash of every full page, with `chain_hash(parent, page_tokens)` (`parent=None` for the first).
-# Hints: `kvlab.check.hint("page_hashes", 1)`; `kvlab.solutions.show("page_hashes")` prints a
+# `input_ids` is read-only. Hints: `kvlab.check.hint("page_hashes", 1)`; `kvlab.solutions.show("page_hashes")` prints a
 # reference solution.
 
 # %%
@@ -505,7 +505,9 @@ kvlab.check.page_hashes(my_page_hashes);
 # **Exercise `hash_match`.** Write `my_hash_match(cache, input_ids) -> (num_pages, slots)`: walk
 # the prompt's full pages from the first, `h = chain_hash(parent, tokens)`, find the page with
 # `cache.lookup(h, tokens)`, stop at the first miss. Return how many pages matched and their
-# slots (`page * P + i`). Only read the cache. Hints: `kvlab.check.hint("hash_match", 1)`.
+# slots (`page * P + i`). The cache and `input_ids` are read-only: the checker compares every
+# page's reference count, hash and tokens, `hash_to_page`, the free queue's order and
+# `evicted_pages` after your call. Hints: `kvlab.check.hint("hash_match", 1)`.
 
 # %%
 def my_hash_match(cache, input_ids):
@@ -537,8 +539,10 @@ kvlab.check.hash_match(my_hash_match);
 # hit, hash the next full page and `cache.lookup` it; a hit gets `cache.take_cached(page)`. After
 # the first miss every page is new: `cache.take_free()` (the head of the queue; a cached page
 # loses its hash there), and a new **full** page becomes findable with
-# `cache.cache_page(page, h, tokens, parent)`. The checker gives only prompts that fit.
-# Hints: `kvlab.check.hint("allocate_pages", 1)`.
+# `cache.cache_page(page, h, tokens, parent)`. The checker gives only prompts that fit, and
+# `input_ids` is read-only. Afterwards the whole cache must be as the reference leaves it: every
+# page's reference count, hash, parent hash and tokens, `hash_to_page`, the free queue in order
+# and `evicted_pages`. Hints: `kvlab.check.hint("allocate_pages", 1)`.
 
 # %%
 def my_allocate_pages(cache, input_ids):
@@ -577,7 +581,8 @@ kvlab.check.allocate_pages(my_allocate_pages);
 # `my_free_pages(cache, pages)` drops one reference from each page (`cache.ref_count[page]`),
 # **last page first**; a page whose count reaches zero joins the tail of `cache.free_queue`
 # (`append`) and keeps its hash. If a page has no reference left to drop, raise an error
-# *before changing anything*: a count never goes below zero. Hints: `kvlab.check.hint("free_pages", 1)`.
+# *before changing anything*: a count never goes below zero. `pages` is read-only, and the rest
+# of the cache is compared as after `allocate_pages`. Hints: `kvlab.check.hint("free_pages", 1)`.
 
 # %%
 def my_free_pages(cache, pages):
