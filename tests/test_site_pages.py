@@ -157,7 +157,8 @@ def test_links_are_rewritten_for_the_flat_site(tmp_path):
             "[s](03_alloc_extend.ipynb#The-kernel) ![f](../../figures/00_fragmentation.png) "
             "[p](../../kvlab/paging.py) [w](https://triton-lang.org) [a](#Your-turn)\n"
             '<img src="../../figures/00_fragmentation.png" width="3">\n'
-            "```\n[kept](../glossary.md)\n```")
+            "```\n[kept](../glossary.md)\n```\n"
+            "after the code, [CUDA\ngraphs](../glossary.md#cuda-graph) wrap")
     out = rebaser.rewrite(text, solutions)
     assert "[g](glossary.md#which-runtime-am-i-on)" in out
     assert "[c](03_alloc_extend.ipynb)" in out and "[s](03_alloc_extend.ipynb#the-kernel)" in out
@@ -167,6 +168,8 @@ def test_links_are_rewritten_for_the_flat_site(tmp_path):
     assert f"[p]({REPO_URL}/blob/main/kvlab/paging.py)" in out
     assert "[w](https://triton-lang.org)" in out and "[a](#your-turn)" in out
     assert "[kept](../glossary.md)" in out  # code is code
+    assert "[CUDA\ngraphs](glossary.md#cuda-graph) wrap" in out  # a link over two lines
+    assert out.count("\n") == text.count("\n")
 
 
 def test_the_chapters_are_found_by_globbing(tmp_path, monkeypatch):

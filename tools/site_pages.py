@@ -188,15 +188,24 @@ class LinkRebaser:
         return url
 
     def rewrite(self, text: str, from_dir: Path) -> str:
-        out, fenced = [], False
+        """``text`` with its links rewritten, outside fenced code; a link's text may wrap
+        over lines (``[CUDA\\ngraphs](glossary.md#cuda-graph)``)."""
+        def links(prose: list[str]) -> list[str]:
+            chunk = "\n".join(prose)
+            chunk = _MD_LINK.sub(lambda m: m[1] + self.target(m[2], from_dir) + m[3], chunk)
+            chunk = _HTML_LINK.sub(lambda m: m[1] + self.target(m[2], from_dir) + m[3], chunk)
+            return chunk.split("\n") if prose else []
+
+        out, prose, fenced = [], [], False
         for line in text.split("\n"):
-            if _FENCE.match(line):
-                fenced = not fenced
-            elif not fenced:
-                line = _MD_LINK.sub(lambda m: m[1] + self.target(m[2], from_dir) + m[3], line)
-                line = _HTML_LINK.sub(lambda m: m[1] + self.target(m[2], from_dir) + m[3], line)
-            out.append(line)
-        return "\n".join(out)
+            if _FENCE.match(line) or fenced:
+                out += links(prose)
+                prose = []
+                fenced ^= bool(_FENCE.match(line))
+                out.append(line)
+            else:
+                prose.append(line)
+        return "\n".join(out + links(prose))
 
 
 # -- a chapter's page --------------------------------------------------------------------
