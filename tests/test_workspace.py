@@ -22,6 +22,7 @@ def course(tmp_path, monkeypatch):
         (course / name).write_text(f"learner {name}")
         (course / "solutions" / name).write_text(f"solutions {name}")
     (course / "conftest.py").write_text("")  # not a notebook
+    (course / "glossary.md").write_text("# glossary")
     monkeypatch.setattr(workspace, "COURSE", course)
     return course
 
@@ -48,6 +49,44 @@ def test_your_edits_survive_a_course_update(course, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the course updated 00_tour.ipynb" in out and "make fresh CHAPTER=00" in out
     assert "01_pages" not in out  # unchanged in the course: nothing to say
+
+
+def test_the_glossary_the_notebooks_link_is_there_and_kept_current(course, tmp_path):
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    assert (work / "glossary.md").read_text() == "# glossary"
+    (course / "glossary.md").write_text("# glossary, with a new term")  # a git pull
+    assert workspace.prepare(work) == []  # not the learner's work: nothing to report
+    assert (work / "glossary.md").read_text() == "# glossary, with a new term"
+    assert not (work / "conftest.py").exists()
+
+
+def test_every_relative_link_of_the_real_notebooks_resolves_in_the_workspace(tmp_path):
+    """What JupyterLab opens from a learner's copies: each link to a chapter or the glossary
+    (and the heading it names) is there."""
+    import re
+
+    import nbformat
+
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    glossary = (work / "glossary.md").read_text()
+    headings = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", glossary, flags=re.M)}
+    checked = 0
+    for path in sorted(work.rglob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "markdown":
+                continue
+            for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", cell.source)):
+                if re.match(r"[a-z][a-z0-9+.-]*:|#", target):
+                    continue
+                file, _, anchor = target.partition("#")
+                assert (path.parent / file).is_file(), f"{path.relative_to(work)} links {target}"
+                if file.endswith("glossary.md") and anchor:
+                    assert anchor in headings, f"{path.relative_to(work)} links {target}"
+                checked += 1
+    assert checked > 100
 
 
 def test_fresh_replaces_one_chapter_and_keeps_yours(course, tmp_path):

@@ -14,6 +14,10 @@ workspace folder, ``work/`` by default and ignored by git, that holds copies:
 * ``fresh NN`` puts a fresh copy of chapter ``NN`` (both builds) in place, keeping the one
   you had beside it as ``NN_name.<date-time>.ipynb``.
 
+The notebooks link the glossary (``glossary.md#term``, ``../glossary.md#term`` from
+``solutions/``), so ``prepare`` also puts ``notebooks/glossary.md`` in ``WORK/``: a reference,
+not your work, so it is brought up to date every time.
+
 What each copy was made from is recorded in ``WORK/.course-copies.json`` (file name → hash of
 the course notebook at copy time). ``prepare`` also writes JupyterLab's settings overrides into
 this environment: no news or update pop-up over the notebook.
@@ -32,6 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COURSE = ROOT / "notebooks"
 RECORD = ".course-copies.json"
 FIRST_CHAPTER = "00_tour.ipynb"
+#: files beside the notebooks that they link: refreshed in the workspace by every ``prepare``
+REFERENCES = ("glossary.md",)
 
 # JupyterLab reads <sys.prefix>/share/jupyter/lab/settings/overrides.json as the defaults of
 # its settings: no "receive Jupyter news?" pop-up, no update check.
@@ -83,6 +89,9 @@ def prepare(work: Path) -> list[str]:
         elif record.get(name) not in (None, _digest(src)):
             changed.append(name)
     _save_record(work, record)
+    for name in REFERENCES:
+        if (COURSE / name).is_file():
+            shutil.copyfile(COURSE / name, work / name)
     if copied:
         print(f"kvlab: copied {len(copied)} course notebooks into {work}/ (your own copies; "
               "`git pull` never touches them)")

@@ -94,6 +94,7 @@ def test_make_lab_starts_jupyterlab_on_chapter_00_without_a_popup(make_lab, brow
     course = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
     assert sorted(p.name for p in work.glob("[0-9][0-9]_*.ipynb")) == course
     assert sorted(p.name for p in (work / "solutions").glob("[0-9][0-9]_*.ipynb")) == course
+    assert (work / "glossary.md").is_file(), "the notebooks link the glossary beside them"
     with urllib.request.urlopen(url.replace("/lab/tree/00_tour.ipynb", "/api/status"),
                                 timeout=10) as resp:
         assert resp.status == 200
