@@ -2,8 +2,9 @@
 
 The built site (``build/site/html``) is served on 127.0.0.1 and opened in headless Chromium:
 the home page lists every chapter; two chapters show their figures (every image loads), their
-Colab badge and download links, and a folded solution that opens on a click; the search box
-finds a chapter. Without a browser: no internal link is broken, and no page loads anything
+Colab badge and download links, and a folded solution that opens on a click; a glossary link
+of the newest chapter opens its term; the search box finds a chapter. Every term a chapter
+links is a link on its page to a heading of the glossary page. Without a browser: no internal link is broken, and no page loads anything
 from another site (it builds and reads offline).
 """
 from __future__ import annotations
@@ -121,6 +122,42 @@ def test_a_chapter_shows_its_figures_links_and_a_folded_solution(page, site_url,
     assert "YOUR CODE HERE" not in solution_code.inner_text()
     fold.scroll_into_view_if_needed()
     page.screenshot(path=str(ui_output / f"site-{chapter}-solution.png"))
+
+
+def _glossary_anchors(links) -> set[str]:
+    """The terms (anchors) of the glossary that ``links`` name; a link to the whole page: none."""
+    return {u.partition("#")[2] for u in links if u.partition("#")[2] and (
+        u.partition("#")[0].endswith("glossary.md") or u.partition("#")[0] == "glossary.html")}
+
+
+def test_every_chapter_links_its_glossary_terms_to_their_headings():
+    """Each term a chapter links (``glossary.md#term`` in its notebook) is a link on its page to
+    a heading of the glossary page."""
+    import nbformat
+
+    headings = check_site_links._parse(HTML / "glossary.html").ids
+    for chapter in CHAPTERS:
+        nb = nbformat.read(ROOT / "notebooks" / "solutions" / f"{chapter}.ipynb", as_version=4)
+        linked = _glossary_anchors(re.findall(r"\]\(([^)\s]+)\)", "\n".join(
+            c.source for c in nb.cells if c.cell_type == "markdown")))
+        on_page = _glossary_anchors(check_site_links._parse(HTML / f"{chapter}.html").links)
+        assert linked, f"{chapter} links no glossary term"
+        assert linked <= on_page, f"{chapter}'s page lacks glossary links {sorted(linked - on_page)}"
+        assert on_page <= headings, f"{chapter} links missing terms {sorted(on_page - headings)}"
+
+
+def test_a_glossary_link_opens_its_term(page, site_url, ui_output):
+    chapter = CHAPTERS[-1]  # the newest chapter
+    page.goto(f"{site_url}{chapter}.html")
+    link = page.locator("article a[href^='glossary.html#']").first
+    anchor = link.get_attribute("href").partition("#")[2]
+    link.click()
+    page.wait_for_url(re.compile(rf"glossary\.html#{re.escape(anchor)}$"))
+    heading = page.locator(f"section[id='{anchor}'] > h3").first
+    heading.wait_for()
+    box = heading.bounding_box()
+    assert box and 0 <= box["y"] < 1000, f"the term {anchor} is not in view: {box}"
+    page.screenshot(path=str(ui_output / "site-glossary-term.png"))
 
 
 def test_the_search_box_finds_a_chapter(page, site_url):
