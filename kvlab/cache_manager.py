@@ -42,18 +42,19 @@ from typing import Sequence
 import torch
 
 from .args import check_int, check_page_size, div_ceil
-from .cache_manager_checks import CacheManagerChecks, _Running
+from .cache_manager_checks import _Running
+from .cache_manager_undo import CacheManagerUndo
 from .cache_regions import CacheRegions, Region
 from .errors import CacheMisuse, InvalidArgument, OutOfPages
 from .paging import UNMAPPED, page_to_token, write_page_table, write_page_table_triton
 from .hash_cache import HashPrefixCache
-from .radix_cache import MatchResult, RadixCacheHandle, RadixNode, RadixPrefixCache
+from .radix_cache import MatchResult, RadixCacheHandle, RadixPrefixCache
 from .req import ForwardBatch, Req
 
 __all__ = ["Req", "ForwardBatch", "CacheManager", "CacheRegions", "Region"]
 
 
-class CacheManager(CacheManagerChecks):
+class CacheManager(CacheManagerUndo):
     """Free pages + page table + prefix cache (chapter 06; mini-sglang's ``CacheManager``).
 
     ``free_slots`` holds the *page-start* token slot of every free page
@@ -243,7 +244,7 @@ class CacheManager(CacheManagerChecks):
             self.allocate_paged(list(prefill) + list(decode))
         except BaseException:
             for req in reversed(admitted):
-                self.release_req(req)
+                self._undo_admit(req)
             for req, (cached, device, handle, finished) in zip(prefill, fields):
                 req.cached_len, req.device_len, req.cache_handle, req.finished = (
                     cached, device, handle, finished)
@@ -315,11 +316,12 @@ class CacheManager(CacheManagerChecks):
         for row, _first, last in allocation_info:
             self._running[row].alloc_pages = last
 
-    def _allocate(self, needed_pages: int, evicted: list[RadixNode]) -> torch.Tensor:
+    def _allocate(self, needed_pages: int, evicted: list) -> torch.Tensor:
         """Take ``needed_pages`` page starts from the front of the free list, evicting first
-        if needed (the evicted nodes go into ``evicted``, for a rollback)."""
+        if needed (what eviction takes goes into ``evicted``, for a rollback: the radix cache's
+        nodes, the hash cache's pages, each with its slots in ``value``)."""
         if needed_pages > (free_pages := len(self.free_slots)):
-            # each node goes into `evicted` as it is evicted: an interrupt part-way loses none
+            # each node (page) goes into `evicted` as it is evicted: an interrupt part-way loses none
             self.prefix_cache.evict_leaves((needed_pages - free_pages) * self.page_size, into=evicted)
             # evicted nodes hold token slots, the free list holds page starts: one per P slots
             freed = [n.value[:: self.page_size].to(torch.int32) for n in evicted]
@@ -395,38 +397,8 @@ class CacheManager(CacheManagerChecks):
                 row_after=row[: req.cached_len].clone(), duplicate_slots=duplicate,
                 tail_slots=page_indices[new_len:], freed_pages=torch.cat(freed), remapped=remapped)
         except BaseException:
-            self._undo_req_steps(req, rec, row_before, free_before, old_handle, held, True, new_handle,
-                                 already_len)
+            self._undo_req_steps(req, rec, row_before, free_before, old_handle, held, True, new_handle)
             raise
-
-    def _undo_req_steps(self, req: Req, rec: _Running, row_before: torch.Tensor, free_before: torch.Tensor,
-                        old_handle: RadixCacheHandle | None, held: int, inserting: bool = False,
-                        new_handle: RadixCacheHandle | None = None, already_len: int = 0) -> None:
-        """Put back what a failed ``cache_req`` (``inserting``) or ``release_req`` changed, read from
-        the state itself (a step may have been interrupted just after it ran): the request's
-        locks (it held ``held`` on its old handle, none on another), the node its insert added,
-        the free list, its row, its record and its fields."""
-        cache, old_len = self.prefix_cache, old_handle.cached_len if old_handle is not None else 0
-        if new_handle is not None and (old_handle is None or new_handle.node is not old_handle.node):
-            for _ in range(cache.locks_held(new_handle, req)):
-                self.unlock(new_handle, owner=req)
-        if old_handle is not None:  # (the new handle may be the old one: back to `held` either way)
-            while cache.locks_held(old_handle, req) > held:
-                self.unlock(old_handle, owner=req)
-            for _ in range(held - cache.locks_held(old_handle, req)):
-                self.lock(old_handle, owner=req)
-        if new_handle is not None:
-            if already_len < new_handle.cached_len and not new_handle.node.detached:
-                cache.undo_insert(new_handle.node)
-        elif inserting and req.cached_len > old_len:  # stopped inside insert_prefix: did it add a node?
-            own = set(row_before[old_len: req.cached_len: self.page_size].tolist())
-            for node in cache.nodes():  # (the row's own pages were in no node before the call)
-                if node.is_leaf() and not node.ref_count and int(node.value[0]) in own:
-                    cache.undo_insert(node)
-        self.free_slots = free_before
-        self.page_table[req.table_idx, : row_before.numel()] = row_before
-        self._running[req.table_idx] = rec
-        req.cache_handle, req.finished = old_handle, False
 
     def release_req(self, req: Req) -> torch.Tensor:
         """Abort a running request: free its own pages, unlock its handle, cache nothing.

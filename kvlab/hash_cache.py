@@ -27,8 +27,11 @@ the building blocks ``lookup``, ``take_cached``, ``take_free``, ``cache_page``. 
 cache's, so that :class:`~kvlab.cache_manager.CacheManager` (and the simulator of chapter 07)
 can run on either cache: ``match_prefix``, ``insert_prefix``, ``lock_handle`` (a reference on
 every page of a handle, with an owner), ``evict_leaves`` (take pages from the head of the
-queue), ``size_info``. Because this cache keeps the free pages itself (``keeps_free_pages``),
-the manager leaves its own free list empty and hands freed pages back through :meth:`free`.
+queue), ``size_info``, and the words with which the manager takes back a call that failed
+half-way (``locks_held``, ``undo_evict``, ``undo_lock``, ``undo_insert``, ``undo_free``): the
+free queue is an order, so each puts its pages back in their places in it, not just back.
+Because this cache keeps the free pages itself (``keeps_free_pages``), the manager leaves its
+own free list empty and hands freed pages back through :meth:`free`.
 
 Departures, each said where it happens: BLAKE2b instead of xxh64/SHA-256
 (:mod:`kvlab.hash_chain`); a reused page's hash leaves ``hash_to_page`` at once (nano-vllm at
@@ -45,16 +48,17 @@ from typing import Hashable, Sequence
 import torch
 
 from .args import check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
-from .errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
-from .hash_chain import (Allocation, FreeQueue, HashCacheHandle, HashSnapshot, PageHash, PageNode,
-                         TakenPage, chain_hash, page_hashes, short)
-from .radix_node import InsertResult, MatchResult, NodeInfo, SizeInfo
+from .errors import CacheMisuse, InvalidArgument, OutOfPages
+from .hash_cache_views import HashCacheViews
+from .hash_chain import (Allocation, FreeQueue, HashCacheHandle, PageHash, TakenPage, chain_hash,
+                         page_hashes, short)
+from .radix_node import InsertResult, MatchResult
 from .runtime import default_device
 
 __all__ = ["HashPrefixCache", "HashCacheHandle", "Allocation", "chain_hash", "page_hashes"]
 
 
-class HashPrefixCache:
+class HashPrefixCache(HashCacheViews):
     """A pool of ``num_pages`` pages of ``page_size`` slots whose full pages are cached by
     chained hash (chapter 11). See the module docstring for the states and the two sets of words.
 
@@ -83,6 +87,9 @@ class HashPrefixCache:
         self.free_queue = FreeQueue(range(self.num_pages))  # page ids in order at first
         self._locks: dict[tuple[Hashable, tuple[int, ...]], int] = {}  # (owner, pages) -> count
         self.evicted_pages = 0
+        # the latest insert_prefix's record for undo_insert: page it cached -> the free page whose
+        # stale hash it took (see cache_page)
+        self._displaced: dict[int, int] = {}
 
     # --- the building blocks -----------------------------------------------------------
 
@@ -257,12 +264,17 @@ class HashPrefixCache:
                 raise InvalidArgument("indices", "a page to insert is held by the caller alone and "
                                       "not cached yet", f"page {page}: ref_count {self.ref_count[page]},"
                                       f" hash {short(self.page_hash[page])}")
-        hashes, parent = list(hit.hashes), (hit.hashes[-1] if hit.hashes else None)
+        hashes = list(hit.hashes)
+        self._displaced = {}
         for i, page in enumerate(new_pages):
             tokens = ids[hit.cached_len + i * P: hit.cached_len + (i + 1) * P]
-            parent = chain_hash(parent, tokens)
-            self.cache_page(page, parent, tokens, hashes[-1] if hashes else None)
-            hashes.append(parent)
+            parent = hashes[-1] if hashes else None
+            h = chain_hash(parent, tokens)
+            owner = self.hash_to_page.get(h)
+            if owner is not None and self.ref_count[owner] == 0:
+                self._displaced[page] = owner  # recorded first: undo_insert gives its hash back
+            self.cache_page(page, h, tokens, parent)
+            hashes.append(h)
         self.free(new_pages)  # the caller's reference passes to the cache
         handle = HashCacheHandle(insert_len, hit.pages + tuple(new_pages), tuple(hashes), self)
         return InsertResult(hit.cached_len, handle)
@@ -310,32 +322,28 @@ class HashPrefixCache:
         """Whether ``owner`` holds a lock on ``handle`` (the empty handle: always)."""
         if not self.holds(handle):
             return False
-        if not handle.pages:
-            return True
+        return not handle.pages or self.locks_held(handle, owner) > 0
+
+    def locks_held(self, handle, owner=None) -> int:
+        """How many locks ``owner`` holds on ``handle`` (the empty handle, which locks nothing: 0)."""
+        if not isinstance(handle, HashCacheHandle) or handle.cache is not self or not handle.pages:
+            return 0
         try:
-            return self._locks.get((owner, handle.pages), 0) > 0
-        except TypeError:
-            return False
+            return self._locks.get((owner, handle.pages), 0)
+        except TypeError:  # an unhashable owner holds nothing
+            return 0
 
-    @property
-    def size_info(self) -> SizeInfo:
-        """Cached tokens on free pages (evictable) and on referenced pages (protected)."""
-        free = sum(1 for p in self.hash_to_page.values() if self.ref_count[p] == 0)
-        return SizeInfo(free * self.page_size, (len(self.hash_to_page) - free) * self.page_size)
-
-    @property
-    def num_free_uncached(self) -> int:
-        """Pages in the free queue without a hash (the cache manager counts them as free)."""
-        return len(self.free_queue) - self.size_info.evictable_size // self.page_size
-
-    def evict_leaves(self, num_tokens: int) -> list[TakenPage]:
+    def evict_leaves(self, num_tokens: int, into: list | None = None) -> list[TakenPage]:
         """Take ``div_ceil(num_tokens, P)`` pages (or all there are) from the head of the free
-        queue, one reference each, cached ones losing their hash; return them in order so that
-        :meth:`undo_evict` can put them back. The cache manager's word for "pages, please"."""
+        queue, one reference each, cached ones losing their hash; return them in order (each with
+        what it held, and its slots in ``value``) so that :meth:`undo_evict` can put them back.
+        The cache manager's word for "pages, please". ``into``: the caller's list, which gets each
+        page before it is taken (and is returned), so that an interrupt part-way loses none."""
         n = min(div_ceil(check_int("num_tokens", num_tokens, minimum=0), self.page_size),
                 len(self.free_queue))
-        taken = []
+        taken: list[TakenPage] = [] if into is None else into
         for page in self.free_queue.head(n):
+            # recorded first: undo_evict reads from the cache how far the next line got
             taken.append(TakenPage(page, self.page_hash[page], self.page_parent[page],
                                    self.page_tokens[page], self._slots([page])))
             self.take_free()
@@ -346,94 +354,73 @@ class HashPrefixCache:
         taken = self.evict_leaves(num_tokens)
         return torch.cat([t.value for t in taken]) if taken else self._slots([])
 
+    # --- a caller's rollback: each undo_* takes back one step, last step first -------------
+    #
+    # Each reads what happened from the cache itself, so that it also works when the step was
+    # stopped part-way or its caller never heard back; each is valid only while nothing else
+    # changed the cache since. Together they leave the cache as it was, free queue order included.
+
     def undo_evict(self, taken: Sequence[TakenPage]) -> None:
-        """Put back the pages of an :meth:`evict_leaves` call at the head of the queue, with their
-        hashes (a caller's rollback). Only valid while nothing else changed since."""
-        for t in taken:
-            if self.ref_count[t.page] != 1 or self.page_hash[t.page] is not None or (
-                    t.hash is not None and t.hash in self.hash_to_page):
+        """Put the pages of an :meth:`evict_leaves` call back at the head of the free queue, in
+        their order, with their hashes. A page recorded but not taken yet (the eviction was
+        stopped part-way) stays where it is; one that :meth:`take_free` left part-way goes back too.
+        Refuses (:class:`CacheMisuse`, nothing changed) when a page was taken by someone else."""
+        back = [t for t in taken if t.page not in self.free_queue]
+        for t in back:
+            if self.ref_count[t.page] > 1 or self.page_hash[t.page] not in (None, t.hash) or (
+                    t.hash is not None and self.hash_to_page.get(t.hash, t.page) != t.page):
                 raise CacheMisuse(f"undo_evict: page {t.page} cannot go back (the cache changed)")
-        for t in reversed(taken):
+        for t in reversed(back):
+            if t.hash is not None:
+                if self.page_hash[t.page] is None:
+                    self.evicted_pages -= 1  # (take_free counted it when the hash went)
+                self.page_hash[t.page], self.page_parent[t.page] = t.hash, t.parent
+                self.page_tokens[t.page], self.hash_to_page[t.hash] = t.tokens, t.page
             self.ref_count[t.page] = 0
             self.free_queue.appendleft(t.page)
-            if t.hash is not None:
-                self.cache_page(t.page, t.hash, t.tokens, t.parent)
-                self.evicted_pages -= 1
 
-    # --- views and checks -----------------------------------------------------------------
+    def undo_lock(self, handle: HashCacheHandle, owner=None) -> None:
+        """Take back the latest lock ``owner`` took on ``handle``: as an unlock, except that each
+        page the lock took out of the free queue goes back to its place there (not to the tail,
+        where an unlock queues it), so the queue is as the lock found it."""
+        held = self.locks_held(handle, owner)
+        if held == 0:
+            raise CacheMisuse(f"undo_lock: the handle (pages {list(getattr(handle, 'pages', ()))}) "
+                              f"is not locked by {owner!r}"[:160])
+        key = (owner, handle.pages)
+        if held == 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = held - 1
+        for page in reversed(handle.pages):  # the lock took them first to last
+            self.ref_count[page] -= 1
+            if self.ref_count[page] == 0:
+                self.free_queue.restore(page)
 
-    def _slots(self, pages: Sequence[int]) -> torch.Tensor:
-        P = self.page_size
-        starts = torch.tensor(list(pages), dtype=torch.int32).unsqueeze(1) * P
-        return (starts + torch.arange(P, dtype=torch.int32)).flatten().to(self.device)
+    def undo_free(self, pages: Sequence[int]) -> None:
+        """Take back those of ``pages`` that a :meth:`free` left in the free queue without a hash:
+        each is held once again, as before the free (the caller held it alone). Pages held, or
+        with a hash, stay as they are."""
+        for page in pages:
+            if page in self.free_queue and self.page_hash[page] is None:
+                self.free_queue.remove(page)
+                self.ref_count[page] = 1
 
-    def nodes(self) -> list[PageNode]:
-        """Every page in the cache's keeping (free, or cached), by page id."""
-        pages = [p for p in range(self.num_pages) if self.ref_count[p] == 0 or self.page_hash[p] is not None]
-        slots, P = self._slots(pages), self.page_size
-        return [PageNode(p, slots[i * P:(i + 1) * P], self.ref_count[p]) for i, p in enumerate(pages)]
-
-    def all_cached_indices(self) -> torch.Tensor:
-        """The slots of every cached page."""
-        return self._slots(sorted(self.hash_to_page.values()))
-
-    def snapshot(self) -> HashSnapshot:
-        """The cache as plain data: cached pages as one-page tree nodes (``last_access``: the
-        page's place in the free queue, 1 = next out; 0 while referenced), and the queue."""
-        place = {p: i + 1 for i, p in enumerate(self.free_queue)}
-        nodes, order = [], {}
-
-        def depth(p):  # parents before children: sort by chain depth
-            d, h = 0, self.page_parent[p]
-            while h is not None and h in self.hash_to_page and d <= self.num_pages:
-                d, h = d + 1, self.page_parent[self.hash_to_page[h]]
-            return d
-
-        for p in sorted(self.hash_to_page.values(), key=lambda p: (depth(p), p)):
-            parent = self.hash_to_page.get(self.page_parent[p]) if self.page_parent[p] else None
-            order[p] = len(order)
-            nodes.append(NodeInfo(p, parent if parent in order else None, (self.page_tokens[p],),
-                                  (p,), self.ref_count[p], place.get(p, 0)))
-        info = self.size_info
-        return HashSnapshot(self.page_size, tuple(nodes),
-                            tuple(sorted((p, h) for h, p in self.hash_to_page.items())),
-                            tuple(self.free_queue), tuple(self.ref_count),
-                            info.evictable_size, info.protected_size)
-
-    def check_integrity(self) -> None:
-        """Raise :class:`IntegrityError` unless every page is free-and-uncached, free-and-cached
-        or referenced; ``hash_to_page`` and ``page_hash`` agree; every cached page's hash is
-        ``chain_hash(its parent's hash, its tokens)`` (so, page by page from the first, a hash
-        stands for every token before it); and locks are held on cached pages only."""
-        for p in range(self.num_pages):
-            if self.ref_count[p] < 0:
-                raise IntegrityError(f"page {p} has ref_count {self.ref_count[p]} (below zero)")
-            if (self.ref_count[p] == 0) != (p in self.free_queue):
-                raise IntegrityError(f"page {p} has ref_count {self.ref_count[p]} but is "
-                                     f"{'' if p in self.free_queue else 'not '}in the free queue")
-        if len(self.free_queue) != sum(1 for r in self.ref_count if r == 0):
-            raise IntegrityError("the free queue holds a page twice or a page that does not exist")
-        for h, p in self.hash_to_page.items():
-            if self.page_hash[p] != h:
-                raise IntegrityError(f"hash_to_page[{short(h)}] = page {p}, but page {p} carries "
-                                     f"hash {short(self.page_hash[p])}")
-        for p, h in enumerate(self.page_hash):
+    def undo_insert(self, slots) -> None:
+        """Take back what an :meth:`insert_prefix` call cached on the caller's ``slots`` (those it
+        passed that it held alone, without a hash): each of their pages that carries a hash now
+        loses it (no eviction: nothing was handed out) and is the caller's again, held once, out
+        of the free queue; a free page whose stale hash the insert took gets it back."""
+        pages = [s // self.page_size for s in check_slots("slots", slots)[:: self.page_size].tolist()]
+        for page in reversed(pages):
+            h, parent, tokens = self.page_hash[page], self.page_parent[page], self.page_tokens[page]
             if h is None:
                 continue
-            if self.hash_to_page.get(h) != p:
-                raise IntegrityError(f"page {p} carries hash {short(h)} but hash_to_page sends it to "
-                                     f"{self.hash_to_page.get(h)}")
-            tokens = self.page_tokens[p]
-            if tokens is None or len(tokens) != self.page_size or chain_hash(self.page_parent[p], tokens) != h:
-                raise IntegrityError(f"page {p}: hash {short(h)} is not the chained hash of its "
-                                     f"parent {short(self.page_parent[p])} and its tokens {tokens}")
-        held = Counter()
-        for (owner, pages), count in self._locks.items():
-            for p in pages:
-                if self.page_hash[p] is None:
-                    raise IntegrityError(f"a lock of {owner!r} covers page {p}, which is not cached")
-                held[p] += count
-        for p, count in held.items():
-            if self.ref_count[p] < count:
-                raise IntegrityError(f"page {p} has ref_count {self.ref_count[p]} but {count} "
-                                     "lock(s) are held on it")
+            if page in self.free_queue:
+                self.free_queue.remove(page)
+            self.ref_count[page] = 1
+            self._forget(page)  # (held: not counted as an eviction)
+            displaced = self._displaced.pop(page, None)
+            if displaced is not None and self.ref_count[displaced] == 0 and self.page_hash[displaced] is None:
+                self.cache_page(displaced, h, tokens, parent)
+                self.evicted_pages -= 1  # (cache_page counted it when it took the hash)

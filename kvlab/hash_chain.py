@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
@@ -69,67 +68,106 @@ def short(h: PageHash | None, n: int = 4) -> str:
     return "-" if h is None else h.hex()[: 2 * n]
 
 
+_HEAD, _TAIL = -1, -2  # the free queue's two ends (page ids are >= 0)
+
+
 class FreeQueue:
     """The free pages, in the order they are handed out again: the head goes first.
 
-    vLLM's ``FreeKVCacheBlockQueue`` is a doubly linked list so that a page can leave from the
-    middle in O(1) (a cache hit on a free page); nano-vllm uses a ``deque`` and ``remove``
-    (O(n)). An ``OrderedDict`` gives the O(1) removal with Python's own code.
+    A doubly linked list, as vLLM's ``FreeKVCacheBlockQueue`` (``vllm/v1/core/kv_cache_utils.py``),
+    so that a page can leave from the middle in O(1) (a cache hit on a free page); nano-vllm uses
+    a ``deque`` and ``remove`` (O(n)). The links are two dicts, page -> neighbour, between a fake
+    head and tail. vLLM's ``remove`` clears a block's links; here a page taken out remembers the
+    neighbours it left, so that :meth:`restore` can put it back exactly there in O(1) while the
+    list around it is as it was (Knuth's "dancing links"): a caller that takes pages out and then
+    has to roll back restores them in reverse order, and the queue is as before, order included.
     """
 
     def __init__(self, pages: Iterable[int] = ()):
-        self._pages: OrderedDict[int, None] = OrderedDict((p, None) for p in pages)
+        self._next: dict[int, int] = {_HEAD: _TAIL}
+        self._prev: dict[int, int] = {_TAIL: _HEAD}
+        self._left: dict[int, tuple[int, int]] = {}  # page taken out -> (its prev, its next) then
+        for page in pages:
+            self.append(page)
 
     def __len__(self) -> int:
-        return len(self._pages)
+        return len(self._next) - 1
 
     def __contains__(self, page: int) -> bool:
-        return page in self._pages
+        return page in self._next and page != _HEAD
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._pages)
+        page = self._next[_HEAD]
+        while page != _TAIL:
+            yield page
+            page = self._next[page]
 
     def __repr__(self) -> str:
-        return f"FreeQueue({list(self._pages)})"
+        return f"FreeQueue({list(self)})"
+
+    def _link(self, page: int, prev: int, nxt: int) -> None:
+        if page in self:
+            raise CacheMisuse(f"page {page} is already in the free queue")
+        self._next[prev], self._prev[page], self._next[page], self._prev[nxt] = page, prev, nxt, page
+        self._left.pop(page, None)
+
+    def _unlink(self, page: int) -> None:
+        if page not in self:
+            raise CacheMisuse(f"page {page} is not in the free queue")
+        prev, nxt = self._prev.pop(page), self._next.pop(page)
+        self._next[prev], self._prev[nxt] = nxt, prev
+        self._left[page] = (prev, nxt)
 
     def append(self, page: int) -> None:
         """Put ``page`` at the tail: it is handed out after every page already queued."""
-        if page in self._pages:
-            raise CacheMisuse(f"page {page} is already in the free queue")
-        self._pages[page] = None
+        self._link(page, self._prev[_TAIL], _TAIL)
 
     def appendleft(self, page: int) -> None:
         """Put ``page`` at the head: it is handed out next."""
-        self.append(page)
-        self._pages.move_to_end(page, last=False)
+        self._link(page, _HEAD, self._next[_HEAD])
 
     def remove(self, page: int) -> None:
         """Take ``page`` out of the queue wherever it is (a cache hit on a free page)."""
-        if page not in self._pages:
-            raise CacheMisuse(f"page {page} is not in the free queue")
-        del self._pages[page]
+        self._unlink(page)
 
     def popleft(self) -> int:
         """Take the head page."""
-        if not self._pages:
+        if not self:
             raise CacheMisuse("the free queue is empty")
-        return self._pages.popitem(last=False)[0]
+        page = self._next[_HEAD]
+        self._unlink(page)
+        return page
+
+    def can_restore(self, page: int) -> bool:
+        """Whether :meth:`restore` can put ``page`` back: it was taken out, and the two pages it
+        left between are neighbours again."""
+        prev, nxt = self._left.get(page, (None, None))
+        return page not in self and prev is not None and self._next.get(prev) == nxt
+
+    def restore(self, page: int) -> None:
+        """Put ``page`` back exactly where it was taken out from (a caller's rollback; undo several
+        removals last first). Refuses (:class:`CacheMisuse`, nothing changed) when the queue around
+        that place changed since."""
+        if not self.can_restore(page):
+            raise CacheMisuse(f"page {page} cannot go back into the free queue where it was taken "
+                              "from (the queue changed since)")
+        self._link(page, *self._left[page])
 
     def head(self, n: int) -> list[int]:
         """The first ``n`` pages, without taking them."""
-        out = []
-        for p in self._pages:
-            if len(out) == n:
-                break
-            out.append(p)
+        out, page = [], self._next[_HEAD]
+        while len(out) < n and page != _TAIL:
+            out.append(page)
+            page = self._next[page]
         return out
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class HashCacheHandle:
     """A matched or inserted prefix of the hash cache: ``cached_len`` tokens on ``pages``,
     page ``i`` known by ``hashes[i]``. It stays valid while every page still carries its hash
-    (a page reused for other tokens loses it); lock it to keep it so."""
+    (a page reused for other tokens loses it); lock it to keep it so. Two handles are equal when
+    they cover the same pages of the same cache: then a lock on one is a lock on the other."""
 
     cached_len: int
     pages: tuple[int, ...]

@@ -373,14 +373,22 @@ class RadixPrefixCache:
             if node.detached:  # (else it was stopped before its size was taken)
                 self.evictable_size, node.detached = self.evictable_size + node.length, False
 
-    def undo_insert(self, node: RadixNode) -> None:
-        """Take back the node an :meth:`insert_prefix` call added (its handle's ``node``, a leaf
-        nobody has locked since): a caller's rollback. A node split by the insert's walk stays
-        split (the same pages, as a match leaves them)."""
-        if node is self.root or node.detached or node.children or node.ref_count:
-            raise CacheMisuse(f"undo_insert: node {node.uid} is not an unlocked leaf of this cache")
-        del node.parent.children[node.key[:self.page_size]]
-        self.evictable_size, node.detached = self.evictable_size - node.length, True
+    def undo_lock(self, handle: RadixCacheHandle, owner=None) -> None:
+        """Take back the latest lock ``owner`` took on ``handle`` (a caller's rollback): an unlock,
+        as the tree keeps no order a lock changed (the hash cache's free queue does)."""
+        self.lock_handle(handle, unlock=True, owner=owner)
+
+    def undo_insert(self, slots) -> None:
+        """Take back what an :meth:`insert_prefix` call added on the caller's ``slots`` (those it
+        passed that were in no node before): the unlocked leaf that starts on one of them. A
+        caller's rollback, read from the tree itself, so it also works when the insert ran but its
+        caller never got the handle. A node split by the insert's walk stays split (the same
+        pages, as a match leaves them)."""
+        starts = set(check_slots("slots", slots)[:: self.page_size].tolist())
+        for node in self.nodes():
+            if node.is_leaf() and not node.ref_count and int(node.value[0]) in starts:
+                del node.parent.children[node.key[:self.page_size]]
+                self.evictable_size, node.detached = self.evictable_size - node.length, True
 
     # --- checks -----------------------------------------------------------------------
 

@@ -17,14 +17,18 @@ from cache_state import assert_unchanged, manager_state
 from faults import Boom, Interrupted, failing, interrupt_at_line
 
 import kvlab.cache_manager
-from kvlab import (CacheManager, CacheMisuse, IntegrityError, InvalidArgument, OutOfPages,
-                   RadixPrefixCache, Req)
+from kvlab import (CacheManager, CacheMisuse, HashPrefixCache, IntegrityError, InvalidArgument,
+                   OutOfPages, RadixPrefixCache, Req)
 from kvlab.paging import new_page_table
 
 
 def manager(num_pages=8, page_size=4, rows=4, max_len=64, writer="host", **kw) -> CacheManager:
     return CacheManager(num_pages, page_size, new_page_table(rows, max_len, page_size),
                         page_table_writer=writer, **kw)
+
+
+#: the prefix caches a manager runs on: chapter 05's radix tree, chapter 11's hash cache
+CACHES = ["radix", "hash"]
 
 
 def run_prefill(cm: CacheManager, reqs: list[Req], token: int = 0) -> None:
@@ -122,9 +126,10 @@ def test_a_request_that_skips_admit_must_hold_its_prefix_lock():
 # --- allocate_paged is all or nothing -------------------------------------------------------
 
 
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("writer", ["host", "triton"])
-def test_a_failed_page_table_write_rolls_back_pages_evictions_and_the_table(monkeypatch, writer):
-    cm = manager(num_pages=5, page_size=4, writer=writer)
+def test_a_failed_page_table_write_rolls_back_pages_evictions_and_the_table(monkeypatch, writer, cache):
+    cm = manager(num_pages=5, page_size=4, writer=writer, prefix_cache=cache)
     a = Req(list(range(12)), 0)
     run_prefill(cm, [a])
     cm.cache_req(a, finished=True)  # 3 pages cached (evictable), 2 free
@@ -153,8 +158,9 @@ def test_a_failed_page_table_write_rolls_back_pages_evictions_and_the_table(monk
     cm.check_integrity()
 
 
-def test_a_failed_prefill_releases_what_it_admitted_and_restores_the_requests(monkeypatch):
-    cm = manager(num_pages=6, page_size=2)
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_failed_prefill_releases_what_it_admitted_and_restores_the_requests(monkeypatch, cache):
+    cm = manager(num_pages=6, page_size=2, prefix_cache=cache)
     a = Req([1, 2, 3, 4, 5], 0)
     cm.complete_step(cm.prefill([a]), [6])  # caches [1 2|3 4]; a keeps running
     b = Req([1, 2, 3, 4, 9, 9, 9], 1)
@@ -382,8 +388,9 @@ def test_a_mixed_step_is_a_prefill_and_a_decode_step_in_one_allocation(monkeypat
         cm.check_integrity()
 
 
-def test_a_failed_mixed_step_releases_its_new_requests_and_leaves_the_running_ones(monkeypatch):
-    cm = manager(num_pages=6, page_size=2)
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_failed_mixed_step_releases_its_new_requests_and_leaves_the_running_ones(monkeypatch, cache):
+    cm = manager(num_pages=6, page_size=2, prefix_cache=cache)
     a = Req([1, 2, 3, 4, 5], 0)
     cm.complete_step(cm.prefill([a]), [6])
     b = Req([1, 2, 3, 4, 9, 9, 9], 1)
@@ -434,18 +441,31 @@ def test_a_chunk_of_a_prompt_produces_no_token_and_is_cached_only_after_its_last
 
 
 # --- cache_req and release_req are all or nothing; an interrupted eviction loses no page ----------
+#
+# On both prefix caches: chapter 05's radix tree and chapter 11's hash cache, whose free queue is
+# an order (its LRU list): a failed call leaves the queue in the same order, hash_to_page and the
+# eviction count as they were.
 
 
-def _two_computed_the_same_pages(page_size=2):
+def _two_computed_the_same_pages(page_size=2, cache="radix", others="running"):
     """b and c both hit a's cached [1 2|3 4] and computed [5 6|7 8]; c cached them first. b's
-    cache_req then frees a duplicate region (remapping its row) and inserts a new node [20 21]."""
-    cm = manager(num_pages=16, page_size=page_size, rows=3, max_len=16)
+    cache_req then frees a duplicate region (remapping its row) and inserts a new node [20 21].
+
+    ``others="finished"``: a and c have finished by then, so b alone holds [1 2|3 4] (its unlock
+    frees them) and the [5 6|7 8] it hits are free (on the hash cache: in the middle of the free
+    queue, where its lock takes them from and its rollback must put them back)."""
+    cm = manager(num_pages=16, page_size=page_size, rows=3, max_len=16, prefix_cache=cache)
     a = Req([1, 2, 3, 4, 5], 0)
     run_prefill(cm, [a])
     cm.cache_req(a, finished=False)
     b, c = Req([1, 2, 3, 4, 5, 6, 7, 8, 20, 21, 22], 1), Req([1, 2, 3, 4, 5, 6, 7, 8, 30], 2)
     run_prefill(cm, [b, c])
-    cm.cache_req(c, finished=False)
+    cm.cache_req(c, finished=others == "finished")
+    if others == "finished":
+        cm.cache_req(a, finished=True)
+        if cache == "hash":
+            queue, hit = list(cm.prefix_cache.free_queue), cm.prefix_cache.match([1, 2, 3, 4, 5, 6, 7, 8]).pages
+            assert all(0 < queue.index(p) < len(queue) - 1 for p in hit[2:]), "b's hits lie mid-queue"
     return cm, [a, b, c]
 
 
@@ -460,13 +480,15 @@ CACHE_REQ_STEPS = [(finished, where, 0) for finished in (True, False) for where 
     + [(True, "_free", 1), (False, "lock", 0)]
 
 
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("others", ["running", "finished"])
 @pytest.mark.parametrize("after", [False, True], ids=["before_its_work", "after_its_work"])
 @pytest.mark.parametrize("finished, where, k", CACHE_REQ_STEPS)
-def test_a_cache_req_that_fails_at_any_step_changes_nothing(where, k, finished, after):
+def test_a_cache_req_that_fails_at_any_step_changes_nothing(where, k, finished, after, others, cache):
     """Before, a failure in _free (after insert_prefix and the unlock) left the request running
     without its prefix lock and its new node evictable while its row mapped it."""
-    cm, reqs = _two_computed_the_same_pages()
-    twin, twin_reqs = _two_computed_the_same_pages()
+    cm, reqs = _two_computed_the_same_pages(cache=cache, others=others)
+    twin, twin_reqs = _two_computed_the_same_pages(cache=cache, others=others)
     before = manager_state(cm, reqs, stamps=False)
     _inject(cm, where, k, after, error=Interrupted if after else Boom)
     with pytest.raises((Boom, Interrupted)):
@@ -490,10 +512,12 @@ def _without_ids(state: dict) -> dict:
     return dict(state, cache=cache, running=[(row, pages) for row, _, pages in state["running"]], reqs=reqs)
 
 
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("others", ["running", "finished"])
 @pytest.mark.parametrize("finished", [True, False])
-def test_a_cache_req_interrupted_between_any_two_lines_changes_nothing(finished):
+def test_a_cache_req_interrupted_between_any_two_lines_changes_nothing(finished, others, cache):
     for k in range(1, 200):
-        cm, reqs = _two_computed_the_same_pages()
+        cm, reqs = _two_computed_the_same_pages(cache=cache, others=others)
         before = manager_state(cm, reqs, stamps=False)
         with interrupt_at_line(CacheManager.cache_req, k) as seen:
             try:
@@ -507,9 +531,11 @@ def test_a_cache_req_interrupted_between_any_two_lines_changes_nothing(finished)
     assert 10 < k < 200
 
 
+@pytest.mark.parametrize("cache", CACHES)
+@pytest.mark.parametrize("others", ["running", "finished"])
 @pytest.mark.parametrize("where, after", [("_free", True), ("unlock", False), ("unlock", True)])
-def test_a_release_req_that_fails_changes_nothing(where, after):
-    cm, reqs = _two_computed_the_same_pages()
+def test_a_release_req_that_fails_changes_nothing(where, after, others, cache):
+    cm, reqs = _two_computed_the_same_pages(cache=cache, others=others)
     before = manager_state(cm, reqs)
     _inject(cm, where, 0, after, error=Interrupted)
     with pytest.raises(Interrupted):
@@ -518,10 +544,11 @@ def test_a_release_req_that_fails_changes_nothing(where, after):
     cm.check_integrity()
 
 
-def _evicting_allocation():
+def _evicting_allocation(cache="radix"):
     """Three cached leaves (2 + 1 + 2 pages) and 3 free pages; the request admitted last needs 7
-    pages: its allocation evicts every leaf."""
-    cm = manager(num_pages=8, page_size=2, rows=4, max_len=32)
+    pages: its allocation evicts every leaf (on the hash cache: takes the head of the free
+    queue, cached pages and free ones in its order)."""
+    cm = manager(num_pages=8, page_size=2, rows=4, max_len=32, prefix_cache=cache)
     for row, prompt in enumerate(([10, 11, 12, 13, 14], [20, 21, 22], [30, 31, 32, 33, 34])):
         r = Req(prompt, row)
         run_prefill(cm, [r])
@@ -531,15 +558,22 @@ def _evicting_allocation():
     return cm, big
 
 
-def test_an_allocation_interrupted_anywhere_in_its_eviction_loses_no_page():
+#: a function to interrupt between any two of its lines while an allocation evicts
+EVICTIONS = {"radix": RadixPrefixCache.evict_leaves, "hash": HashPrefixCache.evict_leaves,
+             "hash, inside take_free": HashPrefixCache.take_free}
+
+
+@pytest.mark.parametrize("where", EVICTIONS)
+def test_an_allocation_interrupted_anywhere_in_its_eviction_loses_no_page(where):
     """Before, a KeyboardInterrupt inside evict_leaves lost the pages of the nodes it had
     detached already: they never reached the rollback list."""
-    cm, big = _evicting_allocation()
+    cache = where.split(",")[0]
+    cm, big = _evicting_allocation(cache)
     assert cm.num_free_pages == 3 and cm.pages_needed([big]) == 7
     for k in range(1, 400):
-        cm, big = _evicting_allocation()
+        cm, big = _evicting_allocation(cache)
         before = manager_state(cm, [big])
-        with interrupt_at_line(RadixPrefixCache.evict_leaves, k) as seen:
+        with interrupt_at_line(EVICTIONS[where], k) as seen:
             try:
                 cm.allocate_paged([big])
             except Interrupted:
@@ -550,15 +584,43 @@ def test_an_allocation_interrupted_anywhere_in_its_eviction_loses_no_page():
         cm.check_integrity()
     assert 10 < k < 400
     cm.check_integrity()
-    assert cm.prefix_cache.size_info.total_size == 0 and cm.allocated_pages(big) == 7
+    assert cm.available_pages == 1 and cm.allocated_pages(big) == 7
+    if cache == "radix":
+        assert cm.prefix_cache.size_info.total_size == 0
 
 
+@pytest.mark.parametrize("cache", CACHES)
 @pytest.mark.parametrize("after", [False, True])
-def test_an_allocation_whose_eviction_call_fails_loses_no_page(after):
-    cm, big = _evicting_allocation()
+def test_an_allocation_whose_eviction_call_fails_loses_no_page(after, cache):
+    cm, big = _evicting_allocation(cache)
     before = manager_state(cm, [big])
     cm.prefix_cache.evict_leaves = failing(cm.prefix_cache.evict_leaves, 0, after=after, error=Interrupted)
     with pytest.raises(Interrupted):
         cm.allocate_paged([big])
     assert_unchanged(before, manager_state(cm, [big]))
     cm.check_integrity()
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_a_failed_prefill_puts_the_free_pages_it_hit_back_in_their_places(monkeypatch, cache):
+    """The requests a failed prefill admitted give their locks back with undo_lock, not an
+    unlock: on the hash cache, the free cached pages they hit go back to their places in the
+    free queue (an unlock would queue them last, as if they had just been used)."""
+    cm = manager(num_pages=8, page_size=2, prefix_cache=cache)
+    a, b = Req([1, 2, 3, 4, 5], 0), Req([9, 8, 7, 6, 5], 1)
+    for r in (a, b):  # a's [1 2|3 4] free and cached, b's pages queued after them
+        cm.complete_step(cm.prefill([r]), [6], [True])
+    c = Req([1, 2, 3, 4, 7, 7], 2)
+    before = manager_state(cm, [a, b, c], stamps=False)
+
+    def fail(allocated, allocation_info):
+        raise Boom("the page-table write failed")
+
+    monkeypatch.setattr(cm, "_write_page_table", fail)
+    with pytest.raises(Boom):
+        cm.prefill([c])
+    assert_unchanged(before, manager_state(cm, [a, b, c], stamps=False))
+    cm.check_integrity()
+    if cache == "hash":
+        queue = list(cm.prefix_cache.free_queue)
+        assert queue.index(cm.prefix_cache.match([1, 2, 3, 4]).pages[0]) < len(queue) - 2

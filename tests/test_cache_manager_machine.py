@@ -7,15 +7,19 @@ kernel ran), eviction (between any two of its lines, or right after it returned)
 the locks and the insert of ``cache_req`` / ``release_req`` (before or after their work).
 After every step: check_integrity, page conservation (every page free, cached or owned by
 exactly one running request), no two running requests share a slot, and every running request
-reads the KV of its own tokens. Page sizes 1, 4, 16 and 64.
+reads the KV of its own tokens. Page sizes 1, 4, 16 and 64, on the radix cache (chapter 05) and
+on the hash cache (chapter 11: there an eviction can also stop between the lines of the
+``take_free`` that hands out each page).
 
 A refused or failed call must leave every piece of state as it was (tests/cache_state.py); a
 refused admission may only have stamped and split the tree (its match ran), never more, and so
-may a failed cache_req (its insert's walk ran).
+may a failed cache_req (its insert's walk ran). The hash cache's match changes nothing: there a
+failed call leaves it exactly as it was, the order of its free queue included.
 """
 from __future__ import annotations
 
 import random
+from contextlib import nullcontext
 
 import pytest
 from cache_state import assert_unchanged, manager_state
@@ -25,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvlab.kernels.paging
-from kvlab import CacheManager, CacheMisuse, OutOfPages, RadixPrefixCache, Req
+from kvlab import CacheManager, CacheMisuse, HashPrefixCache, OutOfPages, Req
 from kvlab.paging import new_page_table
 
 ROWS = 4
@@ -38,6 +42,7 @@ class WriteFailed(RuntimeError):
 INJECTED = (Boom, Interrupted, WriteFailed)
 class CacheManagerMachine(RuleBasedStateMachine):
     page_size = 4
+    cache = "radix"
 
     @initialize(pages=st.integers(3, 9), seed=st.integers(0, 2**16),
                 writer=st.sampled_from(["host", "host", "host", "triton"]))
@@ -47,7 +52,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.rng = random.Random(seed)
         self.num_pages = pages * self.unit // P
         table = new_page_table(ROWS, 6 * self.unit + 8, P, device="cpu" if writer == "host" else None)
-        self.cm = CacheManager(self.num_pages, P, table, page_table_writer=writer)
+        self.cm = CacheManager(self.num_pages, P, table, self.cache, page_table_writer=writer)
         self.max_len = table.shape[1]
         self.bases = [[self.rng.randrange(3) for _ in range(3 * self.unit)] for _ in range(2)]
         self.kv: dict[int, int] = {}  # slot -> fingerprint of the tokens its KV was computed from
@@ -169,13 +174,19 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.finished += [r for r, d in zip(batch, done) if d]
 
     @precondition(lambda self: self.free_rows())
-    @rule(n=st.integers(1, ROWS), reserve=st.sampled_from([0, 0, 5]))
-    def prefill_words(self, n, reserve):
+    @rule(n=st.integers(1, ROWS), reserve=st.sampled_from([0, 0, 5]), fail=st.booleans())
+    def prefill_words(self, n, reserve, fail):
+        """Admit and map new prompts in one call. Refused (OutOfPages) or failed (``fail``: the
+        page-table write interrupted half-way), it takes back what it admitted: nothing changed
+        (on the hash cache, the free pages the admissions hit are back in their places)."""
         reqs = [Req(self.prompt(), row) for row in self.free_rows()[:n]]
+        before = manager_state(self.cm, reqs, stamps=False)
         try:
-            batch = self.cm.prefill(reqs, reserve_tokens=reserve)
-        except OutOfPages:
-            assert all(r not in self.cm.running and r.cache_handle is None for r in reqs)
+            with patched(self.cm, "_write_page_table", self.failing_writer(Interrupted)) if fail else nullcontext():
+                batch = self.cm.prefill(reqs, reserve_tokens=reserve)
+        except (OutOfPages, Interrupted) as e:
+            assert_unchanged(before, manager_state(self.cm, reqs, stamps=False))
+            event(f"prefill failed, nothing changed: {type(e).__name__}")
             return
         self.forward(reqs)
         self.cm.complete_step(batch, [self.rng.randrange(3) for _ in reqs])
@@ -236,15 +247,19 @@ class CacheManagerMachine(RuleBasedStateMachine):
     @rule(how=st.sampled_from(["interrupt_at_line", "interrupt_after", "error_after", "kernel_before",
                                "kernel_after", "write_interrupted"]), k=st.integers(1, 40))
     def allocate_with_a_failure(self, how, k):
-        """Eviction stopped between any two of its lines or right after it returned; the Triton
-        writer's launch failing before or after its kernel ran; the write interrupted half-way."""
+        """Eviction stopped between any two of its lines (on the hash cache, or of the take_free
+        it calls for each page) or right after it returned; the Triton writer's launch failing
+        before or after its kernel ran; the write interrupted half-way."""
         batch, cm = list(self.admitted), self.cm
         if not 0 < cm.pages_needed(batch) <= cm.available_pages:
             return
         if cm.pages_needed(batch) > cm.num_free_pages:
             event("a failure while evicting")
         if how == "interrupt_at_line":
-            with interrupt_at_line(RadixPrefixCache.evict_leaves, k):
+            where = type(cm.prefix_cache).evict_leaves
+            if isinstance(cm.prefix_cache, HashPrefixCache) and k % 2:
+                where, k = HashPrefixCache.take_free, k // 2 + 1
+            with interrupt_at_line(where, k):
                 done = self.attempt(lambda: cm.allocate_paged(batch), batch)
         elif how in ("interrupt_after", "error_after"):
             error = Interrupted if how == "interrupt_after" else Boom
@@ -335,8 +350,9 @@ class CacheManagerMachine(RuleBasedStateMachine):
                     f"row {r.table_idx} position {pos} reads another request's KV"
 
 
-def _machine(page_size: int):
-    machine = type(f"CacheManagerMachineP{page_size}", (CacheManagerMachine,), {"page_size": page_size})
+def _machine(page_size: int, cache: str = "radix"):
+    machine = type(f"CacheManagerMachine{cache.title()}P{page_size}", (CacheManagerMachine,),
+                   {"page_size": page_size, "cache": cache})
     machine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
     return machine.TestCase
 
@@ -345,3 +361,7 @@ TestCacheManagerP1 = _machine(1)
 TestCacheManagerP4 = _machine(4)
 TestCacheManagerP16 = _machine(16)
 TestCacheManagerP64 = _machine(64)
+TestCacheManagerHashP1 = _machine(1, "hash")
+TestCacheManagerHashP4 = _machine(4, "hash")
+TestCacheManagerHashP16 = _machine(16, "hash")
+TestCacheManagerHashP64 = _machine(64, "hash")

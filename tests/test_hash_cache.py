@@ -6,13 +6,14 @@ import random
 
 import pytest
 import torch
+from cache_state import hash_cache_state
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
 from kvlab import CacheManager, HashPrefixCache, Req
 from kvlab.errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
-from kvlab.hash_chain import FreeQueue, chain_hash, page_hashes
+from kvlab.hash_chain import FreeQueue, TakenPage, chain_hash, page_hashes
 from kvlab.paging import new_page_table
 from kvlab.reference import PagePoolRef
 
@@ -231,6 +232,146 @@ def test_undo_evict_puts_pages_and_hashes_back():
     assert cache.match([1, 2, 3, 4]).cached_len == 2 and cache.evicted_pages == 1
     cache.undo_evict(taken)
     assert state(cache) == before
+
+
+# --- a caller's rollback: every step and its undo leave the cache exactly as it was ----------
+
+
+def test_the_free_queue_puts_pages_back_where_they_were_taken_from():
+    q = FreeQueue([5, 1, 4, 2, 3])
+    for page in (1, 4, 3):
+        q.remove(page)
+    q.append(9)
+    assert list(q) == [5, 2, 9] and not q.can_restore(3)  # 3 left from the end, where 9 is now
+    q.remove(9)
+    for page in (3, 4, 1):  # last taken out, first put back
+        q.restore(page)
+    assert list(q) == [5, 1, 4, 2, 3] and len(q) == 5
+    q.remove(4)
+    q.remove(2)
+    with pytest.raises(CacheMisuse, match="changed"):
+        q.restore(4)  # its right neighbour has gone meanwhile
+    assert list(q) == [5, 1, 3]
+
+
+def test_undo_lock_puts_the_free_pages_it_took_back_in_their_places():
+    cache = HashPrefixCache(8, 2, device="cpu")
+    for ids in ([1, 2, 3, 4], [5, 6, 7, 8]):  # both chains cached and free, [1 2|3 4] in the middle
+        cache.free(cache.allocate(ids).pages)
+    before = state(cache)
+    handle = cache.match([1, 2, 3, 4])
+    assert handle == cache.match([1, 2, 3, 4]) and handle != cache.match([1, 2])  # the same pages, the same lock
+    cache.lock_handle(handle, owner="a")
+    cache.lock_handle(handle, owner="a")
+    assert cache.locks_held(handle, "a") == 2 and cache.locks_held(handle, "b") == 0
+    with pytest.raises(CacheMisuse, match="not locked by 'b'"):
+        cache.undo_lock(handle, "b")
+    cache.undo_lock(handle, "a")
+    cache.undo_lock(handle, "a")
+    assert state(cache) == before
+    cache.lock_handle(handle, owner="a")
+    cache.lock_handle(handle, unlock=True, owner="a")  # an unlock queues them last: just used
+    assert list(cache.free_queue)[-2:] == [1, 0] and state(cache) != before
+    cache.check_integrity()
+
+
+def test_undo_evict_copes_with_an_eviction_stopped_part_way():
+    cache = HashPrefixCache(6, 2, device="cpu")
+    cache.free(cache.allocate([1, 2, 3, 4, 5, 6]).pages)  # queue: 3 4 5 | 2 1 0 (cached)
+    before = state(cache)
+    taken = cache.evict_leaves(2 * 4)
+    taken.append(TakenPage(1, cache.page_hash[1], cache.page_parent[1], cache.page_tokens[1],
+                           cache._slots([1])))  # recorded, not taken yet
+    cache.free_queue.popleft()  # take_free stopped after its first line: out of the queue only
+    cache.undo_evict(taken)
+    assert state(cache) == before
+    other = cache.evict_leaves(2 * 6)
+    cache.take_cached(other[0].page)  # someone else holds it now
+    with pytest.raises(CacheMisuse, match="cannot go back"):
+        cache.undo_evict(other)
+    cache.free([other[0].page])
+    cache.undo_evict(other)
+    assert state(cache) == before
+
+
+def test_undo_insert_gives_a_stale_hash_back_to_the_free_page_it_was_taken_from():
+    cache = HashPrefixCache(8, 2, device="cpu")
+    cache.free(cache.allocate([1, 2, 3, 4]).pages)  # queue: 2..7 | 1 0
+    cache.take_cached(1)  # (building blocks) page 1 now queued after page 0 ...
+    cache.free([1])
+    taken = cache.evict_leaves(7 * 2)  # ... so [1 2] goes and page 1 keeps a stale [3 4] hash
+    mine = [t for t in taken if t.page in (2, 3)]
+    cache.free([t.page for t in taken if t not in mine])
+    stale = cache.page_hash[1]
+    assert stale is not None and cache.match([1, 2, 3, 4]).cached_len == 0
+    before = state(cache)
+    slots = torch.cat([t.value for t in mine])
+    assert cache.insert_prefix([1, 2, 3, 4], slots).handle.pages == (2, 3)
+    assert cache.hash_to_page[stale] == 3 and cache.page_hash[1] is None
+    cache.undo_insert(slots)
+    assert state(cache) == before and cache.hash_to_page[stale] == 1
+    cache.check_integrity()
+
+
+def test_undo_free_takes_back_only_the_pages_freed_without_a_hash():
+    cache = HashPrefixCache(6, 2, device="cpu")
+    held = cache.allocate([1, 2, 3]).pages  # [1 2] cached, [3] not
+    before = state(cache)
+    cache.free(held)
+    cache.undo_free(held)
+    assert cache.ref_count[held[1]] == 1 and held[1] not in cache.free_queue
+    assert cache.ref_count[held[0]] == 0  # a cached page is another step's to put back
+    cache.take_cached(held[0])
+    assert state(cache) == before
+    cache.check_integrity()
+
+
+STEPS = ["evict", "lock", "insert", "free"]
+
+
+@given(ops=OPS, page_size=st.sampled_from([1, 2, 4]), uncached_first=st.booleans(),
+       step=st.sampled_from(STEPS), seed=st.integers(0, 10**6))
+def test_every_step_and_its_undo_leave_the_cache_as_it_was(ops, page_size, uncached_first, step, seed):
+    """Any state the block manager's words reach, then one step of the radix cache's words and
+    its undo: the cache is as it was, free queue order, hashes and eviction count included."""
+    rng, P = random.Random(seed), page_size
+    prompts = [[rng.randrange(3) for _ in range(3 * P)] for _ in range(2)]
+    cache = HashPrefixCache(10, P, device="cpu", uncached_first=uncached_first)
+    live: list[tuple[int, ...]] = []
+    for op, x in ops:  # a random state: sequences allocated and freed, prefixes locked
+        r = random.Random(x)
+        ids = r.choice(prompts)[: r.randrange(1, 3 * P + 1)] + [r.randrange(9) for _ in range(r.randrange(2))]
+        if op in ("new", "decode") and cache.pages_needed(ids) <= len(cache.free_queue):
+            live.append(cache.allocate(ids).pages)
+        elif op == "finish" and live:
+            cache.free(live.pop(r.randrange(len(live))))
+        elif cache.match(ids).pages:
+            cache.lock_handle(cache.match(ids), owner=r.choice(["a", "b"]))
+    rng.shuffle(live)
+    for pages in live[: rng.randrange(len(live) + 1)]:  # freed chains queue behind one another
+        cache.free(pages)
+    ids = rng.choice(prompts)[: rng.randrange(1, 3 * P + 1)] + [7] * rng.randrange(P + 1)
+    if step in ("insert", "free"):  # the caller's own pages first, as the cache manager takes them
+        mine = cache.evict_leaves(min(len(ids), P * len(cache.free_queue)))
+        ids = ids[: len(mine) * P]
+    before = hash_cache_state(cache)
+    if step == "evict":
+        cache.undo_evict(cache.evict_leaves(P * rng.randrange(len(cache.free_queue) + 1)))
+    elif step == "lock":  # the prompt with the most free pages to take out of the queue
+        handle = max((cache.match(p) for p in prompts), key=lambda h: sum(p in cache.free_queue for p in h.pages))
+        cache.lock_handle(handle, owner="c")
+        if handle.pages:  # (the empty handle locks nothing)
+            cache.undo_lock(handle, "c")
+    elif step == "insert":
+        slots = torch.cat([t.value for t in mine])[: len(ids)] if mine else torch.empty(0, dtype=torch.int32)
+        cache.insert_prefix(ids, slots)
+        cache.undo_insert(slots)
+    else:
+        pages = [t.page for t in mine]
+        cache.free(pages)
+        cache.undo_free(pages)
+    assert hash_cache_state(cache) == before
+    cache.check_integrity()
 
 
 # --- check_integrity catches each broken invariant ------------------------------------------

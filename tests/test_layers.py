@@ -14,9 +14,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "kvlab"
 
 #: the modules of the cache manager's floor and what is built on it (chapters 05-08, 11)
-CORE = ["errors", "radix_node", "radix_cache", "hash_chain", "hash_cache", "req", "cache_regions",
-        "cache_manager_checks", "cache_manager", "kvcache", "attention", "engine", "sim",
-        "sim.scheduler", "sim.timeline", "sim.workloads", "sim.caches", "reference",
+CORE = ["errors", "radix_node", "radix_cache", "hash_chain", "hash_cache_views", "hash_cache", "req",
+        "cache_regions", "cache_manager_checks", "cache_manager_undo", "cache_manager", "kvcache",
+        "attention", "engine", "sim", "sim.scheduler", "sim.timeline", "sim.workloads", "sim.caches", "reference",
         "reference.attention", "reference.radix", "reference.hashchain", "viz.tree",
         "scenes.ch05_radix", "scenes.ch06_cache_req", "scenes.ch07_serving_loop",
         "scenes.ch08_attention", "scenes.ch11_hash_cache", "sim.compare"]

@@ -177,8 +177,10 @@ cache.check_integrity()
 # the free queue; if that page still had a hash, the hash goes with it: *that* is the eviction.
 # Freeing is not evicting. A hit on a free cached page takes it back **out of the middle** of the
 # queue: vLLM's `FreeKVCacheBlockQueue` is a doubly linked list for exactly this (O(1) removal),
-# nano-vllm calls `deque.remove` (O(n)); kvlab's `FreeQueue` is an `OrderedDict`. Three steps,
-# page size 4, eight pages:
+# nano-vllm calls `deque.remove` (O(n)). kvlab's `FreeQueue` is a doubly linked list too, with
+# one difference: vLLM's `remove` clears a block's links, kvlab's page remembers the two it left,
+# so that a call that fails half-way can put it back in its place. Three steps, page size 4,
+# eight pages:
 
 # %%
 free_queue_figure()
@@ -289,9 +291,10 @@ for page_size in (1, 2, 4):
 #
 # `CacheManager` (chapter 06) takes either cache: `prefix_cache="hash"`. The hash cache speaks the
 # radix cache's words to it (`match_prefix`, `insert_prefix` after the pass, `lock_handle` for a
-# reference on every page of a handle, `evict_leaves` for "pages, please") and keeps the free
-# pages itself, so the manager's own [free list](glossary.md#free-list) stays empty. Chapter 05's
-# four requests from two conversations, the same calls: equal colours are shared pages.
+# reference on every page of a handle, `evict_leaves` for "pages, please", and the `undo_*` words
+# with which the manager takes back a call that failed half-way) and keeps the free pages itself,
+# so the manager's own [free list](glossary.md#free-list) stays empty. Chapter 05's four
+# requests from two conversations, the same calls: equal colours are shared pages.
 
 # %%
 P4 = 4
