@@ -6,6 +6,8 @@ so a wrong reference could not hide a wrong kernel.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton
@@ -352,7 +354,7 @@ def test_decode_checker_passes_the_teaching_kernel(capsys):
     from kvlab.kernels import alloc_decode_kernel
 
     check.alloc_decode(alloc_decode_kernel, n_random=1)
-    assert "✓ alloc_decode: all 7 cases pass" in capsys.readouterr().out
+    assert re.search(r"✓ alloc_decode: all \d+ cases pass", capsys.readouterr().out)
 
 
 def test_teaching_kernel_block_limit_is_refused_before_launch():
