@@ -1,10 +1,10 @@
 # kvlab — two commands do everything on a fresh Linux machine with Python 3.11:
-#   make lab    set up .venv and open the course in JupyterLab
-#   make test   set up .venv, run the unit tests, execute every notebook (nbval), drive
-#               JupyterLab in headless Chromium (installs Debian's chromium if missing), then
-#               run the unit tests and chapters 03, 06, 08, 09, 10 again with the oldest supported
-#               Triton and the newest NumPy (.venv-oldest)
-# Others: make figures | make gpu-check | make bench | make test-ui | make test-oldest | make clean
+#   make lab    set up .venv and open the course in JupyterLab (your notebooks: work/)
+#   make test   set up .venv, run the unit tests, execute every notebook (nbval), build the
+#               website and drive it and JupyterLab in headless Chromium (installs Debian's
+#               chromium if missing), then run the unit tests and chapters 03, 06, 08, 09, 10
+#               again with the oldest supported Triton and the newest NumPy (.venv-oldest)
+# `make help` lists every target: a target's "## " comment is its line there.
 
 PYTHON     ?= python3
 VENV       ?= .venv
@@ -21,52 +21,77 @@ export PYTHONHASHSEED = 0
 # Tests run two pytest workers on small tensors: one BLAS/OpenMP thread each avoids oversubscription.
 export OMP_NUM_THREADS ?= 1
 
-.PHONY: notebooks setup setup-oldest lab test test-unit test-notebooks test-ui test-oldest figures gpu-check bench clean
+.PHONY: help notebooks setup setup-oldest lab fresh test test-unit test-notebooks test-ui test-oldest figures gpu-check bench site clean
 
-setup: $(VENV)/.installed
+help:  ## list the targets, one line each
+	@echo "kvlab: make <target>"
+	@awk 'BEGIN {FS = ":[^#]*## "} /^[a-z][a-z-]*:[^=]*## / {printf "  %-15s %s\n", $$1, $$2}' $(MAKEFILE_LIST)
 
+setup: $(VENV)/.installed  ## create .venv with kvlab and everything the course and its tests use
+
+# A line per step (README says how long it takes and how much disk it needs: measure again
+# when the dependencies change).
 $(VENV)/.installed: pyproject.toml
-	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "kvlab needs Python >= 3.10"'
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
+	@$(PYTHON) tools/preflight.py
+	@echo "kvlab set-up 1/5: a virtual environment in $(VENV)/ ($$($(PYTHON) --version 2>&1))"
+	@$(PYTHON) -m venv $(VENV)
+	@echo "kvlab set-up 2/5: upgrading pip"
+	@$(BIN)/python -m pip install --quiet --upgrade pip
+	@echo "kvlab set-up 3/5: $(TORCH_SPEC), the largest download"
+	@$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	@echo "kvlab set-up 4/5: kvlab and its extras (Triton, JupyterLab, transformers, test and site tools)"
+	@$(BIN)/python -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+	@echo "kvlab set-up 5/5: the notebooks' Jupyter kernel"
+	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
 	@touch $@
+	@echo "kvlab set-up: done, $$(du -sh $(VENV) | cut -f1) in $(VENV)/"
 
-lab: setup
-	$(BIN)/jupyter lab notebooks/
+# Your notebooks: copies in $(WORK)/ (ignored by git) made on the first `make lab`, so a
+# `git pull` of course updates never touches your work (tools/workspace.py).
+WORK     ?= work
+CHAPTER  ?=
+# JupyterLab refuses to run as root (Docker, many cloud machines) unless told it may.
+LAB_ROOT := $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_ARGS ?=
+lab: setup  ## set up .venv and open the course in JupyterLab, on chapter 00 (your notebooks: work/)
+	@$(BIN)/python tools/workspace.py prepare "$(WORK)"
+	$(BIN)/jupyter lab --ServerApp.root_dir="$(WORK)" $(LAB_ROOT) $(LAB_ARGS) "$(WORK)/00_tour.ipynb"
 
-test: setup test-unit test-notebooks test-ui test-oldest
+fresh: setup  ## a fresh copy of one chapter in work/ (yours is kept, renamed): make fresh CHAPTER=03
+	@$(BIN)/python tools/workspace.py fresh "$(CHAPTER)" "$(WORK)"
 
-test-unit: setup
+test: setup test-unit test-notebooks test-ui test-oldest  ## everything: unit tests, notebooks, website, browser, oldest Triton
+
+test-unit: setup  ## the unit tests (tests/, not the browser)
 	MPLBACKEND=Agg $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not ui" tests/
 
-test-notebooks: setup
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/
+# Each solutions notebook it runs is also saved with its outputs in build/executed, for the site.
+test-notebooks: setup  ## execute both builds of every chapter (nbval)
+	KVLAB_SAVE_EXECUTED=build/executed $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider notebooks/
 
-# JupyterLab in headless Chromium (Debian's chromium, installed once when missing).
-test-ui: setup
+# JupyterLab and the website in headless Chromium (Debian's chromium, installed once when missing).
+test-ui: setup site  ## the browser tests: JupyterLab, `make lab` itself, and the website (built first)
 	@sh tools/install_chromium.sh
 	$(BIN)/python -m pytest -q -m ui -p no:cacheprovider tests/ui/
 
-# The same checks on the oldest supported Triton: its own venv, newest NumPy.
-setup-oldest: $(VENV_OLDEST)/.installed
+# The same checks on the oldest supported Triton: its own venv, newest NumPy (with the site
+# extra: the unit tests check the website's pieces too).
+setup-oldest: $(VENV_OLDEST)/.installed  ## create .venv-oldest: the oldest supported Triton
 
 $(VENV_OLDEST)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(VENV_OLDEST)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV_OLDEST)/bin/python -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
-	$(VENV_OLDEST)/bin/python -m pip install --quiet -e ".[test]" "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
+	$(VENV_OLDEST)/bin/python -m pip install --quiet -e ".[test,site]" "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
 	$(VENV_OLDEST)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $@
 
-test-oldest: setup-oldest
+test-oldest: setup-oldest  ## unit tests and chapters 03, 06, 08, 09, 10 on the oldest supported Triton
 	@$(VENV_OLDEST)/bin/python -c 'import triton, numpy; print(f"oldest supported: triton {triton.__version__}, numpy {numpy.__version__}")'
 	MPLBACKEND=Agg $(VENV_OLDEST)/bin/python -m pytest -q -n $(PYTEST_WORKERS) -m "not ui" -p no:cacheprovider tests/
 	$(VENV_OLDEST)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider $(foreach n,$(OLDEST_CHAPTERS),$(wildcard notebooks/solutions/$(n)_*.ipynb))
 
-figures: setup
+figures: setup  ## render figures/ from the chapters' scenes
 	$(BIN)/python -m kvlab.scenes figures/
 
 # On a machine with CUDA: unit tests and every notebook with compiled Triton, in the
@@ -80,17 +105,24 @@ GPU_SITE      ?= /tmp/kvlab-site
 GPU_REQUIRE   ?= 1
 GPU_TESTS     ?= tests/
 GPU_NOTEBOOKS ?= notebooks/
-gpu-check:
+gpu-check:  ## on a GPU machine: unit tests and every notebook with compiled Triton
 	PYTHON="$(PYTHON)" GPU_WHEELS="$(GPU_WHEELS)" GPU_SITE="$(GPU_SITE)" GPU_REQUIRE="$(GPU_REQUIRE)" \
 	  GPU_TESTS="$(GPU_TESTS)" GPU_NOTEBOOKS="$(GPU_NOTEBOOKS)" sh tools/gpu_check.sh
 
-bench: setup
+bench: setup  ## the benchmarks of chapter 09 (on a GPU; a smoke run without one)
 	$(BIN)/python -m kvlab.bench
 
-clean:
-	rm -rf $(VENV) $(VENV_OLDEST) test-output .pytest_cache
+clean:  ## remove the environments and what builds and tests wrote (never work/)
+	rm -rf $(VENV) $(VENV_OLDEST) test-output .pytest_cache build
 
 # Build both notebooks of every chapter from its percent-format source in notebooks/src/:
 # notebooks/NN_*.ipynb (the learner's: starters) and notebooks/solutions/NN_*.ipynb (answers).
-notebooks: setup
+notebooks: setup  ## build both notebooks of every chapter from notebooks/src/*.py
 	$(BIN)/python tools/build_notebooks.py
+
+# The course's website in build/site/html, offline (Sphinx + MyST-NB; CONTRIBUTING says why):
+# each chapter executed once (reused from `make test-notebooks` when current), its pages, a
+# link check. SITE_JOBS kernels execute chapters at once.
+SITE_JOBS ?= 2
+site: setup  ## build the website (every chapter with its outputs) into build/site/html
+	$(BIN)/python tools/build_site.py --jobs $(SITE_JOBS)

@@ -1,14 +1,37 @@
-"""The setup cell that opens every chapter, and the one place the course's URL is set.
+"""The setup cell that opens every chapter, and the one place the course's URLs are set.
 
 In Colab the cell clones :data:`REPO_URL` and installs kvlab from it (Colab already has
 torch and triton); on a local checkout it only reports the runtime. Everywhere it ends with
 one line of the learner's progress (:func:`kvlab.check.progress`). ``tools/build_notebooks.py``
-puts :data:`SETUP_CELL` first in every notebook, and a test checks they all match.
+puts :data:`SETUP_CELL` first in every notebook (after the "Open in Colab" badge of
+:func:`colab_badge`), and a test checks they all match.
 """
 
 #: Where Colab fetches the course from. Change it here (and in pyproject's [project.urls])
 #: when you host a fork; ``KVLAB_REPO_URL`` in the environment overrides it at run time.
 REPO_URL = "https://github.com/kvlab-course/kvlab"
+
+#: The course's website (``make site`` builds it; GitHub Pages publishes it from ``main``).
+SITE_URL = "https://kvlab-course.github.io/kvlab/"
+
+#: The branch that Colab links open.
+BRANCH = "main"
+
+#: Colab's badge picture (an absolute URL: a notebook is read on GitHub, in Colab, on the site).
+COLAB_BADGE_SVG = "https://colab.research.google.com/assets/colab-badge.svg"
+
+
+def colab_url(notebook: str, repo_url: str = REPO_URL) -> str:
+    """The link that opens ``notebook`` (a path in the repository, e.g.
+    ``notebooks/00_tour.ipynb``) from GitHub in Colab."""
+    repo = repo_url.rstrip("/").removeprefix("https://github.com/")
+    return f"https://colab.research.google.com/github/{repo}/blob/{BRANCH}/{notebook}"
+
+
+def colab_badge(notebook: str) -> str:
+    """The Markdown of an "Open in Colab" badge for ``notebook`` (a path in the repository)."""
+    return f"[![Open in Colab]({COLAB_BADGE_SVG})]({colab_url(notebook)})"
+
 
 #: Where the setup cell clones the course in Colab (``KVLAB_COLAB_DIR`` overrides it).
 COLAB_DIR = "/content/kvlab"

@@ -16,6 +16,10 @@
 The stray-echo check runs after each cell; the others when the last cell of a notebook has run,
 on the outputs nbval collected. The notebooks' kernels record the learner's progress in a folder
 of their own (``KVLAB_PROGRESS_FILE``), never in the real home.
+
+With ``KVLAB_SAVE_EXECUTED=<folder>`` (``make test-notebooks`` sets it), each solutions
+notebook that ran without a failing cell is also written there with its outputs, for the
+website (``tools/executed_notebooks.py``): ``make site`` then executes nothing twice.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import sys
 import tempfile
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -34,7 +39,13 @@ import pytest
 
 _PROGRESS_DIR = tempfile.mkdtemp(prefix="kvlab-progress-")
 atexit.register(shutil.rmtree, _PROGRESS_DIR, True)
-os.environ["KVLAB_PROGRESS_FILE"] = os.path.join(_PROGRESS_DIR, "progress.json")
+_PROGRESS = os.environ["KVLAB_PROGRESS_FILE"] = os.path.join(_PROGRESS_DIR, "progress.json")
+
+if os.environ.get("KVLAB_SAVE_EXECUTED"):  # tools/ is beside notebooks/ only in the repository
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from executed_notebooks import record_nbval_cell  # noqa: E402
+else:
+    record_nbval_cell = None
 
 _NOT_ATTEMPTED = re.compile(r"^not attempted yet: (\w+)", re.M)
 _MARKER = re.compile(r"#\s*YOUR CODE HERE: (\w+)")
@@ -135,6 +146,9 @@ def pytest_runtest_setup(item):
     path = _notebook(item)
     if path is not None and getattr(item, "cell_num", -1) == 0:
         open(_AUDIT, "w").close()  # a new notebook: forget the last one's figures
+        # and start from no progress, as a newcomer does: what its setup cell and closing
+        # recheck print must not depend on the notebooks this worker ran before
+        Path(_PROGRESS).unlink(missing_ok=True)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -160,3 +174,10 @@ def pytest_runtest_makereport(item, call):
     if problem:
         report.outcome = "failed"
         report.longrepr = problem
+        _failed.add(path)
+
+
+def pytest_runtest_teardown(item):
+    path = _notebook(item)
+    if record_nbval_cell is not None and path is not None:
+        record_nbval_cell(item, failed=path in _failed)  # a failed notebook is not saved

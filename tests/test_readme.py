@@ -1,6 +1,8 @@
 """README tells the truth: every notebook is on the course map, every picture and file it
 links exists, each chapter with figures shows one, its `make` commands exist, its Colab link
-matches kvlab.colab.REPO_URL, and the kvlab names and environment variables it cites are real."""
+matches kvlab.colab.REPO_URL, and the kvlab names and environment variables it cites are real.
+Its links are absolute (a package index shows it without the repository), the website's
+address stands next to the two commands, and each chapter has its page and Colab badge."""
 from __future__ import annotations
 
 import re
@@ -14,10 +16,26 @@ README = (ROOT / "README.md").read_text()
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
+def _repo_prefixes() -> list[str]:
+    from kvlab.colab import BRANCH, REPO_URL
+
+    repo = urlparse(REPO_URL).path.strip("/")
+    return [f"{REPO_URL}/blob/{BRANCH}/", f"{REPO_URL}/tree/{BRANCH}/",
+            f"https://raw.githubusercontent.com/{repo}/{BRANCH}/"]
+
+
+def _all_links() -> list[str]:
+    return re.findall(r"\]\(([^)\s]+)\)", README) + re.findall(r'src="([^"]+)"', README)
+
+
 def _local_links() -> list[str]:
-    md = re.findall(r"\]\(([^)\s]+)\)", README)
-    html = re.findall(r'src="([^"]+)"', README)
-    return [u for u in md + html if not re.match(r"[a-z]+://|#|mailto:", u)]
+    """Files of this repository that README links, by their absolute GitHub URLs."""
+    found = []
+    for url in _all_links():
+        for prefix in _repo_prefixes():
+            if url.startswith(prefix):
+                found.append(url[len(prefix):])
+    return found
 
 
 def _figures_referenced() -> set[str]:
@@ -34,6 +52,30 @@ def test_readme_names_every_notebook():
     assert NOTEBOOKS, "no notebooks to list"
     missing = [nb.name for nb in NOTEBOOKS if f"notebooks/{nb.name}" not in README]
     assert not missing, f"README's course map does not link {missing}"
+
+
+def test_every_link_is_absolute():
+    relative = [u for u in _all_links() if not re.match(r"[a-z]+://|#|mailto:", u)]
+    assert not relative, f"relative links break on a package index: {relative}"
+
+
+def test_the_website_stands_next_to_the_two_commands():
+    from kvlab.colab import SITE_URL
+
+    section = README.split("\n## ")[1]
+    assert "make lab" in section and "make test" in section and SITE_URL in section, (
+        "the first section after the introduction gives the website and the two commands")
+
+
+def test_each_chapter_has_its_page_and_colab_badge_in_the_course_table():
+    from kvlab.colab import SITE_URL, colab_url
+
+    for nb in NOTEBOOKS:
+        row = [line for line in README.splitlines()
+               if line.startswith(f"| {nb.name[:2]} |") and colab_url(f"notebooks/{nb.name}") in line]
+        assert row, f"the course table has no Colab badge for {nb.name}"
+        assert f"]({SITE_URL}{nb.stem}.html)" in row[0], f"the course table does not link {nb.stem}'s page"
+        assert "colab-badge.svg" in row[0]
 
 
 def test_every_local_link_and_figure_exists():

@@ -24,10 +24,26 @@ def _name(req: str) -> str:
     return re.split(r"[<>=!~\[ ;]", req.strip(), maxsplit=1)[0].lower()
 
 
+def _extras() -> dict[str, list[str]]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+
+
+def _expand(extra: str) -> set[str]:
+    """The requirements of ``extra``, with the ``kvlab[...]`` extras it names spelled out."""
+    reqs = set()
+    for req in _extras()[extra]:
+        m = re.fullmatch(r"kvlab\[([\w,\s-]+)\]", req.strip())
+        if m:
+            for name in m.group(1).split(","):
+                reqs |= _expand(name.strip())
+        else:
+            reqs.add(req.replace(" ", ""))
+    return reqs
+
+
 def _pyproject_requirements() -> set[str]:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = list(meta["dependencies"]) + list(meta["optional-dependencies"]["dev"])
-    return {r.replace(" ", "") for r in reqs}
+    return {r.replace(" ", "") for r in meta["dependencies"]} | _expand("dev")
 
 
 def _environment_requirements() -> set[str]:
@@ -60,11 +76,15 @@ def test_the_package_requires_only_what_import_kvlab_needs():
         "torch", "triton", "numpy", "matplotlib", "ipywidgets"}
 
 
-def test_the_dev_extra_holds_every_other_extra():
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    dev = set(extras["dev"])
-    for name, reqs in extras.items():
-        assert set(reqs) <= dev, f"extra {name!r} has requirements missing from dev"
+def test_the_dev_extra_names_every_other_extra_and_copies_none():
+    """``dev = ["kvlab[lab,hf,test,site]"]``: one line that cannot drift from the extras."""
+    extras = _extras()
+    (dev,) = extras["dev"]
+    m = re.fullmatch(r"kvlab\[([\w,\s-]+)\]", dev)
+    assert m, f"dev should be one 'kvlab[...]' requirement naming the other extras, got {dev!r}"
+    assert sorted(n.strip() for n in m.group(1).split(",")) == sorted(set(extras) - {"dev"})
+    for name in set(extras) - {"dev"}:
+        assert _expand(name) <= _expand("dev"), f"extra {name!r} has requirements missing from dev"
 
 
 def test_the_oldest_tested_triton_is_the_declared_floor():
@@ -164,11 +184,15 @@ def test_the_two_builds_of_one_cell():
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
-def test_notebook_opens_with_the_setup_cell(path):
-    from kvlab.colab import SETUP_CELL
+def test_notebook_opens_with_its_colab_badge_and_the_setup_cell(path):
+    from kvlab.colab import SETUP_CELL, colab_url
 
     nb = nbformat.read(path, as_version=4)
-    assert nb.cells[0].cell_type == "code" and nb.cells[0].source == SETUP_CELL
+    badge = nb.cells[0]
+    assert badge.cell_type == "markdown" and "Open in Colab" in badge.source
+    assert f"({colab_url(path.relative_to(ROOT).as_posix())})" in badge.source, (
+        "the badge must open this very notebook in Colab")
+    assert nb.cells[1].cell_type == "code" and nb.cells[1].source == SETUP_CELL
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
@@ -199,3 +223,4 @@ def test_repository_url_is_set_in_one_place():
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["urls"]["Repository"] == REPO_URL
     assert REPO_URL in SETUP_CELL
+    assert meta["urls"]["Issues"] == f"{REPO_URL}/issues"

@@ -6,6 +6,8 @@ so a wrong reference could not hide a wrong kernel.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import triton

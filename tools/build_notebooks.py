@@ -4,10 +4,11 @@
     python tools/build_notebooks.py --check    # exit 1 if a stored notebook is stale
 
 One source, ``notebooks/src/NN_name.py`` (jupytext's percent format: ``# %%`` starts a code
-cell, ``# %% [markdown]`` a markdown cell), gives two notebooks, both opening with the
-setup cell (:data:`kvlab.colab.SETUP_CELL`), ending (when chapter NN has a registered exercise)
-with a cell that checks the chapter's exercises again (:func:`kvlab.check.review.closing_cells`),
-and stored without outputs:
+cell, ``# %% [markdown]`` a markdown cell), gives two notebooks, both opening with an
+"Open in Colab" badge for that notebook (:func:`kvlab.colab.colab_badge`) and the setup cell
+(:data:`kvlab.colab.SETUP_CELL`), ending (when chapter NN has a registered exercise) with a
+cell that checks the chapter's exercises again (:func:`kvlab.check.review.closing_cells`), and
+stored without outputs:
 
 * ``notebooks/NN_name.ipynb``, the **learner's**: every answer region is replaced by its
   starter, so the exercise cells hold a signature, a docstring and what to fill in;
@@ -48,7 +49,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from kvlab.check.review import chapters, closing_cells  # noqa: E402
-from kvlab.colab import SETUP_CELL  # noqa: E402
+from kvlab.colab import SETUP_CELL, colab_badge  # noqa: E402
 
 SRC = ROOT / "notebooks" / "src"
 LEARNER_DIR = ROOT / "notebooks"
@@ -137,8 +138,16 @@ def build(src_path: Path, which: str) -> nbformat.NotebookNode:
         cells += [nbformat.v4.new_markdown_cell(text), nbformat.v4.new_code_cell(code)]
     for i, c in enumerate(cells):
         c["id"] = f"cell-{i:03d}"
-    nb.cells = cells
+    nb.cells = [badge_cell(src_path, which)] + cells
     return nb
+
+
+def badge_cell(src_path: Path, which: str) -> nbformat.NotebookNode:
+    """The first cell: an "Open in Colab" badge for this build of the chapter."""
+    path = target(src_path, which).relative_to(ROOT).as_posix()
+    cell = nbformat.v4.new_markdown_cell(colab_badge(path))
+    cell["id"] = "colab-badge"
+    return cell
 
 
 def target(src_path: Path, which: str) -> Path:

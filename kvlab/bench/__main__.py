@@ -26,7 +26,8 @@ from .suite import run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kvlab.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m kvlab.bench",
+                                 description=__doc__.replace("``", ""),  # plain in a terminal
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="output folder (default: figures/ on a GPU)")
     ap.add_argument("--smoke", action="store_true", help="tiny harness run, no timing claims")

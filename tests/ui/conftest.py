@@ -15,6 +15,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fixture_notebooks import write_fixture_notebooks  # noqa: E402
 from lab_driver import CHROMIUM, CHROMIUM_ARGS, LabServer, NotebookPage  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import workspace  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT = ROOT / "test-output" / "ui"
 
@@ -28,9 +31,11 @@ def ui_output() -> Path:
 @pytest.fixture(scope="session")
 def lab_server(tmp_path_factory, ui_output):
     home = tmp_path_factory.mktemp("jupyterlab")
-    # Copies of the course notebooks (autosave must never write into the repository)
+    # Copies of the course notebooks (autosave must never write into the repository), as
+    # `make lab` lays them out in work/ (tools/workspace.py: with the glossary they link),
     # plus the harness's own small notebooks.
     notebooks = sorted((ROOT / "notebooks").glob("*.ipynb"))
+    notebooks += [ROOT / "notebooks" / name for name in workspace.REFERENCES]
     notebooks += write_fixture_notebooks(home / "fixtures")
     server = LabServer(home, notebooks, ui_output / "jupyter-server.log", pythonpath=[ROOT])
     server.start()

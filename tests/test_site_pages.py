@@ -1,0 +1,339 @@
+"""The website's pieces, without executing a chapter: a chapter's page (starter shown, solution
+folded, discussion folded, widget outputs made static), link rewriting, the home page, the
+chapters found by globbing, the executed-notebook record, the link check, and one small
+Sphinx build with a glossary. ``tests/ui/test_site.py`` browses the real site."""
+from __future__ import annotations
+
+import base64
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import build_notebooks  # noqa: E402
+import build_site  # noqa: E402
+import check_site_links  # noqa: E402
+import executed_notebooks  # noqa: E402
+import site_pages  # noqa: E402
+
+from kvlab.check.progress_file import ENV as PROGRESS_ENV  # noqa: E402
+from kvlab.check.review import closing_cells  # noqa: E402
+from kvlab.colab import REPO_URL, colab_url  # noqa: E402
+
+PNG = base64.b64encode(bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d49444154789c6360f8cfc0f01f0005000201a9e2d4"
+    "2a0000000049454e44ae426082")).decode()
+
+SOURCE = '''\
+# %% [markdown]
+# # 99 · A demo chapter
+#
+# See the [glossary](glossary.md#Page-table).
+
+# %%
+import kvlab
+
+# %% [markdown] tags=["learner"]
+# Only the learner sees this.
+
+# %%
+def double(x):
+    """Twice x."""
+    ### BEGIN SOLUTION
+    return 2 * x
+    ### END SOLUTION
+    ### BEGIN STARTER
+    # YOUR CODE HERE: double
+    raise NotImplementedError
+    ### END STARTER
+
+
+double(2);
+
+# %% [markdown]
+# ## Questions
+#
+# 1. Why?
+
+# %% [markdown] tags=["solution"]
+# ### Discussion
+#
+# Because.
+#
+# ## A heading inside
+
+# %% tags=["solution"]
+print("shown in the discussion")
+
+# %% [markdown] tags=["solution"]
+# More discussion.
+'''
+
+
+@pytest.fixture
+def demo(tmp_path):
+    src = tmp_path / "99_demo.py"
+    src.write_text(SOURCE)
+    chapter = site_pages.Chapter(src)
+    nb = build_notebooks.build(src, "solutions")
+    widget = {"application/vnd.jupyter.widget-view+json": {"model_id": "m"},
+              "image/png": PNG, "text/plain": "Explorer"}
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    code[1].outputs = [nbformat.v4.new_output("display_data", data=widget)]
+    code[2].outputs = [nbformat.v4.new_output("stream", name="stdout", text="✓ double\n")]
+    return chapter, nb
+
+
+def _rebaser(tmp_path, pages=("03_alloc_extend.ipynb",)):
+    return site_pages.LinkRebaser(tmp_path / "site-src", set(pages))
+
+
+def test_a_chapter_page_shows_the_starter_and_folds_the_solution(demo, tmp_path):
+    chapter, executed = demo
+    downloads = {"the notebook (.ipynb)": "downloads/99_demo.ipynb"}
+    page = site_pages.chapter_page(chapter, executed, downloads, _rebaser(tmp_path))
+    kinds = [(c.cell_type, c.metadata.get("tags", [])) for c in page.cells]
+    title, setup = page.cells[0], page.cells[1]
+    # the title, then the Colab badge of the learner's notebook and the downloads under it
+    assert title.source.startswith("# 99 · A demo chapter\n")
+    assert f"]({colab_url('notebooks/99_demo.ipynb')})" in title.source
+    assert "{download}`the notebook (.ipynb) <downloads/99_demo.ipynb>`" in title.source
+    assert "colab-badge.svg" in title.source and "https://colab.research.google.com/assets" \
+        not in title.source
+    assert setup.cell_type == "code" and setup.metadata["tags"] == ["hide-input"]
+    # the learner-only cell is not on the page; the exercise shows the starter, then the fold
+    assert all("Only the learner" not in c.source for c in page.cells)
+    starter_at = next(i for i, (t, tags) in enumerate(kinds) if "kvlab-starter" in tags)
+    starter, solution = page.cells[starter_at], page.cells[starter_at + 1]
+    assert "YOUR CODE HERE: double" in starter.source and starter.outputs == []
+    assert page.cells[starter_at - 1].source == site_pages.STARTER_NOTE
+    assert "return 2 * x" in solution.source and "YOUR CODE HERE" not in solution.source
+    assert solution.metadata["tags"] == ["hide-input"]
+    assert solution.metadata["mystnb"]["code_prompt_show"] == "Show the solution"
+    assert solution.outputs[0]["text"] == "✓ double\n"  # the verdict stays in view
+    # the discussion: each solutions-only cell folded, headings inside made bold
+    folds = [c.source for c in page.cells if c.source.startswith(":::::{dropdown}")]
+    assert folds[0].startswith(":::::{dropdown} Discussion\n") and "**A heading inside**" in folds[0]
+    assert folds[1].startswith(":::::{dropdown} Discussion, continued\n")
+    hidden_code = [c for c in page.cells if "hide-cell" in c.metadata.get("tags", [])]
+    assert len(hidden_code) == 1 and "shown in the discussion" in hidden_code[0].source
+    # a widget cannot run on a static page: its PNG is what is shown
+    widget_out = [o for c in page.cells for o in c.get("outputs", [])
+                  if o.get("output_type") == "display_data"]
+    assert list(widget_out[0]["data"]) == ["image/png", "text/plain"]
+    assert len({c["id"] for c in page.cells}) == len(page.cells)
+
+
+def test_a_stale_notebook_is_refused(demo, tmp_path):
+    chapter, executed = demo
+    executed.cells.pop()
+    with pytest.raises(site_pages.SiteError, match="run `make notebooks`"):
+        site_pages.chapter_page(chapter, executed, {}, _rebaser(tmp_path))
+
+
+def test_cells_the_build_adds_are_shown_as_they_are(demo, tmp_path):
+    """A build may append cells of its own (a closing recheck) and rewrite links in Markdown:
+    the page keeps them, and the exercise and discussion are still found."""
+    chapter, executed = demo
+    executed.cells[2].source = executed.cells[2].source.replace("](glossary.md", "](../glossary.md")
+    text, code = closing_cells("99")
+    executed.cells += [nbformat.v4.new_markdown_cell(text), nbformat.v4.new_code_cell(code)]
+    page = site_pages.chapter_page(chapter, executed, {}, _rebaser(tmp_path))
+    assert page.cells[-1].source == code and not page.cells[-1].metadata.get("tags")
+    assert page.cells[-2].source == text
+    assert sum("kvlab-starter" in c.metadata.get("tags", []) for c in page.cells) == 1
+    assert sum(c.source.startswith(":::::{dropdown}") for c in page.cells) == 2
+
+
+def test_links_are_rewritten_for_the_flat_site(tmp_path):
+    rebaser = _rebaser(tmp_path)
+    solutions = ROOT / "notebooks" / "solutions"
+    text = ("[g](../glossary.md#Which-runtime-am-I-on?) [c](../03_alloc_extend.ipynb) "
+            "[s](03_alloc_extend.ipynb#The-kernel) ![f](../../figures/00_fragmentation.png) "
+            "[p](../../kvlab/paging.py) [w](https://triton-lang.org) [a](#Your-turn)\n"
+            '<img src="../../figures/00_fragmentation.png" width="3">\n'
+            "```\n[kept](../glossary.md)\n```\n"
+            "after the code, [CUDA\ngraphs](../glossary.md#cuda-graph) wrap")
+    out = rebaser.rewrite(text, solutions)
+    assert "[g](glossary.md#which-runtime-am-i-on)" in out
+    assert "[c](03_alloc_extend.ipynb)" in out and "[s](03_alloc_extend.ipynb#the-kernel)" in out
+    assert "![f](repo/figures/00_fragmentation.png)" in out
+    assert '<img src="repo/figures/00_fragmentation.png"' in out
+    assert (tmp_path / "site-src" / "repo" / "figures" / "00_fragmentation.png").is_file()
+    assert f"[p]({REPO_URL}/blob/main/kvlab/paging.py)" in out
+    assert "[w](https://triton-lang.org)" in out and "[a](#your-turn)" in out
+    assert "[kept](../glossary.md)" in out  # code is code
+    assert "[CUDA\ngraphs](glossary.md#cuda-graph) wrap" in out  # a link over two lines
+    assert out.count("\n") == text.count("\n")
+
+
+def test_the_chapters_are_found_by_globbing(tmp_path, monkeypatch):
+    for name in ["00_tour.py", "10_serve.py", "11_hash_cache.py", "notes.py"]:
+        (tmp_path / name).write_text("")
+    monkeypatch.setattr(build_notebooks, "SRC", tmp_path)
+    assert [c.name for c in site_pages.chapters()] == ["00_tour", "10_serve", "11_hash_cache"]
+
+
+def test_the_home_page_lists_the_chapters_and_the_glossary(tmp_path):
+    rows = [(site_pages.Chapter(tmp_path / "00_tour.py"), "00 · A tour"),
+            (site_pages.Chapter(tmp_path / "11_hash_cache.py"), "11 · Hashed pages")]
+    text = site_pages.index_page("# kvlab\n", rows, has_glossary=True)
+    assert "| 11 | [Hashed pages](11_hash_cache.ipynb) |" in text
+    assert colab_url("notebooks/11_hash_cache.ipynb") in text
+    assert ":glob:" in text and "[0-9][0-9]_*" in text and "\nglossary\n" in text
+    assert "glossary" not in site_pages.index_page("# kvlab\n", rows, has_glossary=False)
+
+
+# -- executed notebooks ----------------------------------------------------------------
+def test_the_fingerprint_follows_the_cells_and_the_package(demo):
+    _, nb = demo
+    base = executed_notebooks.fingerprint(nb, "pkg")
+    assert executed_notebooks.fingerprint(nb, "pkg") == base
+    assert executed_notebooks.fingerprint(nb, "pkg2") != base
+    nb.cells[-1].source += " "
+    assert executed_notebooks.fingerprint(nb, "pkg") != base
+
+
+def _nbval_items(path: Path, nb, outputs):
+    parent = SimpleNamespace(path=path, nb=nb)
+    return [SimpleNamespace(parent=parent, cell_num=i, test_outputs=outs)
+            for i, outs in enumerate(outputs)]
+
+
+def test_nbval_outputs_become_an_executed_notebook(demo, tmp_path, monkeypatch):
+    _, nb = demo
+    folder = tmp_path / "solutions"
+    folder.mkdir()
+    path = folder / "99_demo.ipynb"
+    nbformat.write(nb, path)
+    n_code = sum(c.cell_type == "code" for c in nb.cells)
+    value = nbformat.v4.new_output("execute_result", data={"text/plain": "4"}, execution_count=3)
+    outputs = [[] for _ in range(n_code)]
+    outputs[2] = [nbformat.v4.new_output("stream", name="stdout", text="✓\n"), value]
+    monkeypatch.setenv(executed_notebooks.ENV_VAR, str(tmp_path / "executed"))
+    written = [executed_notebooks.record_nbval_cell(item)
+               for item in _nbval_items(path, nb, outputs)]
+    assert written[:-1] == [None] * (n_code - 1) and written[-1] == tmp_path / "executed" / path.name
+    saved = nbformat.read(written[-1], as_version=4)
+    exercise = [c for c in saved.cells if c.cell_type == "code"][2]
+    # "double(2);" ends with a semicolon: a notebook shows no value (nbval's kernel would)
+    assert [o["output_type"] for o in exercise.outputs] == ["stream"]
+    assert executed_notebooks.is_current(written[-1], path)
+    nb.cells[-1].source += "\nchanged"
+    nbformat.write(nb, path)
+    assert not executed_notebooks.is_current(written[-1], path)
+
+
+def test_a_notebook_with_a_failing_cell_is_not_recorded(demo, tmp_path, monkeypatch):
+    _, nb = demo
+    (tmp_path / "solutions").mkdir()
+    path = tmp_path / "solutions" / "99_demo.ipynb"
+    nbformat.write(nb, path)
+    n_code = sum(c.cell_type == "code" for c in nb.cells)
+    outputs = [[] for _ in range(n_code)]
+    outputs[1] = [nbformat.v4.new_output("error", ename="ValueError", evalue="x", traceback=[])]
+    monkeypatch.setenv(executed_notebooks.ENV_VAR, str(tmp_path / "executed"))
+    assert [executed_notebooks.record_nbval_cell(i) for i in _nbval_items(path, nb, outputs)] \
+        == [None] * n_code
+    assert not (tmp_path / "executed").exists()
+
+
+def test_a_notebook_the_test_failed_is_not_recorded(demo, tmp_path, monkeypatch):
+    """No cell raised, but the notebook test failed it (an illegible figure, say)."""
+    _, nb = demo
+    (tmp_path / "solutions").mkdir()
+    path = tmp_path / "solutions" / "99_demo.ipynb"
+    nbformat.write(nb, path)
+    outputs = [[] for c in nb.cells if c.cell_type == "code"]
+    monkeypatch.setenv(executed_notebooks.ENV_VAR, str(tmp_path / "executed"))
+    items = _nbval_items(path, nb, outputs)
+    assert [executed_notebooks.record_nbval_cell(i, failed=i is items[-1]) for i in items] \
+        == [None] * len(items)
+    assert not (tmp_path / "executed").exists()
+
+
+def test_a_chapter_executed_for_the_site_keeps_its_progress_apart(tmp_path, monkeypatch):
+    """make site's kernels record their checks in a fresh file of their own (never the
+    learner's progress) and draw figures inline (no MPLBACKEND)."""
+    assert executed_notebooks.PROGRESS_ENV == PROGRESS_ENV
+    mine = tmp_path / "mine.json"
+    mine.write_text("{}")
+    monkeypatch.setenv(PROGRESS_ENV, str(mine))
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import os\n"
+        f"path = os.environ['{PROGRESS_ENV}']\n"
+        "open(path, 'w').write('written')\n"
+        "print(path, os.environ.get('MPLBACKEND'))")])
+    (tmp_path / "solutions").mkdir()
+    nbformat.write(nb, tmp_path / "solutions" / "99_demo.ipynb")
+    out = executed_notebooks.execute(tmp_path / "solutions" / "99_demo.ipynb", tmp_path / "executed")
+    (printed,) = nbformat.read(out, as_version=4).cells[0].outputs
+    used, backend = printed["text"].split()
+    assert backend != "Agg" and used != str(mine) and mine.read_text() == "{}"
+    assert not Path(used).exists()  # removed with its folder
+
+
+# -- the link check ----------------------------------------------------------------------
+def test_the_link_check_finds_missing_files_and_anchors(tmp_path):
+    (tmp_path / "_static").mkdir()
+    (tmp_path / "_static" / "macros.html").write_text('<a href="{{ pathto(x) }}">')  # a template
+    (tmp_path / "img.png").write_bytes(b"")
+    (tmp_path / "a.html").write_text('<h1 id="top">A</h1><a href="b.html#there">ok</a>'
+                                     '<img src="img.png"><a href="https://x.org/none">out</a>')
+    (tmp_path / "b.html").write_text('<p id="there"></p><a href="a.html#nowhere">x</a>'
+                                     '<a href="gone.html">y</a><a href="#top">z</a><a href="#">w</a>')
+    assert sorted(check_site_links.check(tmp_path)) == [
+        "b.html: #top (no anchor #top)", "b.html: a.html#nowhere (no anchor #nowhere)",
+        "b.html: gone.html (no such file)"]
+
+
+# -- one small build, with a glossary ----------------------------------------------------
+@pytest.mark.slow
+def test_a_small_site_builds_with_its_glossary(demo, tmp_path, monkeypatch):
+    chapter, executed = demo
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    glossary = notebooks / "glossary.md"
+    glossary.write_text("# Glossary\n\n## Page table\n\nRows of slots; see [the demo](99_demo.ipynb#questions).\n")
+    monkeypatch.setattr(site_pages, "GLOSSARY", glossary)
+    monkeypatch.setattr(site_pages, "NOTEBOOKS", notebooks)
+    monkeypatch.setattr(site_pages.Chapter, "learner", property(lambda c: notebooks / "99_demo.ipynb"))
+    monkeypatch.setattr(site_pages.Chapter, "solutions",
+                        property(lambda c: notebooks / "solutions" / "99_demo.ipynb"))
+    (notebooks / "solutions").mkdir()
+    for path in (chapter.learner, chapter.solutions):
+        nbformat.write(build_notebooks.build(chapter.source, "solutions"), path)
+    # the chapter links "glossary.md#Page-table" from notebooks/: rewrite from there
+    executed.cells[2].source = executed.cells[2].source.replace("](glossary.md", "](../glossary.md")
+    saved = tmp_path / "executed.ipynb"
+    nbformat.write(executed, saved)
+    monkeypatch.setattr(site_pages, "colab_url", lambda p: f"https://colab.example/{p}")
+    src, html = tmp_path / "site" / "src", tmp_path / "site" / "html"
+    build_site.write_sources([chapter], {chapter.name: saved}, src)
+    build_site.run_sphinx(src, html)
+    assert (html / "glossary.html").is_file() and (html / "99_demo.html").is_file()
+    assert 'href="glossary.html#page-table"' in (html / "99_demo.html").read_text()
+    assert 'href="99_demo.html#questions"' in (html / "glossary.html").read_text()
+    assert "glossary.html" in (html / "index.html").read_text()
+    assert check_site_links.check(html) == []
+
+
+def test_github_pages_publishes_what_make_site_builds():
+    import yaml
+
+    workflow = yaml.safe_load((ROOT / ".github" / "workflows" / "pages.yml").read_text())
+    steps = workflow["jobs"]["build"]["steps"]
+    runs = [s["run"] for s in steps if "run" in s]
+    assert any(r.split()[:2] == ["make", "site"] for r in runs), runs
+    (upload,) = [s for s in steps if s.get("uses", "").startswith("actions/upload-pages-artifact")]
+    assert upload["with"]["path"] == build_site.DEFAULT_OUT.relative_to(ROOT).as_posix() + "/html"
+    deploy = workflow["jobs"]["deploy"]
+    assert deploy["needs"] == "build"
+    assert any(s.get("uses", "").startswith("actions/deploy-pages") for s in deploy["steps"])
+    assert workflow["permissions"]["pages"] == "write"

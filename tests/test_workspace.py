@@ -1,0 +1,119 @@
+"""The learner's own copies (``make lab`` / ``make fresh``): made once, never overwritten, a
+course update reported, a fresh copy on request with the old one kept."""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import workspace  # noqa: E402
+
+
+@pytest.fixture
+def course(tmp_path, monkeypatch):
+    """A small course: two chapters, both builds."""
+    course = tmp_path / "notebooks"
+    (course / "solutions").mkdir(parents=True)
+    for name in ["00_tour.ipynb", "01_pages.ipynb"]:
+        (course / name).write_text(f"learner {name}")
+        (course / "solutions" / name).write_text(f"solutions {name}")
+    (course / "conftest.py").write_text("")  # not a notebook
+    (course / "glossary.md").write_text("# glossary")
+    monkeypatch.setattr(workspace, "COURSE", course)
+    return course
+
+
+def test_the_first_prepare_copies_both_builds(course, tmp_path, capsys):
+    work = tmp_path / "work"
+    assert workspace.prepare(work) == []
+    assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*.ipynb")) == [
+        "00_tour.ipynb", "01_pages.ipynb", "solutions/00_tour.ipynb", "solutions/01_pages.ipynb"]
+    assert (work / "00_tour.ipynb").read_text() == "learner 00_tour.ipynb"
+    assert "copied 4 course notebooks" in capsys.readouterr().out
+
+
+def test_your_edits_survive_a_course_update(course, tmp_path, capsys):
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    (work / "00_tour.ipynb").write_text("my answers")
+    (course / "00_tour.ipynb").write_text("learner 00_tour.ipynb, improved")  # a git pull
+    (course / "02_new.ipynb").write_text("learner 02")  # a new chapter
+    capsys.readouterr()
+    assert workspace.prepare(work) == ["00_tour.ipynb"]
+    assert (work / "00_tour.ipynb").read_text() == "my answers"
+    assert (work / "02_new.ipynb").read_text() == "learner 02"
+    out = capsys.readouterr().out
+    assert "the course updated 00_tour.ipynb" in out and "make fresh CHAPTER=00" in out
+    assert "01_pages" not in out  # unchanged in the course: nothing to say
+
+
+def test_the_glossary_the_notebooks_link_is_there_and_kept_current(course, tmp_path):
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    assert (work / "glossary.md").read_text() == "# glossary"
+    (course / "glossary.md").write_text("# glossary, with a new term")  # a git pull
+    assert workspace.prepare(work) == []  # not the learner's work: nothing to report
+    assert (work / "glossary.md").read_text() == "# glossary, with a new term"
+    assert not (work / "conftest.py").exists()
+
+
+def test_every_relative_link_of_the_real_notebooks_resolves_in_the_workspace(tmp_path):
+    """What JupyterLab opens from a learner's copies: each link to a chapter or the glossary
+    (and the heading it names) is there."""
+    import re
+
+    import nbformat
+
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    glossary = (work / "glossary.md").read_text()
+    headings = {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+                for h in re.findall(r"^#+ (.+)$", glossary, flags=re.M)}
+    checked = 0
+    for path in sorted(work.rglob("[0-9][0-9]_*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "markdown":
+                continue
+            for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", cell.source)):
+                if re.match(r"[a-z][a-z0-9+.-]*:|#", target):
+                    continue
+                file, _, anchor = target.partition("#")
+                assert (path.parent / file).is_file(), f"{path.relative_to(work)} links {target}"
+                if file.endswith("glossary.md") and anchor:
+                    assert anchor in headings, f"{path.relative_to(work)} links {target}"
+                checked += 1
+    assert checked > 100
+
+
+def test_fresh_replaces_one_chapter_and_keeps_yours(course, tmp_path):
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    (work / "00_tour.ipynb").write_text("my answers")
+    (course / "00_tour.ipynb").write_text("learner 00_tour.ipynb, improved")
+    kept = workspace.fresh(work, "00")
+    assert (work / "00_tour.ipynb").read_text() == "learner 00_tour.ipynb, improved"
+    assert [p.read_text() for p in kept if p.parent == work] == ["my answers"]
+    assert (work / "01_pages.ipynb").read_text() == "learner 01_pages.ipynb"  # untouched
+    record = json.loads((work / workspace.RECORD).read_text())
+    assert workspace.prepare(work) == []  # the fresh copy is current
+    assert set(record) >= {"00_tour.ipynb", "solutions/00_tour.ipynb"}
+
+
+def test_fresh_names_a_chapter_by_its_number(course, tmp_path):
+    with pytest.raises(SystemExit, match="CHAPTER is its two-digit number"):
+        workspace.fresh(tmp_path / "work", "7")
+
+
+def test_the_lab_overrides_turn_the_news_popup_off(tmp_path):
+    path = workspace.write_lab_overrides(tmp_path)
+    settings = json.loads(path.read_text())["@jupyterlab/apputils-extension:notification"]
+    assert settings == {"fetchNews": "false", "checkForUpdates": False}
+    assert path == tmp_path / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+
+
+def test_the_workspace_is_ignored_by_git():
+    assert "work/" in (ROOT / ".gitignore").read_text().split()

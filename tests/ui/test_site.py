@@ -1,0 +1,194 @@
+"""The course's website as a reader meets it (``make test-ui`` builds it first: ``make site``).
+
+The built site (``build/site/html``) is served on 127.0.0.1 and opened in headless Chromium:
+the home page lists every chapter; two chapters show their figures (every image loads), their
+Colab badge and download links, and a folded solution that opens on a click; a glossary link
+of the newest chapter opens its term; the search box finds a chapter. Every term a chapter
+links is a link on its page to a heading of the glossary page. Without a browser: no internal link is broken, and no page loads anything
+from another site (it builds and reads offline).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import re
+import sys
+import threading
+import urllib.request
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+import check_site_links  # noqa: E402
+
+from kvlab.colab import colab_url  # noqa: E402
+
+pytestmark = pytest.mark.ui
+
+HTML = ROOT / "build" / "site" / "html"
+CHAPTERS = sorted(p.stem for p in (ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py"))
+# two chapters with figures and exercises: the allocator's heatmaps, the explorer's picture
+BROWSED = [c for c in CHAPTERS if c[:2] in ("03", "07")]
+
+
+@pytest.fixture(scope="module")
+def site_url():
+    if not (HTML / "index.html").is_file():
+        pytest.fail(f"{HTML.relative_to(ROOT)}/index.html is missing: run `make site` "
+                    "(make test-ui builds it first)", pytrace=False)
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(HTML)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    context.set_default_timeout(30_000)
+    try:
+        yield context.new_page()
+    finally:
+        context.close()
+
+
+def _broken_images(page) -> list[str]:
+    return page.eval_on_selector_all(
+        "article img",
+        "els => els.filter(e => !(e.complete && e.naturalWidth > 0)).map(e => e.src)")
+
+
+def test_the_home_page_lists_every_chapter(page, site_url, ui_output):
+    assert len(BROWSED) == 2, "chapters 03 and 07 are the ones browsed"
+    page.goto(site_url)
+    page.screenshot(path=str(ui_output / "site-index.png"))
+    nav = page.eval_on_selector_all(".bd-sidebar-primary a.reference.internal",
+                                    "els => els.map(e => e.getAttribute('href'))")
+    for chapter in CHAPTERS:
+        assert f"{chapter}.html" in nav, f"the site's navigation lacks chapter {chapter}"
+    table = page.eval_on_selector_all("article table a", "els => els.map(e => e.href)")
+    for chapter in CHAPTERS:
+        learner = f"notebooks/{chapter}.ipynb"
+        assert colab_url(learner) in table, f"the chapter table has no Colab badge for {chapter}"
+    assert not _broken_images(page)
+
+
+@pytest.mark.parametrize("chapter", BROWSED)
+def test_a_chapter_shows_its_figures_links_and_a_folded_solution(page, site_url, ui_output,
+                                                                 chapter):
+    page.goto(f"{site_url}{chapter}.html")
+    page.wait_for_load_state("load")
+    figures = page.locator("article .cell_output img")
+    assert figures.count() >= 1, f"{chapter}: no figure among the outputs"
+    for i in range(figures.count()):
+        figures.nth(i).scroll_into_view_if_needed()  # lazy images load when seen
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('article img')].every(e => e.complete)")
+    assert not _broken_images(page), f"{chapter}: images that did not load"
+
+    # under the title: the Colab badge opens the learner's notebook; the downloads are notebooks
+    badge = page.locator("article a:has(img[alt='Open in Colab'])").first
+    assert badge.get_attribute("href") == colab_url(f"notebooks/{chapter}.ipynb")
+    downloads = page.locator("article a.download")
+    assert downloads.count() == 2
+    for i in range(2):
+        href = downloads.nth(i).get_attribute("href")
+        with urllib.request.urlopen(site_url + href, timeout=10) as resp:
+            nb = json.loads(resp.read())
+        assert nb["nbformat"] == 4 and nb["cells"], f"{chapter}: {href} is not a notebook"
+
+    # an exercise: the starter is shown, the solution folded until clicked
+    starter = page.locator("article .tag_kvlab-starter").first
+    assert "YOUR CODE HERE" in starter.inner_text()
+    fold = page.locator("article .tag_hide-input details",
+                        has=page.locator("summary", has_text="Show the solution")).first
+    solution_code = fold.locator(".cell_input")
+    assert not solution_code.is_visible(), "the solution is not folded"
+    fold.locator("summary").click()
+    solution_code.wait_for(state="visible")
+    assert "YOUR CODE HERE" not in solution_code.inner_text()
+    fold.scroll_into_view_if_needed()
+    page.screenshot(path=str(ui_output / f"site-{chapter}-solution.png"))
+
+
+def _glossary_anchors(links) -> set[str]:
+    """The terms (anchors) of the glossary that ``links`` name; a link to the whole page: none."""
+    return {u.partition("#")[2] for u in links if u.partition("#")[2] and (
+        u.partition("#")[0].endswith("glossary.md") or u.partition("#")[0] == "glossary.html")}
+
+
+def test_every_chapter_links_its_glossary_terms_to_their_headings():
+    """Each term a chapter links (``glossary.md#term`` in its notebook) is a link on its page to
+    a heading of the glossary page."""
+    import nbformat
+
+    headings = check_site_links._parse(HTML / "glossary.html").ids
+    for chapter in CHAPTERS:
+        nb = nbformat.read(ROOT / "notebooks" / "solutions" / f"{chapter}.ipynb", as_version=4)
+        linked = _glossary_anchors(re.findall(r"\]\(([^)\s]+)\)", "\n".join(
+            c.source for c in nb.cells if c.cell_type == "markdown")))
+        on_page = _glossary_anchors(check_site_links._parse(HTML / f"{chapter}.html").links)
+        assert linked, f"{chapter} links no glossary term"
+        assert linked <= on_page, f"{chapter}'s page lacks glossary links {sorted(linked - on_page)}"
+        assert on_page <= headings, f"{chapter} links missing terms {sorted(on_page - headings)}"
+
+
+def test_a_glossary_link_opens_its_term(page, site_url, ui_output):
+    chapter = CHAPTERS[-1]  # the newest chapter
+    page.goto(f"{site_url}{chapter}.html")
+    link = page.locator("article a[href^='glossary.html#']").first
+    anchor = link.get_attribute("href").partition("#")[2]
+    link.click()
+    page.wait_for_url(re.compile(rf"glossary\.html#{re.escape(anchor)}$"))
+    heading = page.locator(f"section[id='{anchor}'] > h3").first
+    heading.wait_for()
+    box = heading.bounding_box()
+    assert box and 0 <= box["y"] < 1000, f"the term {anchor} is not in view: {box}"
+    page.screenshot(path=str(ui_output / "site-glossary-term.png"))
+
+
+def test_the_search_box_finds_a_chapter(page, site_url):
+    page.goto(site_url)
+    page.locator("button.search-button-field, .search-button-field").first.click()
+    box = page.locator("form.bd-search input[name='q']:visible").first
+    box.fill("radix")
+    box.press("Enter")
+    page.wait_for_url(re.compile(r"search\.html\?q=radix"))
+    results = page.locator("#search-results ul.search li a")
+    results.first.wait_for(timeout=30_000)
+    hrefs = results.evaluate_all("els => els.map(e => e.getAttribute('href'))")
+    assert any(h.startswith(next(c for c in CHAPTERS if c.startswith("05_"))) for h in hrefs), hrefs
+
+
+def test_no_internal_link_is_broken():
+    if not (HTML / "index.html").is_file():
+        pytest.fail("build the site first: make site", pytrace=False)
+    pages = check_site_links.pages(HTML)
+    assert {f"{c}.html" for c in CHAPTERS} <= {p.name for p in pages}
+    assert check_site_links.check(HTML) == []
+
+
+def test_no_page_loads_anything_from_another_site():
+    """Scripts, styles, images and fonts all come with the site (links out are fine)."""
+    loads = re.compile(r"<(?:script|img|iframe|source)\b[^>]*\bsrc=\"(?:https?:)?//"
+                       r"|<link\b[^>]*\bhref=\"(?:https?:)?//[^\"]*\"[^>]*rel=\"(?:stylesheet|preload|icon)\""
+                       r"|<link\b[^>]*rel=\"(?:stylesheet|preload|icon)\"[^>]*\bhref=\"(?:https?:)?//")
+    offenders = {}
+    for path in check_site_links.pages(HTML):
+        found = loads.findall(path.read_text())
+        if found:
+            offenders[path.name] = found[:3]
+    assert not offenders, offenders

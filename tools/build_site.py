@@ -1,0 +1,135 @@
+"""Build the course's website into ``build/site/html`` (``make site``), offline.
+
+    python tools/build_site.py [--jobs N] [--out build/site]
+
+1. **Executed chapters.** Every chapter's solutions build, executed in this Python (Triton's
+   interpreter without a GPU, as CI runs it): reused from ``build/executed/`` when current
+   (``make test-notebooks`` leaves them there), otherwise executed here with nbclient, ``N``
+   kernels at a time (``tools/executed_notebooks.py``).
+2. **Pages.** Each chapter's page (``tools/site_pages.py``), the glossary
+   (``notebooks/glossary.md``, when there is one), the home page (``website/intro.md`` and a
+   table of the chapters), and both notebooks of each chapter to download, in
+   ``build/site/src``. Chapters are found by globbing ``notebooks/src/NN_*.py``.
+3. **Sphinx** (MyST-NB, sphinx-book-theme; ``website/conf.py``) renders ``build/site/html``:
+   static pages with a search box, nothing fetched from the network.
+4. **Link check** (``tools/check_site_links.py``): no broken internal link or anchor.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+
+import nbformat
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import check_site_links  # noqa: E402
+import executed_notebooks as ex  # noqa: E402
+import site_pages  # noqa: E402
+
+WEBSITE = ROOT / "website"
+EXECUTED = ROOT / "build" / "executed"
+DEFAULT_OUT = ROOT / "build" / "site"
+
+
+def _say(text: str) -> None:
+    print(f"site: {text}", flush=True)
+
+
+def ensure_executed(chapters: list[site_pages.Chapter], jobs: int) -> dict[str, Path]:
+    """Chapter name → its executed solutions notebook, executing only the ones not current."""
+    digest = ex._package_digest()
+    paths = {c.name: ex.executed_path(EXECUTED, c.solutions) for c in chapters}
+    stale = [c for c in chapters if not ex.is_current(paths[c.name], c.solutions, digest)]
+    reused = len(chapters) - len(stale)
+    _say(f"{reused} of {len(chapters)} chapters already executed (build/executed), "
+         f"executing {len(stale)} with {min(jobs, max(len(stale), 1))} kernel(s)")
+    if not stale:
+        return paths
+    started = time.monotonic()
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = {pool.submit(ex.execute, c.solutions, EXECUTED): c for c in stale}
+        for future in as_completed(futures):
+            chapter = futures[future]
+            try:
+                future.result()
+            except Exception as exc:  # name the chapter; nbclient's error shows the cell
+                raise site_pages.SiteError(f"executing {chapter.solutions.relative_to(ROOT)} "
+                                           f"failed:\n{exc}") from exc
+            _say(f"executed {chapter.name} ({time.monotonic() - started:.0f} s)")
+    return paths
+
+
+def write_sources(chapters: list[site_pages.Chapter], executed: dict[str, Path],
+                  src: Path) -> None:
+    """Everything Sphinx reads, in ``src`` (made afresh)."""
+    if src.exists():
+        shutil.rmtree(src)
+    (src / "images").mkdir(parents=True)
+    (src / "downloads").mkdir()
+    shutil.copyfile(WEBSITE / "_static" / "colab-badge.svg", src / "images" / "colab-badge.svg")
+    rebaser = site_pages.LinkRebaser(src, {c.learner.name for c in chapters})
+    rows = []
+    for chapter in chapters:
+        downloads = {}
+        for label, path, name in [("the notebook (.ipynb)", chapter.learner, chapter.learner.name),
+                                  ("with solutions", chapter.solutions,
+                                   f"{chapter.name}_solutions.ipynb")]:
+            shutil.copyfile(path, src / "downloads" / name)
+            downloads[label] = f"downloads/{name}"
+        page = site_pages.chapter_page(chapter, nbformat.read(executed[chapter.name], as_version=4),
+                                       downloads, rebaser)
+        nbformat.write(page, src / f"{chapter.name}.ipynb")
+        rows.append((chapter, site_pages.chapter_title(page)))
+    has_glossary = site_pages.GLOSSARY.exists()
+    if has_glossary:
+        text = rebaser.rewrite(site_pages.GLOSSARY.read_text(), site_pages.GLOSSARY.parent)
+        (src / "glossary.md").write_text(text)
+    intro = (WEBSITE / "intro.md").read_text()
+    (src / "index.md").write_text(site_pages.index_page(intro, rows, has_glossary))
+
+
+def run_sphinx(src: Path, html: Path) -> None:
+    from sphinx.cmd.build import build_main
+
+    if html.exists():
+        shutil.rmtree(html)
+    # -W: a warning (an unresolved link, a bad directive) fails the build; -q: only those
+    args = ["-b", "html", "-q", "-W", "--keep-going", "-c", str(WEBSITE),
+            "-d", str(src.parent / "doctrees"), str(src), str(html)]
+    if build_main(args) != 0:
+        raise site_pages.SiteError("sphinx-build reported the warnings above")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=int(os.environ.get("SITE_JOBS", 2)),
+                    help="kernels executing chapters at once (default 2, or $SITE_JOBS)")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args(argv)
+    started = time.monotonic()
+    chapters = site_pages.chapters()
+    if not chapters:
+        raise SystemExit("no chapters in notebooks/src/")
+    executed = ensure_executed(chapters, args.jobs)
+    src, html = args.out / "src", args.out / "html"
+    write_sources(chapters, executed, src)
+    _say(f"rendering {len(chapters)} chapters with Sphinx")
+    run_sphinx(src, html)
+    broken = check_site_links.check(html)
+    if broken:
+        for line in broken:
+            print(f"  {line}", file=sys.stderr)
+        raise SystemExit(f"site: {len(broken)} broken internal links (above)")
+    _say(f"{html.relative_to(ROOT) if html.is_relative_to(ROOT) else html}/index.html "
+         f"({time.monotonic() - started:.0f} s, no broken internal link)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
