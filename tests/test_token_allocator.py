@@ -6,7 +6,6 @@ so a wrong reference could not hide a wrong kernel.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 import triton
