@@ -43,7 +43,7 @@ def test_compare_flat_names_the_first_wrong_position_and_its_segment():
                      segments=segments)
     err = info.value
     msg = str(err)
-    assert msg.startswith("[two requests] out_indices differs at 2 of 9 positions")
+    assert msg.startswith("[two requests] out_indices: 2 of 9 positions differ")
     assert "first at index 4 (request 0, part 2)" in msg
     assert "expected[4] = 4, got 99" in msg
     assert "wrong values appear in: request 0, part 2; request 1, part 3" in msg

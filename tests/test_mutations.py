@@ -113,14 +113,14 @@ CH00 = [
 
 CH01 = [
     Mutant("page_to_token", "page_starts.unsqueeze(1) + offsets", "page_starts.unsqueeze(1) + 0 * offsets",
-           ("slots differ", "(page 0 (start"), "without the offsets: every slot is its page's start"),
+           ("slots: ", "positions differ", "(page 0 (start"), "without the offsets: every slot is its page's start"),
     Mutant("page_to_token", "(page_starts.unsqueeze(1) + offsets).flatten()",
            "(page_starts.unsqueeze(1) + offsets).t().flatten()",
-           ("slots differ", "(page 0 (start"), "wrong stride: slots read column by column"),
+           ("slots: ", "positions differ", "(page 0 (start"), "wrong stride: slots read column by column"),
     Mutant("page_to_token", "if page_size == 1:", "if page_size <= 4:",
            ("slots has 2 values, expected 8",), "the page_size 1 shortcut taken for small pages"),
     Mutant("page_to_token", "torch.arange(page_size,", "torch.arange(1, page_size + 1,",
-           ("slots differ", "(page 0 (start"), "offsets 1..page_size instead of 0..page_size-1"),
+           ("slots: ", "positions differ", "(page 0 (start"), "offsets 1..page_size instead of 0..page_size-1"),
     Mutant("page_to_token", "(page_starts.unsqueeze(1) + offsets).flatten()",
            "(page_starts.unsqueeze(1) + offsets).flatten().to(torch.int32)",
            ("[large page ids (int64)]", "(page 0 (start"), "slots squeezed into int32"),
@@ -239,7 +239,7 @@ CH04 = [
            "num_page_start_loc_self = (seq_len + page_size - 1) // page_size - (\n"
            "        pre_len + page_size - 1\n    ) // page_size",
            "num_page_start_loc_self = seq_len // page_size - pre_len // page_size",
-           ("out_indices differs", "request 0, new page"),
+           ("out_indices: ", "positions differ", "request 0, new page"),
            "decode takes a new page at the wrong boundary (seq % P == 0, not (seq - 1) % P == 0)"),
     Mutant("alloc_decode", "tl.store(out_indices + pid, last_loc + 1)",
            "tl.store(out_indices + pid, last_loc)",

@@ -96,7 +96,7 @@ def test_in_a_kernel_failures_show_their_message_and_the_learners_lines_only(tmp
     (wrong,) = errors(cells[1])
     assert_no_kvlab_frames(wrong)
     assert wrong.startswith("✗ kvlab.check.page_to_token: [the example: pages [4, 8] with "
-                            "page_size 4] slots differ")
+                            "page_size 4] slots: 6 of 8 positions differ")
     assert wrong.splitlines()[-1].startswith("(Run All goes on: later cells use the package's")
     # on a GPU the first check says once, in one line, that learner code runs in a child process
     shown = [o for o in cells[1].outputs if not (

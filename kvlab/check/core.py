@@ -75,7 +75,7 @@ def compare_flat(expected, got, *, case: str, what: str = "output",
     where = label_at(i, segments)
     lo, hi = max(0, i - 3), min(exp.numel(), i + 5)
     msg = (
-        f"[{case}] {what} differs at {len(wrong)} of {exp.numel()} positions; "
+        f"[{case}] {what}: {len(wrong)} of {exp.numel()} positions differ; "
         f"first at index {i}" + (f" ({where})" if where else "") + "\n"
         f"  expected[{i}] = {int(exp[i])}, got {int(g[i])}\n"
         f"  expected[{lo}:{hi}] = {shown(exp, lo, hi)}\n"
