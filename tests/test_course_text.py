@@ -49,29 +49,26 @@ def chapter(number: str) -> Path:
     return next(p for p in CHAPTERS if p.name.startswith(number))
 
 
-def outside_answers(code: str) -> str:
-    """A code cell without its answer regions (what a learner sees before writing anything)."""
+def _lines(code: str, in_answers: bool) -> str:
+    """The lines of a code cell inside its answer regions, or outside them."""
     kept, inside = [], False
     for line in code.split("\n"):
         m = _MARKER.match(line)
         if m:
             inside = m.group(1) == "BEGIN" and m.group(2) == "SOLUTION"
             continue
-        if not inside:
+        if inside == in_answers:
             kept.append(line)
     return "\n".join(kept)
+
+
+def outside_answers(code: str) -> str:
+    """A code cell without its answer regions (what a learner sees before writing anything)."""
+    return _lines(code, in_answers=False)
 
 
 def answers(code: str) -> str:
-    kept, inside = [], False
-    for line in code.split("\n"):
-        m = _MARKER.match(line)
-        if m:
-            inside = m.group(1) == "BEGIN" and m.group(2) == "SOLUTION"
-            continue
-        if inside:
-            kept.append(line)
-    return "\n".join(kept)
+    return _lines(code, in_answers=True)
 
 
 # --- the glossary and the opening lines -------------------------------------------------
