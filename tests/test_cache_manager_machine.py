@@ -42,7 +42,7 @@ class WriteFailed(RuntimeError):
 INJECTED = (Boom, Interrupted, WriteFailed)
 class CacheManagerMachine(RuleBasedStateMachine):
     page_size = 4
-    cache = "radix"
+    prefix_cache = "radix"  # (not `cache`: that name is the cache_req rule below)
 
     @initialize(pages=st.integers(3, 9), seed=st.integers(0, 2**16),
                 writer=st.sampled_from(["host", "host", "host", "triton"]))
@@ -52,7 +52,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.rng = random.Random(seed)
         self.num_pages = pages * self.unit // P
         table = new_page_table(ROWS, 6 * self.unit + 8, P, device="cpu" if writer == "host" else None)
-        self.cm = CacheManager(self.num_pages, P, table, self.cache, page_table_writer=writer)
+        self.cm = CacheManager(self.num_pages, P, table, self.prefix_cache, page_table_writer=writer)
         self.max_len = table.shape[1]
         self.bases = [[self.rng.randrange(3) for _ in range(3 * self.unit)] for _ in range(2)]
         self.kv: dict[int, int] = {}  # slot -> fingerprint of the tokens its KV was computed from
@@ -352,7 +352,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
 
 def _machine(page_size: int, cache: str = "radix"):
     machine = type(f"CacheManagerMachine{cache.title()}P{page_size}", (CacheManagerMachine,),
-                   {"page_size": page_size, "cache": cache})
+                   {"page_size": page_size, "prefix_cache": cache})
     machine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
     return machine.TestCase
 
