@@ -24,10 +24,17 @@ One **step** of the loop::
           one token of a request (decoding)       -> the Triton paged decode kernel (GQA)
                 │
                 ▼
-    greedy token per request, read back once (the step's one wait for the GPU); complete_step:
-    a prompt's last chunk gives its first token and cache_req(finished=False) puts its
-    prompt's pages in the prefix cache; cache_req(finished=True) ends the finished requests
-    (EOS or max_new_tokens), whose rows go back to the waiting requests
+    greedy token per request, read back once (the step's one wait for the GPU); the lengths
+    move past the step (complete_step); a prompt's last chunk gives its first token and
+    cache_req(finished=False) puts its prompt's pages in the prefix cache;
+    cache_req(finished=True) ends the finished requests (EOS or max_new_tokens), whose rows
+    go back to the waiting requests
+
+**Overlap scheduling** (``overlap=True``, the default on a GPU): the host schedules and
+launches step n+1 before it reads step n's tokens, so the GPU never waits for the host's
+bookkeeping; a step's tokens are consumed one step later, as in mini-sglang's
+``overlap_loop``. :mod:`kvlab.hf.loop` runs the steps and says where kvlab departs from
+mini-sglang; :mod:`kvlab.hf.overlap` is where the device work runs.
 
 Admission is by memory: as many requests run as page-table rows and pages allow. A request
 is admitted only if the pages it may still need (prompt + ``max_new_tokens`` - 1 positions,
@@ -41,7 +48,7 @@ The loop speaks to :class:`~kvlab.CacheManager` in its serving words (``admit``,
 """
 from __future__ import annotations
 
-from collections import deque
+import math
 from typing import Callable, NamedTuple, Sequence
 
 import torch
@@ -50,12 +57,14 @@ from ..args import check_int, check_page_size, check_token_ids, div_ceil
 from ..errors import InvalidArgument, OutOfPages
 from .attention import check_rows_mapped
 from .graphs import DecodeGraphs, graph_batch_sizes
+from .loop import ServingLoop, StepInfo
+from .overlap import DeviceQueue, StepTimes, device_queue, to_host
 from .plugin import (check_generation_config, check_model, eos_token_ids, paged_attention_active,
                      register_attention)
-from .prefill import PrefillAdder, Seq
+from .prefill import Seq
 from .step import build_step
 
-__all__ = ["PagedGenerator", "RequestStats", "StepInfo"]
+__all__ = ["PagedGenerator", "RequestStats", "StepInfo", "StepTimes"]
 
 #: what ``decode_graphs`` may be: see :class:`PagedGenerator`
 GRAPH_MODES = ("auto", "capture", "eager", "off")
@@ -69,21 +78,27 @@ class RequestStats(NamedTuple):
     computed: int      # prompt tokens whose K/V the prefill computed
     generated: int     # new tokens (the EOS token included when it ended the request)
     finished_by: str   # "eos" or "length"
+    arrival: float = 0.0     # seconds after the call began when it arrived
+    times: tuple = ()        # when each new token reached the host (s after the call began)
 
+    @property
+    def ttft(self) -> float:
+        """Time to first token, from its arrival (s)."""
+        return self.times[0] - self.arrival
 
-class StepInfo(NamedTuple):
-    """One step of the loop, for ``on_step``: which requests (prompt indices) did what."""
+    @property
+    def latency(self) -> float:
+        """End-to-end latency: arrival to its last token (s)."""
+        return self.times[-1] - self.arrival
 
-    index: int
-    prefill: list[int]    # admitted in this step: their prompts (or a first chunk) were computed
-    decode: list[int]     # running: one new token each
-    tokens: int           # tokens in the step's forward pass
-    chunks: list[int]     # computed a chunk of a prompt begun in an earlier step
-    padded_to: int        # a decode step run at this captured batch size (0: a packed step)
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies: the gaps between its consecutive tokens (s)."""
+        return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
 class PagedGenerator:
-    """Greedy generation for a Llama-family or Qwen2 transformers model, K/V in kvlab's pool.
+    """Greedy generation for a Llama-family, Qwen2 or Qwen3 transformers model, K/V in kvlab's pool.
 
     ``gen = PagedGenerator(model, page_size=16, num_pages=256)``;
     ``gen.generate(prompts, max_new_tokens=32)`` returns, per prompt (a list of token ids),
@@ -106,14 +121,17 @@ class PagedGenerator:
     * ``decode_step``: a function with the signature of :func:`kvlab.hf.paged_attention_step`
       to use instead of it (chapter 10's exercise);
     * ``check_steps``: check every step's rows on the host before its forward pass (a few waits
-      for the GPU per step; default: only without CUDA, where a bad slot would corrupt memory).
+      for the GPU per step; default: only without CUDA, where a bad slot would corrupt memory);
+    * ``overlap``: overlap scheduling (see above; default: on a CUDA device). Without CUDA it
+      runs each forward pass on a worker thread, which stands in for a GPU stream. An
+      attribute: ``gen.overlap = False`` turns it off for the next calls.
     """
 
     def __init__(self, model, page_size: int = 16, num_pages: int = 256, *, max_running: int = 256,
                  max_seq_len: int | None = None, prefill_budget: int = 8192,
                  chunked_prefill: bool = True, decode_graphs: str = "auto",
                  graph_sizes: Sequence[int] | None = None, decode_step: Callable | None = None,
-                 check_steps: bool | None = None):
+                 check_steps: bool | None = None, overlap: bool | None = None):
         from ..kvcache import KVPool
         from ..paging import new_page_table
 
@@ -145,6 +163,11 @@ class PagedGenerator:
         device = model.device
         self.check_steps = device.type != "cuda" if check_steps is None else _check_bool(
             "check_steps", check_steps)
+        self.overlap = device.type == "cuda" if overlap is None else overlap
+        self._queues: dict[bool, DeviceQueue] = {}
+        # overlap: each page-table row's last sampled token, which the row's next decode step
+        # reads on the device (the host learns it one step later); the dummy row's too
+        self.last_tokens = torch.zeros(self.max_running + 1, dtype=torch.int64, device=device)
         # one row more than max_running: the dummy request's (new_page_table makes it)
         self.page_table = new_page_table(self.max_running, max_seq_len, self.page_size, device)
         self.dummy_row = self.max_running
@@ -158,6 +181,16 @@ class PagedGenerator:
         self.logits: list[torch.Tensor] = []
         register_attention()
         self.graphs = self._decode_graphs(decode_graphs, graph_sizes)
+        self.timeline: list[StepTimes] = []
+
+    @property
+    def overlap(self) -> bool:
+        """Overlap scheduling on (settable between calls)."""
+        return self._overlap
+
+    @overlap.setter
+    def overlap(self, value: bool) -> None:
+        self._overlap = _check_bool("overlap", value)
 
     def _decode_graphs(self, mode: str, sizes: Sequence[int] | None) -> DecodeGraphs | None:
         """The padded decode step (captured now, at start-up, or run eagerly), or None."""
@@ -168,6 +201,8 @@ class PagedGenerator:
             return None
         if sizes is None:
             sizes = graph_batch_sizes(min(self.max_running, 256))
+        if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
+            raise InvalidArgument("graph_sizes", "a list of batch sizes", f"got {type(sizes).__name__}")
         sizes = sorted(set(check_int(f"graph_sizes[{i}]", s, minimum=1) for i, s in enumerate(sizes)))
         if not sizes or sizes[-1] > self.max_running:
             raise InvalidArgument("graph_sizes", f"batch sizes in [1, max_running={self.max_running}]",
@@ -192,97 +227,93 @@ class PagedGenerator:
         cache). The pool, the page table and any captured graphs stay."""
         from ..cache_manager import CacheManager
 
-        self.manager = CacheManager(self.num_pages, self.page_size, self.page_table)
+        # without CUDA the page table is written by plain torch: the Triton interpreter serves
+        # one kernel at a time, and the forward pass may run on a worker thread meanwhile
+        writer = "triton" if self.page_table.device.type == "cuda" else "host"
+        self._settle()
+        self.manager = CacheManager(self.num_pages, self.page_size, self.page_table,
+                                    page_table_writer=writer)
 
     # --- the public call ------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *,
-                 output_logits: bool = False,
-                 on_step: Callable[[StepInfo], None] | None = None) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens=32, *,
+                 output_logits: bool = False, on_step: Callable[[StepInfo], None] | None = None,
+                 arrivals: Sequence[float] | None = None, timeline: bool = False) -> list[list[int]]:
         """New tokens per prompt (greedy; stops at EOS as ``generate`` does).
 
+        ``max_new_tokens``: one number for all prompts, or one per prompt.
         ``output_logits=True`` keeps, in ``self.logits[i]``, the float32 logits behind each
         token of prompt ``i`` (``[new_tokens, vocab]``, on the CPU). ``on_step(StepInfo)``
-        is called after every step (e.g. to photograph ``self.page_table``). Checks
-        everything first: bad prompts raise :class:`~kvlab.InvalidArgument` and a prompt
-        the pool can never hold raises :class:`~kvlab.OutOfPages`, with nothing changed.
+        is called after every step (e.g. to photograph ``self.page_table``). ``arrivals``:
+        per prompt, seconds after the call begins before which it is not admitted (an online
+        server's requests; ``self.requests[i].times`` says when each token reached the
+        host). ``timeline=True``: ``self.timeline`` gets one :class:`StepTimes` per step.
+        Checks everything first: bad arguments raise :class:`~kvlab.InvalidArgument` and a
+        prompt the pool can never hold raises :class:`~kvlab.OutOfPages`, with nothing
+        changed. After any error or interrupt every page is accounted for again and the
+        generator is ready for the next call.
         """
-        seqs, max_new = self._check(prompts, max_new_tokens)
-        eos = eos_token_ids(self.model)
-        waiting: deque[Seq] = deque(seqs)
-        chunked: list[Seq] = []    # admitted; their prompts are computed chunk by chunk
-        running: list[Seq] = []    # decoding: one token per step
-        free_rows = list(range(self.max_running))
-        stats = dict(requests=len(seqs), prefill_computed=0, prefill_cached=0, generated=0,
-                     steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, chunks=0,
-                     decode_tokens=0, deferred=0, most_running=0)
-        live: list[Seq] = []     # admitted and not finished: released if anything goes wrong
-        try:
-            with paged_attention_active(self.model), torch.inference_mode():
-                while waiting or chunked or running:
-                    # 1. who prefills this step, and how much (admission by memory, chunks)
-                    adder = PrefillAdder(self.manager, max_new, self.prefill_budget,
-                                         chunked=self.chunked_prefill, holding=running + chunked)
-                    new = self._admit(adder, waiting, chunked, free_rows, stats)
-                    live += new
-                    prefill = adder.added
-                    if not prefill and not running:  # _check made sure each request fits alone
-                        raise AssertionError("kvlab.hf: no request could be admitted to an idle pool")
-                    # 2. map the prompt chunks and one more position of each running request
-                    step = self.manager.mixed_step([s.req for s in prefill], [s.req for s in running])
-                    batch = prefill + running
-                    # who gets a token: running requests, and prompts whose last chunk this is
-                    last = [s.req.device_len == len(s.prompt) for s in prefill] + [True] * len(running)
-                    # 3. one forward pass (a replayed graph for a decode-only step)
-                    token_t, logits, padded_to = self._forward(step, last)
-                    tokens = iter(token_t.tolist())      # the step's one wait for the GPU
-                    rows = iter(logits.to("cpu", torch.float32, copy=True)) if output_logits else None
-                    next_tokens, done = [], []
-                    for seq, produced in zip(batch, last):
-                        token = next(tokens) if produced else None
-                        next_tokens.append(token)
-                        if produced:
-                            seq.tokens.append(token)
-                            if rows is not None:
-                                seq.logits.append(next(rows))
-                            if token in eos or len(seq.tokens) == max_new:
-                                seq.finished_by = "eos" if token in eos else "length"
-                        done.append(bool(seq.finished_by))
-                    # 4. record the tokens; finished prompts' pages join the cache; done ones end
-                    self.manager.complete_step(step, next_tokens, done)
-                    for seq in batch:
-                        if seq.finished_by:
-                            free_rows.append(seq.req.table_idx)
-                            live.remove(seq)
-                    chunked = [s for s, produced in zip(prefill, last) if not produced]
-                    running = [s for s, produced in zip(batch, last) if produced and not s.finished_by]
-                    self._count(stats, step, prefill, new, chunked, padded_to)
-                    if on_step is not None:
-                        on_step(StepInfo(stats["steps"] - 1, [s.index for s in new],
-                                         [s.index for s in batch[len(prefill):]], step.num_tokens,
-                                         [s.index for s in prefill if s not in new], padded_to))
-        except BaseException:
-            for seq in live:                 # give their pages back; the cache keeps what it has
-                if seq.req is not None and not seq.req.finished:
-                    self.manager.release_req(seq.req)
-            raise
+        seqs = self._check(prompts, max_new_tokens, arrivals)
+        _check_bool("output_logits", output_logits)
+        _check_bool("timeline", timeline)
+        if on_step is not None and not callable(on_step):
+            raise InvalidArgument("on_step", "a function of one StepInfo, or None",
+                                  f"got {type(on_step).__name__}")
+        self._settle()                         # what an interrupted call left, if anything
+        overlap = self.overlap
+        queue = self._queue(overlap)
+        queue.begin(timeline)
+        loop = ServingLoop(self, seqs, eos=eos_token_ids(self.model), overlap=overlap, queue=queue,
+                           output_logits=output_logits, on_step=on_step)
+        with paged_attention_active(self.model), torch.inference_mode():
+            try:
+                loop.run()
+            except BaseException:
+                self._settle()                 # give their pages back; the cache keeps what it has
+                raise
         self.manager.check_integrity()
-        stats["generated"] = sum(len(s.tokens) for s in seqs)
-        self.stats = stats
+        loop.stats["generated"] = sum(len(s.tokens) for s in seqs)
+        self.stats = loop.stats
+        self.timeline = loop.timeline
         self.requests = [RequestStats(len(s.prompt), s.cached, len(s.prompt) - s.cached,
-                                      len(s.tokens), s.finished_by) for s in seqs]
+                                      len(s.tokens), s.finished_by, s.arrival, tuple(s.times))
+                         for s in seqs]
         self.logits = [torch.stack(s.logits) for s in seqs] if output_logits else []
         return [s.tokens for s in seqs]
 
+    def _queue(self, overlap: bool) -> DeviceQueue:
+        if overlap not in self._queues:
+            self._queues[overlap] = device_queue(self.page_table.device, overlap)
+        return self._queues[overlap]
+
+    def _settle(self) -> None:
+        """Make the state whole again after a call that failed or was interrupted anywhere:
+        wait for the device work it left, then release every request still holding a row
+        (between calls none does). Read from the state itself, so it finishes the job
+        whether or not an earlier attempt was itself interrupted."""
+        for queue in getattr(self, "_queues", {}).values():
+            queue.drain()
+        manager = getattr(self, "manager", None)
+        for req in list(manager.running) if manager is not None else []:
+            manager.release_req(req)
+
     # --- before anything changes ----------------------------------------------------------
 
-    def _check(self, prompts, max_new_tokens) -> tuple[list[Seq], int]:
-        max_new = check_int("max_new_tokens", max_new_tokens, minimum=1)
+    def _check(self, prompts, max_new_tokens, arrivals) -> list[Seq]:
         if isinstance(prompts, (str, bytes, torch.Tensor)) or not isinstance(prompts, Sequence):
             raise InvalidArgument("prompts", "a list of prompts, each a list of token ids",
                                   f"got {type(prompts).__name__}")
         if len(prompts) == 0:
             raise InvalidArgument("prompts", "at least one prompt", "got none")
+        max_new = _per_prompt("max_new_tokens", max_new_tokens, len(prompts))
+        max_new = [check_int(name, m, minimum=1) for name, m in max_new]
+        times = [0.0] * len(prompts)
+        if arrivals is not None:
+            times = []
+            for name, t in _per_prompt("arrivals", arrivals, len(prompts), scalar=False):
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+                    raise InvalidArgument(name, "a finite number of seconds >= 0", f"got {t!r}")
+                times.append(float(t))
         check_generation_config(self.model)
         vocab = self.model.config.vocab_size
         cols = self.page_table.shape[1]
@@ -295,68 +326,66 @@ class PagedGenerator:
             if min(ids) < 0 or max(ids) >= vocab:
                 raise InvalidArgument(f"prompts[{i}]", f"token ids in [0, {vocab}) (the model's vocabulary)",
                                       f"got min {min(ids)}, max {max(ids)}")
-            positions = len(ids) + max_new - 1   # the last new token's K/V is never computed
+            positions = len(ids) + max_new[i] - 1   # the last new token's K/V is never computed
             if div_ceil(positions, P) > self.num_pages:
                 raise OutOfPages(div_ceil(positions, P), self.num_pages,
-                                 f"request (prompts[{i}]: {len(ids)} prompt tokens + {max_new} new, "
+                                 f"request (prompts[{i}]: {len(ids)} prompt tokens + {max_new[i]} new, "
                                  f"pages of {P}; the pool has {self.num_pages} pages in all)")
             if positions > cols:
                 raise InvalidArgument(f"prompts[{i}]", f"len(prompt) + max_new_tokens - 1 <= {cols} "
                                       f"(positions of a page-table row: {self._row_limit})",
-                                      f"got {len(ids)} + {max_new} - 1")
-            seqs.append(Seq(i, ids))
-        return seqs, max_new
-
-    # --- scheduling -----------------------------------------------------------------------
-
-    def _admit(self, adder: PrefillAdder, waiting: deque, chunked: list, free_rows: list,
-               stats: dict) -> list[Seq]:
-        """Chunks of prompts begun earlier first (they keep their rows and handles), then
-        waiting requests in order while rows, the budget and pages last; returns the new ones."""
-        for seq in chunked:
-            if not adder.add_chunk(seq):
-                break
-        new: list[Seq] = []
-        for seq in list(waiting):
-            verdict = adder.try_admit(seq, free_rows, chunked)
-            if verdict == "full":
-                break
-            if verdict == "added":
-                waiting.remove(seq)
-                new.append(seq)
-                stats["prefill_cached"] += seq.cached
-                stats["prefill_computed"] += len(seq.prompt) - seq.cached
-        stats["deferred"] += adder.deferred
-        return new
-
-    @staticmethod
-    def _count(stats: dict, step, prefill: list, new: list, chunked: list, padded_to: int) -> None:
-        stats["steps"] += 1
-        stats["prefill_steps"] += bool(prefill)
-        stats["decode_steps"] += not prefill
-        stats["graph_steps"] += bool(padded_to)
-        stats["chunks"] += len(chunked)
-        stats["decode_tokens"] += len(step) - len(prefill)
-        stats["most_running"] = max(stats["most_running"], len(step))
+                                      f"got {len(ids)} + {max_new[i]} - 1")
+            seqs.append(Seq(i, ids, max_new=max_new[i], arrival=times[i]))
+        return seqs
 
     # --- one forward step ------------------------------------------------------------------
 
-    def _forward(self, step, last: Sequence[bool]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Run the model once over every request's new tokens of ``step`` (a
-        :class:`~kvlab.req.ForwardBatch`, pages mapped). Returns the greedy next token and
-        the logits of each request with ``last[b]`` (on the device), and the captured batch
-        size a decode-only step ran at (0: one packed eager pass)."""
+    def _launch_step(self, step, produces: Sequence[bool], queue: DeviceQueue, *, overlap: bool,
+                     output_logits: bool):
+        """Hand the forward pass over every request's new tokens of ``step`` (a
+        :class:`~kvlab.req.ForwardBatch`, pages mapped) to ``queue``: the greedy next token of
+        each request with ``produces[b]`` (and its logits, if wanted), copied to the host.
+        Returns the queue's ticket and the captured batch size a decode-only step runs at (0:
+        one packed eager pass). ``overlap``: decoding requests read their input token on the
+        device (``last_tokens``) and every new token is written back there."""
         if self.check_steps:
             check_rows_mapped(self.page_table, step.rows(), step.seq_lens(), self.pool.num_slots)
+        last_tokens = self.last_tokens if overlap else None
         if self.graphs is not None and not any(step.prefilling) and self.graphs.fits(len(step)):
             ids = [req.input_ids[start] for req, start in zip(step.reqs, step.start)]
-            tokens, logits = self.graphs.run(ids, step.table_idx, step.start)
-            return tokens, logits, self.graphs.padded_size(len(step))
-        inputs = build_step(step, self.pool, self.page_table, last, self.group, self.decode_step)
-        out = self.model(input_ids=inputs.input_ids[None], position_ids=inputs.positions[None],
-                         use_cache=False, logits_to_keep=inputs.keep, kvlab_step=inputs.batch)
-        logits = out.logits[0]
-        return logits.argmax(-1), logits, 0
+            rows, starts, graphs = step.table_idx, step.start, self.graphs
+
+            def work():
+                tokens, logits = graphs.run(ids, rows, starts, last_tokens)
+                return to_host(tokens), to_host(logits) if output_logits else None
+            return queue.submit(work), graphs.padded_size(len(step))
+        inputs = build_step(step, self.pool, self.page_table, produces, self.group, self.decode_step)
+        model = self.model
+
+        def work():
+            ids = inputs.input_ids
+            if last_tokens is not None and inputs.decode_index.numel():
+                ids[inputs.decode_index] = last_tokens[inputs.decode_rows]
+            out = model(input_ids=ids[None], position_ids=inputs.positions[None], use_cache=False,
+                        logits_to_keep=inputs.keep, kvlab_step=inputs.batch)
+            logits = out.logits[0]
+            tokens = logits.argmax(-1)
+            if last_tokens is not None:
+                last_tokens[inputs.keep_rows] = tokens
+            return to_host(tokens), to_host(logits) if output_logits else None
+        return queue.submit(work), 0
+
+
+def _per_prompt(name: str, value, n: int, *, scalar: bool = True) -> list[tuple[str, object]]:
+    """``value`` for each of ``n`` prompts, with the name to blame: one for all (``scalar``),
+    or a list of ``n``."""
+    if scalar and (isinstance(value, bool) or not isinstance(value, Sequence) or isinstance(value, (str, bytes))):
+        return [(name, value)] * n
+    if isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Sequence):
+        raise InvalidArgument(name, f"a list of {n} (one per prompt)", f"got {type(value).__name__}")
+    if len(value) != n:
+        raise InvalidArgument(name, f"one per prompt ({n})", f"got {len(value)}")
+    return [(f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
 def _check_bool(name: str, value) -> bool:

@@ -147,9 +147,12 @@ class DecodeGraphs:
                 gc.enable()
         torch.cuda.synchronize(self.page_table.device)
 
-    def run(self, input_ids: Sequence[int], rows: Sequence[int], positions: Sequence[int]):
+    def run(self, input_ids: Sequence[int], rows: Sequence[int], positions: Sequence[int],
+            last_tokens: torch.Tensor | None = None):
         """One decode step of ``len(rows)`` requests (at most the largest size): returns
-        ``(tokens, logits)`` of the real lanes, on the device. Nothing here waits for the GPU."""
+        ``(tokens, logits)`` of the real lanes, on the device. Nothing here waits for the GPU.
+        ``last_tokens`` (overlap scheduling): each lane's token id is ``last_tokens[row]`` on
+        the device, not ``input_ids``, and the step's new tokens are written back there."""
         n = len(rows)
         lanes = to_device(torch.tensor([input_ids, positions, rows], dtype=torch.int64),
                           self.page_table.device)
@@ -157,11 +160,13 @@ class DecodeGraphs:
                                                   self.dummy_row)
         bs = len(rows_p)
         self.inputs[0, n:bs].zero_()
-        self.inputs[0, :n].copy_(lanes[0])
+        self.inputs[0, :n].copy_(lanes[0] if last_tokens is None else last_tokens[lanes[2]])
         self.inputs[1, :bs].copy_(positions_p)
         self.inputs[2, :bs].copy_(rows_p)
         if self.capture:
             self.graphs[bs].replay()
         else:
             self._forward(bs)
+        if last_tokens is not None:
+            last_tokens[lanes[2]] = self.tokens[:n]
         return self.tokens[:n], self.logits[:n]

@@ -33,8 +33,10 @@ __all__ = ["ATTENTION_NAME", "SUPPORTED", "MIN_TRANSFORMERS", "require_transform
 
 #: the name kvlab's attention function is registered under in transformers' AttentionInterface
 ATTENTION_NAME = "kvlab_paged"
-#: config.model_type -> the causal-LM class kvlab serves (RoPE, grouped-query attention)
-SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+#: config.model_type -> the causal-LM class kvlab serves (RoPE, grouped-query attention). Qwen3
+#: normalises each head's query and key (RMSNorm, ``q_norm`` / ``k_norm``) inside its attention
+#: layer, before RoPE: the layer's own code, which runs before kvlab's function is called
+SUPPORTED = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 #: oldest transformers with everything used here (AttentionInterface, set_attn_implementation,
 #: logits_to_keep as a tensor, kwargs forwarded to the attention function)
 MIN_TRANSFORMERS = (4, 56)
@@ -71,8 +73,9 @@ def check_model(model) -> None:
         config = getattr(model, "config", None)
         kind = getattr(config, "model_type", None)
         raise InvalidArgument(
-            "model", "a transformers causal LM of the Llama family (LlamaForCausalLM, e.g. SmolLM2) "
-            "or Qwen2 (Qwen2ForCausalLM): config.model_type in " + str(sorted(SUPPORTED)),
+            "model", "a transformers causal LM of the Llama family (LlamaForCausalLM, e.g. SmolLM2), "
+            "Qwen2 (Qwen2ForCausalLM) or Qwen3 (Qwen3ForCausalLM): config.model_type in "
+            + str(sorted(SUPPORTED)),
             f"got {type(model).__name__} (model_type {kind!r})")
     if getattr(model.config, "use_sliding_window", False):
         raise InvalidArgument("model.config.use_sliding_window", "False: kvlab's paged attention "

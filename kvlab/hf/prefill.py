@@ -41,9 +41,13 @@ class Seq:
 
     index: int
     prompt: list[int]
+    max_new: int = 1              # new tokens it may produce (its max_new_tokens)
+    arrival: float = 0.0          # seconds after the call began when it may be admitted
     req: object = None            # kvlab.Req while admitted
     cached: int = 0               # prompt tokens found in the prefix cache at admission
-    tokens: list[int] = field(default_factory=list)
+    produced: int = 0             # tokens its steps produced, those still on the way included
+    tokens: list[int] = field(default_factory=list)     # the tokens the host has read back
+    times: list[float] = field(default_factory=list)    # when each reached the host (s)
     logits: list[torch.Tensor] = field(default_factory=list)
     finished_by: str = ""
 
@@ -71,11 +75,9 @@ class PrefillAdder:
     row, the token budget and memory allow. ``chunked=False``: no chunks -- the budget then
     bounds whole prompts, and the first prompt of a step always goes whole."""
 
-    def __init__(self, manager, max_new: int, token_budget: int, *, chunked: bool,
-                 holding: Sequence[Seq]):
+    def __init__(self, manager, token_budget: int, *, chunked: bool, holding: Sequence[Seq]):
         self.manager = manager
         self.P = manager.page_size
-        self.max_new = max_new
         self.token_budget = token_budget
         self.chunked = chunked
         # pages the requests holding rows (``holding``), and those admitted now, may still take
@@ -85,7 +87,7 @@ class PrefillAdder:
 
     def pages_to_come(self, seq: Seq) -> int:
         """Pages ``seq`` may still allocate: all it may ever map minus what its row maps now."""
-        total = div_ceil(len(seq.prompt) + self.max_new - 1, self.P)
+        total = div_ceil(len(seq.prompt) + seq.max_new - 1, self.P)
         return total - self.manager.allocated_pages(seq.req)
 
     def _take(self, seq: Seq) -> bool:

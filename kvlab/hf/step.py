@@ -126,6 +126,9 @@ class StepInputs(NamedTuple):
     positions: torch.Tensor       # [N]
     keep: torch.Tensor            # packed index of each token whose logits are wanted
     batch: StepBatch              # the attention calls' view of the step
+    keep_rows: torch.Tensor       # the page-table row of each of those tokens' requests
+    decode_index: torch.Tensor    # packed index of each decoding request's token ...
+    decode_rows: torch.Tensor     # ... and its row (overlap: its id is read on the device)
 
 
 def build_step(step, pool, page_table: torch.Tensor, keep: Sequence[bool], group: int,
@@ -140,6 +143,7 @@ def build_step(step, pool, page_table: torch.Tensor, keep: Sequence[bool], group
     """
     device = page_table.device
     ids, positions, token_rows, extend_index, single_index, rows, singles, last = ([] for _ in range(8))
+    keep_rows, decode_index, decode_rows = [], [], []
     spans = []
     offset = 0
     for b, (req, row, start, end) in enumerate(zip(step.reqs, step.table_idx, step.start, step.end)):
@@ -154,14 +158,19 @@ def build_step(step, pool, page_table: torch.Tensor, keep: Sequence[bool], group
         else:
             extend_index += range(offset, offset + n)
             spans.append((offset, n, start, row))
+        if not step.prefilling[b]:
+            decode_index.append(offset)
+            decode_rows.append(row)
         if keep[b]:
             last.append(offset + n - 1)
+            keep_rows.append(row)
         offset += n
-    (ids_t, pos_t, rows_t, ext_t, single_t, srows_t, spos_t, last_t) = pack(
-        [ids, positions, token_rows, extend_index, single_index, rows, singles, last], device)
+    (ids_t, pos_t, rows_t, ext_t, single_t, srows_t, spos_t, last_t, krows_t, dec_t, drows_t) = pack(
+        [ids, positions, token_rows, extend_index, single_index, rows, singles, last, keep_rows,
+         decode_index, decode_rows], device)
     extends = [Extend(o, n, s, page_table[r, :s + n].long(), prefill_mask(s, n, group, device))
                for o, n, s, r in spans]
     batch = StepBatch(pool=pool, page_table=page_table, single_rows=srows_t, single_positions=spos_t,
                       single_index=single_t, out_loc=page_table[rows_t, pos_t].long(),
                       extend_index=ext_t, extends=extends, decode_step=decode_step)
-    return StepInputs(ids_t, pos_t, last_t, batch)
+    return StepInputs(ids_t, pos_t, last_t, batch, krows_t, dec_t, drows_t)
