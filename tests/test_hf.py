@@ -1,6 +1,7 @@
 """kvlab.hf.PagedGenerator serves real transformers models token for token.
 
-Small random Llama and Qwen2 models (2 layers, 4 query heads on 2 K/V heads, RoPE) are saved
+Small random Llama, Qwen2 and Qwen3 models (2 layers, 4 query heads on 2 K/V heads, RoPE; Qwen3
+normalises each head's q and k inside its attention) are saved
 with ``save_pretrained`` and loaded with ``from_pretrained``; every run is compared with
 ``model.generate(torch.tensor([prompt]), do_sample=False)`` for each prompt alone: the same
 new tokens, and logits within 1e-4 (float32). No network.
@@ -18,54 +19,21 @@ transformers = pytest.importorskip(
 
 import kvlab  # noqa: E402
 from kvlab import InvalidArgument, OutOfPages  # noqa: E402
-from kvlab.hf import PagedGenerator, paged_attention_reference, tiny_model  # noqa: E402
+from hf_helpers import (VOCAB, assert_identical, manager_state, reference,  # noqa: E402
+                        shared_prefix_prompts, torch_decode_step)
+from kvlab.hf import PagedGenerator, tiny_model  # noqa: E402
 from kvlab.hf.plugin import ATTENTION_NAME  # noqa: E402
 
-ATOL = 1e-4
-ARCHS = ["llama", "qwen2"]
-VOCAB = 128
+ARCHS = ["llama", "qwen2", "qwen3"]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """Each architecture saved to disk and loaded back (the real loading path), on the
-    runtime's device."""
-    return {arch: tiny_model(arch, str(tmp_path_factory.mktemp(arch)), seed=0,
-                             device=kvlab.DEVICE) for arch in ARCHS}
-
-
-def reference(model, prompt, max_new_tokens):
-    """transformers' own greedy generation of one prompt: (new tokens, logits [n, vocab])."""
-    out = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=max_new_tokens,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float().cpu()
-
-
-def assert_identical(model, gen, prompts, got, max_new_tokens):
-    """Same tokens as generate() for each prompt alone; logits within ATOL."""
-    for i, prompt in enumerate(prompts):
-        want_tokens, want_logits = reference(model, prompt, max_new_tokens)
-        assert got[i] == want_tokens, (
-            f"prompt {i} (length {len(prompt)}): kvlab {got[i]} != generate {want_tokens}")
-        err = float((gen.logits[i] - want_logits).abs().max())
-        assert err <= ATOL, f"prompt {i}: logits differ by {err:.2e} > {ATOL}"
-
-
-def shared_prefix_prompts(seed: int, system_len: int = 20, suffixes=(3, 9, 1, 6)):
-    """Prompts that share a system prompt (distinct first suffix tokens), plus a one-token
-    prompt."""
-    rng = random.Random(seed)
-    system = [rng.randrange(VOCAB) for _ in range(system_len)]
-    firsts = rng.sample(range(VOCAB), len(suffixes))
-    prompts = [system + [f] + [rng.randrange(VOCAB) for _ in range(n - 1)]
-               for f, n in zip(firsts, suffixes)]
-    return prompts + [[rng.randrange(VOCAB)]]
-
-
-def manager_state(gen):
-    m = gen.manager
-    return (sorted(m.free_slots.tolist()), gen.page_table.clone(),
-            m.prefix_cache.size_info, len(m.running))
+    runtime's device (Qwen3 with heads of 32 on a hidden size of 64, as its head_dim need not
+    divide it)."""
+    return {arch: tiny_model(arch, str(tmp_path_factory.mktemp(arch)), seed=0, device=kvlab.DEVICE,
+                             **(dict(head_dim=32) if arch == "qwen3" else {})) for arch in ARCHS}
 
 
 #: how the loop serves: prompts in chunks of at most 7 tokens per step and decode steps padded
@@ -206,7 +174,7 @@ def test_bad_input_is_refused_before_anything_changes(models, prompts, max_new, 
 def test_other_architectures_are_refused_naming_what_is_supported(models):
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_layer=1, n_head=2, n_embd=16, vocab_size=32, n_positions=32))
-    with pytest.raises(InvalidArgument, match="Llama.*Qwen2.*got GPT2LMHeadModel"):
+    with pytest.raises(InvalidArgument, match="Llama.*Qwen2.*Qwen3.*got GPT2LMHeadModel"):
         PagedGenerator(gpt2)
     with pytest.raises(InvalidArgument, match="got LlamaModel"):
         PagedGenerator(models["llama"].model)          # no language-model head
@@ -249,12 +217,6 @@ def test_a_decode_step_of_your_own_serves_the_model(models):
     """The chapter's exercise plugs in here: any function with paged_attention_step's
     signature (this one in plain torch) serves the model with the same tokens."""
     model = models["qwen2"]
-
-    def torch_decode_step(q, k, v, k_pool, v_pool, page_table, rows, positions, scale):
-        slots = page_table[rows, positions].long()
-        k_pool[slots] = k
-        v_pool[slots] = v
-        return paged_attention_reference(q, k_pool, v_pool, page_table, rows, positions + 1, scale)
 
     prompts = shared_prefix_prompts(seed=5, system_len=9, suffixes=(2, 5))
     gen = PagedGenerator(model, page_size=4, num_pages=64, decode_step=torch_decode_step)

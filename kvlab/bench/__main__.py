@@ -7,9 +7,10 @@ first-call numbers in this process, start it with an empty Triton cache, e.g.
 Without CUDA: a smoke run of the harness (no timing claims), written to a temporary folder
 unless ``--out`` is given, so it never overwrites the GPU results in ``figures/``.
 
-``--serve``: only the serving benchmark of chapter 10 (:mod:`kvlab.bench.serve`), added to the
-``bench.json`` already in the output folder (under ``"serve"``), ``bench.md`` written again
-from it, and ``10_bench_serve.png``.
+``--serve``: only the serving benchmark of chapter 10 (:mod:`kvlab.bench.serve`: offline and
+online workloads, the GPU's busy share of a decode step), added to the ``bench.json`` already
+in the output folder (under ``"serve"``), ``bench.md`` written again from it, and
+``10_bench_serve.png``. Without CUDA, a smoke run of it (a tiny model).
 """
 from __future__ import annotations
 

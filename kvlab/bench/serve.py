@@ -1,252 +1,216 @@
 """The serving benchmark (chapter 10): ``python -m kvlab.bench --serve``.
 
-One workload, three ways of serving it with the same model, timed side by side in one run:
+The numbers serving engines publish, measured side by side in one run on one model: a
+random-weight model with **Qwen3-0.6B's configuration** (28 layers, hidden 1024, 16 query heads
+of 128 on 8 K/V heads, vocabulary 151936, tied embeddings) in bfloat16.
 
-* transformers ``generate`` on one left-padded batch (every prompt padded to the longest);
-* transformers ``generate_batch`` (its continuous batching over a paged cache);
-* :class:`kvlab.hf.PagedGenerator` (admission by memory, chunked prefill, CUDA-graph decode),
-  its prefix cache emptied before every run (a cold cache: the shared prefix is computed once
-  per run, then read by the prompts that share it);
+* **offline** -- nano-vllm's ``bench.py`` workload, which mini-sglang's
+  ``benchmark/offline/bench.py`` adapts: 256 requests, ``random.seed(0)``, each prompt
+  ``randint(100, 1024)`` tokens of ``randint(0, 10000)``, then each answer length
+  ``randint(100, 1024)``, ``ignore_eos``; 133,966 output tokens in all. Throughput as both
+  compute it: the requested output tokens over the wall time of the whole call. kvlab with
+  and without overlap scheduling on the whole workload; transformers ``generate`` (one
+  left-padded batch: every answer as long as the longest) and ``generate_batch``'s
+  continuous-batching manager (each request its own length) on the first
+  ``BASELINE_REQUESTS`` requests, and kvlab on that same subset beside them;
+* **online** -- Poisson arrivals (seeded) at several rates up to saturation: time to first
+  token (TTFT), inter-token latency (ITL) and end-to-end latency, p50 / p99, and requests/s,
+  for kvlab with and without overlap and for the continuous-batching manager;
+* **GPU busy** -- the fraction of a decode step's wall time the GPU works, from CUDA events
+  around each step's device work (:attr:`kvlab.hf.PagedGenerator.timeline`): step k's busy
+  share is its device time over the time from step k-1's end to step k's end, at 64 and 256
+  running requests, with and without overlap.
 
-and, for the chapter, the generator with chunking and then graphs turned off. The workload:
-a random-weight Llama (16 layers, hidden 2048, 32 query heads on 8 K/V heads: the shape of
-Llama 3.2 1B) in bfloat16; 64 prompts of 128-512 tokens, half of them behind one shared
-256-token prefix; 64 new tokens each, greedy, no end of text. Each path runs once to warm up,
-then ``rounds`` times in a rotating order; tokens/s is new tokens over the wall time of a
-whole call (synchronised). Beside that: the generator's steps, requests running at once,
-prompt tokens computed and cached, and the decode step time at 64 running requests next to
-``generate``'s at batch 64 (its time for 65 new tokens minus its time for 1, over 64).
+Without CUDA (``smoke``): a tiny Qwen3 and tiny workloads through the same code paths, no
+timing claims. The transformers baselines live in :mod:`kvlab.bench.serve_baselines`.
 """
 from __future__ import annotations
 
 import random
-import statistics
 import time
 
 import torch
 
-#: the workload of the benchmark (``smoke``: a tiny model and workload, for the interpreter)
-WORKLOAD = dict(requests=64, shortest=128, longest=512, shared_len=256, new_tokens=64, seed=0)
-SMOKE_WORKLOAD = dict(requests=6, shortest=8, longest=40, shared_len=20, new_tokens=3, seed=0)
-MODEL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-             num_key_value_heads=8, vocab_size=128256, max_position_embeddings=4096)
-#: the generator's pool and page size in the benchmark
-PAGE_SIZE, NUM_PAGES = 16, 4096
+from .serve_workloads import (BUSY, OFFLINE, ONLINE, SMOKE_BUSY, SMOKE_OFFLINE, SMOKE_ONLINE,
+                              arrivals_at, busy_fraction, latency_summary, offline_workload,
+                              online_workload, sync)
 
-
-def serve_prompts(requests: int, shortest: int, longest: int, shared_len: int, seed: int,
-                  vocab: int, **_) -> list[list[int]]:
-    """``requests`` prompts of ``shortest..longest`` tokens; every other one starts with the
-    same ``shared_len`` tokens (then at least ``shortest // 4`` tokens of its own)."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(vocab) for _ in range(shared_len)]
-    prompts = []
-    for i in range(requests):
-        if i % 2:
-            own = rng.randint(max(1, shortest // 4), longest - shared_len)
-            prompts.append(shared + [rng.randrange(vocab) for _ in range(own)])
-        else:
-            prompts.append([rng.randrange(vocab) for _ in range(rng.randint(shortest, longest))])
-    return prompts
+#: Qwen3-0.6B's config.json, its sizes (huggingface.co/Qwen/Qwen3-0.6B)
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                 rms_norm_eps=1e-6, tie_word_embeddings=True)
+#: the baselines run this many of the offline requests (transformers' loops are slow here)
+BASELINE_REQUESTS = 32
+#: kvlab's generator in the benchmark: mini-sglang's offline bench sets max_extend_tokens=16384
+PAGE_SIZE, NUM_PAGES, PREFILL_BUDGET, MAX_RUNNING = 16, 20480, 16384, 256
+#: stop starting optional parts past this many seconds (a GPU call is limited)
+TIME_BUDGET_S = 250
 
 
 def serve_model(device, smoke: bool):
-    """The random-weight model (seeded), with no end-of-text token: every request runs its
-    whole answer on every path."""
+    """The random-weight model (seeded), no end of text: every request runs its whole answer."""
     from ..hf.models import tiny_model
     from ..hf.plugin import require_transformers
 
     if smoke:
-        model = tiny_model("llama", seed=0, device=device)
+        model = tiny_model("qwen3", seed=0, device=device, vocab_size=128, head_dim=32)
     else:
         transformers = require_transformers()
-        config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None,
-                                          pad_token_id=None, tie_word_embeddings=False)
+        config = transformers.Qwen3Config(**QWEN3_06B, bos_token_id=None, eos_token_id=None,
+                                          pad_token_id=None)
         torch.manual_seed(0)
         with torch.device(device):
-            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+            model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model
 
 
-def _timed(fn, device) -> tuple[float, object]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    out = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start, out
+# --- kvlab --------------------------------------------------------------------------------
 
 
-def padded_generate(model, prompts, new_tokens: int) -> int:
-    """transformers ``generate`` on one left-padded batch; returns the new tokens made."""
-    longest = max(map(len, prompts))
-    ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=model.device)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)
-    return (out.shape[1] - longest) * len(prompts)
-
-
-def batch_generate(model, prompts, new_tokens: int) -> int:
-    """transformers ``generate_batch`` (continuous batching, paged cache)."""
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)
-    # no inference_mode here: its loop runs in a thread of its own, outside the mode
-    out = model.generate_batch(inputs=prompts, generation_config=config)
-    failed = [o.error for o in out.values() if getattr(o, "error", None)]
-    if failed or len(out) != len(prompts):
-        raise RuntimeError(f"generate_batch: {len(failed)} of {len(prompts)} requests failed: "
-                           f"{(failed or ['missing outputs'])[0]}")
-    return sum(len(o.generated_tokens) for o in out.values())
-
-
-class _StepClock:
-    """``on_step``: the wall time of each step (a step ends with reading its tokens back), and
-    on CUDA the GPU time of its forward pass (events around ``_forward``, read at the end)."""
-
-    def __init__(self, gen):
-        self.steps, self.events, self.last = [], [], time.perf_counter()
-        self.forward = gen._forward
-
-    def timed_forward(self, step, last):
-        if not torch.cuda.is_available():
-            return self.forward(step, last)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = self.forward(step, last)
-        end.record()
-        self.events.append((start, end))
-        return out
-
-    def __call__(self, info) -> None:
-        now = time.perf_counter()
-        self.steps.append(dict(kind="decode" if not info.prefill and not info.chunks else "prefill",
-                               running=len(info.prefill) + len(info.chunks) + len(info.decode),
-                               tokens=info.tokens, padded_to=info.padded_to,
-                               ms=(now - self.last) * 1e3))
-        self.last = now
-
-    def finish(self) -> None:
-        for step, (start, end) in zip(self.steps, self.events):
-            step["forward_gpu_ms"] = start.elapsed_time(end)
-
-
-def _kvlab_run(gen, prompts, new_tokens):
-    gen.clear_prefix_cache()          # a cold cache for every run
-    clock = _StepClock(gen)
-
-    def run():
-        gen._forward = clock.timed_forward
-        try:
-            clock.last = time.perf_counter()
-            return sum(map(len, gen.generate(prompts, max_new_tokens=new_tokens, on_step=clock)))
-        finally:
-            del gen._forward          # the class's own again
-    return run, clock
-
-
-def run_serve(smoke: bool = False, rounds: int = 3, log=print) -> dict:
-    """Measure the three paths (and the generator without chunking / graphs) on the workload."""
+def kvlab_generator(model, smoke: bool):
     from ..hf import PagedGenerator
+
+    if smoke:
+        return PagedGenerator(model, page_size=4, num_pages=256, max_running=8, prefill_budget=32)
+    return PagedGenerator(model, PAGE_SIZE, NUM_PAGES, max_running=MAX_RUNNING,
+                          prefill_budget=PREFILL_BUDGET)
+
+
+def kvlab_offline(gen, prompts, answers, overlap: bool, device) -> dict:
+    """One cold run of the whole workload; tokens/s as nano-vllm counts them."""
+    gen.overlap = overlap
+    gen.clear_prefix_cache()
+    sync(device)
+    start = time.perf_counter()
+    out = gen.generate(prompts, max_new_tokens=answers)
+    sync(device)
+    seconds = time.perf_counter() - start
+    tokens = sum(map(len, out))
+    if tokens != sum(answers):
+        raise AssertionError(f"kvlab produced {tokens} tokens, the workload asks {sum(answers)}")
+    return dict(seconds=seconds, tokens=tokens, tokens_per_s=tokens / seconds, stats=dict(gen.stats))
+
+
+def kvlab_online(gen, prompts, answers, gaps, rate: float, overlap: bool) -> dict:
+    gen.overlap = overlap
+    gen.clear_prefix_cache()
+    arrivals = arrivals_at(gaps, rate)
+    out = gen.generate(prompts, max_new_tokens=answers, arrivals=arrivals)
+    times = [list(r.times) for r in gen.requests]
+    return latency_summary(arrivals, times, sum(map(len, out)))
+
+
+def kvlab_busy(gen, running: int, prompt: int, answer: int, seed: int, overlap: bool) -> tuple[dict, list]:
+    """``running`` requests decoding together; the GPU busy share of their decode steps, and a
+    few of those steps' timeline (for the chapter's picture)."""
+    rng = random.Random(seed + running)
+    vocab = gen.model.config.vocab_size
+    prompts = [[rng.randrange(min(vocab, 10000)) for _ in range(prompt)] for _ in range(running)]
+    gen.overlap = overlap
+    gen.clear_prefix_cache()
+    gen.generate(prompts, max_new_tokens=answer, timeline=True)
+    steps = [s for s in gen.timeline if s.decode_only and s.lanes == running]
+    window = [s._asdict() for s in steps[len(steps) // 2: len(steps) // 2 + 6]]
+    return busy_fraction(gen.timeline, running), window
+
+
+# --- the whole run --------------------------------------------------------------------------
+
+
+def run_serve(smoke: bool = False, log=print) -> dict:
+    """Measure everything (see the module docstring); returns the result for ``bench.json``."""
     from .. import runtime
+    from . import serve_baselines as base
 
     device = runtime.DEVICE
-    w = dict(SMOKE_WORKLOAD if smoke else WORKLOAD)
+    t_start = time.perf_counter()
+    over = lambda: not smoke and time.perf_counter() - t_start > TIME_BUDGET_S  # noqa: E731
+    off_w, on_w, busy_w = (SMOKE_OFFLINE, SMOKE_ONLINE, SMOKE_BUSY) if smoke else (OFFLINE, ONLINE, BUSY)
     model = serve_model(device, smoke)
-    prompts = serve_prompts(**w, vocab=model.config.vocab_size)
-    new = w["new_tokens"]
-    res = dict(workload=dict(w, prompt_tokens=sum(map(len, prompts)), model=dict(
-        MODEL if not smoke else {"tiny": True}, dtype=str(model.dtype).replace("torch.", ""))),
-        rounds=rounds, paths={}, smoke=smoke)
-    pages = NUM_PAGES if not smoke else 64
-    variants = {"kvlab": {}, "kvlab_no_chunks": dict(chunked_prefill=False),
-                "kvlab_no_graphs": dict(decode_graphs="off")}
-    gens, startup = {}, {}
-    for name, kw in variants.items():
-        seconds, gens[name] = _timed(lambda: PagedGenerator(model, PAGE_SIZE, pages, **kw), device)
-        startup[name] = seconds
-        log(f"{name}: start-up {seconds:.2f} s")
-    paths = {"generate": lambda: padded_generate(model, prompts, new),
-             "generate_batch": lambda: batch_generate(model, prompts, new)}
-    if smoke:   # its paged cache on a CPU takes minutes even for the smoke workload
-        paths.pop("generate_batch")
-        rounds = res["rounds"] = 1
-    results: dict[str, dict] = {name: dict(seconds=[], tokens=None) for name in list(paths) + list(gens)}
-    clocks: dict[str, object] = {}
-    order = list(results)
-    for r in range(rounds + 1):                  # round 0 warms every path up
-        for name in order[r % len(order):] + order[:r % len(order)]:
-            if name in gens:
-                fn, clocks[name] = _kvlab_run(gens[name], prompts, new)
-            else:
-                fn = paths[name]
-            try:
-                seconds, produced = _timed(fn, device)
-            except Exception as e:  # noqa: BLE001 - a path transformers cannot run here is reported
-                results[name]["error"] = f"{type(e).__name__}: {e}"[:300]
+    prompts, answers = offline_workload(**off_w)
+    n_base = 3 if smoke else BASELINE_REQUESTS
+    res = dict(smoke=smoke, model=dict(QWEN3_06B if not smoke else {"tiny": True},
+                                       dtype=str(model.dtype).replace("torch.", "")),
+               offline=dict(workload=dict(off_w, prompt_tokens=sum(map(len, prompts)),
+                                          output_tokens=sum(answers), baseline_requests=n_base),
+                            paths={}),
+               online=dict(workload={k: v for k, v in on_w.items()}, paths={}),
+               busy=dict(workload=dict(busy_w), paths={}), timeline={}, skipped=[])
+    paths = res["offline"]["paths"]
+
+    t = time.perf_counter()
+    gen = kvlab_generator(model, smoke)
+    res["kvlab_startup_s"] = time.perf_counter() - t
+    log(f"kvlab start-up (graphs captured): {res['kvlab_startup_s']:.1f} s")
+    kvlab_offline(gen, prompts[:8], [min(a, 32) for a in answers[:8]], True, device)   # warm-up
+    # the whole workload, overlap on and off (twice each, alternating: the better run counts)
+    for name, overlap in (("kvlab", True), ("kvlab_no_overlap", False)) * (1 if smoke else 2):
+        r = kvlab_offline(gen, prompts, answers, overlap, device)
+        log(f"offline {name}: {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tokens/s")
+        if name not in paths or r["tokens_per_s"] > paths[name]["tokens_per_s"]:
+            paths[name] = dict(r, requests=len(prompts))
+    for name, overlap in (("kvlab_subset", True), ("kvlab_no_overlap_subset", False)):
+        r = kvlab_offline(gen, prompts[:n_base], answers[:n_base], overlap, device)
+        paths[name] = dict(r, requests=n_base)
+        log(f"offline {name}: {r['tokens_per_s']:.0f} tokens/s")
+    # GPU busy at 64 and 256 running
+    for running in busy_w["running"]:
+        for overlap in (True, False):
+            name = f"{'overlap' if overlap else 'no_overlap'}_{running}"
+            if over():
+                res["skipped"].append(f"busy {name}")
                 continue
-            if r:
-                results[name]["seconds"].append(seconds)
-            results[name]["tokens"] = produced
-            log(f"round {r} {name}: {seconds:.3f} s, {produced} tokens")
-    for name, entry in results.items():
-        if entry["seconds"]:
-            entry["tokens_per_s"] = entry["tokens"] / statistics.median(entry["seconds"])
-            entry["tokens_per_s_range"] = [entry["tokens"] / max(entry["seconds"]),
-                                           entry["tokens"] / min(entry["seconds"])]
-        if name in gens:
-            gen = gens[name]
-            if name in clocks:
-                clocks[name].finish()
-            entry.update(startup_s=startup[name], stats=dict(gen.stats),
-                         graph_sizes=list(gen.graphs.sizes) if gen.graphs is not None else [],
-                         steps=clocks[name].steps if name in clocks else [])
-        res["paths"][name] = entry
-    res["decode_step_ms"] = _decode_steps(res, model, prompts, device)
-    res["targets"] = _targets(res)
+            res["busy"]["paths"][name], window = kvlab_busy(gen, running, busy_w["prompt"],
+                                                            busy_w["answer"], busy_w["seed"], overlap)
+            if running == busy_w["running"][0]:
+                res["timeline"][name] = window
+            log(f"busy {name}: {res['busy']['paths'][name]}")
+    # online
+    o_prompts, o_answers, gaps = online_workload(**on_w)
+    for name, overlap in (("kvlab", True), ("kvlab_no_overlap", False)):
+        for rate in on_w["rates"]:
+            if over():
+                res["skipped"].append(f"online {name} at {rate}/s")
+                continue
+            r = kvlab_online(gen, o_prompts, o_answers, gaps, rate, overlap)
+            res["online"]["paths"].setdefault(name, {})[str(rate)] = r
+            log(f"online {name} {rate}/s: {r['requests_per_s']:.1f} req/s, TTFT p50 {r['ttft_ms']['p50']:.0f} ms")
+    del gen
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    # the transformers baselines
+    base.run_baselines(res, model, prompts[:n_base], answers[:n_base], o_prompts, o_answers, gaps,
+                       on_w["baseline_rates"], device, smoke, over, log)
+    res["targets"] = targets(res)
     return res
 
 
-def _decode_steps(res: dict, model, prompts, device) -> dict:
-    """The decode step at 64 running requests: the generator's (median wall time of its
-    decode-only steps with 64 running, last timed run) beside ``generate``'s at batch 64."""
-    out = {}
-    n = len(prompts)
-    for name in ("kvlab", "kvlab_no_graphs"):
-        steps = [s["ms"] for s in res["paths"][name].get("steps", [])
-                 if s["kind"] == "decode" and s["running"] == n]
-        out[name] = statistics.median(steps) if steps else None
-        gpu = [s["forward_gpu_ms"] for s in res["paths"][name].get("steps", [])
-               if s["kind"] == "decode" and s["running"] == n and "forward_gpu_ms" in s]
-        out[f"{name}_forward_gpu"] = statistics.median(gpu) if gpu else None
-    try:
-        padded_generate(model, prompts, 2)     # warm
-        one = min(_timed(lambda: padded_generate(model, prompts, 1), device)[0] for _ in range(3))
-        full = min(_timed(lambda: padded_generate(model, prompts, 65), device)[0] for _ in range(2))
-        out["generate"] = (full - one) / 64 * 1e3
-    except Exception as e:  # noqa: BLE001
-        out["generate_error"] = f"{type(e).__name__}: {e}"[:300]
-    out["batch"] = n
-    return out
-
-
-def _targets(res: dict) -> list[dict]:
-    p = res["paths"]
+def targets(res: dict) -> list[dict]:
+    """The issue's targets, computed from the measurements (``passed`` None in a smoke run)."""
+    off, busy = res["offline"]["paths"], res["busy"]["paths"]
+    smoke = res["smoke"]
 
     def tps(name):
-        return p.get(name, {}).get("tokens_per_s")
+        return off.get(name, {}).get("tokens_per_s")
 
-    targets = []
-    for den, limit in (("generate", 1.0), ("generate_batch", 3.0)):
-        a, b = tps("kvlab"), tps(den)
-        ratio = a / b if a and b else None
-        targets.append(dict(name=f"kvlab PagedGenerator vs transformers {den}", rule=f"tokens/s ratio >= {limit}",
-                            limit=limit, measured=None if ratio is None else round(ratio, 2),
-                            passed=None if res["smoke"] else ratio is not None and ratio >= limit))
-    return targets
+    def ratio(a, b):
+        return round(a / b, 2) if a and b else None
+
+    out = []
+    for running in (BUSY if not smoke else SMOKE_BUSY)["running"]:
+        share = busy.get(f"overlap_{running}", {}).get("busy")
+        out.append(dict(name=f"GPU busy share of a decode step at {running} running (overlap on)",
+                        rule="busy >= 0.90", limit=0.90,
+                        measured=None if share is None else round(share, 3),
+                        passed=None if smoke else share is not None and share >= 0.90))
+    for name, a, b, limit in (
+            ("offline tokens/s: kvlab overlap vs kvlab without overlap (whole workload)",
+             tps("kvlab"), tps("kvlab_no_overlap"), 1.15),
+            ("offline tokens/s: kvlab vs transformers generate_batch (the same requests)",
+             tps("kvlab_subset"), tps("generate_batch"), 3.0)):
+        r = ratio(a, b)
+        out.append(dict(name=name, rule=f"ratio >= {limit}", limit=limit, measured=r,
+                        passed=None if smoke else r is not None and r >= limit))
+    return out

@@ -3,103 +3,150 @@ the saved result (``res["serve"]``), so they read the same on a laptop as on the
 from __future__ import annotations
 
 #: path -> what the report calls it
-SERVE_LABELS = {"generate": "transformers `generate` (one left-padded batch)",
-                "generate_batch": "transformers `generate_batch` (continuous batching, paged cache)",
-                "kvlab": "kvlab `PagedGenerator` (chunked prefill, CUDA-graph decode)",
-                "kvlab_no_chunks": "kvlab, whole prompts (no chunking)",
-                "kvlab_no_graphs": "kvlab, decode steps without graphs"}
-COLORS = {"generate": "#5b7fbf", "generate_batch": "#8e6c8a", "kvlab": "#2e7d32",
-          "kvlab_no_chunks": "#66bb6a", "kvlab_no_graphs": "#a5d6a7"}
+SERVE_LABELS = {"kvlab": "kvlab, overlap scheduling", "kvlab_no_overlap": "kvlab, no overlap",
+                "kvlab_subset": "kvlab, overlap scheduling", "kvlab_no_overlap_subset": "kvlab, no overlap",
+                "generate": "transformers generate (one padded batch)",
+                "generate_batch": "transformers generate_batch (its manager)"}
+COLORS = {"kvlab": "#2e7d32", "kvlab_no_overlap": "#a5d6a7", "kvlab_subset": "#2e7d32",
+          "kvlab_no_overlap_subset": "#a5d6a7", "generate": "#5b7fbf", "generate_batch": "#8e6c8a"}
 
 
 def _f(x, fmt="{:.0f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+def _verdict(t: dict) -> str:
+    return "n/a (smoke)" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
+
+
 def serve_section(s: dict) -> list[str]:
     """Markdown lines for ``res["serve"]``."""
-    w = s["workload"]
-    m = w["model"]
-    model = ("a tiny random Llama (smoke run)" if m.get("tiny") else
-             f"a random-weight Llama: {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
-             f"{m['num_attention_heads']} query heads on {m['num_key_value_heads']} K/V heads, "
-             f"vocabulary {m['vocab_size']}")
     lines = ["", "## Serving a real model (chapter 10): `python -m kvlab.bench --serve`", ""]
+    if "offline" not in s:
+        return lines + ["(recorded by an older version of this benchmark: run it again)"]
+    m, off = s["model"], s["offline"]
+    w = off["workload"]
     if s.get("meta"):
         mm = s["meta"]
         lines += [f"{mm['device']}; torch {mm['torch']}, triton {mm['triton']}, transformers "
                   f"{mm['transformers']}; {mm['date']}; {mm['seconds']} s. Produced by: `{mm['command']}`", ""]
     if s.get("smoke"):
         lines += ["**Smoke run: these numbers are not timings and make no claim.**", ""]
-    lines += [f"{model}, {m['dtype']}; {w['requests']} prompts of {w['shortest']}-{w['longest']} tokens "
-              f"({w['prompt_tokens']} in all), every other one behind one shared {w['shared_len']}-token "
-              f"prefix; {w['new_tokens']} new tokens each, greedy, no end of text. Each path ran once to "
-              f"warm up, then {s['rounds']} times in a rotating order; tokens/s = new tokens / wall time "
-              "of the whole call (median of the runs; the range in brackets). kvlab's prefix cache is "
-              "emptied before every run (cold), so each run computes the shared prefix once.", "",
+    model = ("a tiny random Qwen3 (smoke run)" if m.get("tiny") else
+             f"a random-weight model with Qwen3-0.6B's configuration ({m['num_hidden_layers']} layers, "
+             f"hidden {m['hidden_size']}, {m['num_attention_heads']} query heads of {m['head_dim']} on "
+             f"{m['num_key_value_heads']} K/V heads, vocabulary {m['vocab_size']})")
+    lines += [f"Model: {model}, {m['dtype']}, greedy, no end of text.", "",
               "| target | rule | measured | result |", "|---|---|---|---|"]
-    for t in s["targets"]:
-        verdict = "n/a (smoke)" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
-        lines.append(f"| {t['name']} | {t['rule']} | {_f(t['measured'], '{:.2f}')} | **{verdict}** |")
-    lines += ["", "| path | tokens/s | runs, s | start-up, s | steps | most running | prompt tokens "
-              "computed / cached | chunks | graph steps |", "|---|---|---|---|---|---|---|---|---|"]
-    for name, e in s["paths"].items():
-        if "error" in e and not e.get("seconds"):
-            lines.append(f"| {SERVE_LABELS.get(name, name)} | failed: {e['error']} | | | | | | | |")
+    lines += [f"| {t['name']} | {t['rule']} | {_f(t['measured'], '{:.2f}')} | **{_verdict(t)}** |"
+              for t in s["targets"]]
+    n = w["baseline_requests"]
+    lines += ["", "### Offline", "",
+              f"nano-vllm's `bench.py` workload (mini-sglang's offline benchmark adapts it): {w['requests']} "
+              f"requests, seed {w['seed']}, prompts of {w['shortest']}-{w['longest']} random tokens "
+              f"({w['prompt_tokens']} in all), answers of {w['shortest']}-{w['longest']} tokens "
+              f"({w['output_tokens']} in all). Tokens/s = requested output tokens / wall time of the "
+              "whole call, as both projects compute it. kvlab: a cold prefix cache each run; the better "
+              "of two runs. **transformers' two paths ran only the first "
+              f"{n} requests** (their loops would take minutes for all {w['requests']}); kvlab ran those "
+              f"{n} too, and the generate_batch target compares the two on them. `generate` takes one "
+              "`max_new_tokens` per call: its batch runs to the longest answer, and only each request's "
+              "own tokens count.", "",
+              "| path | requests | tokens | seconds | tokens/s | steps | most running |", "|---|---|---|---|---|---|---|"]
+    for name, e in off["paths"].items():
+        if "error" in e:
+            lines.append(f"| {SERVE_LABELS.get(name, name)} | failed: {e['error']} | | | | | |")
             continue
-        lo, hi = e.get("tokens_per_s_range", [None, None])
         st = e.get("stats", {})
-        lines.append(
-            f"| {SERVE_LABELS.get(name, name)} | {_f(e.get('tokens_per_s'))} ({_f(lo)}–{_f(hi)}) | "
-            + ", ".join(f"{x:.2f}" for x in e["seconds"]) + f" | {_f(e.get('startup_s'), '{:.1f}')} | "
-            f"{st.get('steps', '–')} | {st.get('most_running', '–')} | "
-            + (f"{st['prefill_computed']} / {st['prefill_cached']}" if st else "–")
-            + f" | {st.get('chunks', '–')} | {st.get('graph_steps', '–')} |")
-    d = s.get("decode_step_ms", {})
-    lines += ["", f"Decode step at {d.get('batch', '?')} running requests (ms, medians over the last timed "
-              "run): kvlab, a whole step of the loop (schedule, map, pad, replay, read the tokens back, "
-              f"complete): {_f(d.get('kvlab'), '{:.2f}')}, of which the forward pass on the GPU "
-              f"{_f(d.get('kvlab_forward_gpu'), '{:.2f}')}; kvlab without graphs: "
-              f"{_f(d.get('kvlab_no_graphs'), '{:.2f}')} (forward on the GPU "
-              f"{_f(d.get('kvlab_no_graphs_forward_gpu'), '{:.2f}')}); transformers `generate` at batch "
-              f"{d.get('batch', '?')} ((time for 65 new tokens - time for 1) / 64): {_f(d.get('generate'), '{:.2f}')}."]
+        lines.append(f"| {SERVE_LABELS.get(name, name)} | {e['requests']} | {e['tokens']} | {e['seconds']:.2f} | "
+                     f"{e['tokens_per_s']:.0f} | {st.get('steps', '–')} | {st.get('most_running', '–')} |")
+    lines += _online_lines(s["online"]) + _busy_lines(s["busy"])
+    if s.get("skipped"):
+        lines += ["", "Not run (the time budget of one GPU call, or the interpreter): " + "; ".join(s["skipped"]) + "."]
+    return lines
+
+
+def _online_lines(on: dict) -> list[str]:
+    w = on["workload"]
+    lines = ["", "### Online", "",
+             f"{w['requests']} requests arriving as a Poisson process (seed {w['seed']}) at each rate; prompts "
+             f"of {w['shortest']}-{w['longest']} random tokens, answers of {w['answer_shortest']}-"
+             f"{w['answer_longest']}. Latencies in ms, p50 / p99; requests/s = requests / (last token - "
+             "first arrival). Where requests/s stops following the rate, the server is saturated.", "",
+             "| path | rate, req/s | requests/s | TTFT p50 / p99 | ITL p50 / p99 | end-to-end p50 / p99 |",
+             "|---|---|---|---|---|---|"]
+    for name, rates in on["paths"].items():
+        for rate, r in rates.items():
+            if "error" in r:
+                lines.append(f"| {SERVE_LABELS.get(name, name)} | {rate} | failed: {r['error']} | | | |")
+                continue
+            pair = lambda d: "–" if not d else f"{_f(d['p50'])} / {_f(d['p99'])}"  # noqa: E731
+            lines.append(f"| {SERVE_LABELS.get(name, name)} | {rate} | {r['requests_per_s']:.1f} | "
+                         f"{pair(r['ttft_ms'])} | {pair(r['itl_ms'])} | {pair(r['e2e_ms'])} |")
+    return lines
+
+
+def _busy_lines(busy: dict) -> list[str]:
+    w = busy["workload"]
+    lines = ["", "### GPU busy during decode steps", "",
+             f"Requests of {w['prompt']} prompt tokens and {w['answer']} new tokens, all decoding together. "
+             "CUDA events around each step's device work; step k's busy share = its device time / "
+             "(end of step k - end of step k-1); medians over the decode steps with every request running.", "",
+             "| running | overlap | busy share | step, ms | device, ms | steps |", "|---|---|---|---|---|---|"]
+    for name, r in busy["paths"].items():
+        mode, running = name.rsplit("_", 1)
+        lines.append(f"| {running} | {'on' if mode == 'overlap' else 'off'} | {_f(r.get('busy'), '{:.3f}')} | "
+                     f"{_f(r.get('step_ms'), '{:.2f}')} | {_f(r.get('device_ms'), '{:.2f}')} | {r.get('steps', 0)} |")
     return lines
 
 
 def plot_serve(res: dict):
-    """Tokens/s of each path; the generator's steps over its last timed run."""
+    """Offline tokens/s; online TTFT p50 by rate; GPU busy share at 64 and 256 running."""
     import matplotlib.pyplot as plt
 
     s = res["serve"]
-    names = [n for n, e in s["paths"].items() if e.get("tokens_per_s")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.4), gridspec_kw={"width_ratios": [5, 6]})
-    vals = [s["paths"][n]["tokens_per_s"] for n in names]
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(8.4, 3.2), gridspec_kw={"width_ratios": [5, 4, 3]})
+    off = s.get("offline", {}).get("paths", {})
+    names = [n for n, e in off.items() if e.get("tokens_per_s")]
+    vals = [off[n]["tokens_per_s"] for n in names]
+    labels = [f"{SERVE_LABELS.get(n, n)}\n({off[n]['requests']} requests)" for n in names]
     ax1.barh(range(len(names)), vals, color=[COLORS.get(n, "gray") for n in names])
     for i, v in enumerate(vals):
-        ax1.text(v, i, f" {v:.0f}", va="center", fontsize=9)
+        ax1.text(v, i, f" {v:.0f}", va="center", fontsize=7)
     ax1.set_yticks(range(len(names)))
-    ax1.set_yticklabels([SERVE_LABELS.get(n, n).replace("`", "") for n in names], fontsize=9)
+    ax1.set_yticklabels(labels, fontsize=7)
     ax1.invert_yaxis()
-    ax1.set_xlabel("new tokens / s (median of the timed runs)")
-    ax1.set_xlim(0, max(vals) * 1.25 if vals else 1)
-    where = "SMOKE RUN (not timings)" if s.get("smoke") else s.get("meta", {}).get("device", "")
-    ax1.set_title(f"{s['workload']['requests']} requests, {s['workload']['new_tokens']} new tokens each; {where}",
-                  fontsize=10)
-    steps = s["paths"].get("kvlab", {}).get("steps", [])
-    xs = range(len(steps))
-    for kind, color, label in (("prefill", "#fd8d3c", "step with prompt tokens (eager)"),
-                               ("decode", "#2e7d32", "decode-only step (CUDA graph)")):
-        pts = [(i, st["ms"]) for i, st in zip(xs, steps) if st["kind"] == kind]
-        ax2.bar([p[0] for p in pts], [p[1] for p in pts], color=color, label=label, width=0.9)
-    ax2.set_xlabel("step of kvlab's last timed run")
-    ax2.set_ylabel("wall time of the step, ms")
-    twin = ax2.twinx()
-    twin.plot(list(xs), [st["running"] for st in steps], color="black", lw=1.2, label="requests in the step")
-    twin.set_ylabel("requests in the step")
-    twin.set_ylim(0, max([st["running"] for st in steps], default=1) * 1.1)
-    h1, l1 = ax2.get_legend_handles_labels()
-    h2, l2 = twin.get_legend_handles_labels()
-    ax2.legend(h1 + h2, l1 + l2, fontsize=9, loc="upper right")
-    ax2.set_title("kvlab PagedGenerator, step by step", fontsize=10)
+    ax1.set_xlim(0, max(vals, default=1) * 1.35)
+    ax1.set_xlabel("output tokens / s", fontsize=8)
+    where = "smoke run: not timings" if s.get("smoke") else s.get("meta", {}).get("device", "")
+    ax1.set_title(f"offline ({where})", fontsize=8)
+    for name, rates in s.get("online", {}).get("paths", {}).items():
+        pts = [(float(r), v["ttft_ms"]["p50"]) for r, v in rates.items()
+               if "error" not in v and v.get("ttft_ms") and v["ttft_ms"]["p50"] is not None]
+        if pts:
+            ax2.plot(*zip(*pts), "o-", color=COLORS.get(name, "gray"), label=SERVE_LABELS.get(name, name), ms=3)
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xlabel("arrival rate, requests/s", fontsize=8)
+    ax2.set_ylabel("TTFT p50, ms", fontsize=8)
+    ax2.legend(fontsize=7, loc="upper left")
+    ax2.set_title("online: time to first token", fontsize=8)
+    busy = s.get("busy", {}).get("paths", {})
+    for i, running in enumerate(sorted({int(k.rsplit("_", 1)[1]) for k in busy})):
+        for j, mode in enumerate(("no_overlap", "overlap")):
+            v = busy.get(f"{mode}_{running}", {}).get("busy")
+            if v is not None:
+                ax3.bar(i + (j - 0.5) * 0.38, v, width=0.36, color=COLORS["kvlab" if j else "kvlab_no_overlap"],
+                        label=("overlap" if j else "no overlap") if i == 0 else None)
+                ax3.text(i + (j - 0.5) * 0.38, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+        ax3.text(i, -0.12, f"{running} running", ha="center", fontsize=7, transform=ax3.get_xaxis_transform())
+    ax3.axhline(0.9, color="black", lw=0.8, ls=":")
+    ax3.set_xticks([])
+    ax3.set_ylim(0, 1.15)
+    ax3.set_ylabel("GPU busy share of a decode step", fontsize=8)
+    ax3.legend(fontsize=7, loc="upper left", ncol=2)
+    ax3.set_title("decode steps", fontsize=8)
+    for ax in (ax1, ax2, ax3):
+        ax.tick_params(labelsize=7)
     fig.tight_layout()
     return fig
