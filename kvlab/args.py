@@ -47,6 +47,10 @@ def is_int(value) -> bool:
 
 def check_int(argument: str, value, *, minimum: int | None = None) -> int:
     """``value`` as a Python int, or :class:`InvalidArgument` (bools and floats are refused)."""
+    if type(value) is int:   # the common case first: the serving loop checks every request each step
+        if minimum is not None and value < minimum:
+            raise InvalidArgument(argument, f"must be >= {minimum}", f"got {value}")
+        return value
     if not is_int(value):
         raise InvalidArgument(argument, "must be an int (not a bool or a float)",
                               f"got {type(value).__name__} {value!r}")

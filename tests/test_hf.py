@@ -308,32 +308,6 @@ def test_capturing_graphs_without_cuda_is_refused(models):
 
 
 @pytest.mark.gpu
-def test_gpu_a_step_never_waits_for_the_gpu(models, monkeypatch):
-    """Scheduling, mapping pages and the forward pass of every step run with torch's sync
-    debug mode set to raise: only reading the tokens back (and caching after it) waits."""
-    model = models["llama"]
-    gen = PagedGenerator(model, page_size=16, num_pages=64, max_running=8, prefill_budget=16)
-    assert gen.graphs is not None and gen.graphs.capture
-
-    def strict(fn):
-        def call(*args, **kwargs):
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return call
-
-    monkeypatch.setattr(gen, "_admit", strict(gen._admit))
-    monkeypatch.setattr(gen, "_forward", strict(gen._forward))
-    monkeypatch.setattr(gen.manager, "mixed_step", strict(gen.manager.mixed_step))
-    prompts = shared_prefix_prompts(seed=8, system_len=40, suffixes=(5, 17, 1, 30, 8))
-    got = gen.generate(prompts, max_new_tokens=8, output_logits=True)
-    assert_identical(model, gen, prompts, got, 8)
-    assert gen.stats["graph_steps"] > 0 and gen.stats["chunks"] > 0
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_gpu_serving_compiles_nothing_after_start_up(models, page_size):
     """Construction compiles the decode kernel (capturing the graphs) and the page-table kernel

@@ -278,14 +278,17 @@ def test_requests_arrive_over_time_with_their_own_max_new_tokens(models, overlap
 # --- on a GPU -------------------------------------------------------------------------------
 
 @pytest.mark.gpu
-def test_gpu_overlap_waits_only_for_the_tokens(models, monkeypatch):
-    """With overlap, scheduling, launching, advancing and recording run with torch's sync debug
-    mode set to raise: the host waits for the GPU only on each step's token event."""
+@pytest.mark.parametrize("overlap", [False, True])
+def test_gpu_the_loop_waits_only_for_the_tokens(models, overlap, monkeypatch):
+    """Scheduling, launching, advancing and recording run with torch's sync debug mode set to
+    raise: the host waits for the GPU only on each step's token event (with overlap, while the
+    next step is already queued)."""
     from kvlab.hf.overlap import CudaQueue
 
     model = models["llama"]
-    gen = PagedGenerator(model, page_size=16, num_pages=64, max_running=8, prefill_budget=16)
-    assert gen.overlap and gen.graphs is not None and gen.graphs.capture
+    gen = PagedGenerator(model, page_size=16, num_pages=64, max_running=8, prefill_budget=16,
+                         overlap=overlap)
+    assert gen.graphs is not None and gen.graphs.capture
     result = CudaQueue.result
 
     def waiting(self, ticket):

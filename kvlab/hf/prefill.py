@@ -61,6 +61,8 @@ def shared_pages(a: Sequence[int], b: Sequence[int], page_size: int) -> int:
     """Tokens of the whole pages ``a`` and ``b`` start with in common (list slices compare at
     C speed: a binary search over the number of pages, not a loop over tokens)."""
     lo, hi = 0, min(len(a), len(b)) // page_size
+    if hi and a[:page_size] != b[:page_size]:     # most pairs differ from their first page on
+        return 0
     while lo < hi:
         mid = (lo + hi + 1) // 2
         if a[:mid * page_size] == b[:mid * page_size]:
