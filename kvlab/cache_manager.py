@@ -365,8 +365,8 @@ class CacheManager(CacheManagerUndo):
         new_handle, already_len = None, 0
         try:
             # ============ [0, req.cached_len): hit | duplicate | newly inserted | tail ============
-            already_len, new_handle = self.prefix_cache.insert_prefix(
-                req.input_ids[: req.cached_len], page_indices)
+            already_len, new_handle = self.prefix_cache.insert_prefix(   # our own whole pages
+                req.input_ids[: req.cached_len], page_indices, check_pages=False)
             new_len = new_handle.cached_len
             # duplicate [old_len, already_len): computed here, but cached meanwhile by another request
             duplicate = page_indices[old_len:already_len]

@@ -237,14 +237,15 @@ class HashPrefixCache(HashCacheViews):
         """:meth:`match` as the radix cache answers it (a ``MatchResult`` holding the handle)."""
         return MatchResult(self.match(input_ids))
 
-    def insert_prefix(self, input_ids, indices) -> InsertResult:
+    def insert_prefix(self, input_ids, indices, *, check_pages: bool = True) -> InsertResult:
         """Cache the full pages of ``input_ids`` whose KV sits in ``indices`` (one slot per token).
 
         Returns ``(cached_len, handle)``: how many tokens were cached before (the caller's
         slots there are duplicates it still holds) and a handle for the inserted full pages.
         Every new page must be held by the caller alone (one reference, no hash); that
         reference passes to the cache, so the pages are evictable until someone locks the
-        handle (the radix cache's new node is unlocked too)."""
+        handle (the radix cache's new node is unlocked too). ``check_pages`` is the radix
+        cache's word; this cache reads the pages' ids anyway, so it always checks them."""
         ids = check_token_ids("input_ids", input_ids)
         indices = check_slots("indices", indices)
         if indices.numel() != len(ids):

@@ -202,13 +202,15 @@ class RadixPrefixCache:
 
     # --- inserting --------------------------------------------------------------------
 
-    def insert_prefix(self, input_ids, indices) -> InsertResult:
+    def insert_prefix(self, input_ids, indices, *, check_pages: bool = True) -> InsertResult:
         """Cache the whole pages of ``input_ids`` with their slots ``indices``.
 
         Returns ``(cached_len, handle)``: how many tokens were cached *before* (those slots
         of ``indices`` are duplicates the caller still owns), and a handle for the
         ``len(input_ids) // page_size * page_size`` inserted tokens. The new node is
-        unlocked (evictable) until someone locks the handle.
+        unlocked (evictable) until someone locks the handle. ``check_pages=False``: the
+        caller vouches that each page of slots is one whole physical page (the cache
+        manager's rows are), so the slots' values are not read back (a wait for the GPU).
         """
         ids = check_token_ids("input_ids", input_ids)
         indices = self._check_indices(indices)
@@ -221,7 +223,8 @@ class RadixPrefixCache:
         # a refused insert leaves the tree exactly as it was
         _, prefix_len = self._walk(ids, touch=False)
         new_value = indices[prefix_len:insert_len].to(device=self.device, dtype=torch.int32)
-        self._check_whole_pages(new_value)
+        if check_pages:
+            self._check_whole_pages(new_value)
         node, prefix_len = self._walk(ids)
         if prefix_len < insert_len:
             new_node = RadixNode(tuple(ids[prefix_len:]), new_value.clone(), self._uid(),

@@ -64,8 +64,17 @@ def serve_main(out: str, smoke: bool) -> dict:
     from .serve import run_serve
     from .suite import _meta
 
+    import json
+
     t0 = time.perf_counter()
-    serve = run_serve(smoke=smoke)
+    os.makedirs(out, exist_ok=True)
+    partial = os.path.join(out, "bench.serve-partial.json")
+
+    def checkpoint(serve: dict) -> None:   # what a run cut short has measured so far
+        with open(partial, "w") as f:
+            json.dump(serve, f, indent=1, default=str)
+
+    serve = run_serve(smoke=smoke, checkpoint=checkpoint)
     meta = _meta(smoke)
     import transformers
     serve["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
@@ -75,6 +84,7 @@ def serve_main(out: str, smoke: bool) -> dict:
     res = load(path) if os.path.exists(path) else {}
     res["serve"] = serve
     write_outputs(res, out, plots=["10_bench_serve.png"])
+    os.remove(partial)
     return res
 
 

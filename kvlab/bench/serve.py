@@ -11,8 +11,8 @@ of 128 on 8 K/V heads, vocabulary 151936, tied embeddings) in bfloat16.
   compute it: the requested output tokens over the wall time of the whole call. kvlab with
   and without overlap scheduling on the whole workload; transformers ``generate`` (one
   left-padded batch: every answer as long as the longest) and ``generate_batch``'s
-  continuous-batching manager (each request its own length) on the first
-  ``BASELINE_REQUESTS`` requests, and kvlab on that same subset beside them;
+  continuous-batching manager (each request its own length) on the first requests of it,
+  answers cut short (``BASELINE``), and kvlab on those same requests beside them;
 * **online** -- Poisson arrivals (seeded) at several rates up to saturation: time to first
   token (TTFT), inter-token latency (ITL) and end-to-end latency, p50 / p99, and requests/s,
   for kvlab with and without overlap and for the continuous-batching manager;
@@ -41,8 +41,9 @@ from .serve_workloads import (BUSY, OFFLINE, ONLINE, SMOKE_BUSY, SMOKE_OFFLINE, 
 QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                  num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                  rms_norm_eps=1e-6, tie_word_embeddings=True)
-#: the baselines run this many of the offline requests (transformers' loops are slow here)
-BASELINE_REQUESTS = 32
+#: transformers' two paths (and kvlab beside them) run the first ``requests`` of the offline
+#: workload, answers cut to ``answer_cap`` tokens: their loops would take minutes for all of it
+BASELINE = dict(requests=16, answer_cap=256)
 #: kvlab's generator in the benchmark: mini-sglang's offline bench sets max_extend_tokens=16384
 PAGE_SIZE, NUM_PAGES, PREFILL_BUDGET, MAX_RUNNING = 16, 20480, 16384, 256
 #: stop starting optional parts past this many seconds (a GPU call is limited); the
@@ -122,8 +123,9 @@ def kvlab_busy(gen, running: int, prompt: int, answer: int, seed: int, overlap: 
 # --- the whole run --------------------------------------------------------------------------
 
 
-def run_serve(smoke: bool = False, log=print) -> dict:
-    """Measure everything (see the module docstring); returns the result for ``bench.json``."""
+def run_serve(smoke: bool = False, log=print, checkpoint=None) -> dict:
+    """Measure everything (see the module docstring); returns the result for ``bench.json``.
+    ``checkpoint(res)`` is called after each part (a run cut short keeps what it measured)."""
     from .. import runtime
     from . import serve_baselines as base
 
@@ -131,16 +133,19 @@ def run_serve(smoke: bool = False, log=print) -> dict:
     t_start = time.perf_counter()
     budget = float(os.environ.get("KVLAB_SERVE_BUDGET_S", TIME_BUDGET_S))
     over = lambda: not smoke and time.perf_counter() - t_start > budget  # noqa: E731
+    save = checkpoint or (lambda res: None)
     off_w, on_w, busy_w = (SMOKE_OFFLINE, SMOKE_ONLINE, SMOKE_BUSY) if smoke else (OFFLINE, ONLINE, BUSY)
     model = serve_model(device, smoke)
     prompts, answers = offline_workload(**off_w)
-    n_base = 3 if smoke else BASELINE_REQUESTS
+    n_base, cap = (3, 4) if smoke else (BASELINE["requests"], BASELINE["answer_cap"])
+    b_prompts, b_answers = prompts[:n_base], [min(a, cap) for a in answers[:n_base]]
     res = dict(smoke=smoke, model=dict(QWEN3_06B if not smoke else {"tiny": True},
                                        dtype=str(model.dtype).replace("torch.", "")),
                offline=dict(workload=dict(off_w, prompt_tokens=sum(map(len, prompts)),
-                                          output_tokens=sum(answers), baseline_requests=n_base),
+                                          output_tokens=sum(answers), baseline_requests=n_base,
+                                          baseline_answer_cap=cap, baseline_tokens=sum(b_answers)),
                             paths={}),
-               online=dict(workload={k: v for k, v in on_w.items()}, paths={}),
+               online=dict(workload=dict(on_w), paths={}),
                busy=dict(workload=dict(busy_w), paths={}), timeline={}, skipped=[])
     paths = res["offline"]["paths"]
 
@@ -149,28 +154,22 @@ def run_serve(smoke: bool = False, log=print) -> dict:
     res["kvlab_startup_s"] = time.perf_counter() - t
     log(f"kvlab start-up (graphs captured): {res['kvlab_startup_s']:.1f} s")
     kvlab_offline(gen, prompts[:8], [min(a, 32) for a in answers[:8]], True, device)   # warm-up
-    # the whole workload, overlap on and off (twice each, alternating: the better run counts)
-    for name, overlap in (("kvlab", True), ("kvlab_no_overlap", False)) * (1 if smoke else 2):
-        r = kvlab_offline(gen, prompts, answers, overlap, device)
-        log(f"offline {name}: {r['seconds']:.2f} s, {r['tokens_per_s']:.0f} tokens/s")
-        if name not in paths or r["tokens_per_s"] > paths[name]["tokens_per_s"]:
-            paths[name] = dict(r, requests=len(prompts))
-    for name, overlap in (("kvlab_subset", True), ("kvlab_no_overlap_subset", False)):
-        r = kvlab_offline(gen, prompts[:n_base], answers[:n_base], overlap, device)
-        paths[name] = dict(r, requests=n_base)
-        log(f"offline {name}: {r['tokens_per_s']:.0f} tokens/s")
+    # the whole workload, overlap on and off, one cold run each
+    for name, overlap in (("kvlab", True), ("kvlab_no_overlap", False)):
+        paths[name] = dict(kvlab_offline(gen, prompts, answers, overlap, device), requests=len(prompts))
+        log(f"offline {name}: {paths[name]['seconds']:.2f} s, {paths[name]['tokens_per_s']:.0f} tokens/s")
+        save(res)
+    paths["kvlab_subset"] = dict(kvlab_offline(gen, b_prompts, b_answers, True, device), requests=n_base)
+    log(f"offline kvlab_subset: {paths['kvlab_subset']['tokens_per_s']:.0f} tokens/s")
     # GPU busy at 64 and 256 running
     for running in busy_w["running"]:
         for overlap in (True, False):
             name = f"{'overlap' if overlap else 'no_overlap'}_{running}"
-            if over():
-                res["skipped"].append(f"busy {name}")
-                continue
             res["busy"]["paths"][name], window = kvlab_busy(gen, running, busy_w["prompt"],
                                                             busy_w["answer"], busy_w["seed"], overlap)
-            if running == busy_w["running"][0]:
-                res["timeline"][name] = window
+            res["timeline"][name] = window
             log(f"busy {name}: {res['busy']['paths'][name]}")
+    save(res)
     # online
     o_prompts, o_answers, gaps = online_workload(**on_w)
     for name, overlap in (("kvlab", True), ("kvlab_no_overlap", False)):
@@ -181,13 +180,14 @@ def run_serve(smoke: bool = False, log=print) -> dict:
             r = kvlab_online(gen, o_prompts, o_answers, gaps, rate, overlap)
             res["online"]["paths"].setdefault(name, {})[str(rate)] = r
             log(f"online {name} {rate}/s: {r['requests_per_s']:.1f} req/s, TTFT p50 {r['ttft_ms']['p50']:.0f} ms")
+    save(res)
     del gen
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     # the transformers baselines
-    base.run_baselines(res, model, prompts[:n_base], answers[:n_base], o_prompts, o_answers, gaps,
-                       on_w["baseline_rates"], device, smoke, over, log)
+    base.run_baselines(res, model, b_prompts, b_answers, o_prompts, o_answers, gaps,
+                       on_w["baseline_rates"], device, smoke, over, log, save)
     res["targets"] = targets(res)
     return res
 
@@ -213,7 +213,7 @@ def targets(res: dict) -> list[dict]:
     for name, a, b, limit in (
             ("offline tokens/s: kvlab overlap vs kvlab without overlap (whole workload)",
              tps("kvlab"), tps("kvlab_no_overlap"), 1.15),
-            ("offline tokens/s: kvlab vs transformers generate_batch (the same requests)",
+            ("offline tokens/s: kvlab vs transformers generate_batch (the baselines' requests)",
              tps("kvlab_subset"), tps("generate_batch"), 3.0)):
         r = ratio(a, b)
         out.append(dict(name=name, rule=f"ratio >= {limit}", limit=limit, measured=r,

@@ -119,7 +119,7 @@ def _attempt(fn, log, name: str) -> dict:
 
 
 def run_baselines(res: dict, model, prompts, answers, o_prompts, o_answers, gaps, rates,
-                  device, smoke: bool, over, log) -> None:
+                  device, smoke: bool, over, log, save) -> None:
     """Fill ``res`` with the baselines: offline ``generate`` and the manager on ``prompts``,
     the manager online at ``rates``. In a smoke run (a CPU) only ``generate``: the manager's
     paged cache takes minutes there."""
@@ -127,6 +127,7 @@ def run_baselines(res: dict, model, prompts, answers, o_prompts, o_answers, gaps
     padded_generate(model, prompts[:2], [2, 2])                    # warm-up
     paths["generate"] = _attempt(lambda: padded_generate(model, prompts, answers), log, "generate")
     log(f"offline generate: {paths['generate']}")
+    save(res)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if smoke:
@@ -142,6 +143,7 @@ def run_baselines(res: dict, model, prompts, answers, o_prompts, o_answers, gaps
         paths["generate_batch"] = _attempt(lambda: batch_offline(mgr, prompts, answers), log,
                                            "generate_batch")
         log(f"offline generate_batch: {paths['generate_batch']}")
+        save(res)
         online = res["online"]["paths"].setdefault("generate_batch", {})
         for rate in rates:
             if over():
@@ -150,6 +152,7 @@ def run_baselines(res: dict, model, prompts, answers, o_prompts, o_answers, gaps
             online[str(rate)] = _attempt(lambda: batch_online(mgr, o_prompts, o_answers, gaps, rate),
                                          log, f"online generate_batch {rate}/s")
             log(f"online generate_batch {rate}/s: {online[str(rate)]}")
+            save(res)
     except Exception as e:  # noqa: BLE001
         paths.setdefault("generate_batch", dict(error=f"{type(e).__name__}: {e}"[:300]))
         log(f"generate_batch: failed: {type(e).__name__}: {e}")

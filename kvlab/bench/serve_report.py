@@ -40,18 +40,18 @@ def serve_section(s: dict) -> list[str]:
               "| target | rule | measured | result |", "|---|---|---|---|"]
     lines += [f"| {t['name']} | {t['rule']} | {_f(t['measured'], '{:.2f}')} | **{_verdict(t)}** |"
               for t in s["targets"]]
-    n = w["baseline_requests"]
+    n, cap = w["baseline_requests"], w["baseline_answer_cap"]
     lines += ["", "### Offline", "",
               f"nano-vllm's `bench.py` workload (mini-sglang's offline benchmark adapts it): {w['requests']} "
               f"requests, seed {w['seed']}, prompts of {w['shortest']}-{w['longest']} random tokens "
               f"({w['prompt_tokens']} in all), answers of {w['shortest']}-{w['longest']} tokens "
               f"({w['output_tokens']} in all). Tokens/s = requested output tokens / wall time of the "
-              "whole call, as both projects compute it. kvlab: a cold prefix cache each run; the better "
-              "of two runs. **transformers' two paths ran only the first "
-              f"{n} requests** (their loops would take minutes for all {w['requests']}); kvlab ran those "
-              f"{n} too, and the generate_batch target compares the two on them. `generate` takes one "
-              "`max_new_tokens` per call: its batch runs to the longest answer, and only each request's "
-              "own tokens count.", "",
+              "whole call, as both projects compute it. kvlab: a cold prefix cache, one run each. "
+              f"**transformers' two paths ran only the first {n} requests, answers cut to at most {cap} "
+              f"tokens ({w['baseline_tokens']} output tokens)**: their loops would take minutes for the whole "
+              f"workload. kvlab ran those same {n} requests too, and the generate_batch target compares the "
+              "two on them. `generate` takes one `max_new_tokens` per call: its batch runs to the longest "
+              "answer, and only each request's own tokens count.", "",
               "| path | requests | tokens | seconds | tokens/s | steps | most running |", "|---|---|---|---|---|---|---|"]
     for name, e in off["paths"].items():
         if "error" in e:

@@ -20,7 +20,7 @@ OFFLINE = dict(requests=256, shortest=100, longest=1024, seed=0, max_token=10000
 SMOKE_OFFLINE = dict(requests=6, shortest=2, longest=12, seed=0, max_token=100)
 #: the online workload: prompts as offline, shorter answers (each rate's run stays short)
 ONLINE = dict(requests=48, shortest=100, longest=1024, answer_shortest=32, answer_longest=128,
-              seed=1, max_token=10000, rates=(8, 16, 32, 64, 128), baseline_rates=(4, 16, 64))
+              seed=1, max_token=10000, rates=(8, 16, 32, 64, 128), baseline_rates=(4, 32))
 SMOKE_ONLINE = dict(requests=4, shortest=4, longest=16, answer_shortest=2, answer_longest=4,
                     seed=1, max_token=100, rates=(20, 200), baseline_rates=())
 #: GPU busy: this many requests decoding together (prompts of ``prompt`` tokens)

@@ -53,18 +53,18 @@ class _Timed:
         self.asked_tokens += num_tokens
         return super().evict_leaves(num_tokens, into)
 
-    def _timed(self, what: str, call, *args):
+    def _timed(self, what: str, call, *args, **kwargs):
         start = time.perf_counter_ns()
         try:
-            return call(*args)
+            return call(*args, **kwargs)
         finally:
             self._ns[what].append(time.perf_counter_ns() - start)
 
     def match_prefix(self, input_ids):
         return self._timed("match", super().match_prefix, input_ids)
 
-    def insert_prefix(self, input_ids, indices):
-        return self._timed("insert", super().insert_prefix, input_ids, indices)
+    def insert_prefix(self, input_ids, indices, **kwargs):
+        return self._timed("insert", super().insert_prefix, input_ids, indices, **kwargs)
 
     def op_stats(self) -> CacheOpStats:
         m, i = self._ns["match"], self._ns["insert"]
