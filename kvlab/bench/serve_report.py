@@ -101,52 +101,72 @@ def _busy_lines(busy: dict) -> list[str]:
 
 
 def plot_serve(res: dict):
-    """Offline tokens/s; online TTFT p50 by rate; GPU busy share at 64 and 256 running."""
+    """Offline tokens/s; the GPU's busy share of a decode step; online TTFT p50 and requests/s
+    by arrival rate."""
     import matplotlib.pyplot as plt
 
     s = res["serve"]
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(8.4, 3.2), gridspec_kw={"width_ratios": [5, 4, 3]})
-    off = s.get("offline", {}).get("paths", {})
-    names = [n for n, e in off.items() if e.get("tokens_per_s")]
-    vals = [off[n]["tokens_per_s"] for n in names]
-    labels = [f"{SERVE_LABELS.get(n, n)}\n({off[n]['requests']} requests)" for n in names]
-    ax1.barh(range(len(names)), vals, color=[COLORS.get(n, "gray") for n in names])
-    for i, v in enumerate(vals):
-        ax1.text(v, i, f" {v:.0f}", va="center", fontsize=7)
-    ax1.set_yticks(range(len(names)))
-    ax1.set_yticklabels(labels, fontsize=7)
-    ax1.invert_yaxis()
-    ax1.set_xlim(0, max(vals, default=1) * 1.35)
-    ax1.set_xlabel("output tokens / s", fontsize=8)
-    where = "smoke run: not timings" if s.get("smoke") else s.get("meta", {}).get("device", "")
-    ax1.set_title(f"offline ({where})", fontsize=8)
-    for name, rates in s.get("online", {}).get("paths", {}).items():
-        pts = [(float(r), v["ttft_ms"]["p50"]) for r, v in rates.items()
-               if "error" not in v and v.get("ttft_ms") and v["ttft_ms"]["p50"] is not None]
-        if pts:
-            ax2.plot(*zip(*pts), "o-", color=COLORS.get(name, "gray"), label=SERVE_LABELS.get(name, name), ms=3)
-    ax2.set_xscale("log", base=2)
-    ax2.set_yscale("log")
-    ax2.set_xlabel("arrival rate, requests/s", fontsize=8)
-    ax2.set_ylabel("TTFT p50, ms", fontsize=8)
-    ax2.legend(fontsize=7, loc="upper left")
-    ax2.set_title("online: time to first token", fontsize=8)
-    busy = s.get("busy", {}).get("paths", {})
-    for i, running in enumerate(sorted({int(k.rsplit("_", 1)[1]) for k in busy})):
-        for j, mode in enumerate(("no_overlap", "overlap")):
-            v = busy.get(f"{mode}_{running}", {}).get("busy")
-            if v is not None:
-                ax3.bar(i + (j - 0.5) * 0.38, v, width=0.36, color=COLORS["kvlab" if j else "kvlab_no_overlap"],
-                        label=("overlap" if j else "no overlap") if i == 0 else None)
-                ax3.text(i + (j - 0.5) * 0.38, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
-        ax3.text(i, -0.12, f"{running} running", ha="center", fontsize=7, transform=ax3.get_xaxis_transform())
-    ax3.axhline(0.9, color="black", lw=0.8, ls=":")
-    ax3.set_xticks([])
-    ax3.set_ylim(0, 1.15)
-    ax3.set_ylabel("GPU busy share of a decode step", fontsize=8)
-    ax3.legend(fontsize=7, loc="upper left", ncol=2)
-    ax3.set_title("decode steps", fontsize=8)
-    for ax in (ax1, ax2, ax3):
+    fig, axes = plt.subplots(2, 2, figsize=(8.4, 5.6), gridspec_kw={"width_ratios": [3, 2]})
+    _offline_bars(axes[0, 0], s)
+    _busy_bars(axes[0, 1], s)
+    online = s.get("online", {}).get("paths", {})
+    for name, rates in online.items():
+        ok = sorted((float(r), v) for r, v in rates.items() if "error" not in v)
+        ttft = [(r, v["ttft_ms"]["p50"]) for r, v in ok if v.get("ttft_ms") and v["ttft_ms"]["p50"] is not None]
+        style = dict(color=COLORS.get(name, "gray"), label=SERVE_LABELS.get(name, name), ms=3)
+        if ttft:
+            axes[1, 0].plot(*zip(*ttft), "o-", **style)
+        if ok:
+            axes[1, 1].plot([r for r, _ in ok], [v["requests_per_s"] for _, v in ok], "o-", **style)
+    rates = sorted({float(r) for v in online.values() for r in v}) or [1.0]
+    axes[1, 1].plot(rates, rates, ":", color="black", lw=0.8, label="= the arrival rate")
+    for ax, ylabel, title in ((axes[1, 0], "TTFT p50, ms", "online: time to first token"),
+                              (axes[1, 1], "served, requests/s", "online: where it saturates")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("arrival rate, requests/s", fontsize=8)
+        ax.set_ylabel(ylabel, fontsize=8)
+        ax.set_title(title, fontsize=8)
+        ax.legend(fontsize=7, loc="upper left")
+    for ax in axes.flat:
         ax.tick_params(labelsize=7)
     fig.tight_layout()
     return fig
+
+
+def _offline_bars(ax, s: dict) -> None:
+    off = s.get("offline", {}).get("paths", {})
+    names = [n for n, e in off.items() if e.get("tokens_per_s")]
+    vals = [off[n]["tokens_per_s"] for n in names]
+    ax.barh(range(len(names)), vals, color=[COLORS.get(n, "gray") for n in names])
+    for i, v in enumerate(vals):
+        ax.text(v, i, f" {v:.0f}", va="center", fontsize=7)
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels([f"{SERVE_LABELS.get(n, n)}, {off[n]['requests']} req." for n in names], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(vals, default=1) * 1.3)
+    ax.set_xlabel("output tokens / s", fontsize=8)
+    where = "smoke run: not timings" if s.get("smoke") else s.get("meta", {}).get("device", "")
+    ax.set_title(f"offline ({where})", fontsize=8)
+
+
+def _busy_bars(ax, s: dict) -> None:
+    busy = s.get("busy", {}).get("paths", {})
+    running = sorted({int(k.rsplit("_", 1)[1]) for k in busy})
+    for i, n in enumerate(running):
+        for j, mode in enumerate(("no_overlap", "overlap")):
+            v = busy.get(f"{mode}_{n}", {}).get("busy")
+            if v is None:
+                continue
+            x = i + (j - 0.5) * 0.38
+            ax.bar(x, v, width=0.36, color=COLORS["kvlab" if j else "kvlab_no_overlap"],
+                   label=("overlap" if j else "no overlap") if i == 0 else None)
+            ax.text(x, v, f"{v:.2f}", ha="center", va="bottom", fontsize=7)
+    ax.axhline(0.9, color="black", lw=0.8, ls=":")
+    ax.set_xticks(range(len(running)))
+    ax.set_xticklabels([f"{n} running" for n in running], fontsize=7)
+    ax.set_ylim(0, 1.3)
+    ax.set_yticks([0, 0.25, 0.5, 0.75, 0.9, 1.0])
+    ax.set_ylabel("GPU busy share of a decode step", fontsize=8)
+    ax.legend(fontsize=7, loc="upper center", ncol=2)
+    ax.set_title("decode steps (dotted: the 0.9 target)", fontsize=8)
