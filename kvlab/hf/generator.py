@@ -38,6 +38,11 @@ raises :class:`~kvlab.OutOfPages` before anything changes.
 The loop speaks to :class:`~kvlab.CacheManager` in its serving words (``admit``,
 ``available_pages``, ``mixed_step``, ``complete_step``): the same words the simulator
 (chapter 07) and chapter 08's engine use.
+
+``policy=`` (chapter 12, :mod:`kvlab.pressure`) replaces that admission rule: ``"reserve"``
+(the default, as above), ``"recompute"``, ``"retract"`` or ``"swap"``, which admit on less and
+make room when a step does not fit (:mod:`kvlab.hf.room`, before each step; the swap policy's
+host copies in :mod:`kvlab.hf.swap`). Whatever the policy, every answer is ``generate``'s.
 """
 from __future__ import annotations
 
@@ -53,6 +58,7 @@ from .graphs import DecodeGraphs, graph_batch_sizes
 from .plugin import (check_generation_config, check_model, eos_token_ids, paged_attention_active,
                      register_attention)
 from .prefill import PrefillAdder, Seq
+from .room import Room
 from .step import build_step
 
 __all__ = ["PagedGenerator", "RequestStats", "StepInfo"]
@@ -68,7 +74,10 @@ class RequestStats(NamedTuple):
     cached: int        # prompt tokens whose K/V came from the prefix cache
     computed: int      # prompt tokens whose K/V the prefill computed
     generated: int     # new tokens (the EOS token included when it ended the request)
-    finished_by: str   # "eos" or "length"
+    finished_by: str   # "eos", "length" or "stop" (``end_after``)
+    stops: int = 0             # times the policy stopped it (preempted, retracted, swapped out)
+    recomputed: int = 0        # positions computed again after its comebacks
+    token_steps: tuple = ()    # the step (StepInfo.index) that produced each of its tokens
 
 
 class StepInfo(NamedTuple):
@@ -80,6 +89,8 @@ class StepInfo(NamedTuple):
     tokens: int           # tokens in the step's forward pass
     chunks: list[int]     # computed a chunk of a prompt begun in an earlier step
     padded_to: int        # a decode step run at this captured batch size (0: a packed step)
+    stopped: list[int] = ()   # stopped by the memory policy before this step (chapter 12)
+    resumed: list[int] = ()   # swapped back in before this step
 
 
 class PagedGenerator:
@@ -106,16 +117,22 @@ class PagedGenerator:
     * ``decode_step``: a function with the signature of :func:`kvlab.hf.paged_attention_step`
       to use instead of it (chapter 10's exercise);
     * ``check_steps``: check every step's rows on the host before its forward pass (a few waits
-      for the GPU per step; default: only without CUDA, where a bad slot would corrupt memory).
+      for the GPU per step; default: only without CUDA, where a bad slot would corrupt memory);
+    * ``policy``: what to do when KV memory runs out (chapter 12, :mod:`kvlab.pressure`):
+      ``"reserve"`` (each answer's whole length at admission: no step runs short),
+      ``"recompute"``, ``"retract"``, ``"swap"`` (``host_pages``: its host pool, in pages;
+      default as many as the device pool), or a :class:`kvlab.pressure.Policy`.
     """
 
     def __init__(self, model, page_size: int = 16, num_pages: int = 256, *, max_running: int = 256,
                  max_seq_len: int | None = None, prefill_budget: int = 8192,
                  chunked_prefill: bool = True, decode_graphs: str = "auto",
                  graph_sizes: Sequence[int] | None = None, decode_step: Callable | None = None,
-                 check_steps: bool | None = None):
+                 check_steps: bool | None = None, policy="reserve", host_pages: int | None = None):
         from ..kvcache import KVPool
         from ..paging import new_page_table
+        from ..pressure import make_policy
+        from .swap import HostKV
 
         check_model(model)
         self.model = model
@@ -124,6 +141,9 @@ class PagedGenerator:
         self.max_running = check_int("max_running", max_running, minimum=1)
         self.prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
         self.chunked_prefill = _check_bool("chunked_prefill", chunked_prefill)
+        self.policy = make_policy(policy)
+        if host_pages is not None:
+            host_pages = check_int("host_pages", host_pages, minimum=0)
         c = model.config
         self._row_limit = "max_seq_len"
         if max_seq_len is None:
@@ -152,6 +172,9 @@ class PagedGenerator:
         self.pool = KVPool((self.num_pages + 1) * self.page_size, c.num_hidden_layers, kv_heads,
                            head_dim, dtype=model.dtype, device=device)
         self._map_dummy_row()
+        # the swap policy's host pool (pinned on CUDA): where stopped requests' K/V waits
+        self.host = (HostKV(self.pool, self.page_size, self.num_pages if host_pages is None else host_pages)
+                     if self.policy.on_preempt == "swap" else None)
         self.clear_prefix_cache()
         self.stats: dict[str, int] = {}
         self.requests: list[RequestStats] = []
@@ -198,16 +221,21 @@ class PagedGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 32, *,
                  output_logits: bool = False,
-                 on_step: Callable[[StepInfo], None] | None = None) -> list[list[int]]:
+                 on_step: Callable[[StepInfo], None] | None = None,
+                 end_after: Sequence[int] | None = None) -> list[list[int]]:
         """New tokens per prompt (greedy; stops at EOS as ``generate`` does).
 
         ``output_logits=True`` keeps, in ``self.logits[i]``, the float32 logits behind each
         token of prompt ``i`` (``[new_tokens, vocab]``, on the CPU). ``on_step(StepInfo)``
-        is called after every step (e.g. to photograph ``self.page_table``). Checks
-        everything first: bad prompts raise :class:`~kvlab.InvalidArgument` and a prompt
-        the pool can never hold raises :class:`~kvlab.OutOfPages`, with nothing changed.
+        is called after every step (e.g. to photograph ``self.page_table``). ``end_after[i]``:
+        prompt ``i`` ends after that many new tokens as if the model had produced an end of
+        text there (``finished_by="stop"``; the scheduler does not know it in advance: a stand-in
+        for EOS on a model whose answers never end, as a random one's). Checks everything
+        first: bad prompts raise :class:`~kvlab.InvalidArgument` and a prompt the pool can
+        never hold raises :class:`~kvlab.OutOfPages`, with nothing changed.
         """
         seqs, max_new = self._check(prompts, max_new_tokens)
+        ends = self._check_end_after(end_after, len(seqs), max_new)
         eos = eos_token_ids(self.model)
         waiting: deque[Seq] = deque(seqs)
         chunked: list[Seq] = []    # admitted; their prompts are computed chunk by chunk
@@ -217,22 +245,29 @@ class PagedGenerator:
                      steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, chunks=0,
                      decode_tokens=0, deferred=0, most_running=0)
         live: list[Seq] = []     # admitted and not finished: released if anything goes wrong
+        room = Room(self, self.policy.start(), max_new, stats)
         try:
             with paged_attention_active(self.model), torch.inference_mode():
-                while waiting or chunked or running:
+                while waiting or chunked or running or room.swapped:
+                    # 0. make room (chapter 12, kvlab.hf.room): stop what the coming step cannot
+                    #    hold, bring swapped requests back; may new requests come in?
+                    admit_new = room.make_room(waiting, chunked, running, free_rows, live)
                     # 1. who prefills this step, and how much (admission by memory, chunks)
                     adder = PrefillAdder(self.manager, max_new, self.prefill_budget,
-                                         chunked=self.chunked_prefill, holding=running + chunked)
-                    new = self._admit(adder, waiting, chunked, free_rows, stats)
+                                         chunked=self.chunked_prefill, holding=running + chunked,
+                                         policy=room.run, room=room,
+                                         step_pages=self.manager.pages_needed([s.req for s in running]))
+                    new = self._admit(adder, waiting if admit_new else deque(), chunked, free_rows, stats)
                     live += new
                     prefill = adder.added
                     if not prefill and not running:  # _check made sure each request fits alone
                         raise AssertionError("kvlab.hf: no request could be admitted to an idle pool")
+                    room.record_step(prefill + running, running + list(dict.fromkeys(chunked + prefill)))
                     # 2. map the prompt chunks and one more position of each running request
                     step = self.manager.mixed_step([s.req for s in prefill], [s.req for s in running])
                     batch = prefill + running
                     # who gets a token: running requests, and prompts whose last chunk this is
-                    last = [s.req.device_len == len(s.prompt) for s in prefill] + [True] * len(running)
+                    last = [s.req.device_len == s.req.input_len for s in prefill] + [True] * len(running)
                     # 3. one forward pass (a replayed graph for a decode-only step)
                     token_t, logits, padded_to = self._forward(step, last)
                     tokens = iter(token_t.tolist())      # the step's one wait for the GPU
@@ -243,10 +278,13 @@ class PagedGenerator:
                         next_tokens.append(token)
                         if produced:
                             seq.tokens.append(token)
+                            seq.token_steps.append(stats["steps"])
                             if rows is not None:
                                 seq.logits.append(next(rows))
                             if token in eos or len(seq.tokens) == max_new:
                                 seq.finished_by = "eos" if token in eos else "length"
+                            elif len(seq.tokens) == ends[seq.index]:
+                                seq.finished_by = "stop"
                         done.append(bool(seq.finished_by))
                     # 4. record the tokens; finished prompts' pages join the cache; done ones end
                     self.manager.complete_step(step, next_tokens, done)
@@ -254,13 +292,16 @@ class PagedGenerator:
                         if seq.finished_by:
                             free_rows.append(seq.req.table_idx)
                             live.remove(seq)
-                    chunked = [s for s, produced in zip(prefill, last) if not produced]
-                    running = [s for s, produced in zip(batch, last) if produced and not s.finished_by]
+                    produced_now = {s for s, produced in zip(batch, last) if produced}
+                    # prompts still in chunks: those that ran a chunk, and those that could not
+                    chunked = [s for s in dict.fromkeys(chunked + prefill) if s not in produced_now]
+                    running = [s for s in batch if s in produced_now and not s.finished_by]
                     self._count(stats, step, prefill, new, chunked, padded_to)
                     if on_step is not None:
                         on_step(StepInfo(stats["steps"] - 1, [s.index for s in new],
                                          [s.index for s in batch[len(prefill):]], step.num_tokens,
-                                         [s.index for s in prefill if s not in new], padded_to))
+                                         [s.index for s in prefill if s not in new], padded_to,
+                                         room.stopped, room.resumed))
         except BaseException:
             for seq in live:                 # give their pages back; the cache keeps what it has
                 if seq.req is not None and not seq.req.finished:
@@ -270,7 +311,8 @@ class PagedGenerator:
         stats["generated"] = sum(len(s.tokens) for s in seqs)
         self.stats = stats
         self.requests = [RequestStats(len(s.prompt), s.cached, len(s.prompt) - s.cached,
-                                      len(s.tokens), s.finished_by) for s in seqs]
+                                      len(s.tokens), s.finished_by, s.stops, s.recomputed,
+                                      tuple(s.token_steps)) for s in seqs]
         self.logits = [torch.stack(s.logits) for s in seqs] if output_logits else []
         return [s.tokens for s in seqs]
 
@@ -307,6 +349,14 @@ class PagedGenerator:
             seqs.append(Seq(i, ids))
         return seqs, max_new
 
+    def _check_end_after(self, end_after, n: int, max_new: int) -> list:
+        if end_after is None:
+            return [None] * n
+        if isinstance(end_after, (str, bytes, torch.Tensor)) or not isinstance(end_after, Sequence) \
+                or len(end_after) != n:
+            raise InvalidArgument("end_after", f"a list of {n} ints, one per prompt", f"got {end_after!r}")
+        return [check_int(f"end_after[{i}]", e, minimum=1) for i, e in enumerate(end_after)]
+
     # --- scheduling -----------------------------------------------------------------------
 
     def _admit(self, adder: PrefillAdder, waiting: deque, chunked: list, free_rows: list,
@@ -324,8 +374,9 @@ class PagedGenerator:
             if verdict == "added":
                 waiting.remove(seq)
                 new.append(seq)
-                stats["prefill_cached"] += seq.cached
-                stats["prefill_computed"] += len(seq.prompt) - seq.cached
+                if not seq.stops:              # a comeback's work is counted by kvlab.hf.room
+                    stats["prefill_cached"] += seq.cached
+                    stats["prefill_computed"] += len(seq.prompt) - seq.cached
         stats["deferred"] += adder.deferred
         return new
 
