@@ -47,12 +47,13 @@ _EXPORTS = {
     "HashCacheHandle": "hash_chain",
     "chain_hash": "hash_chain",
     "page_hashes": "hash_chain",
+    "make_policy": "pressure",  # chapter 12
 }
 _SUBMODULES = {
     "kernels", "reference", "viz", "check", "solutions", "sim", "widgets",
     "kvcache", "attention", "engine", "bench", "paging", "token_allocator", "radix_cache",
     "cache_manager", "scenes", "runtime", "errors", "alloc_checks", "native_counts", "hash_cache",
-    "hash_chain",
+    "hash_chain", "pressure",
     "hf",  # chapter 10 (needs the optional transformers: pip install 'kvlab[hf]')
 }
 

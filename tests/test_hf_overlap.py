@@ -239,6 +239,30 @@ def test_a_slow_worker_thread_gives_the_same_tokens(models, monkeypatch):
     pages_accounted_for(gen)
 
 
+# --- memory pressure (chapter 12's policies) with overlap ------------------------------------
+
+@pytest.mark.parametrize("page_size, pages", [(1, 50), (16, 3)])
+@pytest.mark.parametrize("policy", ["recompute", "retract", "swap"])
+def test_every_memory_policy_stops_and_resumes_requests_with_overlap(models, policy, page_size, pages):
+    """A pool too small for the answers: the policy stops requests (the step in flight is
+    processed first) and brings them back; an end of text the scheduler cannot foresee
+    (``end_after``) ends one early. Tokens and logits are generate's; every page comes back."""
+    model = models["llama"]
+    rng = random.Random(5)
+    prompts = [[rng.randrange(VOCAB) for _ in range(n)] for n in (9, 17, 4, 12, 3, 6)]
+    ends = [10, 10, 10, 8, 10, 10]
+    gen = PagedGenerator(model, page_size=page_size, num_pages=pages, max_running=6, prefill_budget=7,
+                         policy=policy, overlap=True)
+    got = gen.generate(prompts, max_new_tokens=10, end_after=ends, output_logits=True)
+    assert sum(r.stops for r in gen.requests) > 0, "the pool never ran short: the test proves nothing"
+    assert [r.finished_by for r in gen.requests] == ["stop" if e < 10 else "length" for e in ends]
+    for i, (prompt, e) in enumerate(zip(prompts, ends)):
+        want, want_logits = reference(model, prompt, e)
+        assert got[i] == want, (policy, i, got[i], want)
+        assert float((gen.logits[i] - want_logits).abs().max()) <= 1e-4
+    pages_accounted_for(gen)
+
+
 # --- timelines, arrivals ------------------------------------------------------------------
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -45,6 +45,11 @@ raises :class:`~kvlab.OutOfPages` before anything changes.
 The loop speaks to :class:`~kvlab.CacheManager` in its serving words (``admit``,
 ``available_pages``, ``mixed_step``, ``complete_step``): the same words the simulator
 (chapter 07) and chapter 08's engine use.
+
+``policy=`` (chapter 12, :mod:`kvlab.pressure`) replaces that admission rule: ``"reserve"``
+(the default, as above), ``"recompute"``, ``"retract"`` or ``"swap"``, which admit on less and
+make room when a step does not fit (:mod:`kvlab.hf.room`, before each step; the swap policy's
+host copies in :mod:`kvlab.hf.swap`). Whatever the policy, every answer is ``generate``'s.
 """
 from __future__ import annotations
 
@@ -77,7 +82,10 @@ class RequestStats(NamedTuple):
     cached: int        # prompt tokens whose K/V came from the prefix cache
     computed: int      # prompt tokens whose K/V the prefill computed
     generated: int     # new tokens (the EOS token included when it ended the request)
-    finished_by: str   # "eos" or "length"
+    finished_by: str   # "eos", "length" or "stop" (``end_after``)
+    stops: int = 0             # times the policy stopped it (preempted, retracted, swapped out)
+    recomputed: int = 0        # positions computed again after its comebacks
+    token_steps: tuple = ()    # the step (StepInfo.index) that produced each of its tokens
     arrival: float = 0.0     # seconds after the call began when it arrived
     times: tuple = ()        # when each new token reached the host (s after the call began)
 
@@ -124,16 +132,23 @@ class PagedGenerator:
       for the GPU per step; default: only without CUDA, where a bad slot would corrupt memory);
     * ``overlap``: overlap scheduling (see above; default: on a CUDA device). Without CUDA it
       runs each forward pass on a worker thread, which stands in for a GPU stream. An
-      attribute: ``gen.overlap = False`` turns it off for the next calls.
+      attribute: ``gen.overlap = False`` turns it off for the next calls;
+    * ``policy``: what to do when KV memory runs out (chapter 12, :mod:`kvlab.pressure`):
+      ``"reserve"`` (each answer's whole length at admission: no step runs short),
+      ``"recompute"``, ``"retract"``, ``"swap"`` (``host_pages``: its host pool, in pages;
+      default as many as the device pool), or a :class:`kvlab.pressure.Policy`.
     """
 
     def __init__(self, model, page_size: int = 16, num_pages: int = 256, *, max_running: int = 256,
                  max_seq_len: int | None = None, prefill_budget: int = 8192,
                  chunked_prefill: bool = True, decode_graphs: str = "auto",
                  graph_sizes: Sequence[int] | None = None, decode_step: Callable | None = None,
-                 check_steps: bool | None = None, overlap: bool | None = None):
+                 check_steps: bool | None = None, overlap: bool | None = None, policy="reserve",
+                 host_pages: int | None = None):
         from ..kvcache import KVPool
         from ..paging import new_page_table
+        from ..pressure import make_policy
+        from .swap import HostKV
 
         check_model(model)
         self.model = model
@@ -142,6 +157,9 @@ class PagedGenerator:
         self.max_running = check_int("max_running", max_running, minimum=1)
         self.prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
         self.chunked_prefill = _check_bool("chunked_prefill", chunked_prefill)
+        self.policy = make_policy(policy)
+        if host_pages is not None:
+            host_pages = check_int("host_pages", host_pages, minimum=0)
         c = model.config
         self._row_limit = "max_seq_len"
         if max_seq_len is None:
@@ -175,6 +193,9 @@ class PagedGenerator:
         self.pool = KVPool((self.num_pages + 1) * self.page_size, c.num_hidden_layers, kv_heads,
                            head_dim, dtype=model.dtype, device=device)
         self._map_dummy_row()
+        # the swap policy's host pool (pinned on CUDA): where stopped requests' K/V waits
+        self.host = (HostKV(self.pool, self.page_size, self.num_pages if host_pages is None else host_pages)
+                     if self.policy.on_preempt == "swap" else None)
         self.clear_prefix_cache()
         self.stats: dict[str, int] = {}
         self.requests: list[RequestStats] = []
@@ -238,7 +259,8 @@ class PagedGenerator:
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens=32, *,
                  output_logits: bool = False, on_step: Callable[[StepInfo], None] | None = None,
-                 arrivals: Sequence[float] | None = None, timeline: bool = False) -> list[list[int]]:
+                 arrivals: Sequence[float] | None = None, timeline: bool = False,
+                 end_after: Sequence[int] | None = None) -> list[list[int]]:
         """New tokens per prompt (greedy; stops at EOS as ``generate`` does).
 
         ``max_new_tokens``: one number for all prompts, or one per prompt.
@@ -248,12 +270,16 @@ class PagedGenerator:
         per prompt, seconds after the call begins before which it is not admitted (an online
         server's requests; ``self.requests[i].times`` says when each token reached the
         host). ``timeline=True``: ``self.timeline`` gets one :class:`StepTimes` per step.
+        ``end_after[i]``: prompt ``i`` ends after that many new tokens as if the model had
+        produced an end of text there (``finished_by="stop"``; the scheduler does not know it
+        in advance: a stand-in for EOS on a model whose answers never end, as a random one's).
         Checks everything first: bad arguments raise :class:`~kvlab.InvalidArgument` and a
         prompt the pool can never hold raises :class:`~kvlab.OutOfPages`, with nothing
         changed. After any error or interrupt every page is accounted for again and the
         generator is ready for the next call.
         """
         seqs = self._check(prompts, max_new_tokens, arrivals)
+        ends = self._check_end_after(end_after, seqs)
         _check_bool("output_logits", output_logits)
         _check_bool("timeline", timeline)
         if on_step is not None and not callable(on_step):
@@ -264,7 +290,7 @@ class PagedGenerator:
         queue = self._queue(overlap)
         queue.begin(timeline)
         loop = ServingLoop(self, seqs, eos=eos_token_ids(self.model), overlap=overlap, queue=queue,
-                           output_logits=output_logits, on_step=on_step)
+                           output_logits=output_logits, on_step=on_step, ends=ends)
         with paged_attention_active(self.model), torch.inference_mode():
             try:
                 loop.run()
@@ -276,8 +302,8 @@ class PagedGenerator:
         self.stats = loop.stats
         self.timeline = loop.timeline
         self.requests = [RequestStats(len(s.prompt), s.cached, len(s.prompt) - s.cached,
-                                      len(s.tokens), s.finished_by, s.arrival, tuple(s.times))
-                         for s in seqs]
+                                      len(s.tokens), s.finished_by, s.stops, s.recomputed,
+                                      tuple(s.token_steps), s.arrival, tuple(s.times)) for s in seqs]
         self.logits = [torch.stack(s.logits) for s in seqs] if output_logits else []
         return [s.tokens for s in seqs]
 
@@ -337,6 +363,13 @@ class PagedGenerator:
                                       f"got {len(ids)} + {max_new[i]} - 1")
             seqs.append(Seq(i, ids, max_new=max_new[i], arrival=times[i]))
         return seqs
+
+    @staticmethod
+    def _check_end_after(end_after, seqs: list[Seq]) -> list:
+        if end_after is None:
+            return [None] * len(seqs)
+        return [check_int(name, e, minimum=1) for name, e in
+                _per_prompt("end_after", end_after, len(seqs), scalar=False)]
 
     # --- one forward step ------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from typing import Callable, NamedTuple, Sequence
 
 from .overlap import DeviceQueue, StepTimes
 from .prefill import PrefillAdder, Seq
+from .room import Room
 
 __all__ = ["PENDING", "StepInfo", "Launched", "ServingLoop"]
 
@@ -58,6 +59,8 @@ class StepInfo(NamedTuple):
     tokens: int           # tokens in the step's forward pass
     chunks: list[int]     # computed a chunk of a prompt begun in an earlier step
     padded_to: int        # a decode step run at this captured batch size (0: a packed step)
+    stopped: list[int] = ()   # stopped by the memory policy before this step (chapter 12)
+    resumed: list[int] = ()   # swapped back in before this step
 
 
 @dataclass(eq=False)
@@ -71,6 +74,8 @@ class Launched:
     batch: object               # kvlab.req.ForwardBatch
     produces: list[bool]        # per lane: the step gives it a token (not a chunk that goes on)
     padded_to: int = 0          # the captured batch size a decode-only step ran at
+    stopped: list[int] = field(default_factory=list)   # the memory policy's doing before it
+    resumed: list[int] = field(default_factory=list)
     ticket: object = None
     times: list[float] = field(default_factory=list)   # host: schedule, launch start / end
 
@@ -87,9 +92,10 @@ class ServingLoop:
 
     def __init__(self, gen, seqs: Sequence[Seq], *, eos: frozenset, overlap: bool,
                  queue: DeviceQueue, output_logits: bool = False,
-                 on_step: Callable | None = None):
+                 on_step: Callable | None = None, ends: Sequence | None = None):
         self.gen, self.manager = gen, gen.manager
         self.eos, self.overlap, self.queue = eos, overlap, queue
+        self.ends = list(ends) if ends is not None else [None] * len(seqs)   # end_after
         self.output_logits, self.on_step = output_logits, on_step
         self.waiting: deque[Seq] = deque(sorted(seqs, key=lambda s: s.arrival))
         self.chunked: list[Seq] = []     # admitted; their prompts are computed chunk by chunk
@@ -101,6 +107,7 @@ class ServingLoop:
         self.stats = dict(requests=len(seqs), prefill_computed=0, prefill_cached=0, generated=0,
                           steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, chunks=0,
                           decode_tokens=0, deferred=0, most_running=0)
+        self.room = Room(gen, gen.policy.start(), self.stats)   # the memory policy (chapter 12)
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
@@ -110,8 +117,16 @@ class ServingLoop:
 
     def run(self) -> None:
         last: Launched | None = None       # overlap: the step launched in the last round
-        while self.waiting or self.chunked or self.running or last is not None:
-            step = self.schedule()
+        while self.waiting or self.chunked or self.running or self.room.swapped or last is not None:
+            if last is not None and self.room.needs_room(self.running, self.chunked):
+                # memory pressure: the policy stops requests, which must not ride a step in
+                # flight and must know all their tokens -- so that step is processed first
+                self.process(last, in_flight=None)
+                last = None
+            admit_new = self.room.make_room(self.waiting, self.chunked, self.running, self.free_rows)
+            if self.room.stopped:      # stopped requests' prompts are no longer being computed
+                self.uncached = [s for s in self.uncached if not s.req.finished]
+            step = self.schedule(admit_new)
             processed = last is not None
             if processed:
                 self.process(last, in_flight=step)
@@ -133,19 +148,27 @@ class ServingLoop:
 
     # --- schedule and launch ---------------------------------------------------------------
 
-    def schedule(self) -> Launched | None:
-        """Choose and map the next step, then launch it; None if nothing can run now."""
+    def schedule(self, admit_new: bool = True) -> Launched | None:
+        """Choose and map the next step, then launch it; None if nothing can run now.
+        ``admit_new``: the memory policy lets waiting requests in this step."""
         t0 = self.now()
+        room = self.room
+        step_pages = (self.manager.pages_needed([s.req for s in self.running])
+                      if room.run.policy.preempts else 0)
         adder = PrefillAdder(self.manager, self.gen.prefill_budget, chunked=self.gen.chunked_prefill,
-                             holding=self.running + self.chunked)
-        new = self._admit(adder)
+                             holding=self.running + self.chunked, policy=room.run, room=room,
+                             step_pages=step_pages)
+        new = self._admit(adder, admit_new)
         prefill = adder.added
         if not prefill and not self.running:
             return None
         decode = list(self.running)
+        room.record_step(prefill + decode, decode + list(dict.fromkeys(self.chunked + prefill)))
         batch = self.manager.mixed_step([s.req for s in prefill], [s.req for s in decode])
-        produces = [s.req.device_len == len(s.prompt) for s in prefill] + [True] * len(decode)
-        step = Launched(self.steps, prefill, decode, new, batch, produces, times=[t0, self.now()])
+        # who gets a token: running requests, and prompts (or comebacks) whose last chunk this is
+        produces = [s.req.device_len == s.req.input_len for s in prefill] + [True] * len(decode)
+        step = Launched(self.steps, prefill, decode, new, batch, produces, stopped=list(room.stopped),
+                        resumed=list(room.resumed), times=[t0, self.now()])
         self.steps += 1
         step.ticket, step.padded_to = self.gen._launch_step(batch, produces, self.queue,
                                                              overlap=self.overlap,
@@ -153,7 +176,7 @@ class ServingLoop:
         step.times.append(self.now())
         return step
 
-    def _admit(self, adder: PrefillAdder) -> list[Seq]:
+    def _admit(self, adder: PrefillAdder, admit_new: bool) -> list[Seq]:
         """Chunks of prompts begun earlier first (they keep their rows and handles), then the
         arrived requests in order while rows, the budget and pages last; returns the new ones."""
         for seq in self.chunked:
@@ -161,7 +184,7 @@ class ServingLoop:
                 break
         new: list[Seq] = []
         now = self.now()
-        for seq in list(self.waiting):
+        for seq in list(self.waiting) if admit_new else []:
             if seq.arrival > now:
                 break
             verdict = adder.try_admit(seq, self.free_rows, self.uncached)
@@ -171,8 +194,9 @@ class ServingLoop:
                 self.waiting.remove(seq)
                 self.uncached.append(seq)
                 new.append(seq)
-                self.stats["prefill_cached"] += seq.cached
-                self.stats["prefill_computed"] += len(seq.prompt) - seq.cached
+                if not seq.stops:              # a comeback's work is counted by kvlab.hf.room
+                    self.stats["prefill_cached"] += seq.cached
+                    self.stats["prefill_computed"] += len(seq.prompt) - seq.cached
         self.stats["deferred"] += adder.deferred
         return new
 
@@ -185,9 +209,10 @@ class ServingLoop:
         self.manager.complete_step(step.batch, pending, cache_prompt=False)
         for seq, produced in zip(step.seqs, step.produces):
             seq.produced += produced
-        self.chunked = [s for s, p in zip(step.prefill, step.produces) if not p]
-        self.running = [s for s, p in zip(step.seqs, step.produces)
-                        if p and not s.finished_by and s.produced < s.max_new]
+        gave = {s for s, p in zip(step.seqs, step.produces) if p}
+        # prompts still in chunks: those that ran a chunk, and those that got none this step
+        self.chunked = [s for s in dict.fromkeys(self.chunked + step.prefill) if s not in gave]
+        self.running = [s for s in step.seqs if s in gave and not s.finished_by and s.produced < s.max_new]
         self._count(step)
 
     def _count(self, step: Launched) -> None:
@@ -220,15 +245,20 @@ class ServingLoop:
             seq.req.input_ids[step.batch.end[lane]] = token      # PENDING until now
             seq.tokens.append(token)
             seq.times.append(now)
+            seq.token_steps.append(step.index)
             if row is not None:
                 seq.logits.append(row)
             if token in self.eos or len(seq.tokens) == seq.max_new:
                 seq.finished_by = "eos" if token in self.eos else "length"
-        # prompts whose last chunk this was join the prefix cache (a finished one: at release)
+            elif len(seq.tokens) == self.ends[seq.index]:
+                seq.finished_by = "stop"       # end_after: an end of text the scheduler could not foresee
+        # prompts (or comebacks) whose last chunk this was join the prefix cache (a finished
+        # one: at its release)
         for seq, produced in zip(step.prefill, step.produces):
-            if produced and not seq.finished_by and seq in self.uncached:
+            if produced and not seq.finished_by:
                 self.manager.cache_req(seq.req, finished=False)
-                self.uncached.remove(seq)
+                if seq in self.uncached:
+                    self.uncached.remove(seq)
         riding = set(in_flight.seqs) if in_flight is not None else set()
         for seq in step.seqs:
             if seq.finished_by and not seq.req.finished and seq not in riding:
@@ -255,4 +285,4 @@ class ServingLoop:
             self.on_step(StepInfo(step.index, [s.index for s in step.new],
                                   [s.index for s in step.decode], step.batch.num_tokens,
                                   [s.index for s in step.prefill if s not in step.new],
-                                  step.padded_to))
+                                  step.padded_to, step.stopped, step.resumed))
