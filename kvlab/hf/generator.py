@@ -130,9 +130,9 @@ class PagedGenerator:
       to use instead of it (chapter 10's exercise);
     * ``check_steps``: check every step's rows on the host before its forward pass (a few waits
       for the GPU per step; default: only without CUDA, where a bad slot would corrupt memory);
-    * ``overlap``: overlap scheduling (see above; default: on a CUDA device). Without CUDA it
-      runs each forward pass on a worker thread, which stands in for a GPU stream. An
-      attribute: ``gen.overlap = False`` turns it off for the next calls;
+    * ``overlap``: overlap scheduling (see above; default: on a CUDA device). Without CUDA each
+      forward pass runs on a worker thread, which stands in for a GPU stream (with overlap or
+      not). An attribute: ``gen.overlap = False`` turns it off for the next calls;
     * ``policy``: what to do when KV memory runs out (chapter 12, :mod:`kvlab.pressure`):
       ``"reserve"`` (each answer's whole length at admission: no step runs short),
       ``"recompute"``, ``"retract"``, ``"swap"`` (``host_pages``: its host pool, in pages;
@@ -309,7 +309,7 @@ class PagedGenerator:
 
     def _queue(self, overlap: bool) -> DeviceQueue:
         if overlap not in self._queues:
-            self._queues[overlap] = device_queue(self.page_table.device, overlap)
+            self._queues[overlap] = device_queue(self.page_table.device)
         return self._queues[overlap]
 
     def _settle(self) -> None:

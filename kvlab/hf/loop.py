@@ -232,6 +232,7 @@ class ServingLoop:
         the finished requests that are not in ``in_flight`` (the step launched after it)."""
         t0 = self.now()
         tokens_t, logits_t = self.queue.result(step.ticket)
+        step.times.append(self.now())
         tokens = iter(tokens_t.tolist())
         rows = iter(logits_t.float()) if logits_t is not None else None
         now = self.now()
@@ -280,7 +281,7 @@ class ServingLoop:
             self.timeline.append(StepTimes(
                 step.index, len(step.batch), step.batch.num_tokens, not step.prefill,
                 (step.times[0], step.times[1]), (step.times[1], step.times[2]), (t0, self.now()),
-                (start - self.t0, end - self.t0)))
+                (start - self.t0, end - self.t0), step.times[3]))
         if self.on_step is not None:
             self.on_step(StepInfo(step.index, [s.index for s in step.new],
                                   [s.index for s in step.decode], step.batch.num_tokens,

@@ -20,8 +20,9 @@ A :class:`DeviceQueue` is the device's queue of work, in submission order:
 * :class:`CudaQueue` -- a CUDA stream: ``submit`` enqueues the kernels and a copy of the tokens
   into pinned host memory and records an event; ``result`` waits on that event only;
 * :class:`ThreadQueue` -- a CPU stand-in for a stream: one worker thread runs the submitted
-  work in order while the caller goes on (torch releases the interpreter lock inside its ops);
-* :class:`InlineQueue` -- the work runs inside ``submit`` (a CPU without overlap).
+  work in order while the caller goes on (torch releases the interpreter lock inside its ops),
+  with or without overlap, so a step's parts sit on the same two lanes as on a GPU;
+* :class:`DeviceQueue` itself runs the work inside ``submit`` (tests build on it).
 
 Each submitted piece of work returns ``(tokens, logits)`` on the host; the queue notes when it
 ran on the device clock (:class:`StepTimes` of the timeline, seconds since the call began).
@@ -35,8 +36,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["StepTimes", "Ticket", "DeviceQueue", "InlineQueue", "ThreadQueue", "CudaQueue",
-           "device_queue", "to_host"]
+__all__ = ["StepTimes", "Ticket", "DeviceQueue", "ThreadQueue", "CudaQueue", "device_queue",
+           "to_host"]
 
 
 class StepTimes(NamedTuple):
@@ -51,6 +52,7 @@ class StepTimes(NamedTuple):
     launch: tuple[float, float]       # host: build the inputs, hand the work to the device
     process: tuple[float, float]      # host: wait for the tokens, record them, release the finished
     device: tuple[float, float]       # device: the forward pass and the tokens' copy
+    tokens_at: float = 0.0            # host: when the wait ended (the tokens were there)
 
 
 class Ticket:
@@ -109,10 +111,6 @@ class DeviceQueue:
 
     def close(self) -> None:
         self.drain()
-
-
-class InlineQueue(DeviceQueue):
-    """The work runs inside :meth:`submit` (a CPU, no overlap)."""
 
 
 class ThreadQueue(DeviceQueue):
@@ -201,9 +199,6 @@ class CudaQueue(DeviceQueue):
         torch.cuda.current_stream().synchronize()
 
 
-def device_queue(device: torch.device, overlap: bool) -> DeviceQueue:
-    """The queue a generator uses: a CUDA stream on a GPU; on a CPU a worker thread with
-    overlap, else inline."""
-    if device.type == "cuda":
-        return CudaQueue()
-    return ThreadQueue() if overlap else InlineQueue()
+def device_queue(device: torch.device) -> DeviceQueue:
+    """The queue a generator uses: a CUDA stream on a GPU, a worker thread on a CPU."""
+    return CudaQueue() if device.type == "cuda" else ThreadQueue()

@@ -1,6 +1,7 @@
 """Chapter 10's scenes: where kvlab plugs into a transformers model, a conversation that
-re-sends its history, the pictures of what the prefix cache saved, and a decode step padded
-with the dummy row. Seeded; the schematic and the padded step need no transformers."""
+re-sends its history, the pictures of what the prefix cache saved, a decode step padded
+with the dummy row, and the host and device lanes of steps without and with overlap
+scheduling. Seeded; the schematic and the padded step need no transformers."""
 from __future__ import annotations
 
 import random
@@ -266,3 +267,82 @@ def prefill_per_step(timelines: dict, budget: int, ax=None):
     ax.set_ylabel("prompt tokens computed")
     ax.legend(fontsize=9, loc="upper right")
     return ax
+
+
+# --- overlap scheduling: the two lanes of a run ----------------------------------------------
+
+
+class OverlapRuns(NamedTuple):
+    """The same prompts served without and with overlap scheduling."""
+
+    timelines: dict          # "without overlap" / "with overlap" -> the steps (StepTimes as dicts)
+    tokens: dict             # the same keys -> the new tokens of each prompt
+
+
+def reference_decode_step(q, k, v, k_pool, v_pool, page_table, rows, positions, scale):
+    """A decode step in plain torch (store, then the reference attention): in the interpreter
+    it is far quicker than a Triton kernel, so the host's share of a step stays visible."""
+    from ..hf.attention import paged_attention_reference
+
+    slots = page_table[rows, positions].long()
+    k_pool[slots] = k.to(k_pool.dtype)
+    v_pool[slots] = v.to(v_pool.dtype)
+    return paged_attention_reference(q, k_pool, v_pool, page_table, rows, positions + 1, scale)
+
+
+def overlap_runs(model=None, prompts: Sequence[Sequence[int]] | None = None, max_new_tokens: int = 6,
+                 page_size: int = 4, **options) -> OverlapRuns:
+    """Serve ``prompts`` twice with ``timeline=True``, overlap off then on, through
+    :func:`reference_decode_step` (a tiny seeded Llama and 16 seeded prompts by default;
+    ``options`` go to the generator). Without CUDA a worker thread plays the GPU."""
+    from ..hf import PagedGenerator, tiny_model
+
+    model = model if model is not None else tiny_model("llama", seed=0)
+    if prompts is None:
+        rng = random.Random(3)
+        prompts = [[rng.randrange(model.config.vocab_size) for _ in range(rng.randint(4, 12))]
+                   for _ in range(16)]
+    options = dict(dict(num_pages=256, decode_step=reference_decode_step), **options)
+    timelines, tokens = {}, {}
+    for name, overlap in (("without overlap", False), ("with overlap", True)):
+        gen = PagedGenerator(model, page_size=page_size, overlap=overlap, **options)
+        tokens[name] = gen.generate(prompts, max_new_tokens=max_new_tokens, timeline=True)
+        timelines[name] = [s._asdict() for s in gen.timeline]
+    return OverlapRuns(timelines, tokens)
+
+
+def recorded_timelines(bench: dict) -> dict:
+    """The GPU's decode steps at 64 running requests, without and with overlap, as the serving
+    benchmark recorded them (``figures/bench.json``); empty if it recorded none."""
+    saved = bench.get("serve", {}).get("timeline", {})
+    names = {"no_overlap_64": "without overlap", "overlap_64": "with overlap"}
+    return {label: saved[key] for key, label in names.items() if saved.get(key)}
+
+
+def _titled(timelines: dict, where: str, count: int) -> dict:
+    from ..viz.lanes import span, window
+
+    out = {}
+    for name, steps in timelines.items():
+        w = window(steps, count)
+        period = (w[-1]["device"][1] - w[0]["device"][1]) / max(1, len(w) - 1) * 1e3
+        out[f"{where}, {name}: a decode step every {period:.1f} ms"] = (steps, span(w))
+    return out
+
+
+@figure("10_overlap_timeline.png")
+def overlap_timeline_figure(timelines: dict | None = None, where: str = "", count: int = 4):
+    """Host and device lanes of a few decode steps, without and with overlap scheduling: the
+    GPU's steps the serving benchmark recorded (``figures/bench.json``), else a tiny run here."""
+    from ..viz.lanes import lanes_figure
+
+    if timelines is None:
+        from .ch09_making_it_fast import load_bench
+
+        try:
+            timelines, where = recorded_timelines(load_bench()), "H200, Qwen3-0.6B's shape"
+        except FileNotFoundError:
+            timelines = {}
+        if not timelines:
+            timelines, where = overlap_runs().timelines, "CPU, a tiny model"
+    return lanes_figure(_titled(timelines, where, count), width=MAX_WIDTH_IN if MAX_WIDTH_IN < 8.4 else 8.4)

@@ -5,7 +5,7 @@
 # paged decode attention); Hugging Face `transformers` basics (a model, `generate`).
 #
 # **Goal.** Chapter 08 proved kvlab's memory manager right on a model the course wrote itself.
-# Here the model is a **real one**: a Llama-family model (or Qwen2) loaded by Hugging Face
+# Here the model is a **real one**: a Llama-family model (or Qwen2, or Qwen3) loaded by Hugging Face
 # `transformers`, running its own code for embeddings, norms, rotary position embeddings (RoPE)
 # and MLPs. kvlab takes over one thing, the thing a serving engine owns: **where the keys and
 # values live and how attention reads them back**. You will
@@ -17,8 +17,9 @@
 #   tokens of `model.generate`,
 # * watch a multi-turn conversation compute only what is new, turn after turn,
 # * make it fast the way serving engines do -- admission by memory, chunked prefill, decode
-#   steps replayed from CUDA graphs padded with the page table's dummy row -- and measure it
-#   beside transformers' own `generate`.
+#   steps replayed from CUDA graphs padded with the page table's dummy row, overlap scheduling
+#   (the host prepares the next step while the GPU runs this one) -- and measure it on the
+#   workload serving engines publish, beside transformers' own `generate`.
 #
 # By default the chapter builds a small random Llama (2 layers, 4 query heads on 2 K/V heads)
 # and saves it to disk first, so it loads through `from_pretrained` like any checkpoint; no
@@ -54,7 +55,8 @@ print("transformers", transformers.__version__, "| kvlab runtime:", "interpreter
 # seeded random weights, writes it with `save_pretrained(path)` and loads it back with
 # `AutoModelForCausalLM.from_pretrained(path)` -- the same path a downloaded checkpoint takes.
 # A random model speaks no language, so its "text" is token ids; with `USE_SMOLLM2` the
-# tokenizer turns real text into ids and back.
+# tokenizer turns real text into ids and back. `tiny_model("qwen2")` and `tiny_model("qwen3")`
+# build the two Qwen families the same way: kvlab serves all three (`kvlab.hf.SUPPORTED`).
 
 # %%
 if USE_SMOLLM2:
@@ -193,7 +195,9 @@ else:
     system = [rng.randrange(c.vocab_size) for _ in range(21)]
     prompts = [system + [rng.randrange(c.vocab_size) for _ in range(n)] for n in (3, 8, 5)] + [[7]]
 PAGE_SIZE = 4
-gen = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=8)
+# overlap=False: each step is finished before the next one is planned (the last part of the
+# chapter overlaps them)
+gen = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=8, overlap=False)
 new_tokens = gen.generate(prompts, max_new_tokens=NEW_TOKENS, output_logits=True,
                           on_step=lambda step: print(step) if step.index < 3 else None)
 print("...")
@@ -255,6 +259,25 @@ assert gen.stats["prefill_cached"] >= 2 * (len(system) // PAGE_SIZE * PAGE_SIZE)
 print(f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit difference {worst:.1e}")
 
 # %% [markdown]
+# **Qwen3** differs from Llama in one place that matters here: inside its attention layer it
+# normalises each head's query and key (`q_norm`, `k_norm`: RMSNorm over `head_dim`) before
+# RoPE. That is the model's own code, and it runs before kvlab's attention function is
+# called, so kvlab needs nothing new. Its heads need not split the hidden size either
+# (Qwen3-0.6B has 16 heads of 128 on a hidden size of 1024). A tiny Qwen3 with heads of 32 on
+# a hidden size of 64, served the same way:
+
+# %%
+qwen3 = tiny_model("qwen3", seed=0, device=DEVICE, head_dim=32)   # saved to a temporary folder
+q3_rng = random.Random(2)
+q3_prompts = [[q3_rng.randrange(qwen3.config.vocab_size) for _ in range(n)] for n in (5, 13, 1)]
+q3_tokens = PagedGenerator(qwen3, page_size=PAGE_SIZE, num_pages=64, overlap=False).generate(
+    q3_prompts, max_new_tokens=NEW_TOKENS)
+for p, got in zip(q3_prompts, q3_tokens):
+    want = qwen3.generate(torch.tensor([p], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert got == want[0, len(p):].tolist(), (got, want)
+print(f"✓ {type(qwen3).__name__}: the same tokens as generate() for {len(q3_prompts)} prompts")
+
+# %% [markdown]
 # ## A conversation that re-sends its history
 #
 # A chat server receives, each turn, the **whole** conversation so far: system prompt, every
@@ -264,7 +287,7 @@ print(f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit
 # each turn's [prefill](glossary.md#prefill) we photograph the conversation's page-table row.
 
 # %%
-conv = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=4)
+conv = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=4, overlap=False)
 if USE_SMOLLM2:
     system_c = encode("The following is a conversation with a helpful assistant.\n")
     users = [encode(f"User: {t}\nAssistant:") for t in
@@ -363,7 +386,7 @@ if not kvlab.INTERPRET:
     # 16 distinct prompts: the four above, each with four different last tokens
     bench_prompts = [p + [100 + k] for k in range(4) for p in prompts]
     pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    server = PagedGenerator(model, page_size=16, num_pages=1024)   # start-up: captures its graphs
+    server = PagedGenerator(model, page_size=16, num_pages=1024, overlap=False)   # start-up: captures its graphs
     for name, run in {"transformers generate (padded batch)": lambda: padded_batch_generate(bench_prompts, NEW_TOKENS, pad),
                       "kvlab PagedGenerator": lambda: kvlab_generate(server, bench_prompts, NEW_TOKENS)}.items():
         run()                                          # warm-up
@@ -428,7 +451,7 @@ kvlab.check.hint("paged_attention_step", 1)
 
 # %%
 impl = kvlab.check.choose("paged_attention_step", my_paged_attention_step, kvlab.hf.paged_attention_step)
-yours = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, decode_step=impl)
+yours = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, decode_step=impl, overlap=False)
 got = yours.generate(prompts, max_new_tokens=NEW_TOKENS)
 for i, prompt in enumerate(prompts):
     compare_with_generate(i, prompt, got[i])
@@ -448,6 +471,7 @@ print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as
 # | admission by memory | how many requests run at once | `kvlab.hf.prefill.PrefillAdder` | `max_running=` fewer rows |
 # | chunked prefill | how long one step may take | the same, `prefill_budget=` | `chunked_prefill=False` |
 # | CUDA-graph decode | what a decode step costs the host | `kvlab.hf.graphs.DecodeGraphs` | `decode_graphs="off"` |
+# | overlap scheduling | whether the GPU waits for the host between steps | `kvlab.hf.loop.ServingLoop` | `overlap=False` |
 #
 # ### Step 1: admission by memory
 #
@@ -468,7 +492,7 @@ print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as
 # %%
 six = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(6, 9))] for _ in range(6)]
 for pages in (10, 256):
-    g = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=pages)
+    g = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=pages, overlap=False)
     g.generate(six, max_new_tokens=4)
     print(f"{pages:3d} pages of {PAGE_SIZE}: at most {g.stats['most_running']} requests ran at once, "
           f"{g.stats['steps']} steps")
@@ -515,7 +539,7 @@ assert max(s.prefill_tokens for s in runs["whole prompts"].steps) == 60
 # budget of 8 tokens (`StepInfo.chunks` lists the prompts a step continued):
 
 # %%
-chunky = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, prefill_budget=8)
+chunky = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, prefill_budget=8, overlap=False)
 got = chunky.generate(prompts, max_new_tokens=NEW_TOKENS,
                       on_step=lambda s: print(s) if s.chunks or s.index == 0 else None)
 for i, prompt in enumerate(prompts):
@@ -619,7 +643,8 @@ for seed in range(5):
         assert torch.equal(torch.as_tensor(mine).cpu(), theirs.cpu())
 print("✓ the same padded lanes on 5 random steps")
 
-watched = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=64, graph_sizes=[8])  # pads every decode step to 8
+watched = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=64, graph_sizes=[8],  # pads every decode step to 8
+                         overlap=False)
 watched.pool.k.fill_(float("nan"))
 got = watched.generate(prompts, max_new_tokens=NEW_TOKENS)
 for i, prompt in enumerate(prompts):
@@ -632,46 +657,146 @@ print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' i
       "slots written: the computed tokens' and the dummy page's first")
 
 # %% [markdown]
-# ## Measured: a real-sized model on an H200
+# ### Step 4: overlap scheduling
 #
-# `python -m kvlab.bench --serve` serves one workload three ways, side by side in one run: a
-# random-weight Llama the shape of Llama 3.2 1B (16 layers, hidden 2048, 32 query heads on 8
-# K/V heads, bfloat16), 64 prompts of 128-512 tokens, half of them behind one shared 256-token
-# prefix, 64 new tokens each. The saved result (`figures/bench.json`; `figures/bench.md` has
-# every number), with kvlab's prefix cache emptied before each timed run:
+# Even replayed from a graph, every step of the loop so far ends the same way: the GPU finishes
+# step n, and then the host reads its tokens back, records them (EOS? `max_new_tokens`?),
+# caches what finished, plans step n+1 (admission, pages), builds its inputs -- and only then
+# does the GPU get work again. Meanwhile it is idle. mini-sglang's scheduler
+# (`python/minisgl/scheduler/scheduler.py`) has two loops: `normal_loop`, which is ours, and
+# `overlap_loop`, its default (`MINISGL_DISABLE_OVERLAP_SCHEDULING=1` picks the other,
+# `python/minisgl/env.py`). `overlap_loop` changes only the **order**: schedule step n+1 and
+# launch it, *then* process step n's results -- the GPU runs step n+1 while the host records
+# step n, and finds step n+2 queued when it is done:
+#
+#     without overlap   host   | plan n+1 | launch n+1 | wait ......... | record n+1 | plan n+2 | ...
+#                       GPU    |          |            | forward n+1    |            |          | ...
+#     with overlap      host   | plan n+2 | launch n+2 | wait | record n+1 | plan n+3 | launch n+3 |
+#                       GPU    | forward n+1 ................ | forward n+2 ....................... |
+#
+# `PagedGenerator(overlap=True)` (the default on a GPU; this chapter turned it off until now)
+# runs the same order (`kvlab.hf.loop.ServingLoop.run`). A step's tokens now reach the host
+# one step late, and four things follow:
+#
+# 1. **The next step's input tokens are read on the GPU.** Step n+1 is built before the host
+#    knows what step n sampled. Each step writes its tokens into `last_tokens[row]` (one
+#    entry per page-table row) and the next step's decoding lanes read theirs from there; the
+#    host keeps a placeholder (`kvlab.hf.loop.PENDING`) in `req.input_ids` until it reads the
+#    token. mini-sglang keeps a whole `token_pool` (row × position) for the same purpose
+#    (`_forward`: `batch.input_ids = self.token_pool[input_mapping]`).
+# 2. **Lengths move at launch.** So that step n+1 maps the right positions, `complete_step`
+#    runs right after step n is launched, with its tokens pending (mini-sglang's engine calls
+#    `req.complete_one()` in `forward_batch`, before anyone has looked at the tokens).
+# 3. **Finished requests.** One that reaches `max_new_tokens` at step n is known in advance
+#    and never scheduled at n+1. One whose token at step n is EOS was already scheduled at
+#    n+1 when the host reads it: its lane there is wasted, its token dropped, and it is never
+#    scheduled at n+2. mini-sglang releases such a request as soon as it reads the EOS
+#    (`_process_last_data`, which skips a second free: "overlap scheduling may make the
+#    request freed twice"), while step n+1, which reads its pages, may still be on the GPU --
+#    safe there because every later use of those pages is queued on the GPU behind that step.
+#    **kvlab departs from it**: it releases a request exactly once, when the last step it is in
+#    has completed, so no step ever reads a page that was given back -- whatever runs the
+#    steps (`tests/test_hf_overlap.py` checks it with a device that runs each step as late as
+#    possible). kvlab also caches a finished prompt only once the step that computed it has
+#    completed, so the prefix cache never holds K/V that is still being written.
+# 4. **Admission waits one step longer.** A request that arrives while step n runs is
+#    admitted in step n+2 rather than n+1: overlap trades a step of time to first token for
+#    throughput (the online table below shows both).
+#
+# kvlab's other departures: one CUDA stream (mini-sglang prepares metadata on a second one);
+# without CUDA a worker thread plays the GPU stream; and with chapter 12's memory policies, a
+# step that must stop requests first waits for the step in flight.
+#
+# The same prompts, served without and with overlap, must give the same tokens. The
+# timestamps of both runs (`generate(..., timeline=True)` fills `gen.timeline`) draw the
+# two lanes. Here the decode step is a plain-torch one (`reference_decode_step`): in the
+# interpreter a Triton kernel takes so long that the host's share would not show.
+
+# %%
+from kvlab.scenes.ch10_serve import overlap_runs, overlap_timeline_figure, recorded_timelines
+
+runs = overlap_runs(model, max_new_tokens=NEW_TOKENS)
+assert runs.tokens["with overlap"] == runs.tokens["without overlap"]
+print("✓ the same tokens with and without overlap;",
+      {name: len(steps) for name, steps in runs.timelines.items()}, "steps")
+where = "GPU" if DEVICE.type == "cuda" else "CPU (a worker thread plays the GPU)"
+overlap_timeline_figure(runs.timelines, where)
+plt.show()
+
+# %% [markdown]
+# On a CPU both lanes are Python sharing one interpreter lock, so they can only partly run
+# at once, and the device's lane is long. On a GPU the device lane is the GPU's and the
+# host's work fits inside it. The serving benchmark recorded a few decode steps at 64
+# running requests on an H200 (`figures/bench.json`), and the same figure draws them: without
+# overlap a gap after every step (the host recording and planning while the GPU waits), with
+# overlap none.
 
 # %%
 from kvlab.bench.serve_report import plot_serve
 from kvlab.scenes.ch09_making_it_fast import load_bench
 
-saved = load_bench()["serve"]
-plot_serve({"serve": saved})
-plt.show()
-tps = {name: e.get("tokens_per_s") for name, e in saved["paths"].items()}
-for t in saved["targets"]:
-    print(f"{t['name']}: {t['measured']}x ({t['rule']})")
-d = saved["decode_step_ms"]
-print(f"decode step at {d['batch']} running requests: kvlab {d['kvlab']:.1f} ms (forward on the GPU "
-      f"{d['kvlab_forward_gpu']:.1f} ms), without graphs {d['kvlab_no_graphs']:.1f} ms; "
-      f"generate {d['generate']:.1f} ms")
+bench = load_bench()
+recorded = recorded_timelines(bench)
+if recorded:
+    overlap_timeline_figure(recorded, bench["serve"]["meta"]["device"])
+    plt.show()
+else:
+    print("figures/bench.json holds no recorded GPU timeline: run `python -m kvlab.bench --serve` on a GPU")
 
 # %% [markdown]
-# What the numbers say (read them off your copy of the table above):
+# ## Measured: the workload serving engines publish
 #
-# * **admission by memory**: all 64 requests run at once, so the decode steps carry 64 tokens
-#   each, and the shared prefix is computed once per run and then read by the 31 prompts
-#   behind it (in-batch sharing waits one step);
-# * **graphs**: without them a decode step at 64 requests costs more than `generate`'s own;
-#   replaying the same kernels from a graph, the forward pass takes a few milliseconds, so
-#   most of the difference was the host launching them one by one. Graphs are the largest
-#   single gain on this workload;
-# * **chunking** changes little here (one prompt was cut: the first step holds exactly the
-#   8192-token budget): its purpose is the *latency* of the running requests when long prompts
-#   arrive (step 2), not the throughput of one batch.
+# `python -m kvlab.bench --serve` measures, side by side in one run, what nano-vllm and
+# mini-sglang publish, on a random-weight model with **Qwen3-0.6B's configuration** in bfloat16
+# (28 layers, hidden 1024, 16 query heads of 128 on 8 K/V heads; Qwen3 normalises each head's
+# query and key inside its attention layer, which kvlab leaves to the model's own code):
 #
-# `generate` pads every prompt to the longest (512) and decodes all 64 together, launching
-# every kernel from Python at every step; `generate_batch` schedules the requests itself but
-# is slower still on this workload, in the transformers version the table names.
+# * **offline** -- nano-vllm's `bench.py` (mini-sglang's `benchmark/offline/bench.py` adapts
+#   it): 256 requests, seed 0, prompts and answers each 100-1024 tokens, no end of text;
+#   output tokens per second over the whole call. kvlab with and without overlap;
+#   transformers' `generate` and `generate_batch` only on a few of the requests, answers cut
+#   short (their loops would take minutes), with kvlab on the same requests beside them;
+# * **online** -- requests arriving as a Poisson process at several rates: time to first token
+#   (TTFT), the time between two tokens of a request (ITL) and end-to-end latency, p50 / p99;
+# * **GPU busy** -- the share of each decode step's time the GPU works (CUDA events around
+#   each step's device work), at 64 and 256 running requests.
+#
+# The saved result (`figures/bench.json`; `figures/bench.md` has every number and says which
+# parts did not fit the run's time):
+
+# %%
+saved = bench["serve"]
+if "offline" in saved:
+    plot_serve({"serve": saved})
+    plt.show()
+    for t in saved["targets"]:
+        verdict = "PASS" if t["passed"] else "FAIL" if t["passed"] is not None else "n/a"
+        print(f"[{verdict}] {t['name']}: {t['measured']} ({t['rule']})")
+    off = saved["offline"]["paths"]
+    for name, e in off.items():
+        if "tokens_per_s" in e:
+            print(f"{name:24s} {e['requests']:3d} requests: {e['tokens_per_s']:7.0f} output tokens/s")
+    for name in ("64", "256"):
+        on, no = saved["busy"]["paths"].get(f"overlap_{name}", {}), saved["busy"]["paths"].get(f"no_overlap_{name}", {})
+        if on.get("busy") is not None and no.get("busy") is not None:
+            print(f"{name} running: GPU busy {no['busy']:.2f} of a {no['step_ms']:.1f} ms step without overlap, "
+                  f"{on['busy']:.2f} of {on['step_ms']:.1f} ms with it")
+else:
+    print("figures/bench.json holds an older serving benchmark: run `python -m kvlab.bench --serve` on a GPU")
+
+# %% [markdown]
+# What the numbers say (read them off your copy of the tables above):
+#
+# * **overlap** keeps the GPU busy through the decode steps: without it, the host's
+#   bookkeeping between two steps is GPU idle time, and the more requests run the longer it
+#   is. How much throughput that buys depends on how long the GPU's own step is: when the
+#   attention kernel dominates the step, hiding the host's share gains little. Time to first
+#   token pays a step (point 4 above), while the time between tokens gets shorter;
+# * **where it saturates**: past some arrival rate, the requests served per second stop
+#   following the rate and latencies climb -- the server is full;
+# * **transformers' paths**: `generate` pads every prompt of its batch to the longest and runs
+#   every answer to the longest, launching every kernel from Python; `generate_batch` schedules
+#   requests itself but, in the transformers version the table names, is slower still.
 
 # %% [markdown]
 # ## Summary
@@ -687,9 +812,11 @@ print(f"decode step at {d['batch']} running requests: kvlab {d['kvlab']:.1f} ms 
 #   conversation that re-sends its history computes only what is new.
 # * Fast the way mini-sglang is: rows and pages decide how many requests run (with page
 #   reservations), a token budget cuts long prompts into chunks that keep their row and handle,
-#   and decode steps replay CUDA graphs captured at start-up, padded with the dummy row whose
-#   every entry is the dummy page. Measured on an H200: faster than `generate`'s padded batch
-#   and several times `generate_batch`, with the same tokens in float32.
+#   decode steps replay CUDA graphs captured at start-up, padded with the dummy row whose
+#   every entry is the dummy page, and overlap scheduling plans step n+1 while the GPU runs
+#   step n -- the tokens read one step late, a finished request released once its last step
+#   is done. Llama, Qwen2 and Qwen3 are served the same way, with the same tokens as
+#   `generate` in float32; measured on the engines' own workload, `figures/bench.md`.
 #
 # **Open questions.**
 # 1. A conversation's turns arrive one at a time. Between turns the cache may [evict](glossary.md#eviction) the
