@@ -10,6 +10,8 @@ helpers on purpose: an oracle must never share a bug with the code it checks.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .errors import InvalidArgument
@@ -96,6 +98,16 @@ def check_token_ids(argument: str, token_ids) -> list[int]:
                                   "a float)", f"got {type(t).__name__} {t!r}")
     return [int(t.__index__()) if not isinstance(t, torch.Tensor) else int(t.item())
             for t in token_ids]
+
+
+def check_scale(scale, argument: str = "scale") -> float | None:
+    """An attention scale: None (the default, ``1/sqrt(head_dim)``) or a finite number > 0."""
+    if scale is None:
+        return None
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+            or scale <= 0:
+        raise InvalidArgument(argument, "None or a finite number > 0", f"got {scale!r}")
+    return float(scale)
 
 
 def check_slots(argument: str, slots) -> torch.Tensor:

@@ -25,7 +25,7 @@ import math
 
 import torch
 
-from .args import is_int, next_pow2
+from .args import check_scale, is_int, next_pow2
 from .errors import InvalidArgument
 from .runtime import pick
 
@@ -118,6 +118,7 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens,
     block_n = pick(cpu=64, gpu=32) if block_n is None else block_n
     if check:
         check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
+        scale = check_scale(scale)
     if not is_int(block_n) or block_n < 1 or block_n & (block_n - 1):
         raise InvalidArgument("block_n", "a power of two", f"got {block_n!r}")
     batch, heads, head_dim = q.shape

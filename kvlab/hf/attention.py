@@ -32,12 +32,13 @@ import math
 
 import torch
 
+from ..args import check_int, check_scale, is_int
 from ..attention import check_paged_attention_inputs, check_rows_mapped, paged_decode_attention
 from ..errors import InvalidArgument
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_attention_reference",
            "paged_decode_attention", "check_step_inputs", "paged_attention_step", "prefill_mask",
-           "prefill_attention"]
+           "check_prefill_inputs", "prefill_attention"]
 
 
 # --- the reference ----------------------------------------------------------------------
@@ -50,6 +51,7 @@ def paged_attention_reference(q, k_pool, v_pool, page_table, table_idx, seq_lens
     Returns ``[batch, heads, head_dim]`` float32.
     """
     check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
+    scale = check_scale(scale)
     batch, heads, head_dim = q.shape
     group = heads // k_pool.shape[1]
     scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
@@ -74,6 +76,10 @@ def check_step_inputs(q, k, v, k_pool, v_pool, page_table, rows, positions) -> N
     ``positions``: one per request; and the slot of every position ``0..positions[b]`` is
     mapped (so the new token's slot too: a ``-1`` would silently write the pool's last slot).
     """
+    if not isinstance(positions, torch.Tensor) and not (isinstance(positions, (list, tuple))
+                                                          and all(is_int(p) for p in positions)):
+        raise InvalidArgument("positions", "an int tensor or a list of ints, one per request",
+                              f"got {type(positions).__name__}")
     positions_t = torch.as_tensor(positions)
     check_paged_attention_inputs(q, k_pool, v_pool, page_table, rows, positions_t + 1)
     want = (q.shape[0], k_pool.shape[1], k_pool.shape[2])
@@ -96,6 +102,7 @@ def paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions,
     """
     if check:
         check_step_inputs(q, k, v, k_pool, v_pool, page_table, rows, positions)
+        scale = check_scale(scale)
     rows = torch.as_tensor(rows, device=page_table.device).long()
     positions = torch.as_tensor(positions, device=page_table.device).long()
     slots = page_table[rows, positions].long()        # where each request's new token goes
@@ -117,9 +124,38 @@ def prefill_mask(start: int, T: int, group: int, device=None) -> torch.Tensor:
     return seen.repeat(group, 1)
 
 
+def check_prefill_inputs(q, k_pool, v_pool, slots, start, scale, mask) -> None:
+    """The rules of :func:`prefill_attention`, checked before anything is read (a few waits
+    for the GPU: the slots' values)."""
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3 or not t.dtype.is_floating_point:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise InvalidArgument(name, "a 3-D floating tensor", f"got {got}")
+    T, heads, d = q.shape
+    if k_pool.shape != v_pool.shape or k_pool.shape[2] != d or k_pool.shape[1] < 1 or heads % k_pool.shape[1]:
+        raise InvalidArgument("k_pool", f"[slots, kv_heads, {d}] like v_pool, kv_heads dividing {heads} "
+                              "query heads", f"got {list(k_pool.shape)} and {list(v_pool.shape)}")
+    start = check_int("start", start, minimum=0)
+    if T < 1:
+        raise InvalidArgument("q", "at least one query", "got none")
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype.is_floating_point \
+            or slots.dtype == torch.bool or slots.numel() != start + T:
+        got = list(slots.shape) if isinstance(slots, torch.Tensor) else type(slots).__name__
+        raise InvalidArgument("slots", f"a 1-D integer tensor of start + T = {start + T} slots", f"got {got}")
+    if slots.device != k_pool.device or not bool(((slots >= 0) & (slots < k_pool.shape[0])).all()):
+        raise InvalidArgument("slots", f"slots in [0, {k_pool.shape[0]}) on the pools' device",
+                              f"got {slots.device}")
+    check_scale(scale)
+    want = (heads // k_pool.shape[1] * T, start + T)
+    if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool
+                             or tuple(mask.shape) != want):
+        raise InvalidArgument("mask", f"None or a bool tensor {list(want)} (prefill_mask)",
+                              f"got {getattr(mask, 'shape', type(mask).__name__)}")
+
+
 def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                      slots: torch.Tensor, start: int, scale: float, *,
-                      mask: torch.Tensor | None = None) -> torch.Tensor:
+                      slots: torch.Tensor, start: int, scale: float | None, *,
+                      mask: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Causal attention of ``T`` new tokens at positions ``start .. start+T-1`` of one request.
 
     ``q``: ``[T, heads, head_dim]``; ``slots``: the request's slots of positions
@@ -132,7 +168,12 @@ def prefill_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tenso
     :func:`prefill_mask`, says what each reads; a step builds it once for all layers)::
 
         q [T, heads, d] -> [kv_heads, group * T, d]      k, v [kv_heads, S, d]
+
+    ``check=False`` skips :func:`check_prefill_inputs`, for a serving loop that built the
+    step itself.
     """
+    if check:
+        check_prefill_inputs(q, k_pool, v_pool, slots, start, scale, mask)
     T, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     group = heads // kv_heads

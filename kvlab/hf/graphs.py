@@ -40,7 +40,7 @@ from ..args import check_int
 from ..errors import InvalidArgument
 from .step import StepBatch, to_device
 
-__all__ = ["graph_batch_sizes", "graph_size", "pad_decode_batch", "DecodeGraphs"]
+__all__ = ["graph_batch_sizes", "graph_size", "check_pad_inputs", "pad_decode_batch", "DecodeGraphs"]
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -54,8 +54,33 @@ def graph_size(n: int, sizes: Sequence[int]) -> int | None:
     return next((s for s in sorted(sizes) if s >= n), None)
 
 
+def check_pad_inputs(rows, positions, page_table, sizes, dummy_row) -> list[int]:
+    """The rules of :func:`pad_decode_batch` (a few waits for the GPU: the lanes' values);
+    returns the sizes as ints."""
+    if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
+        raise InvalidArgument("page_table", "a 2-D tensor (rows x positions)", f"got {type(page_table).__name__}")
+    n_rows, cols = page_table.shape
+    for name, t, limit in (("rows", rows, n_rows), ("positions", positions, cols)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool:
+            raise InvalidArgument(name, "a 1-D integer tensor, one entry per request",
+                                  f"got {getattr(t, 'shape', type(t).__name__)}")
+        if t.device != page_table.device:
+            raise InvalidArgument(name, f"on the page table's device ({page_table.device})", f"got {t.device}")
+        if t.numel() and not bool(((t >= 0) & (t < limit)).all()):
+            raise InvalidArgument(name, f"entries in [0, {limit})", f"got min {int(t.min())}, max {int(t.max())}")
+    if rows.numel() != positions.numel():
+        raise InvalidArgument("positions", f"one per request ({rows.numel()})", f"got {positions.numel()}")
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
+        raise InvalidArgument("sizes", "a non-empty list of batch sizes", f"got {sizes!r}")
+    sizes = [check_int(f"sizes[{i}]", s, minimum=1) for i, s in enumerate(sizes)]
+    check_int("dummy_row", dummy_row, minimum=0)
+    if dummy_row >= n_rows:
+        raise InvalidArgument("dummy_row", f"a row of the page table, in [0, {n_rows})", f"got {dummy_row}")
+    return sizes
+
+
 def pad_decode_batch(rows: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
-                     sizes: Sequence[int], dummy_row: int):
+                     sizes: Sequence[int], dummy_row: int, *, check: bool = True):
     """Pad one decode step's lanes up to the next captured batch size (mini-sglang's
     ``GraphRunner.pad_batch``).
 
@@ -64,8 +89,11 @@ def pad_decode_batch(rows: torch.Tensor, positions: torch.Tensor, page_table: to
     of length ``graph_size(len(rows), sizes)``: the real lanes unchanged, then padded lanes
     of the dummy request (row ``dummy_row``, position 0), and every lane's K/V slot
     ``page_table[rows, positions]`` -- for a padded lane the dummy page's. A batch larger
-    than every size is returned unpadded (it runs without a graph).
+    than every size is returned unpadded (it runs without a graph). ``check=False`` skips
+    :func:`check_pad_inputs` (the decode graphs' own lanes, every step).
     """
+    if check:
+        sizes = check_pad_inputs(rows, positions, page_table, sizes, dummy_row)
     n = len(rows)
     size = graph_size(n, sizes) or n
     rows = torch.cat([rows, rows.new_full((size - n,), dummy_row)])
@@ -157,7 +185,7 @@ class DecodeGraphs:
         lanes = to_device(torch.tensor([input_ids, positions, rows], dtype=torch.int64),
                           self.page_table.device)
         rows_p, positions_p, _ = pad_decode_batch(lanes[2], lanes[1], self.page_table, self.sizes,
-                                                  self.dummy_row)
+                                                  self.dummy_row, check=False)
         bs = len(rows_p)
         self.inputs[0, n:bs].zero_()
         self.inputs[0, :n].copy_(lanes[0] if last_tokens is None else last_tokens[lanes[2]])
