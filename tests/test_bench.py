@@ -224,40 +224,88 @@ def test_round_ratios_pair_rounds_timed_together():
 
 @pytest.mark.slow
 def test_serve_smoke_adds_its_section_to_an_existing_result(tmp_path):
-    """A smoke run: every path serves every prompt; the result joins what bench.json held;
-    bench.md says it is no measurement; the plot is drawn."""
+    """A smoke run through the same code paths as the GPU's: every kvlab path serves the whole
+    workload (offline, online at each rate, the busy-share runs), the result joins what
+    bench.json held, bench.md says it is no measurement, the plot is drawn."""
     pytest.importorskip("transformers")
     from kvlab.bench.__main__ import serve_main
-    from kvlab.bench.serve import SMOKE_WORKLOAD
+    from kvlab.bench.serve_workloads import SMOKE_BUSY, SMOKE_OFFLINE, SMOKE_ONLINE, offline_workload
 
     (tmp_path / "bench.json").write_text(json.dumps({"kept": 1}))
     res = serve_main(str(tmp_path), smoke=True)
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["kept"] == 1 and saved["serve"]["smoke"] is True
+    assert not (tmp_path / "bench.serve-partial.json").exists()
     s = res["serve"]
-    assert set(s["paths"]) == {"generate", "kvlab", "kvlab_no_chunks", "kvlab_no_graphs"}
-    want = SMOKE_WORKLOAD["requests"] * SMOKE_WORKLOAD["new_tokens"]
-    assert all(e["tokens"] == want and len(e["seconds"]) == 1 for e in s["paths"].values())
-    for name in ("kvlab", "kvlab_no_chunks", "kvlab_no_graphs"):
-        st = s["paths"][name]["stats"]
-        assert st["prefill_computed"] + st["prefill_cached"] == s["workload"]["prompt_tokens"]
-        assert st["prefill_cached"] > 0          # the shared prefix, computed once per cold run
-        assert (st["graph_steps"] > 0) == (name != "kvlab_no_graphs")
-    assert all(t["passed"] is None for t in s["targets"])
+    off = s["offline"]["paths"]
+    assert set(off) == {"kvlab", "kvlab_no_overlap", "kvlab_subset", "generate"}
+    _, answers = offline_workload(**SMOKE_OFFLINE)
+    for name in ("kvlab", "kvlab_no_overlap"):
+        assert off[name]["tokens"] == sum(answers) == s["offline"]["workload"]["output_tokens"]
+        assert off[name]["stats"]["prefill_computed"] == s["offline"]["workload"]["prompt_tokens"]
+    assert off["kvlab_subset"]["tokens"] == off["generate"]["tokens"] == s["offline"]["workload"]["baseline_tokens"]
+    for name in ("kvlab", "kvlab_no_overlap"):
+        rates = s["online"]["paths"][name]
+        assert sorted(map(float, rates)) == sorted(SMOKE_ONLINE["rates"])
+        assert all(r["ttft_ms"]["p50"] > 0 and r["requests_per_s"] > 0 for r in rates.values())
+    for n in SMOKE_BUSY["running"]:
+        for mode in ("overlap", "no_overlap"):
+            r = s["busy"]["paths"][f"{mode}_{n}"]
+            assert 0 < r["busy"] <= 1 and r["steps"] > 0
+    assert s["timeline"] and all(w and "device" in w[0] for w in s["timeline"].values())
+    assert all(t["passed"] is None for t in s["targets"]) and len(s["targets"]) == 4
     md = (tmp_path / "bench.md").read_text()
     assert "Serving a real model" in md and "Smoke run" in md and "PASS" not in md
     assert (tmp_path / "10_bench_serve.png").stat().st_size > 0
 
 
-def test_serve_targets_are_ratios_of_tokens_per_second():
-    from kvlab.bench.serve import _targets
+def test_the_offline_workload_is_nano_vllms():
+    """random.seed(0); prompts randint(100, 1024) tokens of randint(0, 10000), then answers
+    randint(100, 1024): the totals nano-vllm's README reports (133,966 output tokens)."""
+    from kvlab.bench.serve_workloads import OFFLINE, arrivals_at, offline_workload, online_workload
 
-    def fake(kvlab, generate, batch):
-        return {"smoke": False, "paths": {"kvlab": {"tokens_per_s": kvlab}, "generate": {"tokens_per_s": generate},
-                                          "generate_batch": {"tokens_per_s": batch}}}
+    prompts, answers = offline_workload(**OFFLINE)
+    assert len(prompts) == 256 and sum(answers) == 133966 and sum(map(len, prompts)) == 142827
+    assert min(map(len, prompts)) >= 100 and max(answers) <= 1024
+    _, _, gaps = online_workload(requests=400, shortest=1, longest=2, answer_shortest=1,
+                                 answer_longest=2, seed=3, max_token=5)
+    times = arrivals_at(gaps, rate=50.0)
+    assert times[0] == 0 and all(b > a for a, b in zip(times, times[1:]))
+    assert 6.0 < times[-1] < 10.0            # 400 arrivals at 50/s: about 8 s
 
-    assert [t["passed"] for t in _targets(fake(3000, 2900, 900))] == [True, True]
-    assert [t["passed"] for t in _targets(fake(3000, 3100, 1100))] == [False, False]
-    assert [t["measured"] for t in _targets(fake(3000, 1500, 600))] == [2.0, 5.0]
-    missing = fake(3000, 1500, None)
-    assert _targets(missing)[1]["passed"] is False and _targets(missing)[1]["measured"] is None
+
+def test_latency_percentiles_and_busy_shares_are_computed_as_stated():
+    from kvlab.bench.serve_workloads import busy_fraction, latency_summary, percentiles
+
+    assert percentiles([0.001 * i for i in range(1, 101)]) == {"p50": pytest.approx(50.0), "p99": pytest.approx(99.0)}
+    assert percentiles([]) == {"p50": None, "p99": None}
+    s = latency_summary([0.0, 1.0], [[0.5, 0.6, 0.8], [1.1, 1.4]], tokens=5)
+    assert s["ttft_ms"]["p50"] == pytest.approx(100.0) and s["ttft_ms"]["p99"] == pytest.approx(500.0)
+    assert s["itl_ms"]["p99"] == pytest.approx(300.0) and s["requests_per_s"] == pytest.approx(2 / 1.4)
+
+    def step(i, lanes, dev):
+        return dict(index=i, lanes=lanes, decode_only=True, device=dev)
+
+    Step = __import__("collections").namedtuple("Step", "index lanes decode_only device")
+    tl = [Step(**step(0, 4, (0.0, 1.0))), Step(**step(1, 4, (1.5, 2.0))), Step(**step(2, 4, (2.0, 3.0))),
+          Step(**step(3, 3, (3.0, 4.0)))]
+    r = busy_fraction(tl, 4)
+    assert r["steps"] == 2 and r["busy"] == pytest.approx((0.5 + 1.0) / 2)   # 0.5 of 1.0, 1.0 of 1.0
+    assert busy_fraction(tl, 7)["busy"] is None
+
+
+def test_serve_targets_pass_and_fail_on_the_numbers():
+    from kvlab.bench.serve import targets
+
+    def fake(busy64, busy256, on, off, subset, batch):
+        return {"smoke": False,
+                "busy": {"paths": {"overlap_64": {"busy": busy64}, "overlap_256": {"busy": busy256}}},
+                "offline": {"paths": {"kvlab": {"tokens_per_s": on}, "kvlab_no_overlap": {"tokens_per_s": off},
+                                      "kvlab_subset": {"tokens_per_s": subset},
+                                      "generate_batch": {"tokens_per_s": batch}}}}
+
+    assert [t["passed"] for t in targets(fake(0.95, 0.91, 1200, 1000, 900, 300))] == [True] * 4
+    assert [t["passed"] for t in targets(fake(0.89, 0.95, 1100, 1000, 800, 300))] == [False, True, False, False]
+    assert [t["measured"] for t in targets(fake(0.95, 0.91, 1500, 1000, 900, 300))][2:] == [1.5, 3.0]
+    missing = fake(None, 0.95, 1200, 1000, 900, None)
+    assert targets(missing)[0]["passed"] is False and targets(missing)[3]["measured"] is None
