@@ -17,7 +17,7 @@
 #   tokens of `model.generate`,
 # * watch a multi-turn conversation compute only what is new, turn after turn,
 # * make it fast the way serving engines do -- admission by memory, chunked prefill, decode
-#   steps replayed from CUDA graphs padded with the page table's dummy row, overlap scheduling
+#   steps replayed from CUDA graphs padded with the page table's dummy row, [overlap scheduling](glossary.md#overlap-scheduling)
 #   (the host prepares the next step while the GPU runs this one) -- and measure it on the
 #   workload serving engines publish, beside transformers' own `generate`.
 #
