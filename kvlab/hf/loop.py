@@ -11,10 +11,12 @@ call: its requests' states and the four parts of a step (chapter 10).
                prompts whose last chunk this was; release the finished requests whose last
                step is done
 
-Without overlap a step is processed before the next is scheduled. With overlap the order is
-``schedule n+1, launch n+1, process n, advance n+1``: the device runs step n+1 while the
-host reads and records step n (mini-sglang's ``overlap_loop``). Then a step's tokens reach the
-host one step late, so:
+Without overlap the order is ``schedule n, launch n, advance n, process n``: a step is
+processed before the next is scheduled (mini-sglang's ``normal_loop``). With overlap it is
+``schedule n+1, launch n+1, process n, advance n+1``: the device runs step n+1 while the host
+reads and records step n (mini-sglang's ``overlap_loop``). Before each schedule, chapter 12's
+memory policy may make room (:mod:`kvlab.hf.room`); if it must stop requests, the step in
+flight is processed first. A step's tokens reach the host one step late, so:
 
 * a decoding request's next input token is read **on the device** (``last_tokens[row]``, which
   every step writes; mini-sglang keeps a whole ``token_pool`` per row and position), and the
