@@ -693,7 +693,8 @@ print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' i
 #    scheduled at n+2. mini-sglang releases such a request as soon as it reads the EOS
 #    (`_process_last_data`, which skips a second free: "overlap scheduling may make the
 #    request freed twice"), while step n+1, which reads its pages, may still be on the GPU --
-#    safe there because every later use of those pages is queued on the GPU behind that step.
+#    it relies on the GPU's order: the next write to those pages, by a later step's forward
+#    pass, is queued on the engine's stream behind step n+1.
 #    **kvlab departs from it**: it releases a request exactly once, when the last step it is in
 #    has completed, so no step ever reads a page that was given back -- whatever runs the
 #    steps (`tests/test_hf_overlap.py` checks it with a device that runs each step as late as
