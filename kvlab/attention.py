@@ -36,6 +36,7 @@ from .runtime import pick
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_decode_attention",
            "FastConfig", "fast_config", "choose_num_splits", "fast_paged_decode_attention",
+           "fast_launches",
            "causal_attention"]
 
 
@@ -214,8 +215,6 @@ def fast_paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_le
     launch options (:func:`fast_config` by default). ``check=False`` skips the host checks,
     for a caller that checked the same rows and lengths already.
     """
-    from .kernels.fast_attention import merge_splits_kernel, split_decode_kernel
-
     if check:
         check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
     batch, heads, head_dim = q.shape
@@ -240,30 +239,53 @@ def fast_paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_le
     out = torch.empty((batch, heads, head_dim), dtype=out_dtype, device=device)
     if batch == 0:
         return out
-    low = k_pool.dtype in (torch.float16, torch.bfloat16) and device.type == "cuda"
-    block_h = max(16 if config.use_dot else 1, next_pow2(group))
+    for launch in fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale,
+                                num_splits, config):
+        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
+    return out
+
+
+class Launch(NamedTuple):
+    """One kernel launch: ``kernel[grid](*args, **kwargs)``."""
+
+    kernel: object
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+def fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale: float,
+                  num_splits: int, config: FastConfig) -> list[Launch]:
+    """The launches of :func:`fast_paged_decode_attention` on prepared arguments (int64 rows and
+    lengths on the device, ``out`` allocated): the split kernel, then the merge unless there is
+    one split. Kept apart so that a test can run them under the memory audit."""
+    from .kernels.fast_attention import merge_splits_kernel, split_decode_kernel
+
+    batch, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    group = heads // kv_heads
+    low = k_pool.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
     block_d = max(16, next_pow2(head_dim))
     direct = num_splits == 1
     if direct:
         o, lse = out, out                       # lse is not read by a DIRECT launch
-        so = (out.stride(0), out.stride(1), 0)
-        sl = (0, 0)
+        so, sl = (out.stride(0), out.stride(1), 0), (0, 0)
     else:
-        o = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=device)
-        lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=device)
+        o = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
         so, sl = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
-    split_decode_kernel[(batch, kv_heads, num_splits)](
+    launches = [Launch(split_decode_kernel, (batch, kv_heads, num_splits), (
         q, k_pool, v_pool, page_table, table_idx, seq_lens, o, lse, scale, num_splits,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
-        *so, *sl, head_dim,
-        GROUP=group, BLOCK_H=block_h, BLOCK_N=config.block_n, BLOCK_D=block_d,
-        USE_DOT=config.use_dot, LOW_PRECISION=low, DIRECT=direct,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        *so, *sl, head_dim), dict(
+        GROUP=group, BLOCK_H=max(16 if config.use_dot else 1, next_pow2(group)),
+        BLOCK_N=config.block_n, BLOCK_D=block_d, USE_DOT=config.use_dot, LOW_PRECISION=low,
+        DIRECT=direct, num_warps=config.num_warps, num_stages=config.num_stages))]
     if not direct:
-        merge_splits_kernel[(batch, heads)](
-            o, lse, seq_lens, out, num_splits, *so, *sl, out.stride(0), out.stride(1), head_dim,
-            BLOCK_N=config.block_n, BLOCK_D=block_d)
-    return out
+        launches.append(Launch(merge_splits_kernel, (batch, heads), (
+            o, lse, seq_lens, out, num_splits, *so, *sl, out.stride(0), out.stride(1), head_dim),
+            dict(BLOCK_N=config.block_n, BLOCK_D=block_d)))
+    return launches
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offset: int) -> torch.Tensor:
