@@ -42,7 +42,7 @@ from ..errors import InvalidArgument
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_attention_reference",
            "paged_decode_attention", "fast_paged_decode_attention", "ATTENTION_IMPLS",
-           "check_impl", "check_step_inputs", "paged_attention_step", "prefill_mask",
+           "check_impl", "check_step_inputs", "paged_attention_step", "warm_up_fast_kernels", "prefill_mask",
            "prefill_attention"]
 
 #: the decode kernels a step can read through: chapter 09's fast ones, chapter 08's
@@ -133,6 +133,17 @@ def paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions,
                                            out_dtype=out_dtype, check=False)
     return paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens, scale,
                                   check=False).to(out_dtype)
+
+
+def warm_up_fast_kernels(k_pool, v_pool, page_table, row: int, heads: int, dtype: torch.dtype) -> None:
+    """Compile both variants of chapter 09's decode kernels now (one split, written directly;
+    several, then merged) by attending once from ``row``'s position 0 each way: a server
+    meets both as its batch grows, and should compile neither while it serves."""
+    q = torch.zeros(1, heads, k_pool.shape[2], dtype=dtype, device=k_pool.device)
+    one = torch.tensor([row], device=page_table.device)
+    for splits in (1, 2):
+        fast_paged_decode_attention(q, k_pool, v_pool, page_table, one, torch.ones_like(one),
+                                    num_splits=splits, out_dtype=dtype, check=False)
 
 
 # --- prefill: several new tokens of one request -------------------------------------------

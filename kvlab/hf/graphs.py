@@ -38,6 +38,7 @@ import torch
 
 from ..args import check_int
 from ..errors import InvalidArgument
+from .attention import warm_up_fast_kernels
 from .step import StepBatch, to_device
 
 __all__ = ["graph_batch_sizes", "graph_size", "pad_decode_batch", "DecodeGraphs", "dynamo_graphs",
@@ -125,6 +126,9 @@ class DecodeGraphs:
         if compile:
             self._compile()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if decode_step is None and attention == "fast":
+            warm_up_fast_kernels(pool.k[0], pool.v[0], page_table, dummy_row,
+                                 model.config.num_attention_heads, model.dtype)
         if capture:
             self._capture()
         elif compile:
