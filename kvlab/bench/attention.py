@@ -100,9 +100,9 @@ def paged_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, p
     table = table.to(device, torch.int32).contiguous()
     torch.manual_seed(seed)
     slots = batch * pages_per * page_size
-    k = torch.randn(slots, kv_heads, head_dim, device=device).to(dtype)
-    v = torch.randn(slots, kv_heads, head_dim, device=device).to(dtype)
-    q = torch.randn(batch, heads, head_dim, device=device).to(dtype)
+    k = torch.randn(slots, kv_heads, head_dim, device=device, dtype=dtype)
+    v = torch.randn(slots, kv_heads, head_dim, device=device, dtype=dtype)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
     rows = torch.arange(batch, device=device)
     return q, k, v, table, rows, torch.full((batch,), ctx, device=device)
 
@@ -127,9 +127,9 @@ def _sdpa_call(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, d
 
     device = runtime.DEVICE
     module = SimpleNamespace(num_key_value_groups=heads // kv_heads, is_causal=True, training=False)
-    q = torch.randn(batch, heads, 1, head_dim, device=device).to(dtype)
-    k = torch.randn(batch, kv_heads, ctx, head_dim, device=device).to(dtype)
-    v = torch.randn(batch, kv_heads, ctx, head_dim, device=device).to(dtype)
+    q = torch.randn(batch, heads, 1, head_dim, device=device, dtype=dtype)
+    k = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype)
+    v = torch.randn(batch, kv_heads, ctx, head_dim, device=device, dtype=dtype)
     return lambda: sdpa_attention_forward(module, q, k, v, None, scaling=scale, is_causal=False)
 
 
