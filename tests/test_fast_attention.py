@@ -126,10 +126,14 @@ def test_the_kernels_never_touch_memory_outside_their_tensors(splits):
 
 
 def test_choose_num_splits_fills_the_gpu_and_no_more():
+    from kvlab.attention import MIN_SPLIT_TOKENS, PROGRAMS_PER_SM
+
     assert choose_num_splits(256, 8, 32768, sms=132) == 1          # the batch fills the GPU
-    assert choose_num_splits(64, 8, 4096, sms=132) == 2
-    assert choose_num_splits(1, 8, 32768, sms=132) == MAX_SPLITS   # one request: as many as allowed
-    assert choose_num_splits(1, 8, 512, sms=132) == 2              # but splits of >= 256 positions
+    assert choose_num_splits(64, 8, 4096, sms=132) == 1
+    assert choose_num_splits(16, 8, 4096, sms=132) == math.ceil(PROGRAMS_PER_SM * 132 / 128)
+    assert choose_num_splits(1, 8, 32768, sms=132) == math.ceil(PROGRAMS_PER_SM * 132 / 8)
+    assert choose_num_splits(1, 1, 1 << 20, sms=132) == MAX_SPLITS   # at most MAX_SPLITS
+    assert choose_num_splits(1, 8, 512, sms=132) == 512 // MIN_SPLIT_TOKENS   # splits of >= 256
     assert choose_num_splits(1, 8, 1, sms=132) == 1
     assert choose_num_splits(0, 8, 100, sms=132) == 1
 

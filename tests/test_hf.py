@@ -433,9 +433,10 @@ def test_gpu_a_step_never_waits_for_the_gpu(models, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_gpu_serving_compiles_nothing_after_start_up(models, page_size):
-    """Construction compiles the decode kernel (capturing the graphs) and the page-table kernel
-    (writing the dummy row); then batches of 1, 16, 17 and 40 requests, prompts in chunks,
-    compile no variant of either."""
+    """Construction compiles the decode kernels (both variants of the fast one, and capturing
+    the graphs), the decode step with torch.compile, and the page-table kernel (writing the
+    dummy row); then batches of 1, 16, 17 and 40 requests, prompts in chunks, compile no
+    variant of any, and torch.compile builds no graph."""
     from kvlab.kernels.attention import paged_decode_attention_kernel
     from kvlab.kernels.fast_attention import merge_splits_kernel, split_decode_kernel
     from kvlab.kernels.paging import write_page_table_kernel
@@ -445,14 +446,17 @@ def test_gpu_serving_compiles_nothing_after_start_up(models, page_size):
                 for k in (paged_decode_attention_kernel, split_decode_kernel, merge_splits_kernel,
                           write_page_table_kernel)]
 
+    from kvlab.hf.graphs import dynamo_graphs
+
     gen = PagedGenerator(models["llama"], page_size=page_size, num_pages=4096 // page_size,
                          max_running=64, prefill_budget=64)
-    before = compiled()
+    assert gen.graphs.compiled            # torch.compile of the decode step, on by default here
+    before = compiled(), dynamo_graphs()
     rng = random.Random(page_size)
     for n in (1, 16, 17, 40):
         gen.generate([[rng.randrange(VOCAB) for _ in range(rng.randint(1, 90))] for _ in range(n)],
                      max_new_tokens=5)
-    assert compiled() == before
+    assert (compiled(), dynamo_graphs()) == before
 
 
 @pytest.mark.gpu

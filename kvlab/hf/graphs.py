@@ -45,8 +45,11 @@ __all__ = ["graph_batch_sizes", "graph_size", "pad_decode_batch", "DecodeGraphs"
            "COMPILE_BY_DEFAULT"]
 
 
-#: whether PagedGenerator compiles its captured decode step unless told (compile_decode=None)
-COMPILE_BY_DEFAULT = False
+#: whether PagedGenerator compiles its captured decode step unless told (compile_decode=None):
+#: on an H200 the compiled step of the serving model replays faster at 64 and 256 running
+#: requests, for tens of seconds more start-up (python -m kvlab.bench --attention measures both;
+#: figures/bench.md); without graphs (in the interpreter) it stays off
+COMPILE_BY_DEFAULT = True
 
 
 def dynamo_graphs() -> int:
@@ -145,14 +148,12 @@ class DecodeGraphs:
         return graph_size(n, self.sizes) or n
 
     def _compile(self) -> None:
-        """``torch.compile`` the model's forward pass, the attention call left out: that call
-        stays plain Python (a graph break), so the K/V store and the Triton kernels run as
-        they are, and the compiler fuses what lies between two attention calls -- norms, RoPE,
+        """``torch.compile`` the model's forward pass, the attention call left out
+        (:func:`kvlab.hf.plugin.kvlab_attention` is ``torch.compiler.disable``-d: a graph
+        break), so the K/V store and the Triton kernels run as they are, and the compiler fuses what lies between two attention calls -- norms, RoPE,
         activations, residual adds -- into a few kernels. The batch size is a symbolic size
         (``dynamic=True``), so all sizes share the compiled code: one compilation (and one for
         size 1) at start-up rather than one per size."""
-        for step in self.steps.values():
-            step.attend = torch.compiler.disable(step.attend)
         self._model_forward = torch.compile(self.model.forward, dynamic=True)
 
     def _forward(self, bs: int) -> None:
