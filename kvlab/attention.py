@@ -35,7 +35,7 @@ from .errors import InvalidArgument
 from .runtime import pick
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_decode_attention",
-           "FastConfig", "fast_config", "choose_num_splits", "fast_paged_decode_attention",
+           "FastConfig", "fast_config", "choose_num_splits", "split_ranges", "fast_paged_decode_attention",
            "fast_launches",
            "causal_attention"]
 
@@ -203,6 +203,14 @@ def choose_num_splits(batch: int, kv_heads: int, context: int, sms: int, block_n
     want = div_ceil(PROGRAMS_PER_SM * sms, programs)
     by_context = div_ceil(max(1, context), max(MIN_SPLIT_TOKENS, block_n))
     return int(max(1, min(want, by_context, MAX_SPLITS)))
+
+
+def split_ranges(seq_len: int, num_splits: int, block_n: int) -> list[tuple[int, int]]:
+    """The positions ``[start, end)`` each program of one request and K/V head reads, as the
+    split kernel computes them (splits that hold nothing left out): whole blocks of
+    ``block_n``, ``ceil(ceil(seq_len / num_splits) / block_n) * block_n`` positions a split."""
+    per = div_ceil(div_ceil(seq_len, num_splits), block_n) * block_n
+    return [(start, min(start + per, seq_len)) for start in range(0, seq_len, per)]
 
 
 def fast_paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens,
