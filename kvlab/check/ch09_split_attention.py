@@ -198,6 +198,7 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         case("plain multi-head attention (GROUP 1)", 4, [30, 9], 2, heads=3, kv_heads=3),
         case("one K/V head for all 6 query heads", 2, [25], 2, heads=6, kv_heads=1),
         case("head_dim 12 (masked lanes), BLOCK_N 32", 8, [50, 12], 2, block_n=32, head_dim=12),
+        case("BLOCK_N 32, four splits of 40 positions: one block each", 4, [40], 4, block_n=32),
         case("scale 0.3 (a model's own), four K/V heads", 4, [37], 3, heads=8, kv_heads=4,
              scale=0.3 * math.sqrt(16)),
     ]
