@@ -44,7 +44,7 @@ STEP_CONTEXTS, SMOKE_STEP_CONTEXTS = (128, 576), (4, 20)
 #: the issue's targets: kernel time / floor and step time / floor
 KERNEL_LIMIT, STEP_LIMIT = 2.0, 3.0
 KERNEL_TARGETS = [(64, 512), (64, 4096), (64, 32768), (256, 4096), (256, 32768)]
-TIME_BUDGET_S = 170.0
+TIME_BUDGET_S = 150.0
 COPY_BYTES, SMOKE_COPY_BYTES = 1 << 31, 1 << 20
 
 
