@@ -112,12 +112,14 @@ def plot_attention(res: dict):
         ax2.bar(xs, [r["paths"][name]["ratio_to_floor"] for r in steps], 0.25,
                 color=COLORS.get(name, "gray"), label=STEP_LABELS.get(name, name))
     ax2.axhline(3.0, color="black", lw=0.8, ls="--")
+    top = max([e["ratio_to_floor"] for r in steps for e in r["paths"].values()], default=3.0)
+    ax2.set_ylim(0, max(top, 3.0) * 1.55)
     ax2.set_xticks(range(len(steps)))
     ax2.set_xticklabels([str(r["batch"]) for r in steps], fontsize=7)
     ax2.set_xlabel("running requests", fontsize=8)
     ax2.set_ylabel("step replay / floor", fontsize=8)
     ax2.set_title("whole decode step (dashed: 3x)", fontsize=8)
-    ax2.legend(fontsize=7)
+    ax2.legend(fontsize=7, loc="upper left")
     ax2.tick_params(labelsize=7)
     fig.tight_layout()
     return fig

@@ -548,9 +548,9 @@ print("your scan + the notebook's extend_slots_torch == kvlab's alloc_extend_fas
 # 2. **It runs too few programs.** One request of 32,768 tokens gives it 32 programs, each
 #    walking 32,768 positions alone, on a GPU with 132 streaming multiprocessors.
 #
-# `python -m kvlab.bench --attention` measured it on an H200, beside a new kernel and
-# transformers' own attention (`scaled_dot_product_attention` on contiguous K/V), at the shapes
-# of that model (bfloat16, pages of 16). The floor is the bytes a call must move (K/V once, the
+# `python -m kvlab.bench --attention` measures it on a GPU beside a new kernel and transformers'
+# own attention (`scaled_dot_product_attention` on contiguous K/V), at the shapes of that model
+# (bfloat16, pages of 16); `figures/bench.md` names the run saved with the course. The floor is the bytes a call must move (K/V once, the
 # page-table entries, `q` and the output) divided by the bandwidth of a large device-to-device
 # copy measured in the same run:
 
