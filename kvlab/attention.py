@@ -35,7 +35,7 @@ from .errors import InvalidArgument
 from .runtime import pick
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_decode_attention",
-           "FastConfig", "fast_config", "choose_num_splits", "split_ranges", "fast_paged_decode_attention",
+           "FastConfig", "choose_num_splits", "split_ranges", "fast_paged_decode_attention",
            "fast_launches",
            "causal_attention"]
 
@@ -175,12 +175,6 @@ MAX_SPLITS = 64
 INTERPRETER_SMS = 2
 
 
-def fast_config(group: int, dtype: torch.dtype) -> FastConfig:
-    """The launch configuration for ``group`` query heads per K/V head and a pool of ``dtype``."""
-    del group, dtype   # one configuration so far (measured on an H200 by python -m kvlab.bench --attention)
-    return FastConfig()
-
-
 def streaming_multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS
@@ -225,15 +219,14 @@ def fast_paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_le
     length expected, by default the page table's columns); one split writes the output
     directly, more launch the merge. ``q`` may be in any float dtype (the model's); the
     output is ``out_dtype`` (float32 by default, as the oracle's). ``config``: block size and
-    launch options (:func:`fast_config` by default). ``check=False`` skips the host checks,
+    launch options (:class:`FastConfig`'s defaults). ``check=False`` skips the host checks,
     for a caller that checked the same rows and lengths already.
     """
     if check:
         check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
     batch, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
-    group = heads // kv_heads
-    config = fast_config(group, k_pool.dtype) if config is None else config
+    config = FastConfig() if config is None else config
     if not is_int(config.block_n) or config.block_n < 16 or config.block_n & (config.block_n - 1):
         raise InvalidArgument("config.block_n", "a power of two >= 16", f"got {config.block_n!r}")
     device = q.device

@@ -28,6 +28,13 @@ into the dummy page and read only it::
 keeps the buffers and the graphs and runs a decode step through them. Without CUDA (the
 interpreter) it runs the very same padded step without capturing it, so the tokens are the
 same everywhere.
+
+Before capturing, it can ``torch.compile`` the step's forward pass (chapter 09): the many small
+kernels of a transformers layer (norms, RoPE, activations, residual adds) fused into a few,
+the attention call left as it is (a graph break), the batch size symbolic so that one
+compilation serves every captured size. SGLang's ``--enable-torch-compile`` does the same
+before its capture, compiling per batch size (``patch_model`` in
+``python/sglang/srt/model_executor/cuda_graph_runner.py``).
 """
 from __future__ import annotations
 
@@ -96,6 +103,10 @@ class DecodeGraphs:
 
     :meth:`run` takes the real lanes (token ids, rows, positions), pads them with the dummy
     request, runs the step and returns each real lane's greedy next token and logits.
+    ``attention``: the decode kernels (:func:`~kvlab.hf.attention.paged_attention_step`'s
+    ``impl``; the fast ones are compiled for both of their variants here, at start-up).
+    ``compile``: ``torch.compile`` the step's forward pass first (:meth:`_compile`, chapter 09);
+    ``graphs_at_start`` then counts the graphs it built, for a check that none follow.
     """
 
     def __init__(self, model, pool, page_table: torch.Tensor, dummy_row: int,

@@ -22,6 +22,11 @@ hundred streaming multiprocessors. Here:
   ``out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)``. Subtracting ``M`` is what keeps
   ``exp`` finite (a score of 100 makes ``exp(lse)`` overflow float32).
 
+SGLang's Triton decode attention is built the same way (``_fwd_grouped_kernel_stage1`` and
+``_fwd_kernel_stage2`` in ``python/sglang/srt/layers/attention/triton_ops/decode_attention.py``:
+``BLOCK_H = 16`` query heads of a group per program with ``tl.dot``, a split's length rounded up
+to whole blocks of ``MIN_BLOCK_KV = 32``, a second kernel merging by log-sum-exp).
+
 Which program reads what, for one request of 300 tokens on K/V head ``g`` (``BLOCK_N = 64``,
 ``num_splits = 4``: each split holds ``ceil(ceil(300 / 4) / 64) = 2`` blocks)::
 

@@ -644,7 +644,10 @@ print("the group's heads in one product == one head at a time")
 # The two lines are equal, but only the second can be computed: a score of 100 makes
 # `exp(lse)` overflow float32. A second, tiny kernel does this merge, one program per
 # `(request, query head)`, walking the splits with the online softmax of chapter 08, the splits
-# playing the part of blocks. Splits hold whole blocks of `BLOCK_N` positions,
+# playing the part of blocks. (SGLang's Triton decode attention is built the same way: a first
+# kernel with 16 query heads of a group per program and `tl.dot`, splits rounded to whole blocks,
+# and a second kernel that merges them by log-sum-exp, in
+# `python/sglang/srt/layers/attention/triton_ops/decode_attention.py`.) Splits hold whole blocks of `BLOCK_N` positions,
 # `ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N` each, computed by every program
 # from its request's own length. In torch, with scores large enough to overflow:
 
