@@ -168,3 +168,25 @@ def test_an_empty_batch_launches_nothing():
     q, k, v, table, rows, lens = layout(7, 4, [5], 4, 2)
     out = fast_paged_decode_attention(q[:0], k, v, table, rows[:0], lens[:0])
     assert out.shape == (0, 4, 16)
+
+
+@given(seq_len=st.integers(1, 5000), splits=st.integers(1, 70), block_n=st.sampled_from([16, 32, 64, 128]))
+def test_split_ranges_cover_each_position_once_in_whole_blocks(seq_len, splits, block_n):
+    from kvlab.attention import split_ranges
+    from kvlab.reference.attention import split_ranges_reference
+
+    spans = split_ranges(seq_len, splits, block_n)
+    assert spans == split_ranges_reference(seq_len, splits, block_n)
+    assert spans[0][0] == 0 and spans[-1][1] == seq_len and len(spans) <= splits
+    assert all(a < b and a % block_n == 0 for a, b in spans)
+    assert all(b == c for (_, b), (c, _) in zip(spans, spans[1:]))   # no gap, no overlap
+
+
+def test_the_picture_of_which_program_reads_which_pages_shows_the_kernels_splits():
+    from kvlab.scenes.ch09_making_it_fast import split_reads_plan
+
+    plan = split_reads_plan()
+    for pages, spans in zip(plan.pages, plan.spans):
+        assert [t for a, b in spans for t in range(a, b)] == list(range(len(pages)))
+        assert all(pages[t] == pages[t - t % plan.page_size] for t in range(len(pages)))   # whole pages
+    assert len({p for pages in plan.pages for p in pages}) == sum(-(-len(p) // plan.page_size) for p in plan.pages)
