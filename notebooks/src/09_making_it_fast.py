@@ -824,8 +824,8 @@ kvlab.check.hint("merge_splits", 1);
 # ## Lift: your two kernels vs `kvlab.attention.fast_paged_decode_attention`
 #
 # The package's kernels (`kvlab.kernels.fast_attention`) are these two, plus what a GPU needs:
-# `tl.dot` in the pool's 16-bit dtype there (exact float32 in the interpreter, which cannot
-# multiply bfloat16 matrices), blocks of 128 positions, and the one-split shortcut. Their host
+# `tl.dot` in the pool's 16-bit dtype there (exact float32 in the interpreter, whose `tl.dot`
+# gets bfloat16 matrices wrong), blocks of 128 positions, and the one-split shortcut. Their host
 # wrapper, `kvlab.attention.fast_paged_decode_attention`, checks exactly what chapter 08's
 # wrapper checks, before any launch. Your kernels (each once it passes its checker; until then
 # the reference stands in), launched one after the other, must give what it gives, and what
