@@ -1,4 +1,5 @@
-"""``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only] [--serve]`` (chapters 09, 10).
+"""``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only] [--serve] [--attention]``
+(chapters 09, 10).
 
 On CUDA: the full suite, written to ``--out`` (default ``figures/``): ``bench.json``,
 ``bench.md`` (with the command that produced it) and the ``09_*.png`` plots. For honest
@@ -11,6 +12,10 @@ unless ``--out`` is given, so it never overwrites the GPU results in ``figures/`
 online workloads, the GPU's busy share of a decode step), added to the ``bench.json`` already
 in the output folder (under ``"serve"``), ``bench.md`` written again from it, and
 ``10_bench_serve.png``. Without CUDA, a smoke run of it (a tiny model).
+
+``--attention``: only the decode-attention benchmark of chapter 09 (:mod:`kvlab.bench.attention`:
+the attention kernels and the whole decode step against the HBM floor), added to ``bench.json``
+the same way (under ``"attention"``), with ``09_bench_attention.png``.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trap", action="store_true", help="skip the one slow recompile demonstration")
     ap.add_argument("--public-only", action="store_true", help="only the public calls, floor and first calls")
     ap.add_argument("--serve", action="store_true", help="only the serving benchmark (chapter 10)")
+    ap.add_argument("--attention", action="store_true",
+                    help="only the decode-attention benchmark (chapter 09: kernels and decode step vs the HBM floor)")
     args = ap.parse_args(argv)
     smoke = args.smoke or runtime.INTERPRET
     out = args.out
@@ -43,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         res = serve_main(out, smoke)
         targets = res["serve"]["targets"]
+    elif args.attention:
+        res = attention_main(out, smoke)
+        targets = res["attention"]["targets"]
     else:
         res = run(smoke=smoke, trap=not args.no_trap, public_only=args.public_only)
         write_outputs(res, out)
@@ -57,14 +67,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_main(out: str, smoke: bool) -> dict:
-    """Run the serving benchmark; keep whatever else ``out/bench.json`` holds."""
+    """Run the serving benchmark; keep whatever else ``out/bench.json`` holds (and, while it
+    runs, what it has measured so far in ``out/bench.serve-partial.json``)."""
+    import json
     import time
 
     from .report import load
     from .serve import run_serve
     from .suite import _meta
-
-    import json
 
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
@@ -85,6 +95,28 @@ def serve_main(out: str, smoke: bool) -> dict:
     res["serve"] = serve
     write_outputs(res, out, plots=["10_bench_serve.png"])
     os.remove(partial)
+    return res
+
+
+def attention_main(out: str, smoke: bool) -> dict:
+    """Run the decode-attention benchmark; keep whatever else ``out/bench.json`` holds."""
+    from .attention import run_attention
+    from .report import load
+    from .suite import _meta
+
+    attention = run_attention(smoke=smoke)
+    meta = _meta(smoke)
+    try:
+        import transformers
+        version = transformers.__version__
+    except ImportError:
+        version = None
+    attention["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
+                             transformers=version, date=meta["date"], command=meta["command"])
+    path = os.path.join(out, "bench.json")
+    res = load(path) if os.path.exists(path) else {}
+    res["attention"] = attention
+    write_outputs(res, out, plots=["09_bench_attention.png"])
     return res
 
 
