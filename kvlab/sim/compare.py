@@ -23,15 +23,17 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..args import div_ceil
+from ..args import check_int, check_page_size, div_ceil
+from ..errors import InvalidArgument
 from ..hash_cache import HashPrefixCache
 from ..radix_cache import RadixPrefixCache
 from .caches import PREFIX_CACHES
+from .checks import check_config
 from .scheduler import SimConfig, simulate
 from .timeline import Timeline
 from .workloads import Workload
 
-__all__ = ["CacheRun", "pool_sizes", "compare_caches", "first_divergence", "comparison_table",
+__all__ = ["CacheRun", "POOLS", "pool_sizes", "compare_caches", "first_divergence", "comparison_table",
            "LookupCost", "lookup_cost"]
 
 
@@ -57,9 +59,25 @@ class CacheRun(NamedTuple):
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+POOLS = ("tight", "half", "ample")
+
+
+def _names(argument: str, values, allowed: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+        raise InvalidArgument(argument, f"a non-empty list of names from {tuple(allowed)}", f"got {values!r}")
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise InvalidArgument(argument, f"names from {tuple(allowed)}", f"got {bad[0]!r}")
+    return tuple(values)
+
+
 def pool_sizes(workload: Workload, page_size: int) -> dict[str, int]:
     """``tight`` / ``half`` / ``ample`` page counts for ``workload`` (see the module docstring)."""
-    need = [div_ceil(r.total_len, page_size) for r in workload.requests]
+    page_size = check_page_size(page_size)
+    if not isinstance(workload, Workload) or not workload.requests:
+        raise InvalidArgument("workload", "a kvlab.sim.Workload with at least one request",
+                              f"got {workload!r}"[:120])
+    need = [div_ceil(r.max_len, page_size) for r in workload.requests]
     tight = max(need)
     return {"tight": tight, "half": 2 * tight, "ample": max(sum(need), 2 * tight)}
 
@@ -78,6 +96,11 @@ def compare_caches(workloads: Sequence[Workload], config: SimConfig = SimConfig(
                    caches: Sequence[str] = PREFIX_CACHES,
                    pools: Sequence[str] = ("tight", "half", "ample")) -> list[CacheRun]:
     """Run every workload with every cache and pool size (``config`` sets the rest)."""
+    check_config(config)
+    caches, pools = _names("caches", caches, PREFIX_CACHES), _names("pools", pools, POOLS)
+    if isinstance(workloads, Workload) or not isinstance(workloads, Sequence) or not all(
+            isinstance(w, Workload) for w in workloads):
+        raise InvalidArgument("workloads", "a list of kvlab.sim.Workload", f"got {workloads!r}"[:120])
     rows = []
     for workload in workloads:
         sizes = pool_sizes(workload, config.page_size)
@@ -128,6 +151,12 @@ def lookup_cost(prompt_lens: Sequence[int], page_size: int = 16, repeats: int = 
     (radix, hash, radix, ...), and return the median host microseconds of each. The radix
     walk compares tokens page by page; the hash walk hashes every page (BLAKE2b in C) and looks
     it up in a dict, then compares the page's tokens."""
+    page_size = check_page_size(page_size)
+    repeats = check_int("repeats", repeats, minimum=1)
+    seed = check_int("seed", seed, minimum=0)
+    if isinstance(prompt_lens, (str, bytes)) or not isinstance(prompt_lens, Sequence):
+        raise InvalidArgument("prompt_lens", "a list of prompt lengths", f"got {prompt_lens!r}")
+    prompt_lens = [check_int(f"prompt_lens[{i}]", n, minimum=1) for i, n in enumerate(prompt_lens)]
     gen = torch.Generator().manual_seed(seed)
     out = []
     for n in prompt_lens:
