@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from .memory_report import memory_section
 from .serve_report import serve_section
 from .timing import round_ratios
 
@@ -36,9 +37,11 @@ def _loop(entry: dict | None) -> str:
 
 
 def markdown(res: dict) -> str:
-    if "meta" not in res:            # a serving benchmark alone
-        return "\n".join(["# kvlab.bench"] + serve_section(res["serve"])) + "\n"
-    return _suite_markdown(res) + ("\n".join(serve_section(res["serve"])) + "\n" if res.get("serve") else "")
+    extra = ([*serve_section(res["serve"])] if res.get("serve") else []) + (
+        [*memory_section(res["memory"])] if res.get("memory") else [])
+    if "meta" not in res:            # a serving or memory benchmark alone
+        return "\n".join(["# kvlab.bench"] + extra) + "\n"
+    return _suite_markdown(res) + ("\n".join(extra) + "\n" if extra else "")
 
 
 def _suite_markdown(res: dict) -> str:
@@ -217,6 +220,8 @@ def write_outputs(res: dict, out_dir: str, log=print, *, plots: list[str] | None
         if plots is not None and name not in plots:
             continue
         if name == "10_bench_serve.png" and not res.get("serve"):
+            continue
+        if name == "12_bench_memory.png" and not res.get("memory"):
             continue
         if name.startswith("09_") and plot.__name__ != "plot_public_call" and not res.get("extend"):
             continue  # a run of the public calls only: the kernels' plots have no data

@@ -212,16 +212,17 @@ def mixed(seed: int = 0, scale: int = 1) -> Workload:
 
 
 def eos_long_tail(seed: int = 0, n_requests: int = 16, prompt_len: tuple[int, int] = (8, 24),
-                  max_new_tokens: int = 48, tail: float = 1.3, mean_gap: float = 1.0) -> Workload:
+                  max_new_tokens: int = 48, tail: float = 1.3, typical: int = 2,
+                  mean_gap: float = 1.0) -> Workload:
     """Answers whose lengths are long-tailed: most end early at an end-of-text token, a few
-    run to ``max_new_tokens`` (a Pareto draw with shape ``tail``: smaller is heavier). The
-    scheduler knows only the cap: reserving it wastes the most here."""
+    run to ``max_new_tokens`` (``typical`` x a Pareto draw of shape ``tail``: a smaller shape
+    is a heavier tail). The scheduler knows only the cap: reserving it wastes the most here."""
     _check_counts(seed=seed, n_requests=n_requests, prompt_len=prompt_len,
-                  max_new_tokens=max_new_tokens, tail=tail, mean_gap=mean_gap)
+                  max_new_tokens=max_new_tokens, tail=tail, typical=typical, mean_gap=mean_gap)
     rng = random.Random(seed)
     reqs = []
     for i, t in enumerate(_arrivals(rng, n_requests, mean_gap)):
-        n = min(max_new_tokens, max(1, int(2 * rng.paretovariate(tail))))
+        n = min(max_new_tokens, max(1, int(typical * rng.paretovariate(tail))))
         reqs.append(RequestSpec(i, _tokens(rng, rng.randint(*prompt_len)), _tokens(rng, n), t,
                                 tag="eos" if n < max_new_tokens else "length",
                                 max_new_tokens=max_new_tokens))
