@@ -71,8 +71,12 @@ def test_the_claims_are_judged_from_the_measured_rows():
 
 
 def test_pools_run_from_every_whole_answer_down_to_the_longest_alone():
-    prompts = [[0] * 30, [0] * 10, [0] * 100]
-    assert mem.pool_pages(prompts, 20, 16, 1.0) == 4 + 2 + 8
-    assert mem.pool_pages(prompts, 20, 16, 0.15) == 8                # the longest request alone
-    prompts, ends, max_new = mem.memory_workload("eos_long_tail", smoke=True, vocab=128)
-    assert len(prompts) == len(ends) and max(ends) <= max_new and all(0 <= t < 128 for p in prompts for t in p)
+    from kvlab.sim import RequestSpec, Workload
+    from kvlab.sim.compare import memory_pools
+
+    w = Workload("w", "", tuple(RequestSpec(i, (1,) * n, (2,), 0, max_new_tokens=21)
+                                for i, n in enumerate((30, 10, 100))))
+    assert memory_pools(w, 16, {"all": 1.0, "some": 0.15}) == {"all": 4 + 2 + 8, "some": 8}
+    workload, prompts, ends, max_new = mem.memory_workload("eos_long_tail", smoke=True, vocab=128)
+    assert len(prompts) == len(ends) == len(workload) and max(ends) <= max_new
+    assert all(0 <= t < 128 for p in prompts for t in p)

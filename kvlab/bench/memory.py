@@ -24,7 +24,6 @@ tiny workloads in float32 with pages of 4, the same code path, no claims.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -34,7 +33,8 @@ MODEL = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
              num_key_value_heads=2, vocab_size=151936, max_position_embeddings=4096)
 PAGE_SIZE = 16
 POLICY_NAMES = ("reserve", "recompute", "retract", "swap")
-#: pool sizes as a share of "every whole answer at once" (never below the longest request)
+#: pool sizes as a share of "every whole answer at once" (never below the longest request):
+#: kvlab.sim.compare.MEMORY_POOLS, which the chapter's simulator runs use too
 POOLS = {"ample": 1.0, "medium": 0.4, "tight": 0.15}
 #: the workloads (arguments of kvlab.sim.make_workload) and max_new_tokens of each
 WORKLOADS = {
@@ -71,8 +71,8 @@ def memory_model(device, smoke: bool):
 
 
 def memory_workload(name: str, smoke: bool, vocab: int, seed: int = 0):
-    """``(prompts, end_after, max_new_tokens)`` of the simulator's workload ``name`` (its token
-    ids spread over the model's vocabulary; its answer lengths become ``end_after``)."""
+    """``(workload, prompts, end_after, max_new_tokens)`` of the simulator's workload ``name``
+    (its token ids spread over the model's vocabulary; its answer lengths become ``end_after``)."""
     from ..sim import make_workload
 
     w = make_workload(name, seed=seed, **(SMOKE_WORKLOADS if smoke else WORKLOADS)[name])
@@ -80,13 +80,7 @@ def memory_workload(name: str, smoke: bool, vocab: int, seed: int = 0):
     prompts = [spread(r.prompt) for r in w.requests]
     ends = [len(r.output) for r in w.requests]
     max_new = max(r.max_new_tokens or len(r.output) for r in w.requests)
-    return prompts, ends, max_new
-
-
-def pool_pages(prompts, max_new: int, page_size: int, share: float) -> int:
-    """Pages for ``share`` of every request's whole answer at once, at least the longest alone."""
-    need = [-(-(len(p) + max_new - 1) // page_size) for p in prompts]
-    return max(max(need), math.ceil(share * sum(need)))
+    return w, prompts, ends, max_new
 
 
 def percentile(values, q: float) -> float | None:
@@ -132,6 +126,7 @@ def run_memory(smoke: bool = False, log=print) -> dict:
     """Every policy on every workload and pool; returns the rows and the claims' verdicts."""
     from .. import runtime
     from ..hf import PagedGenerator
+    from ..sim.compare import memory_pools
 
     device = runtime.DEVICE
     model = memory_model(device, smoke)
@@ -143,12 +138,15 @@ def run_memory(smoke: bool = False, log=print) -> dict:
                workloads={})
     sizes = [1, 2, 4, 8, 16, 32, 48]
     for name in (SMOKE_WORKLOADS if smoke else WORKLOADS):
-        prompts, ends, max_new = memory_workload(name, smoke, vocab)
+        workload, prompts, ends, max_new = memory_workload(name, smoke, vocab)
+        # the generator is told one max_new_tokens: every request's cap is the workload's largest
+        workload = type(workload)(workload.name, "", tuple(
+            type(r)(r.rid, r.prompt, r.output, 0, max_new_tokens=max_new) for r in workload.requests))
+        sizes = memory_pools(workload, P, pools)
         res["workloads"][name] = dict(requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
                                       new_tokens=sum(ends), max_new_tokens=max_new,
                                       args=(SMOKE_WORKLOADS if smoke else WORKLOADS)[name])
-        for pool, share in pools.items():
-            pages = pool_pages(prompts, max_new, P, share)
+        for pool, pages in sizes.items():
             for policy in POLICY_NAMES:
                 row = dict(workload=name, pool=pool, pages=pages, policy=policy)
                 try:

@@ -2,9 +2,6 @@
 from the saved result (``res["memory"]``), so they read the same on a laptop as on the GPU."""
 from __future__ import annotations
 
-#: policy -> colour (the chapter's pictures use the same)
-POLICY_COLOURS = {"reserve": "#6a51a3", "recompute": "#e6550d", "retract": "#3182bd", "swap": "#31a354"}
-
 
 def _f(x, fmt="{:.0f}") -> str:
     return "–" if x is None else fmt.format(x)
@@ -54,32 +51,23 @@ def memory_section(m: dict) -> list[str]:
 def plot_memory(res: dict):
     """Tokens/s and requests running at once, per policy, workload and pool."""
     import matplotlib.pyplot as plt
-    import numpy as np
 
-    m = res["memory"]
-    workloads = list(m["workloads"])
-    pools = list(m["pools"])
-    policies = list(POLICY_COLOURS)
-    fig, axes = plt.subplots(2, len(workloads), figsize=(8.4, 4.6), squeeze=False, sharey="row")
-    for col, name in enumerate(workloads):
-        for row, (key, label) in enumerate((("tokens_per_s", "new tokens / s"),
-                                            ("mean_running", "requests running at once"))):
-            ax = axes[row][col]
-            x = np.arange(len(pools))
-            for k, policy in enumerate(policies):
-                vals = []
-                for pool in pools:
-                    hit = [r for r in m["rows"] if (r["workload"], r["pool"], r["policy"]) == (name, pool, policy)
-                           and "error" not in r]
-                    vals.append(hit[0][key] if hit else 0.0)
-                ax.bar(x + (k - 1.5) * 0.2, vals, 0.2, color=POLICY_COLOURS[policy], label=policy)
-            ax.set_xticks(x, pools, fontsize=8)
-            ax.tick_params(labelsize=7)
-            if col == 0:
-                ax.set_ylabel(label, fontsize=8)
-            if row == 0:
-                ax.set_title(name.replace("_", " "), fontsize=9)
-    axes[0][0].legend(fontsize=7, ncol=2)
+    from ..viz.pressure import policy_bars
+
+    m = res.get("memory")
+    if not m:  # figures/bench.json without a --memory run: say so rather than draw nothing
+        fig, ax = plt.subplots(figsize=(8.4, 1.2))
+        ax.text(0.5, 0.5, "no GPU run of `python -m kvlab.bench --memory` in bench.json yet",
+                ha="center", va="center", fontsize=9)
+        ax.set_axis_off()
+        return fig
+    rows = [r for r in m["rows"] if "error" not in r]
+    fig, axes = plt.subplots(2, len(m["workloads"]), figsize=(8.4, 4.6), squeeze=False, sharey="row")
+    policy_bars(rows, "tokens_per_s", "new tokens / s", axes=axes[0], pools=list(m["pools"]))
+    policy_bars(rows, "mean_running", "running at once", axes=axes[1], pools=list(m["pools"]))
+    for ax in axes[1]:
+        ax.set_title("")
+    axes[1][-1].get_legend().remove()
     where = "SMOKE RUN (not timings)" if m.get("smoke") else m.get("meta", {}).get("device", "")
     fig.suptitle(f"four memory policies, pools from ample to tight; {where}", fontsize=9)
     fig.tight_layout()

@@ -33,7 +33,7 @@ from .scheduler import SimConfig, simulate
 from .timeline import Timeline
 from .workloads import Workload
 
-__all__ = ["CacheRun", "POOLS", "pool_sizes", "compare_caches", "first_divergence", "comparison_table",
+__all__ = ["CacheRun", "POOLS", "pool_sizes", "MEMORY_POOLS", "memory_pools", "compare_policies", "policy_table", "compare_caches", "first_divergence", "comparison_table",
            "LookupCost", "lookup_cost"]
 
 
@@ -176,3 +176,67 @@ def lookup_cost(prompt_lens: Sequence[int], page_size: int = 16, repeats: int = 
         out.append(LookupCost(n, statistics.median(times["radix"]) / 1e3,
                               statistics.median(times["hash"]) / 1e3))
     return out
+
+
+# ==== chapter 12: the memory policies side by side =========================================
+
+#: pools for the memory policies, as a share of every request's whole answer at once (never
+#: below the longest request alone); python -m kvlab.bench --memory uses the same
+MEMORY_POOLS = {"ample": 1.0, "medium": 0.4, "tight": 0.15}
+
+
+def memory_pools(workload: Workload, page_size: int, shares=None) -> dict[str, int]:
+    """Pages per pool name for ``workload`` (see :data:`MEMORY_POOLS`)."""
+    import math
+
+    page_size = check_page_size(page_size)
+    if not isinstance(workload, Workload) or not workload.requests:
+        raise InvalidArgument("workload", "a kvlab.sim.Workload with at least one request",
+                              f"got {workload!r}"[:120])
+    need = [div_ceil(r.max_len, page_size) for r in workload.requests]
+    return {name: max(max(need), math.ceil(share * sum(need) - 1e-9))
+            for name, share in (shares or MEMORY_POOLS).items()}
+
+
+def compare_policies(workloads: Sequence[Workload], config: SimConfig = SimConfig(),
+                     policies: Sequence = ("reserve", "recompute", "retract", "swap"),
+                     pools: Sequence[str] = tuple(MEMORY_POOLS)) -> list[dict]:
+    """Run every workload with every policy in every pool of :data:`MEMORY_POOLS` (``config``
+    sets the rest); one row (a dict) per run, the numbers the chapter's table shows."""
+    from ..pressure import make_policy
+
+    check_config(config)
+    pools = _names("pools", pools, tuple(MEMORY_POOLS))
+    policies = [make_policy(p, "policies") for p in policies]
+    if isinstance(workloads, Workload) or not isinstance(workloads, Sequence) or not all(
+            isinstance(w, Workload) for w in workloads):
+        raise InvalidArgument("workloads", "a list of kvlab.sim.Workload", f"got {workloads!r}"[:120])
+    rows = []
+    for workload in workloads:
+        sizes = memory_pools(workload, config.page_size)
+        new_tokens = sum(len(r.output) for r in workload.requests)
+        for pool in pools:
+            for policy in policies:
+                tl = simulate(workload, replace(config, num_pages=sizes[pool], policy=policy))
+                s = tl.summary()
+                rows.append(dict(workload=workload.name, pool=pool, pages=sizes[pool], policy=policy.name,
+                                 steps=s.steps, tokens_per_step=new_tokens / s.steps,
+                                 mean_running=s.mean_running, unused_pages=s.mean_promised_pages,
+                                 stops=s.preemptions, recomputed_tokens=s.recomputed_tokens,
+                                 swapped_tokens=s.swapped_tokens, ttft_p50=s.ttft_p50, ttft_p99=s.ttft_p99,
+                                 tpot_p50=s.tpot_p50, tpot_p99=s.tpot_p99))
+    return rows
+
+
+def policy_table(rows: Sequence[dict]) -> str:
+    """The rows of :func:`compare_policies` as a fixed-width table."""
+    head = (f"{'workload':20s} {'pool':>10s} {'policy':>9s} {'steps':>5s} {'tok/step':>8s} {'running':>7s} "
+            f"{'unused':>6s} {'stops':>5s} {'recomp':>6s} {'swapped':>7s} {'TTFT p50/p99':>12s} {'TPOT p50/p99':>12s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['workload']:20s} {r['pool'] + ' ' + str(r['pages']):>10s} {r['policy']:>9s} "
+                     f"{r['steps']:5d} {r['tokens_per_step']:8.2f} {r['mean_running']:7.1f} "
+                     f"{r['unused_pages']:6.1f} {r['stops']:5d} {r['recomputed_tokens']:6d} "
+                     f"{r['swapped_tokens']:7d} {r['ttft_p50']:5.0f} / {r['ttft_p99']:4.0f} "
+                     f"{r['tpot_p50']:5.2f} / {r['tpot_p99']:4.2f}")
+    return "\n".join(lines)
