@@ -13,7 +13,8 @@ A random-weight model never produces its end-of-text token, so each answer ends 
 workload's does (``generate(..., end_after=...)``); the scheduler knows only
 ``max_new_tokens``, as a server does. Pools, in pages, per workload: ``ample`` holds every
 request's whole answer at once; ``medium`` and ``tight`` are 40% and 15% of that (never less
-than the longest request alone). Per run: tokens/s (new tokens over the wall time of the call,
+than the longest request alone). Decode steps replay CUDA graphs, without ``torch.compile``
+(``compile_decode=False``), the same for every policy. Per run: tokens/s (new tokens over the wall time of the call,
 synchronised), requests running at once (mean and most), pages promised but unmapped (mean per
 step), positions recomputed, bytes copied to host memory, stops (preemptions, retractions,
 swaps), and time to first token / per output token (p50, p99; every request arrives at 0).
@@ -151,7 +152,7 @@ def run_memory(smoke: bool = False, log=print) -> dict:
                 row = dict(workload=name, pool=pool, pages=pages, policy=policy)
                 try:
                     gen = PagedGenerator(model, page_size=P, num_pages=pages, max_running=48,
-                                         prefill_budget=2048, policy=policy,
+                                         prefill_budget=2048, policy=policy, compile_decode=False,
                                          graph_sizes=None if smoke else sizes)
                     gen.generate(prompts[:2], max_new_tokens=2)          # warm up this generator
                     row.update(_timed_run(gen, prompts, ends, max_new, device))

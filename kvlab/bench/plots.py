@@ -9,6 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from ..viz.legibility import MAX_WIDTH_IN
+from .attention_report import plot_attention
 from .memory_report import plot_memory
 from .serve_report import plot_serve
 
@@ -199,5 +200,6 @@ PLOTS = {
     "09_page_table_write.png": plot_page_table,
     "09_public_call.png": plot_public_call,
     "10_bench_serve.png": plot_serve,
+    "09_bench_attention.png": plot_attention,
     "12_bench_memory.png": plot_memory,
 }

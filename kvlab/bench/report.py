@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from .attention_report import attention_section
 from .memory_report import memory_section
 from .serve_report import serve_section
 from .timing import round_ratios
@@ -37,11 +38,16 @@ def _loop(entry: dict | None) -> str:
 
 
 def markdown(res: dict) -> str:
-    extra = ([*serve_section(res["serve"])] if res.get("serve") else []) + (
-        [*memory_section(res["memory"])] if res.get("memory") else [])
-    if "meta" not in res:            # a serving or memory benchmark alone
-        return "\n".join(["# kvlab.bench"] + extra) + "\n"
-    return _suite_markdown(res) + ("\n".join(extra) + "\n" if extra else "")
+    extra = ""
+    if res.get("attention"):
+        extra += "\n".join(attention_section(res["attention"])) + "\n"
+    if res.get("serve"):
+        extra += "\n".join(serve_section(res["serve"])) + "\n"
+    if res.get("memory"):
+        extra += "\n".join(memory_section(res["memory"])) + "\n"
+    if "meta" not in res:            # a serving, attention or memory benchmark alone
+        return "# kvlab.bench\n" + extra
+    return _suite_markdown(res) + extra
 
 
 def _suite_markdown(res: dict) -> str:
@@ -223,7 +229,10 @@ def write_outputs(res: dict, out_dir: str, log=print, *, plots: list[str] | None
             continue
         if name == "12_bench_memory.png" and not res.get("memory"):
             continue
-        if name.startswith("09_") and plot.__name__ != "plot_public_call" and not res.get("extend"):
+        if name == "09_bench_attention.png":
+            if not res.get("attention"):
+                continue
+        elif name.startswith("09_") and plot.__name__ != "plot_public_call" and not res.get("extend"):
             continue  # a run of the public calls only: the kernels' plots have no data
         if name == "09_public_call.png" and not res.get("public_extend"):
             continue
