@@ -16,8 +16,8 @@ import torch
 
 from .errors import InvalidArgument
 
-__all__ = ["div_ceil", "next_pow2", "is_int", "check_int", "check_page_size", "check_token_ids",
-           "check_int_vector", "check_slots", "check_whole_pages"]
+__all__ = ["div_ceil", "next_pow2", "is_int", "check_int", "check_real", "check_page_size",
+           "check_token_ids", "check_int_vector", "check_slots", "check_whole_pages"]
 
 
 def div_ceil(a, b):
@@ -59,6 +59,21 @@ def check_int(argument: str, value, *, minimum: int | None = None) -> int:
     value = int(value.__index__()) if not isinstance(value, torch.Tensor) else int(value.item())
     if minimum is not None and value < minimum:
         raise InvalidArgument(argument, f"must be >= {minimum}", f"got {value}")
+    return value
+
+
+def check_real(argument: str, value, *, minimum: float = 0.0, below: float = float("inf")):
+    """A finite real number (an int or a float, not a bool) with ``minimum <= value < below``;
+    NaN and infinities are refused."""
+    import math
+
+    if isinstance(value, bool) or not (is_int(value) or isinstance(value, float)):
+        raise InvalidArgument(argument, "a number (int or float, not a bool)",
+                              f"got {type(value).__name__} {value!r}")
+    value = float(value) if isinstance(value, float) else int(value)
+    if not math.isfinite(value) or not minimum <= value < below:
+        rule = f"a finite number >= {minimum:g}" + (f" and < {below:g}" if math.isfinite(below) else "")
+        raise InvalidArgument(argument, rule, f"got {value!r}")
     return value
 
 

@@ -250,9 +250,10 @@ def make_policy(policy, argument: str = "policy") -> Policy:
 
 
 def victim_order(policy: Policy | str, views: Sequence[RequestView]) -> list:
-    """The keys of ``views`` in the order ``policy`` stops them (first = first to go)."""
+    """The keys of ``views`` in the order ``policy`` stops them (first = first to go). Of two
+    that tie, the later in ``views`` goes first: SGLang pops from the end of its sorted batch."""
     policy = make_policy(policy)
-    ranked = sorted(range(len(views)), key=lambda i: policy.victim_key(views[i]), reverse=True)
+    ranked = sorted(range(len(views)), key=lambda i: (policy.victim_key(views[i]), i), reverse=True)
     return [views[i].key for i in ranked]
 
 
@@ -327,10 +328,10 @@ class PolicyRun:
         return self.promised_pages(view, page_size) - step
 
     def victim(self, views: Sequence[RequestView]) -> RequestView:
-        """The request to stop first (largest key; the first of equal keys)."""
+        """The request to stop first (largest key; the later of equal keys, as :func:`victim_order`)."""
         if not views:
             raise InvalidArgument("views", "at least one request to choose from", "got none")
-        best = max(range(len(views)), key=lambda i: (self.policy.victim_key(views[i]), -i))
+        best = max(range(len(views)), key=lambda i: (self.policy.victim_key(views[i]), i))
         return views[best]
 
     def after_decode(self, *, retracted: bool, remaining: Sequence[RequestView]) -> None:

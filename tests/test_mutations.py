@@ -867,8 +867,89 @@ BLIND_SPOTS = [
            "drops a freed page's tokens", "state"),
 ]
 
+# --- chapter 12: when KV memory runs out --------------------------------------------------
+
+_SWAP_BLOCK = ("    pages = host.take(-(-n // P))                        # one host page per P positions\n"
+               "    for i, page in enumerate(pages):\n"
+               "        part = slots[i * P:(i + 1) * P]\n"
+               "        host.k[page, :, : len(part)] = pool.k[:, part]   # every layer of those positions\n"
+               "        host.v[page, :, : len(part)] = pool.v[:, part]\n"
+               "    manager.release_req(req)                             # its pages back, its lock off: once\n")
+
+CH12 = [
+    Mutant("victim_order", "order = ranked[::-1]", "order = ranked",
+           ("policy 'retract'", "SGLang retracts the fewest generated tokens first"),
+           "retracts the most outputs first (the sort without the pop from the end)"),
+    Mutant("victim_order", "key=lambda r: r.admitted, reverse=True", "key=lambda r: r.admitted",
+           ("policy 'recompute'", "the latest admitted first"), "preempts the earliest admitted first"),
+    Mutant("victim_order", "order = ranked[::-1]", "order = sorted(running, key=lambda r: (r.generated, -r.prompt_len))",
+           ("[retract: an exact tie: the later one in running first]",),
+           "of an exact tie, retracts the earlier one first", "lucky"),
+    Mutant("victim_order", "key=lambda r: r.arrived, reverse=True", "key=lambda r: r.admitted, reverse=True",
+           ("policy 'swap'", "latest arrival first"), "swaps out by admission order (recompute's rule)", "param"),
+    Mutant("victim_order", "order = sorted(running, key=lambda r: r.admitted, reverse=True)",
+           "order = list(running)[::-1]",
+           ("[recompute: the latest admitted, not the last in the list]",),
+           "preempts the end of the list (right while running is in admission order)", "lucky"),
+    Mutant("victim_order", "        ranked = sorted(running, key=lambda r: (r.generated, -r.prompt_len), reverse=True)\n",
+           "        running.sort(key=lambda r: (r.generated, -r.prompt_len), reverse=True)\n        ranked = running\n",
+           ("your code changed `running`",), "sorts the caller's list in place", "input"),
+    Mutant("next_token_ratio", "    if not retracted:  ", "    if not retracted or ratio > 0:  ",
+           ("the ratio recovers", "never recovers"), "keeps decaying after a retraction"),
+    Mutant("next_token_ratio", "max(ratio - policy.decay, policy.min_ratio)", "ratio - policy.decay",
+           ("below the minimum",), "decays below the minimum"),
+    Mutant("next_token_ratio", "return min(1.0, (decoded", "return max(0.0, (decoded",
+           ("capped at 1", "above 1"), "an estimate above the whole answer"),
+    Mutant("next_token_ratio", "        return policy.init_ratio", "        return ratio",
+           ("[nobody left after a retraction",), "keeps the old ratio when nobody is left"),
+    Mutant("next_token_ratio", "policy.retract_decode_steps * len(remaining)", "20 * len(remaining)",
+           ("[other constants",), "SGLang's 20 retract steps written in", "param"),
+    Mutant("next_token_ratio", "max(ratio - policy.decay, policy.min_ratio)",
+           "max(ratio - (0.7 - 0.098) / 600, policy.min_ratio)",
+           ("[other constants",), "SGLang's decay written in", "param"),
+    Mutant("next_token_ratio", "    decoded = sum(r.generated for r in remaining)\n",
+           "    remaining.sort(key=lambda r: r.generated)\n    decoded = sum(r.generated for r in remaining)\n",
+           ("your code changed `remaining`",), "sorts the caller's list", "input"),
+    Mutant("resume_plan", "range(hit, saved)", "range(0, saved)",
+           ("in the prefix cache: copying them back",), "copies back what the prefix cache still holds"),
+    Mutant("resume_plan", "        start = hit  ", "        start = 0  ",
+           ("which the prefix cache still holds",), "recomputes what the prefix cache still holds"),
+    Mutant("resume_plan", "start = max(saved, hit)", "start = hit",
+           ("the recompute the swap avoids",), "a swap that computes what it copied back"),
+    Mutant("resume_plan", "host_pages[pos // P] * P + pos % P", "host_pages[(pos - hit) // P] * P + pos % P",
+           ("restored to the wrong slot", "its host slot should be"), "a swapped page restored from the wrong host page"),
+    Mutant("resume_plan", "copies.append((host_slot, row[pos]))", "copies.append((host_slot, row[pos - hit]))",
+           ("restored to the wrong slot", "its device slot should be"), "a swapped page restored to the wrong slot"),
+    Mutant("resume_plan", "host_pages[pos // P] * P + pos % P", "(pos // P) * P + pos % P",
+           ("restored to the wrong slot",), "host page i taken as page i (right while the host pages are in order)",
+           "lucky"),
+    Mutant("resume_plan", "    P = page_size\n", "    P = 4\n",
+           ("page_size 2",), "a page size of 4 written in", "param"),
+    Mutant("resume_plan", "    copies = []\n", "    copies = []\n    row.sort()\n",
+           ("your code changed `row`",), "sorts the new row in place", "input"),
+    Mutant("swap_out", "    manager.release_req(req)                             # its pages back, its lock off: once\n",
+           "    own = manager.page_table[req.table_idx, req.cache_handle.cached_len:"
+           "manager.allocated_pages(req) * P][::P].clone()\n"
+           "    manager.release_req(req)\n"
+           "    manager.free_slots = torch.cat([manager.free_slots, own.to(manager.free_slots.dtype)])\n",
+           ("freed twice",), "frees its pages by hand as well as with release_req", "state"),
+    Mutant("swap_out", _SWAP_BLOCK,
+           "    manager.release_req(req)  # (first: its slots were read above)\n" + _SWAP_BLOCK.replace(
+               "    manager.release_req(req)                             # its pages back, its lock off: once\n", ""),
+           ("you copied after release_req",), "copies after release_req (right while nobody reuses the pages)",
+           "lucky"),
+    Mutant("swap_out", "manager.release_req(req)                             #",
+           "manager.cache_req(req, finished=True)                #",
+           ("a swap-out caches nothing",), "caches the row instead of releasing it", "state"),
+    Mutant("swap_out", "    P = host.page_size\n", "    P = 4\n", ("[page_size 1]",), "a page size of 4 written in", "param"),
+    Mutant("swap_out", "slots = manager.page_table[req.table_idx, :n].long()",
+           "slots = manager.page_table[req.table_idx, req.cache_handle.cached_len:n].long()",
+           ("position 0",), "copies only its own pages, not its cached prefix"),
+]
+
+
 MUTANTS = (CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
-           + CH09_ATTENTION + CH11 + BLIND_SPOTS)
+           + CH09_ATTENTION + CH11 + CH12 + BLIND_SPOTS)
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -903,11 +984,14 @@ APPLIES = {
     "page_hashes": _FAULTS | {"lucky"}, "hash_match": _FAULTS | {"lucky", "state"},
     "allocate_pages": _FAULTS | {"lucky", "state"},
     "free_pages": {"input", "lucky", "state"},  # no parameter of the statement enters the code
+    "victim_order": {"input", "param", "lucky"}, "next_token_ratio": _FAULTS,
+    "resume_plan": _FAULTS | {"lucky"},
+    "swap_out": {"param", "lucky", "state"},  # its arguments are the state it must change
 }
 
 
 def test_every_class_of_slip_has_a_mutant_on_every_exercise_it_applies_to():
-    assert set(APPLIES) == set(COURSE_EXERCISES) and len(APPLIES) == 24
+    assert set(APPLIES) == set(COURSE_EXERCISES) and len(APPLIES) == 28
     missing = [(name, kind) for name, kinds in APPLIES.items() for kind in sorted(kinds)
                if not any(m.exercise == name and m.kind == kind for m in MUTANTS)]
     assert not missing
@@ -918,7 +1002,8 @@ COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_
                     "insert_prefix", "cache_req_regions", "cache_req_remap", "decode_step",
                     "paged_attention", "paged_attention_kernel", "extend_scan", "split_attention", "merge_splits",
                     "paged_attention_step",
-                    "pad_decode_batch", "page_hashes", "hash_match", "allocate_pages", "free_pages"]
+                    "pad_decode_batch", "page_hashes", "hash_match", "allocate_pages", "free_pages",
+                    "victim_order", "next_token_ratio", "resume_plan", "swap_out"]
 
 
 # --- correct answers written differently must pass -----------------------------------------------
@@ -1046,6 +1131,29 @@ REWRITES = [
             "the prompt trimmed to whole pages, in a copy"),
     Rewrite("free_pages", "    for page in reversed(pages):", "    for page in pages[::-1]:",
             "the pages walked through a reversed copy"),
+    Rewrite("victim_order",
+            "        ranked = sorted(running, key=lambda r: (r.generated, -r.prompt_len), reverse=True)\n"
+            "        order = ranked[::-1]",
+            "        order = sorted(reversed(running), key=lambda r: (r.generated, -r.prompt_len))",
+            "SGLang's order as one ascending sort of the reversed list"),
+    Rewrite("next_token_ratio",
+            "    return min(1.0, (decoded + policy.retract_decode_steps * len(remaining)) / total_max_new)",
+            "    estimate = (decoded + policy.retract_decode_steps * len(remaining)) / total_max_new\n"
+            "    return estimate if estimate < 1 else 1.0",
+            "the cap written as a conditional"),
+    Rewrite("resume_plan",
+            "        for pos in range(hit, saved):            # what it had computed and the cache lost\n"
+            "            host_slot = host_pages[pos // P] * P + pos % P\n"
+            "            copies.append((host_slot, row[pos]))\n",
+            "        copies = [(host_pages[pos // P] * P + pos % P, row[pos]) for pos in range(hit, saved)]\n",
+            "the copies as a comprehension"),
+    Rewrite("swap_out",
+            "        host.k[page, :, : len(part)] = pool.k[:, part]   # every layer of those positions\n"
+            "        host.v[page, :, : len(part)] = pool.v[:, part]\n",
+            "        for j, slot in enumerate(part.tolist()):       # one position at a time\n"
+            "            host.k[page, :, j] = pool.k[:, slot]\n"
+            "            host.v[page, :, j] = pool.v[:, slot]\n",
+            "the copy position by position"),
 ]
 
 

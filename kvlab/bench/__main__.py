@@ -1,5 +1,5 @@
-"""``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only] [--serve] [--attention]``
-(chapters 09, 10).
+"""``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only] [--serve] [--attention]
+[--memory]`` (chapters 09, 10, 12).
 
 On CUDA: the full suite, written to ``--out`` (default ``figures/``): ``bench.json``,
 ``bench.md`` (with the command that produced it) and the ``09_*.png`` plots. For honest
@@ -16,6 +16,10 @@ in the output folder (under ``"serve"``), ``bench.md`` written again from it, an
 ``--attention``: only the decode-attention benchmark of chapter 09 (:mod:`kvlab.bench.attention`:
 the attention kernels and the whole decode step against the HBM floor), added to ``bench.json``
 the same way (under ``"attention"``), with ``09_bench_attention.png``.
+
+``--memory``: only the memory-policy benchmark of chapter 12 (:mod:`kvlab.bench.memory`), added
+the same way (under ``"memory"``), with ``12_bench_memory.png``; a ``PASS``/``FAIL`` line per
+claim of where each policy wins.
 """
 from __future__ import annotations
 
@@ -42,12 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--serve", action="store_true", help="only the serving benchmark (chapter 10)")
     ap.add_argument("--attention", action="store_true",
                     help="only the decode-attention benchmark (chapter 09: kernels and decode step vs the HBM floor)")
+    ap.add_argument("--memory", action="store_true", help="only the memory-policy benchmark (chapter 12)")
     args = ap.parse_args(argv)
     smoke = args.smoke or runtime.INTERPRET
     out = args.out
     if out is None:
         out = os.path.join(tempfile.gettempdir(), "kvlab-bench-smoke") if smoke else "figures"
-    if args.serve:
+    if args.memory:
+        res = memory_main(out, smoke)
+        targets = res["memory"]["claims"]
+    elif args.serve:
         res = serve_main(out, smoke)
         targets = res["serve"]["targets"]
     elif args.attention:
@@ -95,6 +103,28 @@ def serve_main(out: str, smoke: bool) -> dict:
     res["serve"] = serve
     write_outputs(res, out, plots=["10_bench_serve.png"])
     os.remove(partial)
+    return res
+
+
+def memory_main(out: str, smoke: bool) -> dict:
+    """Run the memory-policy benchmark; keep whatever else ``out/bench.json`` holds."""
+    import time
+
+    from .memory import run_memory
+    from .report import load
+    from .suite import _meta
+
+    t0 = time.perf_counter()
+    memory = run_memory(smoke=smoke)
+    meta = _meta(smoke)
+    import transformers
+    memory["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
+                          transformers=transformers.__version__, date=meta["date"],
+                          command=meta["command"], seconds=round(time.perf_counter() - t0, 1))
+    path = os.path.join(out, "bench.json")
+    res = load(path) if os.path.exists(path) else {}
+    res["memory"] = memory
+    write_outputs(res, out, plots=["12_bench_memory.png"])
     return res
 
 

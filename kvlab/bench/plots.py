@@ -10,6 +10,7 @@ import matplotlib.pyplot as plt
 
 from ..viz.legibility import MAX_WIDTH_IN
 from .attention_report import plot_attention
+from .memory_report import plot_memory
 from .serve_report import plot_serve
 
 COLORS = {"teaching": "#c0504d", "fast": "#2e7d32", "fast_host_lens": "#66bb6a",
@@ -200,4 +201,5 @@ PLOTS = {
     "09_public_call.png": plot_public_call,
     "10_bench_serve.png": plot_serve,
     "09_bench_attention.png": plot_attention,
+    "12_bench_memory.png": plot_memory,
 }

@@ -51,14 +51,19 @@ class HostKV:
     def fits(self, positions: int) -> bool:
         return -(-positions // self.page_size) <= len(self.free_pages)
 
+    def take(self, n: int) -> list[int]:
+        """``n`` free host pages (the first of the free list), or :class:`~kvlab.OutOfPages`."""
+        n = check_int("n", n, minimum=0)
+        if n > len(self.free_pages):
+            raise OutOfPages(n, len(self.free_pages), "host pages for a swapped-out request")
+        pages, self.free_pages = self.free_pages[:n], self.free_pages[n:]
+        return pages
+
     def save(self, pool, slots: torch.Tensor) -> list[int]:
         """Copy the K/V at device ``slots`` (positions ``0, 1, ...`` of a row, in order) into
         free host pages; return the pages (page ``i`` holds positions ``[i*P, (i+1)*P)``)."""
         n, P = int(slots.numel()), self.page_size
-        need = -(-n // P)
-        if need > len(self.free_pages):
-            raise OutOfPages(need, len(self.free_pages), "host pages for a swapped-out request")
-        pages, self.free_pages = self.free_pages[:need], self.free_pages[need:]
+        pages = self.take(-(-n // P))
         idx = slots.to(device=pool.device, dtype=torch.int64)
         try:
             for i, page in enumerate(pages):

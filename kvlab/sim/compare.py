@@ -23,15 +23,17 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..args import div_ceil
+from ..args import check_int, check_page_size, div_ceil
+from ..errors import InvalidArgument
 from ..hash_cache import HashPrefixCache
 from ..radix_cache import RadixPrefixCache
 from .caches import PREFIX_CACHES
+from .checks import check_config
 from .scheduler import SimConfig, simulate
 from .timeline import Timeline
 from .workloads import Workload
 
-__all__ = ["CacheRun", "pool_sizes", "compare_caches", "first_divergence", "comparison_table",
+__all__ = ["CacheRun", "POOLS", "pool_sizes", "MEMORY_POOLS", "memory_pools", "compare_policies", "policy_table", "compare_caches", "first_divergence", "comparison_table",
            "LookupCost", "lookup_cost"]
 
 
@@ -57,9 +59,25 @@ class CacheRun(NamedTuple):
         return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
+POOLS = ("tight", "half", "ample")
+
+
+def _names(argument: str, values, allowed: Sequence[str]) -> tuple[str, ...]:
+    if isinstance(values, str) or not isinstance(values, Sequence) or not values:
+        raise InvalidArgument(argument, f"a non-empty list of names from {tuple(allowed)}", f"got {values!r}")
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise InvalidArgument(argument, f"names from {tuple(allowed)}", f"got {bad[0]!r}")
+    return tuple(values)
+
+
 def pool_sizes(workload: Workload, page_size: int) -> dict[str, int]:
     """``tight`` / ``half`` / ``ample`` page counts for ``workload`` (see the module docstring)."""
-    need = [div_ceil(r.total_len, page_size) for r in workload.requests]
+    page_size = check_page_size(page_size)
+    if not isinstance(workload, Workload) or not workload.requests:
+        raise InvalidArgument("workload", "a kvlab.sim.Workload with at least one request",
+                              f"got {workload!r}"[:120])
+    need = [div_ceil(r.max_len, page_size) for r in workload.requests]
     tight = max(need)
     return {"tight": tight, "half": 2 * tight, "ample": max(sum(need), 2 * tight)}
 
@@ -78,6 +96,11 @@ def compare_caches(workloads: Sequence[Workload], config: SimConfig = SimConfig(
                    caches: Sequence[str] = PREFIX_CACHES,
                    pools: Sequence[str] = ("tight", "half", "ample")) -> list[CacheRun]:
     """Run every workload with every cache and pool size (``config`` sets the rest)."""
+    check_config(config)
+    caches, pools = _names("caches", caches, PREFIX_CACHES), _names("pools", pools, POOLS)
+    if isinstance(workloads, Workload) or not isinstance(workloads, Sequence) or not all(
+            isinstance(w, Workload) for w in workloads):
+        raise InvalidArgument("workloads", "a list of kvlab.sim.Workload", f"got {workloads!r}"[:120])
     rows = []
     for workload in workloads:
         sizes = pool_sizes(workload, config.page_size)
@@ -128,6 +151,12 @@ def lookup_cost(prompt_lens: Sequence[int], page_size: int = 16, repeats: int = 
     (radix, hash, radix, ...), and return the median host microseconds of each. The radix
     walk compares tokens page by page; the hash walk hashes every page (BLAKE2b in C) and looks
     it up in a dict, then compares the page's tokens."""
+    page_size = check_page_size(page_size)
+    repeats = check_int("repeats", repeats, minimum=1)
+    seed = check_int("seed", seed, minimum=0)
+    if isinstance(prompt_lens, (str, bytes)) or not isinstance(prompt_lens, Sequence):
+        raise InvalidArgument("prompt_lens", "a list of prompt lengths", f"got {prompt_lens!r}")
+    prompt_lens = [check_int(f"prompt_lens[{i}]", n, minimum=1) for i, n in enumerate(prompt_lens)]
     gen = torch.Generator().manual_seed(seed)
     out = []
     for n in prompt_lens:
@@ -147,3 +176,67 @@ def lookup_cost(prompt_lens: Sequence[int], page_size: int = 16, repeats: int = 
         out.append(LookupCost(n, statistics.median(times["radix"]) / 1e3,
                               statistics.median(times["hash"]) / 1e3))
     return out
+
+
+# ==== chapter 12: the memory policies side by side =========================================
+
+#: pools for the memory policies, as a share of every request's whole answer at once (never
+#: below the longest request alone); python -m kvlab.bench --memory uses the same
+MEMORY_POOLS = {"ample": 1.0, "medium": 0.4, "tight": 0.15}
+
+
+def memory_pools(workload: Workload, page_size: int, shares=None) -> dict[str, int]:
+    """Pages per pool name for ``workload`` (see :data:`MEMORY_POOLS`)."""
+    import math
+
+    page_size = check_page_size(page_size)
+    if not isinstance(workload, Workload) or not workload.requests:
+        raise InvalidArgument("workload", "a kvlab.sim.Workload with at least one request",
+                              f"got {workload!r}"[:120])
+    need = [div_ceil(r.max_len, page_size) for r in workload.requests]
+    return {name: max(max(need), math.ceil(share * sum(need) - 1e-9))
+            for name, share in (shares or MEMORY_POOLS).items()}
+
+
+def compare_policies(workloads: Sequence[Workload], config: SimConfig = SimConfig(),
+                     policies: Sequence = ("reserve", "recompute", "retract", "swap"),
+                     pools: Sequence[str] = tuple(MEMORY_POOLS)) -> list[dict]:
+    """Run every workload with every policy in every pool of :data:`MEMORY_POOLS` (``config``
+    sets the rest); one row (a dict) per run, the numbers the chapter's table shows."""
+    from ..pressure import make_policy
+
+    check_config(config)
+    pools = _names("pools", pools, tuple(MEMORY_POOLS))
+    policies = [make_policy(p, "policies") for p in policies]
+    if isinstance(workloads, Workload) or not isinstance(workloads, Sequence) or not all(
+            isinstance(w, Workload) for w in workloads):
+        raise InvalidArgument("workloads", "a list of kvlab.sim.Workload", f"got {workloads!r}"[:120])
+    rows = []
+    for workload in workloads:
+        sizes = memory_pools(workload, config.page_size)
+        new_tokens = sum(len(r.output) for r in workload.requests)
+        for pool in pools:
+            for policy in policies:
+                tl = simulate(workload, replace(config, num_pages=sizes[pool], policy=policy))
+                s = tl.summary()
+                rows.append(dict(workload=workload.name, pool=pool, pages=sizes[pool], policy=policy.name,
+                                 steps=s.steps, tokens_per_step=new_tokens / s.steps,
+                                 mean_running=s.mean_running, unused_pages=s.mean_promised_pages,
+                                 stops=s.preemptions, recomputed_tokens=s.recomputed_tokens,
+                                 swapped_tokens=s.swapped_tokens, ttft_p50=s.ttft_p50, ttft_p99=s.ttft_p99,
+                                 tpot_p50=s.tpot_p50, tpot_p99=s.tpot_p99))
+    return rows
+
+
+def policy_table(rows: Sequence[dict]) -> str:
+    """The rows of :func:`compare_policies` as a fixed-width table."""
+    head = (f"{'workload':20s} {'pool':>10s} {'policy':>9s} {'steps':>5s} {'tok/step':>8s} {'running':>7s} "
+            f"{'unused':>6s} {'stops':>5s} {'recomp':>6s} {'swapped':>7s} {'TTFT p50/p99':>12s} {'TPOT p50/p99':>12s}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['workload']:20s} {r['pool'] + ' ' + str(r['pages']):>10s} {r['policy']:>9s} "
+                     f"{r['steps']:5d} {r['tokens_per_step']:8.2f} {r['mean_running']:7.1f} "
+                     f"{r['unused_pages']:6.1f} {r['stops']:5d} {r['recomputed_tokens']:6d} "
+                     f"{r['swapped_tokens']:7d} {r['ttft_p50']:5.0f} / {r['ttft_p99']:4.0f} "
+                     f"{r['tpot_p50']:5.2f} / {r['tpot_p99']:4.2f}")
+    return "\n".join(lines)

@@ -8,10 +8,12 @@ drive it (mini-sglang's order):
     ┌──────────────────────────────────────────────────────────────────────────────┐
     │ 1 arrivals      specs whose time has come join the waiting queue (FIFO)     │
     │ 2 aborts        clients that gave up: release_req (nothing cached)          │
-    │ 3 decode        every running request computes one token:                   │
+    │ 3 make room     the memory policy (kvlab.pressure, SimConfig.policy): while │
+    │                 the running requests' next tokens do not fit even after     │
+    │                 eviction, stop its victim (kvlab.sim.room; chapter 12)      │
+    │   decode        every running request computes one token:                   │
     │                 decode_step(batch) maps a page when one crosses a page      │
-    │                 boundary; short of pages even after eviction -> preempt the │
-    │                 youngest running request (release it, re-queue it first)   │
+    │                 boundary                                                    │
     │ 4 prefill       admit waiting requests while a row, the token budget and    │
     │                 memory allow: admit = match_req + lock + map the hit;       │
     │                 prefill(batch) maps their pages; complete_step then puts    │
@@ -26,7 +28,9 @@ Out of pages: a *waiting* request waits (it is not admitted until memory allows)
 *running* request that needs a page preempts the youngest running request, which goes
 back to the front of the queue with everything it generated so far -- its prompt pages
 stay in the prefix cache (unlocked), so its re-prefill is mostly a cache hit, unless
-they were evicted meanwhile. The token budget bounds prefill tokens per step, but the
+they were evicted meanwhile. That is the default policy, :data:`kvlab.pressure.CHAPTER_07`;
+chapter 12 compares it with the engines' four (``SimConfig(policy="reserve")``,
+``"recompute"``, ``"retract"``, ``"swap"``), which also change what admission counts. The token budget bounds prefill tokens per step, but the
 first admitted request of a step always goes -- unless ``chunked_prefill`` is on: then a
 prompt gets ``min(budget left, tokens it still has to compute)`` tokens per step (mini-sglang's
 ``PrefillAdder``, ``scheduler/prefill.py``), keeps its row and its locked cache handle between
@@ -38,11 +42,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from ..args import check_page_size, div_ceil
 from ..cache_manager import CacheManager, ForwardBatch, Req
-from ..errors import IntegrityError, InvalidArgument
+from ..errors import IntegrityError
 from ..paging import new_page_table
 from .caches import counting_cache, free_page_ids
+from .checks import check_config, check_workload
+from .config import SimConfig
+from .room import SimRoom
 from .timeline import MemorySplit, RequestStats, StepRecord, Timeline
 from .workloads import RequestSpec, Workload
 
@@ -63,23 +69,6 @@ class SimIntegrityError(IntegrityError):
         return type(self), (self.step, self.rid, self.message, self.row)
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    """Knobs of a run. ``max_seq_len=None`` sizes the page table for the workload's longest request."""
-
-    page_size: int = 16
-    num_pages: int = 24
-    max_running: int = 4
-    prefill_budget: int = 128
-    max_seq_len: int | None = None
-    cache_after_prefill: bool = True     # cache_req(finished=False) right after prefill
-    chunked_prefill: bool = False        # cut prompts into chunks of the budget left in a step
-    remap_duplicates: bool = True        # False: the source design's stale row (caught by checks)
-    page_table_writer: str = "host"      # "host" scatter (no kernel launch: fast in the interpreter) or "triton"
-    max_steps: int = 5000
-    prefix_cache: str = "radix"          # or "hash" / "hash_uncached_first" (chapter 11; kvlab.sim.caches)
-
-
 @dataclass
 class _Live:
     spec: RequestSpec
@@ -89,6 +78,10 @@ class _Live:
     admit_order: int = -1
     done: bool = False
     prefilled: bool = False     # its whole prompt is computed: it decodes
+    max_new: int = 0            # the cap the scheduler knows (max_new_tokens)
+    arrived: int = 0            # arrival order
+    saved: int = 0              # positions it had computed when it was last stopped
+    host_pages: int = 0         # swapped out: host pages holding its K/V
 
 
 @dataclass
@@ -106,29 +99,20 @@ class _StepLog:
     evicted_tokens: int = 0
     regions: object | None = None
     regions_rid: int = -1
+    swapped_in: list[int] = field(default_factory=list)
+    resumed: list[int] = field(default_factory=list)
+    recomputed_tokens: int = 0
+    swap_out_tokens: int = 0
+    swap_in_tokens: int = 0
 
 
 class Simulator:
     """Runs a :class:`~kvlab.sim.workloads.Workload` step by step; :meth:`run` returns a Timeline."""
 
     def __init__(self, workload: Workload, config: SimConfig = SimConfig(), device=None):
-        P = check_page_size(config.page_size, "config.page_size")
-        if config.prefill_budget < 1:
-            raise InvalidArgument("config.prefill_budget", ">= 1 token", f"got {config.prefill_budget}")
-        max_seq_len = config.max_seq_len or workload.max_total_len
-        for r in workload.requests:
-            if len(r.prompt) < 1 or len(r.output) < 1:
-                raise InvalidArgument(f"workload request {r.rid}", "a prompt and an output of >= 1 token")
-            if r.total_len > max_seq_len:
-                raise InvalidArgument(f"workload request {r.rid}", f"prompt + output <= max_seq_len={max_seq_len}",
-                                      f"got {r.total_len}")
-            if div_ceil(r.total_len, P) > config.num_pages:
-                raise InvalidArgument(
-                    f"workload request {r.rid}", f"must fit in memory alone: div_ceil(len, P) <= num_pages={config.num_pages}",
-                    f"needs {div_ceil(r.total_len, P)} pages")
-        rids = [r.rid for r in workload.requests]
-        if sorted(rids) != list(range(len(rids))):
-            raise InvalidArgument("workload.requests", "rids 0..n-1, each once")
+        policy = check_config(config)             # every rule first (kvlab.sim.checks)
+        max_seq_len = check_workload(workload, config)
+        P = config.page_size
         self.workload = workload
         self.config = config
         self.page_table = new_page_table(config.max_running, max_seq_len, P, device)
@@ -144,21 +128,34 @@ class Simulator:
         self._finish_step: dict[int, int] = {}
         self._admits = 0
         self._last_regions: tuple = (None, -1, -1)   # (CacheRegions, rid, step) of the latest cache_req
+        self._arrivals_seen = 0
+        self.room = SimRoom(self, policy.start())
         self.timeline = Timeline(workload.name, P, config.num_pages, config.max_running,
-                                 prefix_cache=config.prefix_cache)
+                                 prefix_cache=config.prefix_cache, policy=policy.name)
         for r in workload.requests:
-            self.timeline.requests[r.rid] = RequestStats(r.rid, r.tag, len(r.prompt), len(r.output))
+            self.timeline.requests[r.rid] = RequestStats(
+                r.rid, r.tag, len(r.prompt), len(r.output),
+                max_new=len(r.output) if r.max_new_tokens is None else r.max_new_tokens)
 
     # --- helpers --------------------------------------------------------------------
 
     @property
     def done(self) -> bool:
-        return not (self._pending or self._waiting or self._running)
+        return not (self._pending or self._waiting or self._running or self.room.swapped)
 
     def _release(self, live: _Live) -> None:
         """Give a running request's pages back (nothing is cached) and free its row."""
         self.manager.release_req(live.req)
         self._free_row(live)
+
+    def _enter(self, live: _Live, req: Req) -> None:
+        """``live`` holds ``req``'s row now (admitted, or brought back from host memory)."""
+        self._free_rows.remove(req.table_idx)
+        live.req = req
+        live.admit_order = self._admits
+        self._admits += 1
+        self._running[live.spec.rid] = live
+        live.prefilled = False
 
     def _free_row(self, live: _Live) -> None:
         self._free_rows.append(live.req.table_idx)
@@ -185,7 +182,10 @@ class Simulator:
                 continue
             live.prefilled = True
             live.generated += 1
-            self.timeline.requests[live.spec.rid].generated = live.generated
+            stats = self.timeline.requests[live.spec.rid]
+            stats.generated = live.generated
+            if live.generated == 1:
+                stats.first_token_step = self.step_no
             if batch.phase == "decode":
                 log.decoded.append(live.spec.rid)
             if finished:
@@ -206,7 +206,10 @@ class Simulator:
                 done_at = self._finish_step.get(spec.after)
                 ready = done_at is not None and done_at + spec.arrival <= self.step_no
             if ready:
-                self._waiting.append(_Live(spec, list(spec.prompt)))
+                max_new = len(spec.output) if spec.max_new_tokens is None else spec.max_new_tokens
+                self._waiting.append(_Live(spec, list(spec.prompt), max_new=max_new,
+                                           arrived=self._arrivals_seen))
+                self._arrivals_seen += 1
                 self.timeline.requests[spec.rid].arrival_step = self.step_no
                 log.arrived.append(spec.rid)
             else:
@@ -224,17 +227,6 @@ class Simulator:
                 log.aborted.append(live.spec.rid)
 
     def _decode(self, log: _StepLog) -> None:
-        while self._running:
-            batch = [live.req for live in self._running.values() if live.prefilled]
-            if self.manager.pages_needed(batch) <= self.manager.available_pages:
-                break
-            youngest = max(self._running.values(), key=lambda live: live.admit_order)
-            live_ids = list(youngest.req.input_ids)
-            self._release(youngest)
-            youngest.input_ids = live_ids            # prompt + what it generated so far
-            self._waiting.appendleft(youngest)
-            self.timeline.requests[youngest.spec.rid].preemptions += 1
-            log.preempted.append(youngest.spec.rid)
         lives = [live for live in self._running.values() if live.prefilled]
         if lives:
             batch = self.manager.decode_step([live.req for live in lives])
@@ -246,9 +238,10 @@ class Simulator:
         remain = req.input_len - req.cached_len
         return min(budget, remain) if self.config.chunked_prefill else remain
 
-    def _prefill(self, log: _StepLog) -> None:
+    def _prefill(self, log: _StepLog, admit: bool = True) -> None:
         lives: list[_Live] = []
         budget = self.config.prefill_budget
+        room = self.room
         # prompts begun in an earlier step go first, on the row and handle they kept
         for live in [l for l in self._running.values() if not l.prefilled]:
             chunk = self._chunk(live.req, budget)
@@ -260,7 +253,11 @@ class Simulator:
                 break
             budget -= chunk
             lives.append(live)
-        while self._waiting and self._free_rows and (budget > 0 or not self.config.chunked_prefill):
+        # what the running requests are promised beyond what they map (decoders have run)
+        reserved = sum(room.promised(l, None if l in lives else l.req.cached_len)
+                       for l in self._running.values())
+        while (admit and self._waiting and self._free_rows
+               and (budget > 0 or not self.config.chunked_prefill)):
             live = self._waiting[0]
             req = Req(list(live.input_ids), self._free_rows[0], rid=live.spec.rid)
             self.manager.admit(req)                # match_req + lock + map the hit into the row
@@ -268,19 +265,18 @@ class Simulator:
             req.device_len = req.cached_len + chunk
             over_budget = bool(lives) and chunk > budget
             # admit() locked the hit, so evictable pages are counted after it
-            no_memory = (self.manager.pages_needed([l.req for l in lives] + [req])
-                         > self.manager.available_pages)
-            if over_budget or no_memory:
+            available = self.manager.available_pages
+            no_memory = self.manager.pages_needed([l.req for l in lives] + [req]) > available
+            live.req = req
+            need = room.promised(live, new=True)
+            if over_budget or no_memory or reserved + need > available:
+                live.req = None
                 self.manager.release_req(req)      # undo the admission: unlock, clear the row
                 break
+            reserved += need
             budget -= chunk
             self._waiting.popleft()
-            self._free_rows.pop(0)
-            live.req = req
-            live.admit_order = self._admits
-            self._admits += 1
-            self._running[live.spec.rid] = live
-            live.prefilled = False
+            self._enter(live, req)
             lives.append(live)
             log.admitted.append(live.spec.rid)
             log.hit_tokens += req.cached_len
@@ -288,6 +284,8 @@ class Simulator:
             stats = self.timeline.requests[live.spec.rid]
             if stats.first_admit_step < 0:
                 stats.first_admit_step, stats.hit_tokens = self.step_no, req.cached_len
+            if stats.preemptions:
+                room.readmitted(live, log)
         if lives:
             batch = self.manager.prefill([live.req for live in lives])  # admitted above: maps pages
             log.prefill_tokens += batch.num_tokens
@@ -349,7 +347,12 @@ class Simulator:
             row_rids=tuple(row_rids), free_pages=free_page_ids(self.manager),
             tree=self.cache.snapshot(), cache_evictable=info.evictable_size, cache_protected=info.protected_size,
             last_regions=self._last_regions[0], last_regions_rid=self._last_regions[1],
-            last_regions_step=self._last_regions[2])
+            last_regions_step=self._last_regions[2],
+            swapped_in=tuple(log.swapped_in), resumed=tuple(log.resumed),
+            swapped=tuple(l.spec.rid for l in self.room.swapped),
+            promised_pages=self.room.promised_pages(), recomputed_tokens=log.recomputed_tokens,
+            swap_out_tokens=log.swap_out_tokens, swap_in_tokens=log.swap_in_tokens,
+            host_pages=self.room.host_used, ratio=self.room.run.ratio)
 
     # --- driving ----------------------------------------------------------------------
 
@@ -359,8 +362,11 @@ class Simulator:
         evicted_before = self.cache.evicted_tokens
         self._arrivals(log)
         self._aborts(log)
+        admit = self.room.make_room(log)          # the memory policy (kvlab.sim.room)
         self._decode(log)
-        self._prefill(log)
+        self._prefill(log, admit)
+        if not (log.decoded or log.admitted or log.chunked or self._running):
+            self.room.run.on_idle()               # nothing ran: SGLang resets its ratio
         log.evicted_tokens = self.cache.evicted_tokens - evicted_before
         if log.regions is not None:
             self._last_regions = (log.regions, log.regions_rid, self.step_no)

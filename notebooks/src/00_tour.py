@@ -377,6 +377,7 @@ kvlab.check.hint("pages_needed", 1);
 # | 09 | [making it fast](09_making_it_fast.ipynb) | benchmarks, scalable kernels |
 # | 10 | [serve a real model](10_serve_a_real_model.ipynb) | `kvlab.hf.PagedGenerator`: a transformers model through `CacheManager` |
 # | 11 | [the hash-chained prefix cache](11_hash_prefix_cache.ipynb) | `HashPrefixCache` (vLLM's and nano-vllm's prefix cache), measured beside the radix tree |
+# | 12 | [when KV memory runs out](12_when_memory_runs_out.ipynb) | `kvlab.pressure`: reserve, recompute, retract, swap; measured side by side |
 #
 # Both source designs, mini-sglang's `CacheManager` and SGLang's `PagedTokenToKVPoolAllocator`,
 # are rebuilt, tested against plain-Python references, and cleared of the hazards they carry.
