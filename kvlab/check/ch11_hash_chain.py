@@ -259,11 +259,11 @@ def _match_cases(seed: int, n_random: int) -> list[Case]:
     return cases
 
 
-def _walk(cache, ids, *, parent_of=lambda h: h, go_on=False, last_full=True) -> list[int]:
+def _walk(cache, ids, *, parent_of=lambda h: h, go_on=False) -> list[int]:
     """The pages a walk finds: the right one, or a slip's (hashes without the chain, walks past
-    a miss, stops before a last page that is exactly full)."""
+    a miss)."""
     P, pages, parent = cache.page_size, [], None
-    for start in range(0, len(ids) - P + (1 if last_full else 0), P):
+    for start in range(0, len(ids) - P + 1, P):
         tokens = ids[start:start + P]
         h = chain_hash(parent, tokens)
         page = cache.lookup(h, tokens)
@@ -273,6 +273,14 @@ def _walk(cache, ids, *, parent_of=lambda h: h, go_on=False, last_full=True) -> 
             pages.append(page)
         parent = parent_of(h)
     return pages
+
+
+def _chained(ids, P: int, k: int):
+    """The chained hash of page ``k - 1`` of ``ids`` (None for k == 0): page k's parent."""
+    parent = None
+    for start in range(0, k * P, P):
+        parent = chain_hash(parent, ids[start:start + P])
+    return parent
 
 
 def _match_slips(cache, ids) -> dict:
@@ -285,8 +293,6 @@ def _match_slips(cache, ids) -> dict:
         "it walks past a page that was not cached: a page counts only if every page before it "
         "matched (its hash is chained from theirs), so the first miss ends the walk":
             lambda: answer(_walk(cache, ids, go_on=True)),
-        "it stops before a last page that is exactly full: the full pages start at 0, P, 2P, ... "
-        "while start + P <= len(input_ids)": lambda: answer(_walk(cache, ids, last_full=False)),
         "these are the positions 0, 1, 2, ...: a slot is found through the page that holds it, "
         f"page * P + i, and the matched pages here are {right}":
             lambda: (len(right), list(range(len(right) * P))),
@@ -326,7 +332,13 @@ def hash_match(fn, *, seed: int = 0, n_random: int = 10) -> int:
         if (n, slots) == expected:
             return
         twin, _, _ = build_pool(P, a["pages"], a["script"], a["seed"])
-        why = recognised((n, slots), _match_slips(twin, list(a["query"])), lambda x, y: x == y)
+        early = [lambda j=j: (j, expected[1][:j * P]) for j in range(expected[0])]  # any wrong hash
+        why = recognised((n, slots), _match_slips(twin, list(a["query"])), lambda x, y: x == y, early)
+        if 0 <= n < expected[0]:
+            tokens = list(a["query"][n * P:(n + 1) * P])
+            why += (f"\n  page {n} ({fmt_values(tokens, 8)}) is cached, as page {pages[n]}: "
+                    f"cache.lookup(h, tokens) finds it with h the chained hash of every token up to "
+                    f"its end, {short(chain_hash(_chained(a['query'], P, n), tokens))}")
         if n != expected[0]:
             raise CheckFailed(f"[{case.name}] matched pages: expected {expected[0]}, got {n}{why}{where}",
                               case=case.name, expected=expected[0], got=n)

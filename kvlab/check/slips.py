@@ -7,13 +7,14 @@ prediction, tested against the whole answer on this very input::
     for each known slip:  make() -> the whole answer that slip gives here
     exactly one slip gives the learner's answer      -> "looks like <that slip>"
     none does, or two or more do (the input cannot  -> nothing: the message says what
-    tell them apart)                                    differs, not why
+    tell them apart), or an answer that many slips      differs, not why
+    give does (``also``: a walk that stopped early)
 
 A slip that raises on this input gives no answer and fits nothing.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -21,10 +22,13 @@ SAY = "\n  looks like "
 
 
 def recognised(got: Any, slips: dict[str, Callable[[], Any]],
-               same: Callable[[Any, Any], bool]) -> str:
-    """``"\\n  looks like <slip>"`` when exactly one of ``slips`` gives ``got``, else ``""``."""
+               same: Callable[[Any, Any], bool], also: Sequence[Callable[[], Any]] = ()) -> str:
+    """``"\\n  looks like <slip>"`` when exactly one of ``slips`` gives ``got``, else ``""``.
+
+    ``also``: answers that slips without a name give (any mistake that ends a walk at page j):
+    one of them fitting too makes the named slip only one explanation among many."""
     fits = []
-    for message, make in slips.items():
+    for message, make in [*slips.items(), *((None, m) for m in also)]:
         try:
             answer = make()
         except Exception:  # noqa: BLE001 - a wrong variant may not even run on this input
@@ -34,7 +38,7 @@ def recognised(got: Any, slips: dict[str, Callable[[], Any]],
                 fits.append(message)
         except Exception:  # noqa: BLE001 - an answer of another shape fits nothing
             continue
-    return SAY + fits[0] if len(fits) == 1 else ""
+    return SAY + fits[0] if len(fits) == 1 and fits[0] is not None else ""
 
 
 def close(atol: float) -> Callable[[Any, Any], bool]:
