@@ -57,9 +57,9 @@ print("device:", device, "| pinned host memory available:", kvlab.runtime.can_pi
 # (`num_pages + 1` pages) and fills the dummy row with that page's first slot, so every padded
 # request reads and writes only the dummy page.
 #
-# **Departure:** kvlab keeps the spare row but has no dummy page and leaves the dummy row at
-# `-1`: nothing in this course replays CUDA graphs, and an unmapped row makes any use of it
-# visible.
+# **Departure:** kvlab's page table keeps the spare row but leaves it at `-1`: nothing before
+# chapter 10 replays CUDA graphs, and an unmapped row makes any use of it visible. Chapter 10's
+# `PagedGenerator`, which does replay them, adds the dummy page and maps the row to it.
 
 # %%
 cuda_graph_max_bs = 160

@@ -529,7 +529,9 @@ assert alloc.state().equals(before)
 # counts too. While part 1 is still the starter (`num_part1 = 0`), every part-2 slot of a
 # request with an unaligned prefix lands in the wrong place, however right part 2 is; and part 3
 # needs both counts before it. For `ret_values`, the last program is the one with
-# `pid == tl.num_programs(0) - 1` (chapter 01's first primer).
+# `pid == tl.num_programs(0) - 1` (chapter 01's first primer). The cell checks the parts in
+# that order, and a part that fails ends the cell: the parts after it are checked when you run
+# the cell again once it passes (its failure says so, and so does the chapter's last cell).
 #
 # A checker compares only its own part's slots with the reference (a slot you have not written
 # yet shows as `-1`, another part's position as `·`) and on a mistake names the case, the request

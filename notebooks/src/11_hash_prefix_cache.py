@@ -369,6 +369,38 @@ for name in COMPARED:
 print("ample pools: the three caches agree step by step on every workload")
 
 # %% [markdown]
+# **Random prompts: hits only when memory is short.** No two of the random prompts begin with
+# the same page, so none can reuse another's. Yet in the tight and half pools every cache takes
+# a few prompt tokens from the cache (the `hit tok` column), and in the ample pool none. Those
+# hits are a request's *own* pages: a request [preempted](glossary.md#preemption) to make room
+# goes back to the queue, but the prompt pages its prefill computed stay cached (its
+# `cache_req(finished=False)` inserted them), and when it is admitted again it finds them. An
+# ample pool never preempts, so no request is admitted twice, and there is nothing to hit. Step
+# by step: every step with hits admits a request that was preempted before (or in that same
+# step, to be admitted again at once), and hits at most the whole pages of those requests'
+# prompts.
+
+# %%
+prompt_of = {r.rid: r.prompt for r in make_workload("random_prompts", seed=0).requests}
+firsts = [tuple(p[:P4]) for p in prompt_of.values()]
+assert len(set(firsts)) == len(firsts), "two random prompts begin with the same page"
+for pool in ("tight", "half", "ample"):
+    rand = make_workload("random_prompts", seed=0)
+    run = Simulator(rand, SimConfig(num_pages=pool_sizes(rand, P4)[pool], page_size=P4)).run()
+    preempted, hits = set(), 0
+    for s in run.steps:
+        preempted |= set(s.preempted)
+        if s.hit_tokens:
+            back = [rid for rid in s.admitted if rid in preempted]
+            most = sum(len(prompt_of[rid]) // P4 * P4 for rid in back)  # their whole prompt pages
+            assert 0 < s.hit_tokens <= most, (f"{pool} pool, step {s.step}: {s.hit_tokens} hit tokens, "
+                                              f"re-admitted after a preemption: {back}")
+            hits += s.hit_tokens
+    print(f"random prompts, {pool:5s} pool: {len(preempted)} requests preempted, {hits} hit tokens, "
+          "every one on a re-admitted request's own pages")
+    assert (hits > 0) == (pool != "ample") and (len(preempted) > 0) == (pool != "ample"), (pool, hits, preempted)
+
+# %% [markdown]
 # **Eviction granularity.** The radix tree evicts a *whole leaf*, however many pages it holds
 # and however few the allocation needs (chapter 05: `evict(1)` freed four tokens). The hash
 # cache hands out exactly the pages an allocation takes, one at a time from the queue. The
@@ -614,13 +646,15 @@ kvlab.check.free_pages(my_free_pages);
 # Your four functions against the ones [lifted](glossary.md#lift) into the package, on random
 # prompts with shared beginnings: `kvlab.page_hashes` and `HashPrefixCache.match` / `allocate` /
 # `free` on a twin cache, the same answers and the same state after every call. Until an exercise
-# passes its checker, this cell uses the reference solution in its place (and says so).
+# passes its checker, this cell uses the package's function in its place (`hash_match` has none
+# of that shape: its reference solution), and says so. Your `allocate_pages` may return its
+# pages as a list or a tuple (the checker takes both): the cell compares them as a tuple.
 
 # %%
-hashes_fn = kvlab.check.choose("page_hashes", my_page_hashes, kvlab.solutions.get("page_hashes"))
+hashes_fn = kvlab.check.choose("page_hashes", my_page_hashes, kvlab.page_hashes)
 match_fn = kvlab.check.choose("hash_match", my_hash_match, kvlab.solutions.get("hash_match"))
-allocate_fn = kvlab.check.choose("allocate_pages", my_allocate_pages, kvlab.solutions.get("allocate_pages"))
-free_fn = kvlab.check.choose("free_pages", my_free_pages, kvlab.solutions.get("free_pages"))
+allocate_fn = kvlab.check.choose("allocate_pages", my_allocate_pages, HashPrefixCache.allocate)
+free_fn = kvlab.check.choose("free_pages", my_free_pages, HashPrefixCache.free)
 
 rng = random.Random(11)
 for page_size in (1, 2, 4):
@@ -629,19 +663,26 @@ for page_size in (1, 2, 4):
     live = []
     for _ in range(30):
         ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [rng.randrange(3)]
-        assert hashes_fn(ids, page_size) == page_hashes(ids, page_size)
+        said = f"page_size {page_size}, prompt {ids}"
+        assert hashes_fn(ids, page_size) == page_hashes(ids, page_size), f"{said}: page hashes differ"
         n, slots = match_fn(mine, ids)
-        assert n == len(theirs.match(ids).pages) and slots == theirs.match(ids).get_matched_indices().tolist()
+        want = theirs.match(ids)
+        assert (n, slots) == (len(want.pages), want.get_matched_indices().tolist()), (
+            f"{said}: your match ({n}, {slots}), the package's ({len(want.pages)}, {want.get_matched_indices().tolist()})")
         if live and (rng.random() < 0.5 or theirs.pages_needed(ids) > len(theirs.free_queue)):
             pages = live.pop(rng.randrange(len(live)))
             free_fn(mine, list(pages))
             theirs.free(pages)
         elif theirs.pages_needed(ids) <= len(theirs.free_queue):
             pages, cached_len = allocate_fn(mine, ids)
-            assert (tuple(pages), cached_len) == tuple(theirs.allocate(ids))
+            done = theirs.allocate(ids)
+            assert (tuple(pages), cached_len) == (done.pages, done.cached_len), (
+                f"{said}: you allocated {tuple(pages)} with {cached_len} cached, the package {done.pages} with {done.cached_len}")
             live.append(tuple(pages))
-        assert mine.ref_count == theirs.ref_count and list(mine.free_queue) == list(theirs.free_queue)
-        assert mine.hash_to_page == theirs.hash_to_page
+        assert mine.ref_count == theirs.ref_count, f"{said}: ref_count {mine.ref_count}, the package's {theirs.ref_count}"
+        assert list(mine.free_queue) == list(theirs.free_queue), (
+            f"{said}: free queue {list(mine.free_queue)}, the package's {list(theirs.free_queue)}")
+        assert mine.hash_to_page == theirs.hash_to_page, f"{said}: hash_to_page differs from the package's"
         mine.check_integrity()
 print("page_hashes, hash_match, allocate_pages and free_pages agree with kvlab")
 
