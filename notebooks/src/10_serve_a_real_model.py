@@ -269,7 +269,8 @@ def compare_with_generate(i, prompt, tokens, logits=None):
 
 worst = max(compare_with_generate(i, p, new_tokens[i], gen.logits[i]) for i, p in enumerate(prompts))
 assert worst <= LOGIT_ATOL, worst
-assert gen.stats["prefill_cached"] >= 2 * (len(system) // PAGE_SIZE * PAGE_SIZE)
+assert gen.stats["prefill_cached"] >= 2 * (len(system) // PAGE_SIZE * PAGE_SIZE), (
+    f"{gen.stats['prefill_cached']} prompt tokens from the cache: prompts 1 and 2 should find the system prompt")
 print(f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit difference {worst:.1e}")
 
 # %% [markdown]
@@ -314,10 +315,12 @@ computed_without_cache = sum(len(p) for p in turn_prompts)
 computed_with_cache = sum(s["prefill_computed"] for s in turn_stats)
 print(f"prompt tokens computed over {len(users)} turns: {computed_with_cache} with the prefix cache, "
       f"{computed_without_cache} without")
-assert computed_with_cache < computed_without_cache
+assert computed_with_cache < computed_without_cache, (
+    f"computed {computed_with_cache} tokens with the cache, {computed_without_cache} without")
 for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
     # the previous turn's prompt and answer, whole pages (the answer's last token has no K/V yet)
-    assert s["prefill_cached"] >= (len(p) + len(a) - 1) // PAGE_SIZE * PAGE_SIZE
+    assert s["prefill_cached"] >= (len(p) + len(a) - 1) // PAGE_SIZE * PAGE_SIZE, (
+        f"a turn took {s['prefill_cached']} tokens from the cache: the previous turn's whole pages are more")
 
 # %% [markdown]
 # ## Picture: per turn, computed vs cached; and the page table
@@ -339,7 +342,8 @@ fig.tight_layout()
 plt.show()
 for t in range(1, len(photos)):   # what an earlier turn mapped, a later turn maps to the same slots
     n = min(turn_stats[t]["prefill_cached"], len(turn_prompts[t - 1]))
-    assert torch.equal(photos[t][:n], photos[t - 1][:n])
+    assert torch.equal(photos[t][:n], photos[t - 1][:n]), (
+        f"turn {t + 1} maps the first {n} positions to other slots than turn {t}")
 
 # %% [markdown]
 # ## Side by side with transformers' `generate`
@@ -495,7 +499,8 @@ for pages in (10, 256):
     g.generate(six, max_new_tokens=4)
     print(f"{pages:3d} pages of {PAGE_SIZE}: at most {g.stats['most_running']} requests ran at once, "
           f"{g.stats['steps']} steps")
-    assert g.stats["most_running"] == min(6, pages // 3)
+    assert g.stats["most_running"] == min(6, pages // 3), (
+        f"{pages} pages: {g.stats['most_running']} requests at once, expected {min(6, pages // 3)}")
 
 # %% [markdown]
 # ### Step 2: chunked prefill
@@ -528,8 +533,10 @@ plt.show()
 for name, tl in runs.items():
     print(f"{name:21s} largest step: {max(s.prefill_tokens for s in tl.steps)} prompt tokens; "
           f"chunks: {[s.chunked for s in tl.steps if s.chunked]}")
-assert max(s.prefill_tokens for s in runs["chunks of the budget"].steps) <= 16
-assert max(s.prefill_tokens for s in runs["whole prompts"].steps) == 60
+assert max(s.prefill_tokens for s in runs["chunks of the budget"].steps) <= 16, (
+    "a chunked step computed more prompt tokens than the budget of 16")
+assert max(s.prefill_tokens for s in runs["whole prompts"].steps) == 60, (
+    "whole prompts: the long prompt should take one step of 60 tokens")
 
 # %% [markdown]
 # Whole prompts: the long prompt takes one step of 60 tokens, and the three running requests

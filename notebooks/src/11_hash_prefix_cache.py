@@ -98,9 +98,12 @@ plt.show()
 A, B = [1, 2, 3, 4], [9, 9, 3, 4]
 print("chained:     ", [short(h) for h in page_hashes(A, 2)], [short(h) for h in page_hashes(B, 2)])
 print("page alone:  ", short(chain_hash(None, [3, 4])), "for both: page 1 would be shared by mistake")
-assert page_hashes(A, 2)[1] != page_hashes(B, 2)[1]
-assert page_hashes(A, 2)[1] == chain_hash(chain_hash(None, [1, 2]), [3, 4])
-assert page_hashes([1, 2, 3, 4, 5], 2) == page_hashes(A, 2)  # the partial page [5] has no hash
+assert page_hashes(A, 2)[1] != page_hashes(B, 2)[1], (
+    "page 1 of A and of B hold the same tokens after other first pages: their hashes must differ")
+assert page_hashes(A, 2)[1] == chain_hash(chain_hash(None, [1, 2]), [3, 4]), (
+    "page 1's hash should chain from page 0's")
+assert page_hashes([1, 2, 3, 4, 5], 2) == page_hashes(A, 2), (  # the partial page [5] has no hash
+    "the partial page [5] should get no hash")
 
 # %% [markdown]
 # ## Build-up 2: match by walking the chain
@@ -124,9 +127,12 @@ a = cache.allocate([1, 2, 3, 4, 5])  # two full pages (cached) and a partial one
 print("A:", a, "| hash_to_page:", {short(h): p for h, p in cache.hash_to_page.items()})
 for prompt in ([1, 2, 3, 4, 9, 9], [1, 2, 3, 9], [1, 2, 3], [7, 2, 3, 4]):
     print(f"match {prompt}: {cache.match(prompt).cached_len} tokens on pages {list(cache.match(prompt).pages)}")
-assert cache.match([1, 2, 3, 4, 9, 9]).cached_len == 4 and cache.match([1, 2, 3]).cached_len == 2
-assert cache.match([7, 2, 3, 4]).cached_len == 0  # [3 4] is cached only after [1 2]
-assert cache.page_hash[a.pages[2]] is None  # the partial page [5]: no hash, never shared
+assert cache.match([1, 2, 3, 4, 9, 9]).cached_len == 4 and cache.match([1, 2, 3]).cached_len == 2, (
+    "[1 2 3 4 9 9] should match 4 tokens and [1 2 3] 2")
+assert cache.match([7, 2, 3, 4]).cached_len == 0, (  # [3 4] is cached only after [1 2]
+    "[3 4] is cached only after [1 2]: [7 2 3 4] matches nothing")
+assert cache.page_hash[a.pages[2]] is None, (  # the partial page [5]: no hash, never shared
+    "the partial page [5] should have no hash")
 
 # %% [markdown]
 # ## Build-up 3: reference counts instead of locks
@@ -143,13 +149,16 @@ assert cache.page_hash[a.pages[2]] is None  # the partial page [5]: no hash, nev
 # %%
 b = cache.allocate([1, 2, 3, 4, 6, 6, 6])
 print("B:", b, "| ref counts", cache.ref_count)
-assert b.cached_len == 4 and cache.ref_count[0] == cache.ref_count[1] == 2
+assert b.cached_len == 4 and cache.ref_count[0] == cache.ref_count[1] == 2, (
+    f"B hit {b.cached_len} tokens; ref counts {cache.ref_count}")
 cache.free(a.pages)
 print("A done: ref counts", cache.ref_count, "free queue", list(cache.free_queue))
 cache.free(b.pages)
 print("B done: ref counts", cache.ref_count, "free queue", list(cache.free_queue))
-assert list(cache.free_queue)[-2:] == [1, 0]  # the system prompt's pages queue last: used last
-assert cache.match([1, 2, 3, 4, 6, 6, 6]).cached_len == 6  # freed, and still findable
+assert list(cache.free_queue)[-2:] == [1, 0], (  # the system prompt's pages queue last: used last
+    f"free queue {list(cache.free_queue)}: the system prompt's pages should queue last")
+assert cache.match([1, 2, 3, 4, 6, 6, 6]).cached_len == 6, (  # freed, and still findable
+    "a freed prompt should still be found")
 cache.check_integrity()
 
 # %% [markdown]
@@ -207,7 +216,8 @@ for uncached_first in (False, True):
     q = HashPrefixCache(6, 2, device="cpu", uncached_first=uncached_first)
     q.free(q.allocate([1, 2, 3, 4, 5]).pages)  # pages 0, 1 cached; page 2 holds the partial [5]
     print(f"uncached_first={uncached_first}: free queue {list(q.free_queue)} (head first)")
-    assert list(q.free_queue).index(2) == (0 if uncached_first else 3)
+    assert list(q.free_queue).index(2) == (0 if uncached_first else 3), (
+        f"uncached_first={uncached_first}: the partial page sits at {list(q.free_queue).index(2)} in {list(q.free_queue)}")
 
 # %% [markdown]
 # ## Build-up 5: the partial last page
@@ -226,8 +236,10 @@ for token in (4, 5, 6):
     ids.append(token)
     pages = dec.append_token(pages, ids)
     print(f"after {token}: pages {list(pages)}, last page's hash {short(dec.page_hash[pages[-1]])}")
-assert pages == (0, 1, 2) and dec.page_hash[2] == page_hashes(ids, 2)[2]
-assert dec.match(ids + [9]).cached_len == 6  # the decoded pages are shared like prompt pages
+assert pages == (0, 1, 2) and dec.page_hash[2] == page_hashes(ids, 2)[2], (
+    f"pages {pages}, page 2's hash {short(dec.page_hash[2])}")
+assert dec.match(ids + [9]).cached_len == 6, (  # the decoded pages are shared like prompt pages
+    "the decoded pages should be found like prompt pages")
 
 # %% [markdown]
 # **When** a page is cached differs between the engines. nano-vllm registers a page's hash when it
@@ -265,7 +277,8 @@ for page_size in (1, 2, 4):
                 if pool.pages_needed(ids) > len(pool.free_queue):
                     continue
                 got = pool.allocate(ids)
-                assert got == tuple(ref.allocate(ids))
+                assert got == tuple(ref.allocate(ids)), (
+                    f"step {step}: allocate gave {got}, the oracle {tuple(ref.allocate(ids))}")
                 live[step] = (ids, got.pages)
             elif op < 0.7:
                 sid = rng.choice(sorted(live))
@@ -273,15 +286,18 @@ for page_size in (1, 2, 4):
                 if len(old) < -(-len(ids) // page_size) and not pool.free_queue:
                     continue
                 new = pool.append_token(old, ids)
-                assert new == ref.append_token(old, ids)
+                assert new == ref.append_token(old, ids), (
+                    f"step {step}: append_token gave {new}, the oracle another")
                 live[sid] = (ids, new)
             else:
                 sid = rng.choice(sorted(live))
                 pool.free(live[sid][1])
                 ref.free(live.pop(sid)[1])
-            assert pool.ref_count == ref.refs and list(pool.free_queue) == ref.queue
+            assert pool.ref_count == ref.refs and list(pool.free_queue) == ref.queue, (
+                f"step {step}: counts {pool.ref_count} vs {ref.refs}, queue {list(pool.free_queue)} vs {ref.queue}")
             assert {p: h for h, p in pool.hash_to_page.items()} == {
-                p: page_hashes(list(key), page_size)[-1] for key, p in ref.page_of.items()}
+                p: page_hashes(list(key), page_size)[-1] for key, p in ref.page_of.items()}, (
+                f"step {step}: the cached pages differ from the oracle's")
             pool.check_integrity()
         print(f"page_size {page_size}, uncached_first={uncached_first}: 60 steps agree "
               f"({pool.evicted_pages} evictions, {len(pool.hash_to_page)} pages cached at the end)")
@@ -312,8 +328,10 @@ for row, prompt in enumerate(prompts):
 cm.check_integrity()
 page_table_heatmap(cm.page_table[:4, :20], P4, title="shared pages across rows (hash cache)")
 plt.show()
-assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8])  # system_a's 2 whole pages
-assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 5]: 2 pages
+assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8]), (  # system_a's 2 whole pages
+    "rows 0 and 2 should share system_a's two pages")
+assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (  # system_b + [4 5]: 2 pages
+    "rows 1 and 3 should share two pages")
 
 # %% [markdown]
 # ## Side by side, measured
@@ -364,8 +382,9 @@ plt.show()
 by = {(r.workload, r.pool, r.cache): r for r in rows}
 for name in COMPARED:
     ample = [by[(name, "ample", c)] for c in ("radix", "hash", "hash_uncached_first")]
-    assert all(r.diverged_at is None for r in ample[1:]) and len({r.hit_tokens for r in ample}) == 1
-    assert all(r.evicted_tokens == 0 for r in ample)
+    assert all(r.diverged_at is None for r in ample[1:]) and len({r.hit_tokens for r in ample}) == 1, (
+        f"{name}, ample pool: the caches part or hit differently")
+    assert all(r.evicted_tokens == 0 for r in ample), f"{name}, ample pool: something was evicted"
 print("ample pools: the three caches agree step by step on every workload")
 
 # %% [markdown]
@@ -411,12 +430,15 @@ for pool in ("tight", "half", "ample"):
 
 # %%
 pressured = [r for r in rows if r.pool != "ample"]
-assert all(r.over_evicted == 0 for r in pressured if r.cache != "radix")
-assert any(r.over_evicted > 0 for r in pressured if r.cache == "radix")
+assert all(r.over_evicted == 0 for r in pressured if r.cache != "radix"), (
+    "a hash run evicted tokens no allocation asked for")
+assert any(r.over_evicted > 0 for r in pressured if r.cache == "radix"), (
+    "no radix run evicted more than asked for")
 mixed_tight = {c: by[("mixed", "tight", c)] for c in ("radix", "hash", "hash_uncached_first")}
 for pool in ("tight", "half"):
     assert min(by[("mixed", pool, c)].hit_tokens for c in ("hash", "hash_uncached_first")) > by[
-        ("mixed", pool, "radix")].hit_tokens
+        ("mixed", pool, "radix")].hit_tokens, (
+        f"{pool} pool of the mixed workload: the hash caches hit no more than the tree")
 for c, r in mixed_tight.items():
     print(f"mixed, tight pool, {c:20s}: {r.hit_tokens} hit tokens, {r.evicted_tokens} evicted, "
           f"{r.over_evicted} of them beyond what allocations asked for")
@@ -447,8 +469,10 @@ sim.cache.take_free = counting_take_free
 sim.run()
 print(f"{len(hasty)} cached pages handed out while a page without a hash waited behind them: {hasty}")
 half = {c: by[("multi_turn_chat", "half", c)] for c in ("radix", "hash", "hash_uncached_first")}
-assert hasty and half["hash_uncached_first"].diverged_at is None
-assert half["hash"].hit_tokens < half["radix"].hit_tokens == half["hash_uncached_first"].hit_tokens
+assert hasty and half["hash_uncached_first"].diverged_at is None, (
+    f"handed out while an uncached page waited: {hasty}; uncached-first parts at {half['hash_uncached_first'].diverged_at}")
+assert half["hash"].hit_tokens < half["radix"].hit_tokens == half["hash_uncached_first"].hit_tokens, (
+    f"hit tokens: {({c: r.hit_tokens for c, r in half.items()})}")
 
 # %% [markdown]
 # The order of cached pages differs too: the radix tree orders whole leaves by the last match
