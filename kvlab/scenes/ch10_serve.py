@@ -252,7 +252,7 @@ def prefill_per_step(timelines: dict, budget: int, ax=None):
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3.2))
+        _, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 3.2))
     width = 0.8 / len(timelines)
     colors = ["#fd8d3c", "#2e7d32", "#5b7fbf"]
     for j, (name, tl) in enumerate(timelines.items()):

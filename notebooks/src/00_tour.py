@@ -332,7 +332,7 @@ assert not torch.equal(shared[3, :8], shared[0, :8]), (
 rows, cols, P = 64, 4096, 16
 big, big_lengths = first_page_table(n_requests=rows - 1, max_seq_len=cols, page_size=P, seed=1)
 ax = page_table_heatmap(big, P, max_cells=512, title=f"{rows} request slots x {cols} positions")
-ax.figure.set_size_inches(10, 6)
+ax.figure.set_size_inches(8.4, 6)
 plt.show()
 
 # %% [markdown]

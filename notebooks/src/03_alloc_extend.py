@@ -422,7 +422,7 @@ seq_r = [p + rng.randint(0, 40) for p in pre_r]
 free_r = list(range(24))
 rng.shuffle(free_r)
 pic_r = prefill_then_extend(pre_r, seq_r, 16, free_r)
-fig, ax = plt.subplots(figsize=(9.6, 2.8))
+fig, ax = plt.subplots(figsize=(8.4, 2.8))
 draw_logical(pic_r, ax, names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)],
              title="logical view: row = request (pre -> seq), column = token position (page_size 16)")
 fig.tight_layout()

@@ -412,7 +412,7 @@ assert engine.manager.running == [], f"still running: {engine.manager.running}"
 # of its own.
 
 # %%
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1]))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1]))
 cols = max(len(p) for p in second) + NEW_TOKENS
 cols = -(-cols // 4) * 4
 page_table_heatmap(photos["prefill"][:N_REQ].cpu(), 4, cols=slice(0, cols), ax=ax1, colorbar=False,

@@ -250,7 +250,7 @@ assert bool(((rows % P) == (torch.arange(rows.shape[1]) % P))[mapped].all()), (
     "a position is not at its offset t % P")
 for r_, name in enumerate("AB"):
     print(f"{name}'s row, page by page:", (rows[r_, : int(seq[r_])][::P] // P).tolist())
-fig, ax = plt.subplots(figsize=(11, 1.8))
+fig, ax = plt.subplots(figsize=(8.4, 1.8))
 kvlab.viz.page_table_heatmap(rows, P, ax=ax, row_label="request (A, B)",
                              title="the worked example written into a page table: prefix pages, then out_indices")
 plt.show()

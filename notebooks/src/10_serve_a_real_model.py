@@ -333,7 +333,7 @@ for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
 # (the assert below compares the rows slot by slot) and adds pages of its own at the end.
 
 # %%
-fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9.6, 6.6), gridspec_kw=dict(height_ratios=[1, 1]))
+fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8.4, 6.6), gridspec_kw=dict(height_ratios=[1, 1]))
 conversation_bars(turn_stats, ax1)
 conversation_rows(photos, [len(p) for p in turn_prompts], [s["prefill_cached"] for s in turn_stats],
                   PAGE_SIZE, ax=ax2)
