@@ -387,3 +387,26 @@ def _solution_only_code(path: Path) -> list[str]:
         if current is not None:
             current.append(line)
     return ["\n".join(c) for c in out]
+
+
+def test_chapter_10_explains_before_it_shows_and_speaks_of_batch_entries():
+    text, words = chapter("10").read_text(), prose(chapter("10"))
+    for term in ("chunked-prefill", "cuda-graph", "dummy-row", "token-budget"):
+        assert f"](glossary.md#{term})" in words, f"chapter 10 does not link {term}"
+    exercise = text.index("def my_paged_attention_step")
+    assert 0 <= text.find("paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens") < exercise
+    first_print = text.index("on_step=lambda step: print(step)")
+    for name in ("`padded_to`", "`graph_steps`"):
+        assert 0 <= text.find(name) < first_print, f"{name} is printed before it is explained"
+    # a lane is Triton's (a block element, chapter 01); a decode batch has entries
+    assert not re.search(r"\blanes?\b", text, flags=re.I)
+    dummy = glossary_anchors()["dummy-row"]
+    assert "maps the" in dummy and "dummy page" in dummy and "kvlab keeps it unmapped" not in dummy
+
+
+def test_chapter_11_explains_the_random_prompts_hits_and_checks_it():
+    text = chapter("11").read_text()
+    said = text.index("**Random prompts: hits only when memory is short.**")
+    cell = text[said:text.index("# %% [markdown]", said + 10)]
+    assert "preempted" in cell and ("re-admitted" in cell or "admitted again" in cell)
+    assert "assert (hits > 0) == (pool != \"ample\")" in cell

@@ -2,6 +2,8 @@
 the saved result (``res["serve"]``), so they read the same on a laptop as on the GPU."""
 from __future__ import annotations
 
+from ..viz.legibility import MAX_WIDTH_IN
+
 #: path -> what the report calls it
 SERVE_LABELS = {"generate": "transformers `generate` (one left-padded batch)",
                 "generate_batch": "transformers `generate_batch` (continuous batching, paged cache)",
@@ -72,8 +74,6 @@ def plot_serve(res: dict):
     One column, :data:`kvlab.viz.legibility.MAX_WIDTH_IN` wide: the panels are stacked and the
     step panel's legend sits above its plot, where it covers no bar and no line."""
     import matplotlib.pyplot as plt
-
-    from ..viz.legibility import MAX_WIDTH_IN
 
     s = res["serve"]
     names = [n for n, e in s["paths"].items() if e.get("tokens_per_s")]
