@@ -43,7 +43,7 @@ print("device:", device)
 
 # %%
 history = example_history()
-fig, axes = plt.subplots(len(history), 1, figsize=(8.4, 1.5 * len(history) + 0.6), sharex=True)
+fig, axes = plt.subplots(len(history), 1, figsize=(8.0, 1.5 * len(history) + 0.6), sharex=True)
 draw_decode_steps(history, 4, axes)
 fig.tight_layout()
 plt.show()
@@ -239,7 +239,7 @@ for r, row_slots in enumerate(owned):  # position t at offset t % P; one physica
 
 # %%
 hist = decode_steps([2, 4, 7, 1], 8, 4, random.Random(5).sample(range(24), 24))
-fig, axes = plt.subplots(len(hist), 1, figsize=(8.4, 1.3 * len(hist) + 0.6), sharex=True)
+fig, axes = plt.subplots(len(hist), 1, figsize=(8.0, 1.3 * len(hist) + 0.6), sharex=True)
 draw_decode_steps(hist, 4, axes)
 fig.tight_layout()
 plt.show()
@@ -256,8 +256,9 @@ import ipywidgets as widgets
 
 
 def show_step(step=1):
-    fig, ax = plt.subplots(figsize=(8.4, 1.9))
+    fig, ax = plt.subplots(figsize=(8.0, 1.9))
     draw_decode_steps([hist[step - 1]], 4, [ax], first_step=step)
+    fig.tight_layout()
     plt.show()
 
 
