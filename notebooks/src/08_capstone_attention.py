@@ -416,7 +416,7 @@ fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.0), gridspec_kw=dict(width_
 cols = max(len(p) for p in second) + NEW_TOKENS
 cols = -(-cols // 4) * 4
 page_table_heatmap(photos["prefill"][:N_REQ].cpu(), 4, cols=slice(0, cols), ax=ax1, colorbar=False,
-                   title="batch 2 after prefill: three shared pages, then each request's own")
+                   title="batch 2 after prefill: three shared pages,\nthen each request's own")
 prefill_bars(contiguous, paged, ax2)
 fig.tight_layout()
 plt.show()
