@@ -536,8 +536,8 @@ else:
     raise AssertionError("a hash without its parent must be rejected")
 
 # %% [markdown]
-# **Exercise `page_hashes`.** Write `my_page_hashes(input_ids, page_size) -> list`: the chained
-# hash of every full page, with `chain_hash(parent, page_tokens)` (`parent=None` for the first).
+# **Exercise `page_hashes`.** Write `my_page_hashes(input_ids, page_size) -> list`: a list with the chained
+# hash (bytes) of every full page, with `chain_hash(parent, page_tokens)` (`parent=None` for the first).
 # `input_ids` is read-only. Hints: `kvlab.check.hint("page_hashes", 1)`; `kvlab.solutions.show("page_hashes")` prints a
 # reference solution.
 
@@ -563,8 +563,8 @@ kvlab.check.page_hashes(my_page_hashes);
 # %% [markdown]
 # **Exercise `hash_match`.** Write `my_hash_match(cache, input_ids) -> (num_pages, slots)`: walk
 # the prompt's full pages from the first, `h = chain_hash(parent, tokens)`, find the page with
-# `cache.lookup(h, tokens)`, stop at the first miss. Return how many pages matched and their
-# slots (`page * P + i`). The cache and `input_ids` are read-only: the checker compares every
+# `cache.lookup(h, tokens)`, stop at the first miss. Return how many pages matched (an int) and
+# their slots (a list of ints, `page * P + i`). The cache and `input_ids` are read-only: the checker compares every
 # page's reference count, hash and tokens, `hash_to_page`, the free queue's order and
 # `evicted_pages` after your call. Hints: `kvlab.check.hint("hash_match", 1)`.
 
@@ -598,7 +598,8 @@ kvlab.check.hash_match(my_hash_match);
 # hit, hash the next full page and `cache.lookup` it; a hit gets `cache.take_cached(page)`. After
 # the first miss every page is new: `cache.take_free()` (the head of the queue; a cached page
 # loses its hash there), and a new **full** page becomes findable with
-# `cache.cache_page(page, h, tokens, parent)`. The checker gives only prompts that fit, and
+# `cache.cache_page(page, h, tokens, parent)`. Return the pages as a list (or a tuple) of ints and
+# `cached_len` as an int. The checker gives only prompts that fit, and
 # `input_ids` is read-only. Afterwards the whole cache must be as the reference leaves it: every
 # page's reference count, hash, parent hash and tokens, `hash_to_page`, the free queue in order
 # and `evicted_pages`. Hints: `kvlab.check.hint("allocate_pages", 1)`.
