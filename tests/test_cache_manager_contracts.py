@@ -560,7 +560,7 @@ def _evicting_allocation(cache="radix"):
 
 #: a function to interrupt between any two of its lines while an allocation evicts
 EVICTIONS = {"radix": RadixPrefixCache.evict_leaves, "hash": HashPrefixCache.evict_leaves,
-             "hash, inside take_free": HashPrefixCache.take_free}
+             "hash, inside take_free": HashPrefixCache._take_free}
 
 
 @pytest.mark.parametrize("where", EVICTIONS)
