@@ -152,15 +152,12 @@ class RadixPrefixCache:
         Both halves keep the node's LRU stamp. ``node`` stays the lower half, so the handles
         and locks that point at it still cover exactly the same tokens."""
         assert 0 < pos < node.length and pos % self.page_size == 0
-        parent = node.parent
+        parent, P = node.parent, self.page_size
         upper = RadixNode(node.key[:pos], node.value[:pos], self._uid(), node.last_access)
-        upper.ref_count = node.ref_count  # every lock through node also runs through upper
-        del parent.children[node.key[:self.page_size]]
-        parent.children[upper.key[:self.page_size]] = upper
-        upper.parent = parent
-        node.key, node.value = node.key[pos:], node.value[pos:]
-        upper.children[node.key[:self.page_size]] = node
-        node.parent = upper
+        upper.ref_count, upper.parent = node.ref_count, parent  # every lock through node also runs through upper
+        upper.children[node.key[pos:pos + P]] = node
+        # one statement: the tree never shows half a split (upper keeps node's first page as its key)
+        parent.children[node.key[:P]], node.parent, node.key, node.value = upper, upper, node.key[pos:], node.value[pos:]
         return upper
 
     def _walk(self, ids: Sequence[int], *, touch: bool = True) -> tuple[RadixNode, int]:
@@ -227,8 +224,9 @@ class RadixPrefixCache:
             new_node = RadixNode(tuple(ids[prefix_len:]), new_value.clone(), self._uid(),
                                  self._tick())
             new_node.parent = node
-            node.children[new_node.key[:self.page_size]] = new_node
-            self.evictable_size += new_node.length
+            # one statement: the new leaf and the size that counts it come together
+            node.children[new_node.key[:self.page_size]], self.evictable_size = (
+                new_node, self.evictable_size + new_node.length)
             node = new_node
         return InsertResult(prefix_len, RadixCacheHandle(insert_len, node))
 
@@ -263,29 +261,36 @@ class RadixPrefixCache:
             return
         record = (owner, handle.node)
         held = self._locks.get(record, 0)
-        if unlock:
-            if held == 0:
-                others = sum(c for (_, node), c in self._locks.items() if node is handle.node)
-                raise CacheMisuse(
-                    f"lock_handle(unlock=True): the handle is not locked by {_owner_name(owner)} "
-                    f"(node {handle.node.uid}; {others} lock(s) on it held by other owners). Only "
-                    "the owner that locked a handle may unlock it, once per lock")
-            if held == 1:
-                del self._locks[record]
+        if not isinstance(unlock, bool):
+            raise InvalidArgument("unlock", "must be a bool", f"got {unlock!r}")
+        if unlock and held == 0:
+            others = sum(c for (_, node), c in self._locks.items() if node is handle.node)
+            raise CacheMisuse(
+                f"lock_handle(unlock=True): the handle is not locked by {_owner_name(owner)} "
+                f"(node {handle.node.uid}; {others} lock(s) on it held by other owners). Only "
+                "the owner that locked a handle may unlock it, once per lock")
+        # ==== whole or not at all: what the path held before, put back if anything fails ====
+        path = list(handle.node.path_to_root())
+        counts, sizes, step = [node.ref_count for node in path], self.size_info, -1 if unlock else 1
+        try:
+            if held + step:
+                self._locks[record] = held + step
             else:
-                self._locks[record] = held - 1
-            for node in handle.node.path_to_root():
-                node.ref_count -= 1
-                if node.ref_count == 0:
-                    self.evictable_size += node.length
-                    self.protected_size -= node.length
-        else:
-            self._locks[record] = held + 1
-            for node in handle.node.path_to_root():
-                if node.ref_count == 0:
-                    self.evictable_size -= node.length
-                    self.protected_size += node.length
-                node.ref_count += 1
+                del self._locks[record]
+            for node in path:
+                node.ref_count += step
+                if node.ref_count == (0 if unlock else 1):  # it just became evictable (or protected)
+                    self.evictable_size, self.protected_size = (self.evictable_size - step * node.length,
+                                                                self.protected_size + step * node.length)
+        except BaseException:  # (an interrupt part-way: no lock half taken, no count off by one)
+            for node, count in zip(path, counts):
+                node.ref_count = count
+            self.evictable_size, self.protected_size = sizes
+            if held:
+                self._locks[record] = held
+            else:
+                self._locks.pop(record, None)
+            raise
 
     def is_locked_by(self, handle: RadixCacheHandle, owner=None) -> bool:
         """Whether ``owner`` holds a lock on ``handle`` (the root handle: always locked)."""
