@@ -105,7 +105,10 @@ def check_slots(argument: str, slots) -> torch.Tensor:
         if not is_int(s):
             raise InvalidArgument(f"{argument}[{i}]", "must be an int slot (not a bool or a float)",
                                   f"got {type(s).__name__} {s!r}")
-    return torch.tensor([int(s) for s in slots], dtype=torch.int64)
+    values = [int(s) for s in slots]
+    if values and not (-(1 << 63) <= min(values) and max(values) < 1 << 63):
+        raise InvalidArgument(argument, "slots fit in int64", f"got {max(values, key=abs)}")
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def check_whole_pages(argument: str, slots: torch.Tensor, page_size: int) -> None:

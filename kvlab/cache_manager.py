@@ -47,7 +47,7 @@ from .cache_manager_undo import CacheManagerUndo
 from .cache_regions import CacheRegions, Region
 from .errors import CacheMisuse, InvalidArgument, OutOfPages
 from .paging import UNMAPPED, page_to_token, write_page_table, write_page_table_triton
-from .hash_cache import HashPrefixCache
+from .hash_cache import MAX_SLOTS, HashPrefixCache
 from .radix_cache import MatchResult, RadixCacheHandle, RadixPrefixCache
 from .req import ForwardBatch, Req
 
@@ -74,6 +74,9 @@ class CacheManager(CacheManagerUndo):
                  page_table_writer: str = "triton", remap_duplicates: bool = True):
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.page_size = check_page_size(page_size)
+        if self.num_pages * self.page_size > MAX_SLOTS:
+            raise InvalidArgument("num_pages", "num_pages * page_size slots fit in int32 (at most 2**31)",
+                                  f"got {self.num_pages} * {self.page_size}")
         if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
             raise InvalidArgument("page_table", "must be a 2-D tensor (rows x positions)")
         if page_table.dtype not in (torch.int32, torch.int64):

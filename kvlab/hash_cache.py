@@ -62,6 +62,8 @@ from .runtime import default_device
 __all__ = ["HashPrefixCache", "HashCacheHandle", "Allocation", "chain_hash", "page_hashes"]
 
 
+#: the most slots a pool may have: its slots are int32, as the page table's
+MAX_SLOTS = 1 << 31
 #: ``lookup``'s ``parent`` when the caller gives none: the page's parent is not compared
 UNCHECKED = type("Unchecked", (), {"__repr__": lambda self: "UNCHECKED"})()
 
@@ -83,6 +85,9 @@ class HashPrefixCache(HashCacheUndo):
                  uncached_first: bool = False):
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.page_size = check_page_size(page_size)
+        if self.num_pages * self.page_size > MAX_SLOTS:
+            raise InvalidArgument("num_pages", "num_pages * page_size slots fit in int32 (at most 2**31)",
+                                  f"got {self.num_pages} * {self.page_size}")
         if not isinstance(uncached_first, bool):
             raise InvalidArgument("uncached_first", "must be a bool", f"got {uncached_first!r}")
         self.uncached_first = uncached_first

@@ -33,7 +33,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .args import check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
+from .args import check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
 from .errors import CacheMisuse, IntegrityError, InvalidArgument
 from .radix_node import (InsertResult, MatchResult, NodeInfo, RadixCacheHandle, RadixNode, SizeInfo,
                          TreeSnapshot)
@@ -66,7 +66,7 @@ class RadixPrefixCache:
 
     def __init__(self, page_size: int, device: "torch.device | str | None" = None):
         self.page_size = check_page_size(page_size)
-        self.device = default_device(device)
+        self.device = default_device(check_device("device", device))
         self._next_uid = 0
         self._now = 0  # the LRU clock: one tick per walk (match or insert)
         self.root: RadixNode | None = None
@@ -344,6 +344,8 @@ class RadixPrefixCache:
         have to roll back passes its own, so that a failure or an interrupt part-way through
         (a learner pressing stop) loses no node already evicted."""
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        if into is not None and not isinstance(into, list):
+            raise InvalidArgument("into", "None or a list", f"got {type(into).__name__}")
         evicted: list[RadixNode] = [] if into is None else into
         if num_tokens == 0:
             return evicted
@@ -367,6 +369,9 @@ class RadixPrefixCache:
         rollback when what it evicted for could not be finished). Only valid while nothing
         else changed the tree since. A node recorded but not yet detached (the eviction was
         stopped part-way) is left where it is."""
+        if not isinstance(evicted, (list, tuple)) or not all(isinstance(n, RadixNode) for n in evicted):
+            raise InvalidArgument("evicted", "the list evict_leaves returned (RadixNode)",
+                                  f"got {type(evicted).__name__}")
         for node in reversed(evicted):
             parent, key = node.parent, node.key[:self.page_size]
             if parent is not None and not node.detached and parent.children.get(key) is node:
