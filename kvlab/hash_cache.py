@@ -51,11 +51,11 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .args import check_device, check_int, check_page_size, check_slots, check_whole_pages, div_ceil
+from .args import check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
 from .errors import CacheMisuse, InvalidArgument, OutOfPages
 from .hash_cache_undo import HashCacheUndo, whole
 from .hash_chain import (DIGEST_SIZE, Allocation, FreeQueue, HashCacheHandle, PageHash, TakenPage, _chain,
-                         _page_hashes, chain_hash, check_hashable_ids, page_hashes, short)
+                         _page_hashes, chain_hash, check_hashable_ids, check_int64, page_hashes, short)
 from .radix_node import InsertResult, MatchResult
 from .runtime import default_device
 
@@ -278,26 +278,30 @@ class HashPrefixCache(HashCacheUndo):
         return tuple(pages)
 
     def _validate_append(self, pages, input_ids) -> tuple[list[int], list[int]]:
-        """Every rule of :meth:`append_token`, checked before anything changes."""
-        ids, pages, P = check_hashable_ids("input_ids", input_ids), self._page_ids("pages", pages), self.page_size
+        """Every rule of :meth:`append_token`, checked before anything changes (per token: only
+        what this call reads or writes, the sequence's last pages and its last page of tokens)."""
+        ids, pages, P = check_token_ids("input_ids", input_ids), self._page_ids("pages", pages), self.page_size
         if not ids:
             raise InvalidArgument("input_ids", "the sequence with its new token (at least one token)", "got []")
-        for i, page in enumerate(pages):
-            if self.ref_count[page] == 0:
-                raise InvalidArgument(f"pages[{i}]", "a page the sequence holds (ref_count > 0: "
-                                      "from allocate or append_token)", f"page {page} is free")
-        if len(set(pages)) != len(pages):
-            raise InvalidArgument("pages", "a sequence's pages are distinct", f"got {pages}"[:120])
+        check_int64("input_ids", ids, len(ids) - P)  # (the tokens this call may hash)
         before, after = div_ceil(len(ids) - 1, P), div_ceil(len(ids), P)
         if len(pages) not in (before, after):
             raise InvalidArgument("pages", f"the sequence's pages before the token ({before}) or after "
                                   f"it ({after}) for {len(ids)} tokens", f"got {len(pages)} pages")
+        for i in range(max(0, after - 2), len(pages)):  # the pages it caches or chains from
+            if self.ref_count[pages[i]] == 0:
+                raise InvalidArgument(f"pages[{i}]", "a page the sequence holds (ref_count > 0: "
+                                      "from allocate or append_token)", f"page {pages[i]} is free")
         if len(pages) < after and not self.free_queue:
             raise OutOfPages(1, 0, "append_token")
         parent = pages[after - 2] if after > 1 else None  # the page before the one the token fills
         if len(ids) % P == 0 and parent is not None and self.page_tokens[parent] not in (None, tuple(ids[-2 * P:-P])):
             raise InvalidArgument("input_ids", "the tokens the sequence's pages hold",
                                   f"page {parent} holds {list(self.page_tokens[parent])}"[:120])
+        if len(ids) % P == 0 and parent is not None and self.page_hash[parent] is None:
+            check_int64("input_ids", ids)  # (a twin page: the chain is hashed from the tokens)
+        if len(set(pages)) != len(pages):
+            raise InvalidArgument("pages", "a sequence's pages are distinct", f"got {pages}"[:120])
         return pages, ids
 
     # --- the radix cache's words, for CacheManager ----------------------------------------

@@ -64,9 +64,13 @@ class HashCacheViews:
 
     def holds(self, handle) -> bool:
         """Whether every page of ``handle`` still carries its hash in this cache."""
-        return (isinstance(handle, HashCacheHandle) and handle.cache is self
-                and len(handle.pages) == len(handle.hashes)
-                and all(self._is_page(p) and self.page_hash[p] == h for p, h in zip(handle.pages, handle.hashes)))
+        if not isinstance(handle, HashCacheHandle) or handle.cache is not self or len(handle.pages) != len(handle.hashes):
+            return False
+        n, page_hash = self.num_pages, self.page_hash
+        try:
+            return all(0 <= p < n and page_hash[p] == h for p, h in zip(handle.pages, handle.hashes))
+        except TypeError:  # (a handle built by hand, with something else than page ids)
+            return False
 
     def is_locked_by(self, handle, owner=None) -> bool:
         """Whether ``owner`` holds a lock on ``handle`` (the empty handle: always)."""

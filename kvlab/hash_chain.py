@@ -28,7 +28,7 @@ import torch
 from .args import check_int, check_page_size, check_token_ids, is_int
 from .errors import CacheMisuse, InvalidArgument
 
-__all__ = ["PageHash", "chain_hash", "page_hashes", "check_hashable_ids", "short", "FreeQueue",
+__all__ = ["PageHash", "chain_hash", "page_hashes", "check_hashable_ids", "check_int64", "short", "FreeQueue",
            "HashCacheHandle", "Allocation", "TakenPage", "PageNode", "HashSnapshot"]
 
 #: A page's chained hash: 16 bytes (vLLM's ``BlockHash`` is ``bytes`` too).
@@ -62,11 +62,17 @@ def _chain(parent: PageHash | None, page_tokens: Sequence[int]) -> PageHash:
 def check_hashable_ids(argument: str, token_ids) -> list[int]:
     """Token ids (:func:`kvlab.args.check_token_ids`) that are hashed as int64: each in
     ``[-2**63, 2**63)``, else :class:`InvalidArgument` naming the argument and the first one."""
-    ids = check_token_ids(argument, token_ids)
-    if ids and not (INT64_MIN <= min(ids) and max(ids) <= INT64_MAX):
-        i = next(i for i, t in enumerate(ids) if not INT64_MIN <= t <= INT64_MAX)
-        raise InvalidArgument(f"{argument}[{i}]", "token ids fit in int64 (a page is hashed as "
-                              "int64 token ids)", f"got {ids[i]}")
+    return check_int64(argument, check_token_ids(argument, token_ids))
+
+
+def check_int64(argument: str, ids: list[int], start: int = 0) -> list[int]:
+    """``ids[start:]`` (ints already) each fit in int64, else :class:`InvalidArgument` naming the
+    first one that does not (``argument[i]``). Returns ``ids``."""
+    tail = ids[start:] if start > 0 else ids
+    if tail and not (INT64_MIN <= min(tail) and max(tail) <= INT64_MAX):
+        i = next(i for i, t in enumerate(tail) if not INT64_MIN <= t <= INT64_MAX)
+        raise InvalidArgument(f"{argument}[{max(start, 0) + i}]", "token ids fit in int64 (a page is "
+                              "hashed as int64 token ids)", f"got {tail[i]}")
     return ids
 
 
