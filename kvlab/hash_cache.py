@@ -224,7 +224,7 @@ class HashPrefixCache(HashCacheUndo):
         pages, parent = list(hit.pages), (hit.hashes[-1] if hit.hashes else None)
         for start in range(hit.cached_len, len(ids), P):
             tokens = ids[start:start + P]
-            page = self._take_free()
+            page = self.take_free()
             if len(tokens) == P:
                 h = _chain(parent, tokens)
                 self._cache_page(page, h, tokens, parent)
@@ -269,7 +269,7 @@ class HashPrefixCache(HashCacheUndo):
         pages, ids = self._validate_append(pages, input_ids)
         P = self.page_size
         if len(pages) < div_ceil(len(ids), P):
-            pages.append(self._take_free())
+            pages.append(self.take_free())
         if len(ids) % P == 0 and self.page_hash[pages[-1]] is None:
             parent = None
             if len(pages) > 1:  # a page that twins one in use carries no hash: chain from the tokens
@@ -404,7 +404,7 @@ class HashPrefixCache(HashCacheUndo):
         for page in self.free_queue.head(n):
             taken.append(TakenPage(page, self.page_hash[page], self.page_parent[page],
                                    self.page_tokens[page], self._slots([page])))
-            self._take_free()
+            self.take_free()  # (the building block: a notebook may watch it)
         return taken
 
     @whole
