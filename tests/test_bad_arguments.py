@@ -138,7 +138,7 @@ def test_every_prefix_cache_call_refuses_a_bad_argument_with_a_kvlab_error(kind)
         assert refused >= len(BAD) // 2 or method in READS or not params, f"{method}: the catalogue reached its checks"
 
 
-@pytest.mark.parametrize("bad", BAD, ids=repr)
+@pytest.mark.parametrize("bad", BAD, ids=[f"{i}-{type(b).__name__}" for i, b in enumerate(BAD)])
 def test_constructors_and_free_functions_refuse_a_bad_argument_with_a_kvlab_error(bad):
     table = new_page_table(2, 8, 2)
     calls = [lambda: HashPrefixCache(bad, 2), lambda: HashPrefixCache(4, bad), lambda: HashPrefixCache(4, 2, bad),
