@@ -254,15 +254,8 @@ class CacheManager(CacheManagerUndo):
             undo = self._allocation(*plan)
             self._map_pages(*plan, undo)
             return batch
-        except BaseException:  # take back the mapping, then each admission, last first
-            if undo is not None:
-                self._undo_allocation(undo)
-            for req in reversed(new):
-                if self._is_running(req):  # (admitted: it holds one lock more than before)
-                    handle = req.cache_handle
-                    self._undo_admit(req, handle, max(0, self.prefix_cache.locks_held(handle, req) - 1))
-            for req, before in zip(prefill, fields):
-                self._put_fields(req, before)
+        except BaseException:
+            self._undo_step(undo, new, list(zip(prefill, fields)))
             raise
 
     def complete_step(self, batch: ForwardBatch, next_tokens: Sequence[int] | None,
@@ -303,8 +296,7 @@ class CacheManager(CacheManagerUndo):
         except BaseException:
             for req, undo in reversed(undos):  # (one that failed took itself back: a no-op then)
                 self._undo_settling(req, undo)
-            for req, before in zip(reqs, fields):
-                self._put_fields(req, before)
+            self._undo_step(None, (), list(zip(reqs, fields)))
             raise
 
     # --- allocation -------------------------------------------------------------------

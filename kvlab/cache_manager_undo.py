@@ -71,6 +71,19 @@ class CacheManagerUndo(CacheManagerChecks):
         if self._is_running(req):
             del self._running[req.table_idx]
 
+    def _undo_step(self, allocation: "_Allocation | None", admitted, fields) -> None:
+        """Take back a serving step: its mapping (``allocation``, whether it ran part-way or to
+        the end), then each admission of ``admitted``, last first, then every request's fields
+        (``(req, fields)`` pairs, as :meth:`_fields` kept them)."""
+        if allocation is not None:
+            self._undo_allocation(allocation)
+        for req in reversed(admitted):
+            if self._is_running(req):  # (admitted: it holds one lock more than before)
+                handle = req.cache_handle
+                self._undo_admit(req, handle, max(0, self.prefix_cache.locks_held(handle, req) - 1))
+        for req, before in fields:
+            self._put_fields(req, before)
+
     # --- allocate_paged ---------------------------------------------------------------------
 
     def _allocation(self, allocation_info, new_reqs, needed_pages: int) -> _Allocation:
