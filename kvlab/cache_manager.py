@@ -111,6 +111,7 @@ class CacheManager(CacheManagerUndo):
         if self._cache_keeps_free_pages:
             self.free_slots = self.free_slots[:0]
         self._running: dict[int, _Running] = {}  # table_idx -> record
+        self._last_allocation = None  # what the latest allocate_paged needs to be taken back
 
     # --- sizes: the page budget -------------------------------------------------------
 
@@ -240,7 +241,7 @@ class CacheManager(CacheManagerUndo):
             self._running_record(req, f"decode_step: reqs[{i}]")
         fields = [self._fields(r) for r in prefill]
         new = [r for r in prefill if not self._is_running(r)]
-        undo = None
+        self._last_allocation = None  # (allocate_paged keeps its record there: taken back below too)
         try:
             for req in new:
                 self.admit(req)  # match + lock the hit + map it into the row
@@ -250,12 +251,10 @@ class CacheManager(CacheManagerUndo):
                     raise OutOfPages(needed, available, f"prefill (with room for {reserve} more "
                                      "token(s) per request, after prefix hits)")
             batch = ForwardBatch.of(prefill, decode, self.page_table)  # (mapping moves no length)
-            plan = self._validate_allocation(list(prefill) + list(decode))
-            undo = self._allocation(*plan)
-            self._map_pages(*plan, undo)
+            self.allocate_paged(list(prefill) + list(decode))
             return batch
         except BaseException:
-            self._undo_step(undo, new, list(zip(prefill, fields)))
+            self._undo_step(self._last_allocation, new, list(zip(prefill, fields)))
             raise
 
     def complete_step(self, batch: ForwardBatch, next_tokens: Sequence[int] | None,
@@ -311,7 +310,7 @@ class CacheManager(CacheManagerUndo):
         evictions, page table; no request field is touched here) and the error propagates.
         """
         plan = self._validate_allocation(reqs)
-        undo = self._allocation(*plan)
+        self._last_allocation = undo = self._allocation(*plan)  # (before any change; see mixed_step)
         try:
             self._map_pages(*plan, undo)
         except BaseException:

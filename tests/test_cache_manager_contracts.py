@@ -372,10 +372,10 @@ def test_a_mixed_step_is_a_prefill_and_a_decode_step_in_one_allocation(monkeypat
     # and as one
     a2, b2 = runs[id(mixed)]
     writes = []
-    real = mixed._validate_allocation  # (what allocate_paged maps, checked once per mapping)
-    monkeypatch.setattr(mixed, "_validate_allocation", lambda reqs: (writes.append(list(reqs)), real(reqs))[1])
+    real = mixed.allocate_paged
+    monkeypatch.setattr(mixed, "allocate_paged", lambda reqs: (writes.append(list(reqs)), real(reqs)))
     batch = mixed.mixed_step([b2], [a2])
-    assert writes == [[b2, a2]], "one allocation for the whole step"
+    assert writes == [[b2, a2]], "one allocate_paged for the whole step"
     assert batch.phase == "mixed" and batch.prefilling == (True, False)
     assert batch.extend_lens == (3, 1) and batch.positions().tolist() == [4, 5, 6, 6]
     settled = mixed.complete_step(batch, [12, 11], [False, True])
