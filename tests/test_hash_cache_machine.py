@@ -2,9 +2,9 @@
 the cache manager do, and worse: sequences allocated, decoded (``append_token``) and freed, locks
 and unlocks by several owners, pages taken from the head of the queue (``evict_leaves``) and
 inserted (``insert_prefix``), hits taken by hand (``take_cached``), and arguments that break a
-rule. Every mutating call may fail: an interrupt (a learner pressing stop) or an error raised at
-the k-th line run anywhere in the cache's modules (the call, the building blocks it calls, the
-free queue's links, the notes that take it back), for every k the call runs.
+rule, and the undo words a caller's rollback uses. Every mutating call may fail: an interrupt (a
+learner pressing stop) or an error raised at the k-th line run anywhere in the cache's modules
+(the call, the building blocks it calls, the free queue's links, the notes that take it back).
 
 A refused or failed call leaves the cache exactly as it was: every page's count, hash, parent and
 tokens, ``hash_to_page``, the free queue in order, the locks, the eviction count. After every step:
@@ -199,6 +199,26 @@ class HashCacheMachine(RuleBasedStateMachine):
         done, _ = self.attempt(lambda: self.cache.take_cached(page), fail)
         if done:
             self.mine.append(page)
+
+    # --- a caller's rollback words, themselves interrupted ------------------------------------------
+
+    @rule(fail=FAIL, n=st.integers(1, 4))
+    def take_and_undo(self, fail, n):
+        """evict_leaves then undo_evict; a lock then undo_lock: the undo may fail too (nothing
+        changed), and made again it leaves the cache as before the step, queue order included."""
+        before = hash_cache_state(self.cache)
+        taken = self.cache.evict_leaves(n * self.page_size)
+        done, _ = self.attempt(lambda: self.cache.undo_evict(taken), fail)
+        if not done:
+            self.cache.undo_evict(taken)
+        assert hash_cache_state(self.cache) == before
+        handle = self.cache.match(self.prompt())
+        if handle.pages:
+            self.cache.lock_handle(handle, owner="u")
+            done, _ = self.attempt(lambda: self.cache.undo_lock(handle, "u"), fail)
+            if not done:
+                self.cache.undo_lock(handle, "u")
+            assert hash_cache_state(self.cache) == before
 
     # --- arguments that break a rule: refused before any change -----------------------------------
 
