@@ -393,12 +393,17 @@ class RadixPrefixCache:
         passed that were in no node before): the unlocked leaf that starts on one of them. A
         caller's rollback, read from the tree itself, so it also works when the insert ran but its
         caller never got the handle. A node split by the insert's walk stays split (the same
-        pages, as a match leaves them)."""
+        pages, as a match leaves them), and so does a node of the insert that a later walk split:
+        both halves start on the caller's slots, the upper one a leaf once the lower one is gone."""
         starts = set(check_slots("slots", slots)[:: self.page_size].tolist())
-        for node in self.nodes():
-            if node.is_leaf() and not node.ref_count and int(node.value[0]) in starts:
-                del node.parent.children[node.key[:self.page_size]]
-                self.evictable_size, node.detached = self.evictable_size - node.length, True
+        removed = True
+        while removed:
+            removed = False
+            for node in self.nodes():
+                if node.is_leaf() and not node.ref_count and int(node.value[0]) in starts:
+                    del node.parent.children[node.key[:self.page_size]]
+                    self.evictable_size, node.detached = self.evictable_size - node.length, True
+                    removed = True
 
     # --- checks -----------------------------------------------------------------------
 

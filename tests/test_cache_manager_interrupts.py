@@ -22,15 +22,15 @@ from kvlab import CacheManager, Req
 from kvlab.paging import new_page_table
 
 
-def serving(cache: str):
+def serving(cache: str, spare: int = 0):
     """a finished (its [1 2|3 4|5 6] cached; [5 6] free, on the hash cache mid-queue), b running
-    on a's [1 2|3 4] with its own [9 9] cached and locked, c running; 2 pages free."""
-    cm = CacheManager(9, 2, new_page_table(6, 24, 2), cache, page_table_writer="host")
+    on a's [1 2|3 4] with its own [9 9] cached and locked, c running; 2 pages free (+ ``spare``)."""
+    cm = CacheManager(9 + spare, 2, new_page_table(6, 24, 2), cache, page_table_writer="host")
     a, b, c = Req([1, 2, 3, 4, 5, 6, 7], 0), Req([1, 2, 3, 4, 9, 9, 9], 1), Req([30, 31, 32], 2)
     cm.complete_step(cm.prefill([a]), [8], [True])
     cm.complete_step(cm.prefill([b]), [10])
     cm.complete_step(cm.prefill([c]), [33])
-    assert cm.num_free_pages == 2 and cm.available_pages == 3
+    assert cm.num_free_pages == 2 + spare and cm.available_pages == 3 + spare
     return cm, [a, b, c]
 
 
@@ -71,6 +71,13 @@ def _prefill_and_two_cached(cache):
     return cm, reqs + [d, f], lambda: cm.complete_step(batch, [42, 62], [False, False])
 
 
+def _prefill_and_the_second_splits_the_first(cache):
+    cm, reqs = serving(cache, spare=3)
+    d, f = Req([80, 81, 82, 83, 84], 3), Req([80, 81, 90, 91, 92], 4)  # f's insert splits d's new node
+    batch = cm.prefill([d, f])
+    return cm, reqs + [d, f], lambda: cm.complete_step(batch, [85, 93], [False, False])
+
+
 def _release(cache):
     cm, reqs = serving(cache)
     return cm, reqs, lambda: cm.release_req(reqs[1])
@@ -78,7 +85,9 @@ def _release(cache):
 
 CALLS = {"admit": _admit, "prefill, evicting": _prefill_evicting, "prefill, hits": _prefill_hits,
          "mixed_step": _mixed_step, "complete_step, two finish": _decode_and_two_finish,
-         "complete_step, two cached": _prefill_and_two_cached, "release_req": _release}
+         "complete_step, two cached": _prefill_and_two_cached,
+         "complete_step, the second splits the first": _prefill_and_the_second_splits_the_first,
+         "release_req": _release}
 
 
 @pytest.mark.parametrize("cache", ["radix", "hash"])
