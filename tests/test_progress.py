@@ -73,12 +73,14 @@ def test_each_outcome_is_saved_with_its_chapter(fresh):
     assert entry["state"] == "passed" and entry["chapter"] == "01" and entry["at"]
 
 
-def test_a_file_that_cannot_be_read_counts_as_empty_and_is_rewritten(fresh):
+def test_a_file_that_cannot_be_read_counts_as_empty_and_is_kept_aside(fresh, capsys):
     fresh.parent.mkdir(parents=True)
     fresh.write_text("{not json")
     assert progress_file.load() == {}
+    assert "could not be read" in capsys.readouterr().err
     check.page_to_token(right)
     assert progress_file.load()["page_to_token"]["state"] == "passed"
+    assert [p.read_text() for p in fresh.parent.glob("progress.unreadable-*.json")] == ["{not json"]
 
 
 def test_a_file_that_cannot_be_written_never_breaks_a_check(monkeypatch, tmp_path, fresh):
