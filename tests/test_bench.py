@@ -283,10 +283,10 @@ def test_latency_percentiles_and_busy_shares_are_computed_as_stated():
     assert s["ttft_ms"]["p50"] == pytest.approx(100.0) and s["ttft_ms"]["p99"] == pytest.approx(500.0)
     assert s["itl_ms"]["p99"] == pytest.approx(300.0) and s["requests_per_s"] == pytest.approx(2 / 1.4)
 
-    def step(i, lanes, dev):
-        return dict(index=i, lanes=lanes, decode_only=True, device=dev)
+    def step(i, requests, dev):
+        return dict(index=i, requests=requests, decode_only=True, device=dev)
 
-    Step = __import__("collections").namedtuple("Step", "index lanes decode_only device")
+    Step = __import__("collections").namedtuple("Step", "index requests decode_only device")
     tl = [Step(**step(0, 4, (0.0, 1.0))), Step(**step(1, 4, (1.5, 2.0))), Step(**step(2, 4, (2.0, 3.0))),
           Step(**step(3, 3, (3.0, 4.0)))]
     r = busy_fraction(tl, 4)

@@ -115,7 +115,7 @@ def kvlab_busy(gen, running: int, prompt: int, answer: int, seed: int, overlap: 
     gen.overlap = overlap
     gen.clear_prefix_cache()
     gen.generate(prompts, max_new_tokens=answer, timeline=True)
-    steps = [s for s in gen.timeline if s.decode_only and s.lanes == running]
+    steps = [s for s in gen.timeline if s.decode_only and s.requests == running]
     window = [s._asdict() for s in steps[len(steps) // 2: len(steps) // 2 + 6]]
     return busy_fraction(gen.timeline, running), window
 

@@ -2,6 +2,8 @@
 the saved result (``res["serve"]``), so they read the same on a laptop as on the GPU."""
 from __future__ import annotations
 
+from ..viz.legibility import MAX_WIDTH_IN
+
 #: path -> what the report calls it
 SERVE_LABELS = {"kvlab": "kvlab, overlap scheduling", "kvlab_no_overlap": "kvlab, no overlap",
                 "kvlab_subset": "kvlab, overlap scheduling", "kvlab_no_overlap_subset": "kvlab, no overlap",
@@ -106,7 +108,7 @@ def plot_serve(res: dict):
     import matplotlib.pyplot as plt
 
     s = res["serve"]
-    fig, axes = plt.subplots(2, 2, figsize=(8.4, 5.6), gridspec_kw={"width_ratios": [3, 2]})
+    fig, axes = plt.subplots(2, 2, figsize=(MAX_WIDTH_IN, 5.6), gridspec_kw={"width_ratios": [3, 2]})
     _offline_bars(axes[0, 0], s)
     _busy_bars(axes[0, 1], s)
     online = s.get("online", {}).get("paths", {})

@@ -85,12 +85,12 @@ def latency_summary(arrivals: list[float], times: list[list[float]], tokens: int
                 requests_per_s=len(times) / span, tokens_per_s=tokens / span, seconds=span)
 
 
-def busy_fraction(timeline, lanes: int) -> dict:
-    """GPU busy share of the decode steps with ``lanes`` requests: step k's device time over
+def busy_fraction(timeline, requests: int) -> dict:
+    """GPU busy share of the decode steps with ``requests`` requests: step k's device time over
     the device time between the ends of steps k-1 and k (both such steps); medians."""
     shares, periods, device = [], [], []
     for a, b in zip(timeline, timeline[1:]):
-        if a.decode_only and b.decode_only and a.lanes == lanes == b.lanes:
+        if a.decode_only and b.decode_only and a.requests == requests == b.requests:
             period = b.device[1] - a.device[1]
             busy = b.device[1] - b.device[0]
             if period > 0:

@@ -74,7 +74,7 @@ class Launched:
     decode: list[Seq]           # one new token each
     new: list[Seq]              # admitted in this step
     batch: object               # kvlab.req.ForwardBatch
-    produces: list[bool]        # per lane: the step gives it a token (not a chunk that goes on)
+    produces: list[bool]        # per entry: the step gives it a token (not a chunk that goes on)
     padded_to: int = 0          # the captured batch size a decode-only step ran at
     stopped: list[int] = field(default_factory=list)   # the memory policy's doing before it
     resumed: list[int] = field(default_factory=list)
@@ -238,14 +238,14 @@ class ServingLoop:
         tokens = iter(tokens_t.tolist())
         rows = iter(logits_t.float()) if logits_t is not None else None
         now = self.now()
-        for lane, (seq, produced) in enumerate(zip(step.seqs, step.produces)):
+        for entry, (seq, produced) in enumerate(zip(step.seqs, step.produces)):
             if not produced:
                 continue
             token = next(tokens)
             row = next(rows) if rows is not None else None
-            if seq.finished_by:      # it ended a step ago (EOS): this lane only rode along
+            if seq.finished_by:      # it ended a step ago (EOS): this entry only rode along
                 continue
-            seq.req.input_ids[step.batch.end[lane]] = token      # PENDING until now
+            seq.req.input_ids[step.batch.end[entry]] = token     # PENDING until now
             seq.tokens.append(token)
             seq.times.append(now)
             seq.token_steps.append(step.index)

@@ -45,7 +45,7 @@ class StepTimes(NamedTuple):
     call began (the host's clock; a CUDA step's device times are read from events)."""
 
     index: int
-    lanes: int                        # requests in the step
+    requests: int                     # requests in the step
     tokens: int                       # tokens in its forward pass
     decode_only: bool
     schedule: tuple[float, float]     # host: choose the requests, map their pages
