@@ -294,7 +294,7 @@ q3_tokens = PagedGenerator(qwen3, page_size=PAGE_SIZE, num_pages=64, overlap=Fal
     q3_prompts, max_new_tokens=NEW_TOKENS)
 for p, got in zip(q3_prompts, q3_tokens):
     want = qwen3.generate(torch.tensor([p], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert got == want[0, len(p):].tolist(), (got, want)
+    assert got == want[0, len(p):].tolist(), f"Qwen3, prompt {p}: kvlab {got}, generate {want[0, len(p):].tolist()}"
 print(f"✓ {type(qwen3).__name__}: the same tokens as generate() for {len(q3_prompts)} prompts")
 
 # %% [markdown]
@@ -751,14 +751,15 @@ print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' i
 #
 # The same prompts, served without and with overlap, must give the same tokens. The
 # timestamps of both runs (`generate(..., timeline=True)` fills `gen.timeline`) draw the
-# two lanes. Here the decode step is a plain-torch one (`reference_decode_step`): in the
+# two tracks of a timeline, the host's and the device's. Here the decode step is a plain-torch one (`reference_decode_step`): in the
 # interpreter a Triton kernel takes so long that the host's share would not show.
 
 # %%
 from kvlab.scenes.ch10_serve import overlap_runs, overlap_timeline_figure, recorded_timelines
 
 runs = overlap_runs(model, max_new_tokens=NEW_TOKENS)
-assert runs.tokens["with overlap"] == runs.tokens["without overlap"]
+assert runs.tokens["with overlap"] == runs.tokens["without overlap"], (
+    f"with overlap {runs.tokens['with overlap']}, without {runs.tokens['without overlap']}")
 print("✓ the same tokens with and without overlap;",
       {name: len(steps) for name, steps in runs.timelines.items()}, "steps")
 where = "GPU" if DEVICE.type == "cuda" else "CPU (a worker thread plays the GPU)"
@@ -766,8 +767,8 @@ overlap_timeline_figure(runs.timelines, where)
 plt.show()
 
 # %% [markdown]
-# On a CPU both lanes are Python sharing one interpreter lock, so they can only partly run
-# at once, and the device's lane is long. On a GPU the device lane is the GPU's and the
+# On a CPU both tracks are Python sharing one interpreter lock, so they can only partly run
+# at once, and the device's track is long. On a GPU the device track is the GPU's and the
 # host's work fits inside it. The serving benchmark recorded a few decode steps at 64
 # running requests on an H200 (`figures/bench.json`), and the same figure draws them: without
 # overlap a gap after every step (the host recording and planning while the GPU waits), with
