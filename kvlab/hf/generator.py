@@ -271,8 +271,7 @@ class PagedGenerator:
                     # 1. who prefills this step, and how much (admission by memory, chunks)
                     adder = PrefillAdder(self.manager, max_new, self.prefill_budget,
                                          chunked=self.chunked_prefill, holding=running + chunked,
-                                         policy=room.run, room=room,
-                                         step_pages=self.manager.pages_needed([s.req for s in running]))
+                                         policy=room.run, room=room, step_pages=room.step_pages(running))
                     new = self._admit(adder, waiting if admit_new else deque(), chunked, free_rows, stats)
                     live += new
                     prefill = adder.added

@@ -112,11 +112,6 @@ class PrefillAdder:
         return RequestView(seq, len(seq.prompt), len(seq.tokens), self.max_new, seq.req.device_len,
                            self.manager.allocated_pages(seq.req), seq.admitted, seq.index)
 
-    def pages_to_come(self, seq: Seq) -> int:
-        """Pages ``seq`` may still allocate: all it may ever map minus what its row maps now."""
-        total = div_ceil(len(seq.prompt) + self.max_new - 1, self.P)
-        return total - self.manager.allocated_pages(seq.req)
-
     def _chunk(self, seq: Seq) -> int:
         """Tokens ``seq`` computes this step: the rest of its input, or with chunked prefill at
         most the budget left; a policy that promised only the coming step also cuts it to the

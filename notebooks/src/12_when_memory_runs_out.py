@@ -181,8 +181,8 @@ plt.show()
 # fits: the requests that generated least go first, among them the longest prompt.
 # `release_req` frees their KV past the cached prefix without inserting anything, and they rejoin
 # the waiting queue. Then the ratio jumps to what the remaining requests really generated.
-# 600 steps of decay is a few seconds of a busy server; our runs are a few dozen steps, so
-# below the same traffic also runs with a ratio that decays in 20 steps:
+# 600 decode steps is long next to our runs of a few dozen steps, so below the same traffic
+# also runs with a ratio that decays in 20 steps:
 
 # %%
 burst = {label: policy_run(policy, "long_prompt_burst", "medium")
@@ -555,8 +555,9 @@ for steps in (5, 20, 100, 600):
 # %% [markdown] tags=["solution"]
 # **2. Swap or recompute.** Swapping `n` tokens moves `2 * L * H * d * 2` bytes per token each way
 # (K and V, bfloat16): for a 0.5B-shaped model (24 layers, 2 K/V heads of 64) that is 12 KiB per
-# token, 12 MiB for a 1000-token row, about a millisecond over a PCIe link at 10+ GB/s if the
-# copy runs asynchronously from pinned memory. Recomputing is a prefill of `n` tokens, which on a
-# GPU is fast for short rows and grows with the row (attention grows with its square). So swap
-# wins for long rows and busy GPUs, recompute for short rows; a prefix cache hit beats both. The
-# benchmark measures it: `python -m kvlab.bench --memory`.
+# token, 12 MiB for a 1000-token row, at the speed of the link between host and GPU (from pinned
+# memory the copy need not stop the GPU). Recomputing is a prefill of `n` tokens, whose work grows
+# with the row (attention with its square) and with the model's size, while the bytes grow only
+# with the row. So the longer the row and the larger the model per K/V byte, the better swapping
+# looks; a prefix cache hit beats both. Which wins on a given machine is measured, not guessed:
+# `python -m kvlab.bench --memory` times both on the same burst of long prompts.
