@@ -35,6 +35,15 @@ def test_memory_smoke_run_serves_every_policy_and_keeps_what_bench_json_held(tmp
     assert (tmp_path / "12_bench_memory.png").stat().st_size > 0
 
 
+def test_runs_past_the_time_budget_are_skipped_and_decide_nothing(monkeypatch):
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(mem, "SMOKE_WORKLOADS", {"eos_long_tail": mem.SMOKE_WORKLOADS["eos_long_tail"]})
+    res = mem.run_memory(smoke=True, budget_s=0.0, log=lambda line: None)
+    assert len(res["rows"]) == len(mem.SMOKE_POOLS) * len(mem.POLICY_NAMES)
+    assert all(r["error"].startswith("skipped: the 0 s budget") for r in res["rows"])
+    assert all(c["passed"] is None for c in mem.claims(dict(res, smoke=False)))
+
+
 def _rows(over=None):
     """A full set of fake rows: every workload, pool and policy, equal unless ``over`` says."""
     rows = []

@@ -60,6 +60,10 @@ def test_every_config_field_is_checked_by_name(field, value):
 def test_a_config_that_is_not_one_is_refused():
     with pytest.raises(InvalidArgument, match="config"):
         Simulator(make_workload("few_shot"), {"page_size": 4})
+    with pytest.raises(InvalidArgument, match="config"):
+        simulate(make_workload("few_shot"), {"page_size": 4})
+    with pytest.raises(InvalidArgument, match="page_sizes"):
+        simulate(make_workload("few_shot"), page_sizes=4)
 
 
 @pytest.mark.parametrize("workload, argument", [

@@ -25,7 +25,8 @@ def memory_section(m: dict) -> list[str]:
               "served offline (every request arrives at once); each answer ends where the workload's does "
               "(the scheduler knows only `max_new_tokens`). Pools per workload, as a share of every whole "
               "answer at once: " + ", ".join(f"{k} {v:.0%}" for k, v in m["pools"].items())
-              + ". One timed run per row after a warm-up; tokens/s = new tokens / wall time of the call. "
+              + ". One timed run per row after a warm-up (a row started past the time budget says it was "
+              "skipped); tokens/s = new tokens / wall time of the call. "
               "TTFT and TPOT in ms (p50 / p99 over the requests); unused = pages promised but not mapped, "
               "mean per step.", "", "| claim | rule | measured | result |", "|---|---|---|---|"]
     for c in m["claims"]:
@@ -38,7 +39,7 @@ def memory_section(m: dict) -> list[str]:
     for r in m["rows"]:
         head = f"| {r['workload']} | {r['pool']} | {r['pages']} | {r['policy']} |"
         if "error" in r:
-            lines.append(head + f" failed: {r['error']} | | | | | | | |")
+            lines.append(head + f" {r['error']} | | | | | | | |")
             continue
         ms = lambda x: _f(None if x is None else x * 1e3, "{:.1f}")  # noqa: E731
         lines.append(head + f" {_f(r['tokens_per_s'])} | {r['mean_running']:.1f} / {r['most_running']} | "

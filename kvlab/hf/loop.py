@@ -155,11 +155,9 @@ class ServingLoop:
         ``admit_new``: the memory policy lets waiting requests in this step."""
         t0 = self.now()
         room = self.room
-        step_pages = (self.manager.pages_needed([s.req for s in self.running])
-                      if room.run.policy.preempts else 0)
         adder = PrefillAdder(self.manager, self.gen.prefill_budget, chunked=self.gen.chunked_prefill,
                              holding=self.running + self.chunked, policy=room.run, room=room,
-                             step_pages=step_pages)
+                             step_pages=room.step_pages(self.running))
         new = self._admit(adder, admit_new)
         prefill = adder.added
         if not prefill and not self.running:

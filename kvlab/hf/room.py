@@ -138,6 +138,13 @@ class Room:
             self.stats["swaps_in"] += 1
             self.stats["swapped_in_bytes"] += back * host.bytes_per_token
 
+    def step_pages(self, running: list) -> int:
+        """Pages the running requests' next tokens take in this step (0 for a policy that
+        promised them everything already: admission never needs the number then)."""
+        if not self.run.policy.preempts:
+            return 0
+        return self.manager.pages_needed([s.req for s in running])
+
     # --- what each step records -------------------------------------------------------------
 
     def record_step(self, step_reqs: Sequence, holders: Sequence[Seq]) -> None:

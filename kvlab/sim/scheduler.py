@@ -391,7 +391,15 @@ def simulate(workload: Workload, config: SimConfig | None = None, device=None, *
 
     ``overrides`` replace fields of ``config`` (e.g. ``simulate(w, page_size=1)``).
     """
-    from dataclasses import replace
+    from dataclasses import fields, replace
 
-    config = replace(config or SimConfig(), **overrides)
-    return Simulator(workload, config, device).run()
+    from ..errors import InvalidArgument
+
+    config = config if config is not None else SimConfig()
+    if not isinstance(config, SimConfig):
+        raise InvalidArgument("config", "a kvlab.sim.SimConfig", f"got {type(config).__name__}")
+    known = [f.name for f in fields(SimConfig)]
+    for name in overrides:
+        if name not in known:
+            raise InvalidArgument(name, f"a field of SimConfig ({', '.join(known)})", f"got {name}=...")
+    return Simulator(workload, replace(config, **overrides), device).run()

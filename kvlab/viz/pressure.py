@@ -31,7 +31,7 @@ def _axes(ax, figsize):
 
 def promised_memory(timeline, ax=None, *, title: str | None = None, legend: bool = True):
     """In-use pages per step, and the promised-but-unmapped pages hatched above them."""
-    ax = _axes(ax, (8, 2.6))
+    ax = _axes(ax, (6.6, 2.6))
     steps = np.arange(len(timeline))
     private = np.array([s.memory.private for s in timeline.steps])
     locked = np.array([s.memory.cached_locked for s in timeline.steps])
@@ -81,7 +81,7 @@ def lanes(timeline) -> dict[int, list[str]]:
 
 def request_lanes(timeline, ax=None, *, rids: Sequence[int] | None = None, title: str | None = None):
     """One lane per request (``rids``: which ones): when it waits, runs, is stopped, swapped."""
-    ax = _axes(ax, (8, 2.8))
+    ax = _axes(ax, (6.6, 2.8))
     states = lanes(timeline)
     rids = list(rids if rids is not None else sorted(states))
     for y, rid in enumerate(rids):
@@ -115,7 +115,7 @@ def request_lanes(timeline, ax=None, *, rids: Sequence[int] | None = None, title
 
 def ratio_over_time(timelines, ax=None, *, title: str | None = None):
     """``new_token_ratio`` per step of each run in ``{label: timeline}``; stops marked."""
-    ax = _axes(ax, (8, 2.2))
+    ax = _axes(ax, (6.6, 2.2))
     for label, tl in timelines.items():
         line, = ax.plot(range(len(tl)), [s.ratio for s in tl.steps], lw=1.4, label=label)
         for s in tl.steps:

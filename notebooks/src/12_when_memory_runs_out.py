@@ -82,7 +82,7 @@ for name in ("reserve", "recompute", "retract", "swap"):
     run = make_policy(name).start()
     print(f"{name:9s} promises {run.promised_pages(view, 4)} more page(s)"
           + (f" (new_token_ratio {run.ratio})" if run.ratio is not None else ""))
-assert [make_policy(n).start().promised_pages(view, 4) for n in POLICIES] == [5, 1, 4, 1]
+assert [make_policy(n).start().promised_pages(view, 4) for n in POLICIES] == [5, 1, 4, 1], "the promises above"
 
 # %% [markdown]
 # * **reserve** promises every position it may still map: `div_ceil(29, 4) - 3 = 5` pages.
@@ -113,7 +113,7 @@ reserve = policy_run("reserve")
 s = reserve.summary()
 print(f"reserve, tight: {s.steps} steps, {s.mean_running:.1f} requests running at once, {s.preemptions} stopped, "
       f"{s.mean_promised_pages:.1f} pages promised but unmapped per step")
-assert s.preemptions == 0 and s.recomputed_tokens == 0
+assert s.preemptions == 0 and s.recomputed_tokens == 0, "reserving whole answers never stops a request"
 in_use = sum(r.memory.in_use for r in reserve.steps) / len(reserve)
 print(f"in use: {in_use:.1f} pages per step; promised on top: {s.mean_promised_pages:.1f}")
 
@@ -146,8 +146,10 @@ for label, tl in (("recompute (vLLM)", recompute), ("chapter 07's loop", chapter
     s = tl.summary()
     print(f"{label:18s}: {s.preemptions:2d} preemptions, {s.recomputed_tokens:3d} positions computed again, "
           f"{s.steps} steps")
-assert recompute.summary().recomputed_tokens < chapter_07.summary().recomputed_tokens
-assert all(not set(st.admitted) & set(st.preempted) for st in recompute.steps)
+assert recompute.summary().recomputed_tokens < chapter_07.summary().recomputed_tokens, \
+    "kept pages make comebacks cheaper"
+assert all(not set(st.admitted) & set(st.preempted) for st in recompute.steps), \
+    "vLLM admits nobody in a step that preempted"
 
 # %% [markdown]
 # Keeping the victim's whole pages makes its comeback cheaper: it recomputes only what was
@@ -181,8 +183,8 @@ plt.show()
 # fits: the requests that generated least go first, among them the longest prompt.
 # `release_req` frees their KV past the cached prefix without inserting anything, and they rejoin
 # the waiting queue. Then the ratio jumps to what the remaining requests really generated.
-# 600 steps of decay is a few seconds of a busy server; our runs are a few dozen steps, so
-# below the same traffic also runs with a ratio that decays in 20 steps:
+# 600 decode steps is long next to our runs of a few dozen steps, so below the same traffic
+# also runs with a ratio that decays in 20 steps:
 
 # %%
 burst = {label: policy_run(policy, "long_prompt_burst", "medium")
@@ -236,9 +238,9 @@ def check_run(tl, workload):
     for st in tl.steps:
         assert st.memory.total == tl.num_pages and st.promised_pages >= 0, st.step
     last = tl.steps[-1]
-    assert last.memory.in_use == 0 and last.host_pages == 0 and not last.swapped
-    assert sorted(r for st in tl.steps for r in st.finished) == list(range(len(workload)))
-    assert all(tl.requests[r.rid].generated == len(r.output) for r in workload.requests)
+    assert last.memory.in_use == 0 and last.host_pages == 0 and not last.swapped, "something left at the end"
+    assert sorted(r for st in tl.steps for r in st.finished) == list(range(len(workload))), "a request ended twice or never"
+    assert all(tl.requests[r.rid].generated == len(r.output) for r in workload.requests), "a token was lost"
 
 
 runs = 0
@@ -264,10 +266,10 @@ got = gen.generate(prompts, max_new_tokens=10)
 for i, prompt in enumerate(prompts):
     want = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=10,
                           do_sample=False)[0, len(prompt):].tolist()
-    assert got[i] == want, i
+    assert got[i] == want, f"prompt {i}: {got[i]} != generate's {want}"
 print(f"identical to generate; swapped out {gen.stats['swaps_out']} times, "
       f"{gen.stats['swapped_out_bytes']} bytes to host and {gen.stats['swapped_in_bytes']} back")
-assert gen.stats["swaps_out"] > 0
+assert gen.stats["swaps_out"] > 0, "the pool was meant to force swaps"
 
 # %% [markdown]
 # ## Your turn
@@ -440,12 +442,14 @@ burst_tight = {p: by[("long_prompt_burst", "tight", p)] for p in POLICIES}
 print(f"burst of long prompts, tight memory: recompute computes {burst_tight['recompute']['recomputed_tokens']} "
       f"positions again, swap copies {burst_tight['swap']['swapped_tokens']} and computes "
       f"{burst_tight['swap']['recomputed_tokens']}")
-assert gain > 1 and eos["recompute"]["mean_running"] > eos["reserve"]["mean_running"]
-assert eos["reserve"]["unused_pages"] > eos["retract"]["unused_pages"] > 0 == eos["recompute"]["unused_pages"]
-assert all(r["stops"] == 0 for r in rows if r["policy"] == "reserve")
-assert burst_tight["swap"]["recomputed_tokens"] < burst_tight["recompute"]["recomputed_tokens"]
+assert gain > 1 and eos["recompute"]["mean_running"] > eos["reserve"]["mean_running"], "recompute wins here"
+assert eos["reserve"]["unused_pages"] > eos["retract"]["unused_pages"] > 0 == eos["recompute"]["unused_pages"], \
+    "promises: whole answers > estimates > none"
+assert all(r["stops"] == 0 for r in rows if r["policy"] == "reserve"), "reserve stopped a request"
+assert burst_tight["swap"]["recomputed_tokens"] < burst_tight["recompute"]["recomputed_tokens"], \
+    "swap copies what recompute computes again"
 assert all(r["stops"] == 0 and r["steps"] == by[(r["workload"], "ample", "reserve")]["steps"]
-           for r in rows if r["pool"] == "ample")
+           for r in rows if r["pool"] == "ample"), "with ample memory the policies differ"
 
 # %% [markdown]
 # * **Ample memory**: the policies are the same run. None stops a request, and the promises cost
@@ -496,17 +500,17 @@ for _ in range(200):
     views = [RequestView(k, rng.randint(1, 30), rng.randint(0, 9), rng.choice([16, 64]), 0, 0,
                          admitted[k], arrived[k]) for k in range(n_running)]
     for name in ("recompute", "retract", "swap"):
-        assert order_fn(name, views) == victim_order(name, views)
+        assert order_fn(name, views) == victim_order(name, views), (name, views)
     retracted = rng.random() < 0.1
     mine = ratio_fn(policy, ratio, retracted, views)
     ratio = next_token_ratio(policy, ratio, retracted=retracted, remaining=views)
-    assert abs(mine - ratio) < 1e-12
+    assert abs(mine - ratio) < 1e-12, (mine, ratio)
     n, Pg = rng.randint(2, 40), rng.choice([1, 4, 16])
     saved, hit = rng.randint(1, n - 1), rng.randint(0, (n - 1) // Pg) * Pg
     plan = resume_plan("swap", saved=saved, hit=hit, input_len=n)
     row, host = list(range(100, 100 + n)), list(range(-(-saved // Pg)))
     copies, compute = resume_fn("swap", saved, hit, n, host, row, Pg)
-    assert compute == plan.compute and [p for _, p in copies] == row[plan.copy[0]:plan.copy[1]]
+    assert compute == plan.compute and [p for _, p in copies] == row[plan.copy[0]:plan.copy[1]], (saved, hit, Pg)
 print("victim_order, next_token_ratio and resume_plan agree with kvlab.pressure")
 
 # %% [markdown]
@@ -555,8 +559,9 @@ for steps in (5, 20, 100, 600):
 # %% [markdown] tags=["solution"]
 # **2. Swap or recompute.** Swapping `n` tokens moves `2 * L * H * d * 2` bytes per token each way
 # (K and V, bfloat16): for a 0.5B-shaped model (24 layers, 2 K/V heads of 64) that is 12 KiB per
-# token, 12 MiB for a 1000-token row, about a millisecond over a PCIe link at 10+ GB/s if the
-# copy runs asynchronously from pinned memory. Recomputing is a prefill of `n` tokens, which on a
-# GPU is fast for short rows and grows with the row (attention grows with its square). So swap
-# wins for long rows and busy GPUs, recompute for short rows; a prefix cache hit beats both. The
-# benchmark measures it: `python -m kvlab.bench --memory`.
+# token, 12 MiB for a 1000-token row, at the speed of the link between host and GPU (from pinned
+# memory the copy need not stop the GPU). Recomputing is a prefill of `n` tokens, whose work grows
+# with the row (attention with its square) and with the model's size, while the bytes grow only
+# with the row. So the longer the row and the larger the model per K/V byte, the better swapping
+# looks; a prefix cache hit beats both. Which wins on a given machine is measured, not guessed:
+# `python -m kvlab.bench --memory` times both on the same burst of long prompts.
