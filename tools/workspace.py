@@ -33,6 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from notebook_kernel import copy_for_this_kernel  # noqa: E402
+
 COURSE = ROOT / "notebooks"
 RECORD = ".course-copies.json"
 FIRST_CHAPTER = "00_tour.ipynb"
@@ -72,7 +75,8 @@ def _save_record(work: Path, record: dict[str, str]) -> None:
 
 def _copy(src: Path, dest: Path, record: dict[str, str], name: str) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dest)
+    # with this environment's kernel metadata: JupyterLab then opens the copy unmodified
+    copy_for_this_kernel(src, dest)
     record[name] = _digest(src)
 
 
