@@ -13,11 +13,21 @@ A chapter's page is its executed solutions build, changed in four ways:
 Links in Markdown cells are rewritten for the site's flat layout: a link to a course notebook
 or to the glossary points at its page, an image in the repository is copied beside the pages,
 and any other repository file is linked on GitHub.
+
+Every figure a chapter shows gets the alt text its source declares on the cell's ``# %%``
+line (``alt="..."``, or ``alt=["...", "..."]`` for a cell that shows several, in order): the
+page records it by the picture's SHA-256, and the site's Sphinx extension
+(``website/kvlab_site.py``) puts it on the ``<img>``. A cell whose count of figures differs
+from its count of alt texts stops the build. The home page's course table comes from README's
+(what each chapter builds, and a picture from it).
 """
 from __future__ import annotations
 
+import base64
 import copy
 import difflib
+import hashlib
+import os
 import re
 import shutil
 import sys
@@ -36,9 +46,13 @@ from kvlab.colab import REPO_URL, SETUP_CELL, colab_url  # noqa: E402
 
 NOTEBOOKS = ROOT / "notebooks"
 GLOSSARY = NOTEBOOKS / "glossary.md"
+README = ROOT / "README.md"
 BADGE_IMAGE = "images/colab-badge.svg"  # a local copy: the pages load nothing from elsewhere
 IMAGE_SUFFIXES = {".png", ".svg", ".jpg", ".jpeg", ".gif", ".webp"}
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+FIGURE_TYPES = ("image/png", "image/jpeg", "image/svg+xml")
+#: an output figure's alt text: a sentence of at least this many words
+MIN_ALT_WORDS = 6
 
 SOLUTION_PROMPTS = {"code_prompt_show": "Show the solution", "code_prompt_hide": "Hide the solution"}
 SETUP_PROMPTS = {"code_prompt_show": "Show the setup cell", "code_prompt_hide": "Hide the setup cell"}
@@ -85,6 +99,8 @@ def chapters() -> list[Chapter]:
 class CellRole:
     kind: str  # "plain" | "exercise" | "solution-only"
     starter: str = ""
+    alt: tuple[str, ...] = ()  # the alt text of each figure the cell shows, in order
+    where: str = ""  # "NN_name.py cell 7", for messages
 
 
 @dataclass(frozen=True)
@@ -103,14 +119,64 @@ def source_cells(source: Path) -> list[SourceCell]:
             continue
         where = f"{source.name} cell {i + 1}"
         answer = build_notebooks.split_regions(cell.source, "solutions", where)
+        alt = declared_alt(cell.metadata.get("alt"), where)
         if "solution" in tags:
-            role = CellRole("solution-only")
+            role = CellRole("solution-only", alt=alt, where=where)
         elif build_notebooks.has_markers(cell.source):
-            role = CellRole("exercise", build_notebooks.split_regions(cell.source, "learner", where))
+            role = CellRole("exercise", build_notebooks.split_regions(cell.source, "learner", where),
+                            alt=alt, where=where)
         else:
-            role = CellRole("plain")
+            role = CellRole("plain", alt=alt, where=where)
         found.append(SourceCell(cell.cell_type, answer, role))
     return found
+
+
+def declared_alt(value, where: str) -> tuple[str, ...]:
+    """The alt texts a cell declares (``alt="..."`` or ``alt=["...", ...]`` on its ``# %%``
+    line), each checked to be a sentence (:func:`alt_problem`)."""
+    if value is None:
+        return ()
+    texts = (value,) if isinstance(value, str) else value
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise SiteError(f"{where}: alt must be a string or a list of strings, got {value!r}")
+    for text in texts:
+        problem = alt_problem(text)
+        if problem:
+            raise SiteError(f"{where}: alt text {text!r} {problem}")
+    return tuple(t.strip() for t in texts)
+
+
+def alt_problem(text: str, min_words: int = MIN_ALT_WORDS) -> str | None:
+    """Why ``text`` is not a meaningful alt text for a figure (None when it is): a sentence of
+    at least ``min_words`` words that says what the picture shows, not a file name."""
+    words = re.findall(r"[A-Za-z][\w'-]*", text)
+    if re.search(r"\.(png|svg|jpe?g|gif)\b|\b[0-9a-f]{16,}\b", text, re.I):
+        return "looks like a file name: say what the picture shows"
+    if len(words) < min_words:
+        return f"has {len(words)} words: write a sentence of at least {min_words}"
+    return None
+
+
+def figure_outputs(cell: nbformat.NotebookNode) -> list[tuple[str, bytes]]:
+    """(MIME type, bytes) of each figure among a code cell's outputs, in order."""
+    found = []
+    for out in cell.get("outputs", []):
+        data = out.get("data") or {}
+        kind = next((k for k in FIGURE_TYPES if k in data), None)
+        if kind is None:
+            continue
+        value = data[kind]
+        value = "".join(value) if isinstance(value, list) else value
+        raw = value.encode() if kind == "image/svg+xml" else base64.b64decode(value)
+        found.append((kind, raw))
+    return found
+
+
+def figure_key(kind: str, raw: bytes) -> str:
+    """The name MyST-NB gives a figure's file (its SHA-256; an SVG as MyST-NB writes it)."""
+    if kind == "image/svg+xml":
+        raw = os.linesep.join(raw.decode().splitlines()).encode()
+    return hashlib.sha256(raw).hexdigest()
 
 
 def _same_text(built: str, source: str) -> bool:
@@ -261,8 +327,11 @@ def chapter_page(chapter: Chapter, executed: nbformat.NotebookNode, downloads: d
     setup = nb.cells[1]
     _fold_code(setup, "hide-input", SETUP_PROMPTS)
     page, titled, previous = [], False, "plain"
+    figure_alt: dict[str, str] = {}
     for cell, role in zip(nb.cells[2:], roles):
         _static_outputs(cell)
+        if cell.cell_type == "code":
+            figure_alt.update(_figure_alt(chapter, cell, role))
         if cell.cell_type == "markdown":
             cell.source = rebaser.rewrite(cell.source, chapter.solutions.parent)
         if cell.cell_type == "markdown" and not titled:
@@ -294,7 +363,21 @@ def chapter_page(chapter: Chapter, executed: nbformat.NotebookNode, downloads: d
     for i, cell in enumerate(page):
         cell["id"] = f"site-{i:03d}"
     nb.cells = page
+    nb.metadata["kvlab"] = {"figure_alt": figure_alt}
     return nb
+
+
+def _figure_alt(chapter: Chapter, cell: nbformat.NotebookNode, role: CellRole) -> dict[str, str]:
+    """The alt text of each figure ``cell`` shows, by the figure's key (:func:`figure_key`)."""
+    figures = figure_outputs(cell)
+    if len(figures) != len(role.alt):
+        where = role.where or f"{chapter.source.name}, the cell starting " \
+                              f"{cell.source.strip().splitlines()[:1]}"
+        raise SiteError(
+            f"{where} shows {len(figures)} figure(s) but declares {len(role.alt)} alt text(s): "
+            "on its `# %%` line, write alt=\"<what the picture shows, in a sentence>\" "
+            "(alt=[\"...\", \"...\"] for several, in order)")
+    return {figure_key(kind, raw): text for (kind, raw), text in zip(figures, role.alt)}
 
 
 def chapter_title(nb: nbformat.NotebookNode) -> str:
@@ -304,14 +387,59 @@ def chapter_title(nb: nbformat.NotebookNode) -> str:
     raise SiteError("a chapter without a '# ' title")
 
 
-def index_page(intro: str, rows: list[tuple[Chapter, str]], has_glossary: bool) -> str:
-    """The home page: the intro, a table of the chapters (found by globbing), the toctree."""
-    lines = [intro.rstrip(), "", "## The chapters", "",
-             "| | chapter | run it |", "|---|---|---|"]
+# -- the home page ----------------------------------------------------------------------
+@dataclass(frozen=True)
+class CourseRow:
+    """One row of README's course table."""
+    number: str       # "03"
+    what: str         # what you build (Markdown)
+    picture: str      # the picture's path in the repository ("figures/03_x.png"), or ""
+    alt: str          # its alt text
+
+
+_RAW_FIGURE = re.compile(r'<img\s[^>]*src="[^"]*/(?:main|master)/(figures/[^"]+)"[^>]*>')
+
+
+def course_table(readme: str) -> dict[str, CourseRow]:
+    """README's course table (``| NN | chapter | what you build | picture | run it |``), by
+    chapter number. README is where a chapter's row is written; the site shows the same."""
+    rows = {}
+    for line in readme.splitlines():
+        m = re.match(r"^\|\s*(\d\d)\s*\|", line)
+        if not m:
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 5:
+            continue
+        picture = _RAW_FIGURE.search(cells[3])
+        alt = re.search(r'\balt="([^"]*)"', cells[3])
+        rows[m[1]] = CourseRow(m[1], cells[2], picture[1] if picture else "",
+                               alt[1] if alt else "")
+    return rows
+
+
+def index_page(intro: str, rows: list[tuple[Chapter, str]], has_glossary: bool,
+               course: dict[str, CourseRow] | None = None,
+               rebaser: LinkRebaser | None = None) -> str:
+    """The home page: the intro, the table of the chapters (found by globbing; what each
+    builds and a picture from it, from README's table ``course``), the toctree."""
+    course = course or {}
+    lines = [intro.rstrip(), "", "## The chapters", "", ":::{container} kvlab-course", "",
+             "| | chapter | what you build | a picture from it | run it |",
+             "|---|---|---|---|---|"]
     for chapter, title in rows:
         number, _, name = title.partition(" · ")
         badge = f"[![Open in Colab]({BADGE_IMAGE})]({chapter.colab})"
-        lines.append(f"| {number} | [{name or title}]({chapter.name}.ipynb) | {badge} |")
+        row = course.get(number)
+        what = row.what if row else ""
+        picture = ""
+        if row and row.picture and rebaser is not None:
+            src = rebaser.target(f"../{row.picture}", NOTEBOOKS)
+            picture = (f'<img src="{src}" alt="{row.alt}" class="kvlab-course-picture" '
+                       'width="300">')
+        lines.append(f"| {number} | [{name or title}]({chapter.name}.ipynb) | {what} | {picture} "
+                     f"| {badge} |")
+    lines += ["", ":::"]
     if has_glossary:
         lines += ["", "The [glossary](glossary.md) explains every term the course uses."]
     toc = ["[0-9][0-9]_*"] + (["glossary"] if has_glossary else [])

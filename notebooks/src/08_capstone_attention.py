@@ -49,7 +49,7 @@ N_RANDOM = kvlab.runtime.pick(cpu=4, gpu=40)
 # the allocator found free [pages](glossary.md#page), and the request's **page-table row** says where: position
 # `t` lives at slot `page_table[row, t]`. Attention "gathers" K and V through the row.
 
-# %%
+# %% alt="Top: a page table of requests A and B on pages of 4 slots; bottom: one layer's K pool of 8 pages, where A's and B's K vectors lie scattered in whole pages that attention gathers through each request's row."
 gather_figure()
 plt.show()
 
@@ -406,7 +406,7 @@ assert engine.manager.running == []
 # first batch left in the cache — and each request's own question and answer follow on pages
 # of its own.
 
-# %%
+# %% alt="Left: batch 2's page table after prefill, three rows sharing their first three pages before pages of their own; right: bars of the prompt tokens computed in each batch, equal in batch 1 and far fewer with the prefix cache in batch 2, with the same generated tokens."
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1]))
 cols = max(len(p) for p in second) + NEW_TOKENS
 cols = -(-cols // 4) * 4
