@@ -24,6 +24,8 @@ import build_notebooks  # noqa: E402
 import build_site  # noqa: E402
 import check_site_links  # noqa: E402
 import executed_notebooks  # noqa: E402
+import site_figures  # noqa: E402
+import site_home  # noqa: E402
 import site_pages  # noqa: E402
 
 from kvlab.check.progress_file import ENV as PROGRESS_ENV  # noqa: E402
@@ -203,15 +205,15 @@ def test_a_figure_without_alt_text_stops_the_build(demo, tmp_path):
     ("3f9a0c1d2e4b5a6978c0d1e2f3a4b5c6.png", "looks like a file name"),
 ])
 def test_an_alt_text_says_in_a_sentence_what_the_picture_shows(text, problem):
-    found = site_pages.alt_problem(text)
+    found = site_figures.alt_problem(text)
     assert (found is None) if problem is None else (problem in found)
 
 
 def test_a_bad_alt_declaration_is_named_with_its_cell():
-    with pytest.raises(site_pages.SiteError, match=r"x\.py cell 3: alt text 'a plot' has 2 words"):
-        site_pages.declared_alt("a plot", "x.py cell 3")
-    with pytest.raises(site_pages.SiteError, match="alt must be a string or a list of strings"):
-        site_pages.declared_alt({"text": "no"}, "x.py cell 3")
+    with pytest.raises(site_figures.FigureError, match=r"x\.py cell 3: alt text 'a plot' has 2 words"):
+        site_figures.declared_alt("a plot", "x.py cell 3")
+    with pytest.raises(site_figures.FigureError, match="alt must be a string or a list of strings"):
+        site_figures.declared_alt({"text": "no"}, "x.py cell 3")
 
 
 def test_every_chapter_declares_sentences_and_an_alt_text_where_it_shows_a_figure():
@@ -259,21 +261,21 @@ def test_the_chapters_are_found_by_globbing(tmp_path, monkeypatch):
 def test_the_home_page_lists_the_chapters_and_the_glossary(tmp_path):
     rows = [(site_pages.Chapter(tmp_path / "00_tour.py"), "00 · A tour"),
             (site_pages.Chapter(tmp_path / "11_hash_cache.py"), "11 · Hashed pages")]
-    text = site_pages.index_page("# kvlab\n", rows, has_glossary=True)
+    text = site_home.index_page("# kvlab\n", rows, has_glossary=True)
     assert "| 11 | [Hashed pages](11_hash_cache.ipynb) |" in text
     assert colab_url("notebooks/11_hash_cache.ipynb") in text
     assert ":glob:" in text and "[0-9][0-9]_*" in text and "\nglossary\n" in text
-    assert "glossary" not in site_pages.index_page("# kvlab\n", rows, has_glossary=False)
+    assert "glossary" not in site_home.index_page("# kvlab\n", rows, has_glossary=False)
 
 
 def test_readmes_course_table_gives_every_chapter_what_it_builds_and_a_picture():
-    course = site_pages.course_table(site_pages.README.read_text())
+    course = site_home.course_table(site_home.README.read_text())
     for chapter in site_pages.chapters():
         row = course.get(chapter.name[:2])
         assert row, f"README's course table has no row for chapter {chapter.name}"
         assert len(row.what.split()) >= 2, f"{chapter.name}: README says too little it builds"
         assert row.picture.startswith("figures/") and (ROOT / row.picture).is_file(), row
-        assert site_pages.alt_problem(row.alt, min_words=3) is None, row
+        assert site_figures.alt_problem(row.alt, min_words=3) is None, row
 
 
 def test_the_home_page_shows_the_course_table_with_its_pictures(tmp_path):
@@ -281,12 +283,12 @@ def test_the_home_page_shows_the_course_table_with_its_pictures(tmp_path):
               '| 00 | [A tour](https://x/00_tour.html) | why pages; which runtime | <img src="'
               'https://raw.githubusercontent.com/kvlab-course/kvlab/main/figures/00_fragmentation.png"'
               ' width="300" alt="contiguous vs paged KV memory"> | [badge](https://colab) |\n')
-    course = site_pages.course_table(readme)
-    assert course["00"] == site_pages.CourseRow("00", "why pages; which runtime",
+    course = site_home.course_table(readme)
+    assert course["00"] == site_home.CourseRow("00", "why pages; which runtime",
                                                 "figures/00_fragmentation.png",
                                                 "contiguous vs paged KV memory")
     rows = [(site_pages.Chapter(tmp_path / "00_tour.py"), "00 · A tour")]
-    text = site_pages.index_page("# kvlab\n", rows, False, course, _rebaser(tmp_path))
+    text = site_home.index_page("# kvlab\n", rows, False, course, _rebaser(tmp_path))
     assert ":::{container} kvlab-course" in text
     assert ('| 00 | [A tour](00_tour.ipynb) | why pages; which runtime | <img src="repo/figures/'
             '00_fragmentation.png" alt="contiguous vs paged KV memory" class="kvlab-course-picture"'
@@ -404,7 +406,7 @@ SITE_EXTRA = ["sphinx", "myst_nb", "sphinx_book_theme", "sphinx_design", "sphinx
 
 @pytest.mark.slow
 def test_a_small_site_builds_with_its_glossary(demo, tmp_path, monkeypatch):
-    for module in SITE_EXTRA:  # the `site` extra (pip install 'kvlab[site]')
+    for module in SITE_EXTRA:  # the `site` extra (pip install -e '.[site]')
         pytest.importorskip(module, reason="the site extra is not installed")
     chapter, executed = demo
     notebooks = tmp_path / "notebooks"

@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import check_site_links  # noqa: E402
 import executed_notebooks as ex  # noqa: E402
+import site_home  # noqa: E402
 import site_pages  # noqa: E402
 
 WEBSITE = ROOT / "website"
@@ -76,7 +77,7 @@ def write_sources(chapters: list[site_pages.Chapter], executed: dict[str, Path],
     (src / "downloads").mkdir()
     shutil.copyfile(WEBSITE / "_static" / "colab-badge.svg", src / "images" / "colab-badge.svg")
     rebaser = site_pages.LinkRebaser(src, {c.learner.name for c in chapters})
-    course = site_pages.course_table(site_pages.README.read_text())
+    course = site_home.course_table(site_home.README.read_text())
     rows, figure_alt, previews = [], {}, {}
     for chapter in chapters:
         downloads = {}
@@ -102,7 +103,7 @@ def write_sources(chapters: list[site_pages.Chapter], executed: dict[str, Path],
         text = rebaser.rewrite(site_pages.GLOSSARY.read_text(), site_pages.GLOSSARY.parent)
         (src / "glossary.md").write_text(text)
     intro = (WEBSITE / "intro.md").read_text()
-    (src / "index.md").write_text(site_pages.index_page(intro, rows, has_glossary, course, rebaser))
+    (src / "index.md").write_text(site_home.index_page(intro, rows, has_glossary, course, rebaser))
     first = next((course[n] for n in sorted(course) if course[n].picture), None)
     previews["index"] = _preview(src, "index", _plain(_first_paragraph(intro)), first)
     data = {"figure_alt": figure_alt, "pages": previews}

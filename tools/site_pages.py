@@ -15,19 +15,15 @@ or to the glossary points at its page, an image in the repository is copied besi
 and any other repository file is linked on GitHub.
 
 Every figure a chapter shows gets the alt text its source declares on the cell's ``# %%``
-line (``alt="..."``, or ``alt=["...", "..."]`` for a cell that shows several, in order): the
-page records it by the picture's SHA-256, and the site's Sphinx extension
-(``website/kvlab_site.py``) puts it on the ``<img>``. A cell whose count of figures differs
-from its count of alt texts stops the build. The home page's course table comes from README's
-(what each chapter builds, and a picture from it).
+line (``tools/site_figures.py``): the page records it by the picture's SHA-256, and the site's
+Sphinx extension (``website/kvlab_site.py``) puts it on the ``<img>``. A cell whose count of
+figures differs from its count of alt texts stops the build. The home page is
+``tools/site_home.py``.
 """
 from __future__ import annotations
 
-import base64
 import copy
 import difflib
-import hashlib
-import os
 import re
 import shutil
 import sys
@@ -42,17 +38,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 import build_notebooks  # noqa: E402
+from site_figures import FigureError, declared_alt, figure_key, figure_outputs  # noqa: E402
+
 from kvlab.colab import REPO_URL, SETUP_CELL, colab_url  # noqa: E402
 
 NOTEBOOKS = ROOT / "notebooks"
 GLOSSARY = NOTEBOOKS / "glossary.md"
-README = ROOT / "README.md"
 BADGE_IMAGE = "images/colab-badge.svg"  # a local copy: the pages load nothing from elsewhere
 IMAGE_SUFFIXES = {".png", ".svg", ".jpg", ".jpeg", ".gif", ".webp"}
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-FIGURE_TYPES = ("image/png", "image/jpeg", "image/svg+xml")
-#: an output figure's alt text: a sentence of at least this many words
-MIN_ALT_WORDS = 6
 
 SOLUTION_PROMPTS = {"code_prompt_show": "Show the solution", "code_prompt_hide": "Hide the solution"}
 SETUP_PROMPTS = {"code_prompt_show": "Show the setup cell", "code_prompt_hide": "Hide the setup cell"}
@@ -119,7 +113,10 @@ def source_cells(source: Path) -> list[SourceCell]:
             continue
         where = f"{source.name} cell {i + 1}"
         answer = build_notebooks.split_regions(cell.source, "solutions", where)
-        alt = declared_alt(cell.metadata.get("alt"), where)
+        try:
+            alt = declared_alt(cell.metadata.get("alt"), where)
+        except FigureError as e:
+            raise SiteError(str(e)) from None
         if "solution" in tags:
             role = CellRole("solution-only", alt=alt, where=where)
         elif build_notebooks.has_markers(cell.source):
@@ -129,54 +126,6 @@ def source_cells(source: Path) -> list[SourceCell]:
             role = CellRole("plain", alt=alt, where=where)
         found.append(SourceCell(cell.cell_type, answer, role))
     return found
-
-
-def declared_alt(value, where: str) -> tuple[str, ...]:
-    """The alt texts a cell declares (``alt="..."`` or ``alt=["...", ...]`` on its ``# %%``
-    line), each checked to be a sentence (:func:`alt_problem`)."""
-    if value is None:
-        return ()
-    texts = (value,) if isinstance(value, str) else value
-    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
-        raise SiteError(f"{where}: alt must be a string or a list of strings, got {value!r}")
-    for text in texts:
-        problem = alt_problem(text)
-        if problem:
-            raise SiteError(f"{where}: alt text {text!r} {problem}")
-    return tuple(t.strip() for t in texts)
-
-
-def alt_problem(text: str, min_words: int = MIN_ALT_WORDS) -> str | None:
-    """Why ``text`` is not a meaningful alt text for a figure (None when it is): a sentence of
-    at least ``min_words`` words that says what the picture shows, not a file name."""
-    words = re.findall(r"[A-Za-z][\w'-]*", text)
-    if re.search(r"\.(png|svg|jpe?g|gif)\b|\b[0-9a-f]{16,}\b", text, re.I):
-        return "looks like a file name: say what the picture shows"
-    if len(words) < min_words:
-        return f"has {len(words)} words: write a sentence of at least {min_words}"
-    return None
-
-
-def figure_outputs(cell: nbformat.NotebookNode) -> list[tuple[str, bytes]]:
-    """(MIME type, bytes) of each figure among a code cell's outputs, in order."""
-    found = []
-    for out in cell.get("outputs", []):
-        data = out.get("data") or {}
-        kind = next((k for k in FIGURE_TYPES if k in data), None)
-        if kind is None:
-            continue
-        value = data[kind]
-        value = "".join(value) if isinstance(value, list) else value
-        raw = value.encode() if kind == "image/svg+xml" else base64.b64decode(value)
-        found.append((kind, raw))
-    return found
-
-
-def figure_key(kind: str, raw: bytes) -> str:
-    """The name MyST-NB gives a figure's file (its SHA-256; an SVG as MyST-NB writes it)."""
-    if kind == "image/svg+xml":
-        raw = os.linesep.join(raw.decode().splitlines()).encode()
-    return hashlib.sha256(raw).hexdigest()
 
 
 def _same_text(built: str, source: str) -> bool:
@@ -385,64 +334,3 @@ def chapter_title(nb: nbformat.NotebookNode) -> str:
         if cell.cell_type == "markdown" and cell.source.startswith("# "):
             return cell.source.partition("\n")[0][2:].strip()
     raise SiteError("a chapter without a '# ' title")
-
-
-# -- the home page ----------------------------------------------------------------------
-@dataclass(frozen=True)
-class CourseRow:
-    """One row of README's course table."""
-    number: str       # "03"
-    what: str         # what you build (Markdown)
-    picture: str      # the picture's path in the repository ("figures/03_x.png"), or ""
-    alt: str          # its alt text
-
-
-_RAW_FIGURE = re.compile(r'<img\s[^>]*src="[^"]*/(?:main|master)/(figures/[^"]+)"[^>]*>')
-
-
-def course_table(readme: str) -> dict[str, CourseRow]:
-    """README's course table (``| NN | chapter | what you build | picture | run it |``), by
-    chapter number. README is where a chapter's row is written; the site shows the same."""
-    rows = {}
-    for line in readme.splitlines():
-        m = re.match(r"^\|\s*(\d\d)\s*\|", line)
-        if not m:
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 5:
-            continue
-        picture = _RAW_FIGURE.search(cells[3])
-        alt = re.search(r'\balt="([^"]*)"', cells[3])
-        rows[m[1]] = CourseRow(m[1], cells[2], picture[1] if picture else "",
-                               alt[1] if alt else "")
-    return rows
-
-
-def index_page(intro: str, rows: list[tuple[Chapter, str]], has_glossary: bool,
-               course: dict[str, CourseRow] | None = None,
-               rebaser: LinkRebaser | None = None) -> str:
-    """The home page: the intro, the table of the chapters (found by globbing; what each
-    builds and a picture from it, from README's table ``course``), the toctree."""
-    course = course or {}
-    lines = [intro.rstrip(), "", "## The chapters", "", ":::{container} kvlab-course", "",
-             "| | chapter | what you build | a picture from it | run it |",
-             "|---|---|---|---|---|"]
-    for chapter, title in rows:
-        number, _, name = title.partition(" · ")
-        badge = f"[![Open in Colab]({BADGE_IMAGE})]({chapter.colab})"
-        row = course.get(number)
-        what = row.what if row else ""
-        picture = ""
-        if row and row.picture and rebaser is not None:
-            src = rebaser.target(f"../{row.picture}", NOTEBOOKS)
-            picture = (f'<img src="{src}" alt="{row.alt}" class="kvlab-course-picture" '
-                       'width="300">')
-        lines.append(f"| {number} | [{name or title}]({chapter.name}.ipynb) | {what} | {picture} "
-                     f"| {badge} |")
-    lines += ["", ":::"]
-    if has_glossary:
-        lines += ["", "The [glossary](glossary.md) explains every term the course uses."]
-    toc = ["[0-9][0-9]_*"] + (["glossary"] if has_glossary else [])
-    lines += ["", "```{toctree}", ":hidden:", ":glob:", ":caption: The course", "",
-              *toc, "```", ""]
-    return "\n".join(lines)

@@ -38,8 +38,8 @@ from kvlab.scenes.ch10_serve import (conversation_bars, conversation_rows, conve
 
 try:
     import transformers
-except ImportError as e:  # the course's dev install has it; elsewhere: pip install 'kvlab[hf]'
-    raise ImportError("chapter 10 needs transformers: pip install 'kvlab[hf]'") from e
+except ImportError as e:  # the course's dev install has it; elsewhere: pip install 'transformers>=4.56'
+    raise ImportError("chapter 10 needs transformers: pip install 'transformers>=4.56'") from e
 
 USE_SMOLLM2 = False            # True: HuggingFaceTB/SmolLM2-135M and real text (GPU + internet)
 DEVICE = kvlab.DEVICE
