@@ -451,8 +451,11 @@ def test_a_small_site_builds_with_its_glossary(demo, tmp_path, monkeypatch):
         assert max(fonts.values()) < 8_000, fonts  # ~110 KB each, whole
         from fontTools.ttLib import TTFont
 
-        glyphs = TTFont(next(html.rglob("fa-solid-900.woff2"))).getBestCmap()
-        assert 0xF0C9 in glyphs  # fa-bars, the menu button every page shows
+        glyphs = set(TTFont(next(html.rglob("fa-solid-900.woff2"))).getBestCmap())
+        glyphs |= set(TTFont(next(html.rglob("fa-brands-400.woff2"))).getBestCmap())
+        assert 0xF0C9 in glyphs  # fa-bars, the menu button every page shows (an <i> class)
+        assert 0xF019 in glyphs  # the download links' arrow, which the stylesheet draws
+        assert 0xF09B in glyphs  # the repository button's GitHub mark (the brands font)
 
 
 def _has(module: str) -> bool:

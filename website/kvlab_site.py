@@ -126,7 +126,13 @@ def subset_icon_fonts(out: Path) -> dict[str, tuple[int, int]]:
     used = set()
     for path in [*out.rglob("*.html"), *(out / "_static").rglob("*.js")]:
         used |= set(_ICON_CLASS.findall(path.read_text(errors="replace")))
-    unicodes = sorted({codepoints[n] for n in used if n in codepoints})
+    unicodes = {codepoints[n] for n in used if n in codepoints}
+    # icons the stylesheets draw themselves (a download link's arrow, an admonition's sign):
+    # private-use characters, or their escapes, outside the class-to-icon table
+    rest = _ICON_RULE.sub("", css)
+    unicodes |= {ord(c) for c in rest if 0xE000 <= ord(c) <= 0xF8FF}
+    unicodes |= {int(h, 16) for h in re.findall(r'"\\([ef][0-9a-f]{3})"', rest)}
+    unicodes = sorted(unicodes)
     sizes = {}
     for font in (out / "_static").rglob("fa-*.woff2"):
         before = font.stat().st_size
