@@ -68,6 +68,8 @@ def _recording(into: list[Launch], what: str):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    from kvlab.kernels.launch import Launcher
+
     originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
 
     def recorder(cls):
@@ -80,16 +82,24 @@ def _recording(into: list[Launch], what: str):
         into.append(_launch(fn, args, kwargs, what))
         raise _Recorded
 
+    # a Launcher that already keeps its compiled kernel (on a GPU, after an earlier test)
+    # launches it without Triton's run: record its launches where they enter
+    launcher_call = Launcher.__call__
+
+    def launcher(self, grid, args, key=()):
+        into.append(_launch(self.kernel, args, {}, what))
+        return launcher_call(self, grid, args, key)
+
     problem = compiled.problem
     for cls in originals:
         cls.run = recorder(cls)
-    compiled.problem = kept
+    compiled.problem, Launcher.__call__ = kept, launcher
     try:
         yield
     finally:
         for cls, run in originals.items():
             cls.run = run
-        compiled.problem = problem
+        compiled.problem, Launcher.__call__ = problem, launcher_call
 
 
 def record(call: Callable[[], object], what: str) -> list[Launch]:
