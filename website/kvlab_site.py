@@ -24,6 +24,9 @@ import shutil
 from pathlib import Path
 
 from docutils import nodes
+from sphinx.util import logging
+
+LOG = logging.getLogger(__name__)
 
 DATA = "_kvlab_site.json"
 PREVIEWS = "_static/previews"
@@ -52,11 +55,8 @@ def _alt_for_figures(app, doctree) -> None:
         if stem in alts:
             image["alt"] = alts[stem]
         else:
-            from sphinx.util import logging
-
-            logging.getLogger(__name__).warning(
-                f"a figure of {docname} has no alt text: declare it on its cell's `# %%` line "
-                "(tools/site_pages.py)", location=image)
+            LOG.warning(f"a figure of {docname} has no alt text: declare it on its cell's `# %%` "
+                        "line (tools/site_figures.py)", location=image)
 
 
 def _meta_tags(app, pagename, templatename, context, doctree) -> None:
