@@ -3,11 +3,11 @@
     python3 tools/torch_build.py choose                      # prints "cpu" or "cuda" and why
     python3 tools/torch_build.py install --python .venv/bin/python --spec torch==2.13.0
 
-On Linux, PyPI's torch wheel bundles the CUDA libraries: a clean install is about 5.6 GB of
-wheels (torch and 17 ``nvidia-*`` packages), of no use on a laptop without an NVIDIA GPU.
-PyTorch publishes a CPU-only build of every release on its own wheel index
-(:data:`CPU_INDEX`, under 200 MB per wheel); this script installs that one where no NVIDIA GPU
-is found, and PyPI's (CUDA) build where one is:
+On Linux, PyPI's torch wheel brings the CUDA libraries: for torch 2.13.0 (CUDA 13) 2.7 GB of
+wheels (torch, a dozen ``nvidia-*`` packages, Triton) and 5.5 GB in ``.venv`` against 2.7 GB,
+measured, of no use on a laptop without an NVIDIA GPU. PyTorch publishes a CPU-only build of
+every release on its own wheel index (:data:`CPU_INDEX`: 0.2 GB for 2.13.0); this script
+installs that one where no NVIDIA GPU is found, and PyPI's (CUDA) build where one is:
 
     TORCH_BUILD=auto (default)   nvidia-smi lists a GPU, or the driver shows one in
                                  /proc/driver/nvidia/gpus  ->  cuda;  otherwise  ->  cpu
@@ -122,7 +122,7 @@ def install(python: str, spec: str, choice: Choice, say=print) -> int:
         else:
             say(f"  the CPU-only build: {choice.why}. PyTorch's CPU wheel index {index} cannot "
                 f"be reached ({problem}), so torch comes from pip's own index instead (on Linux "
-                "x86_64 PyPI's torch is the CUDA build, about 5 GB more)")
+                "x86_64 PyPI's torch is the CUDA build: 2.7 GB of wheels instead of 0.2 GB)")
     else:
         say(f"  the CUDA build, from pip's own index: {choice.why}")
     run = subprocess.run([python, *pip_args(choice, spec, cpu_index)])
