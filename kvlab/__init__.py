@@ -43,6 +43,7 @@ _EXPORTS = {
     "TimelineExplorer": "widgets",
     "alloc_extend_fast": "fast_alloc",  # chapter 09
     "alloc_decode_fast": "fast_alloc",
+    "fast_paged_decode_attention": "attention",
     "HashPrefixCache": "hash_cache",  # chapter 11
     "HashCacheHandle": "hash_chain",
     "chain_hash": "hash_chain",

@@ -261,3 +261,48 @@ def test_serve_targets_are_ratios_of_tokens_per_second():
     assert [t["measured"] for t in _targets(fake(3000, 1500, 600))] == [2.0, 5.0]
     missing = fake(3000, 1500, None)
     assert _targets(missing)[1]["passed"] is False and _targets(missing)[1]["measured"] is None
+
+
+# --- the decode-attention benchmark of chapter 09 (python -m kvlab.bench --attention) -----------
+
+
+def test_attention_smoke_adds_its_section_and_plot(tmp_path):
+    """A smoke run: every kernel case and decode step measured (no claim), the targets listed
+    as n/a, the kernels agreeing, the result joining what bench.json held."""
+    from kvlab.bench.__main__ import attention_main
+    from kvlab.bench.attention import KERNEL_TARGETS, SMOKE_BATCHES, SMOKE_CONTEXTS, SMOKE_STEP_BATCHES
+
+    (tmp_path / "bench.json").write_text(json.dumps({"kept": 1}))
+    res = attention_main(str(tmp_path), smoke=True)
+    saved = json.loads((tmp_path / "bench.json").read_text())
+    assert saved["kept"] == 1 and saved["attention"]["smoke"] is True
+    a = res["attention"]
+    assert [(r["batch"], r["ctx"]) for r in a["kernel"]] == [(b, c) for b in SMOKE_BATCHES for c in SMOKE_CONTEXTS]
+    for r in a["kernel"]:
+        assert set(r["paths"]) == {"teaching", "fast", "sdpa"} and r["agree_max_abs"] < 1e-4
+        assert r["bytes"]["floor"] < r["bytes"]["teaching_design"]
+        assert r["floor_us"] == pytest.approx(r["bytes"]["floor"] / a["bandwidth"]["gb_per_s"] / 1e3)
+    assert [r["batch"] for r in a["step"]["rows"]] == list(SMOKE_STEP_BATCHES)
+    assert all(set(r["paths"]) == {"fast", "teaching"} for r in a["step"]["rows"])
+    assert len(a["targets"]) == len(KERNEL_TARGETS) + len(SMOKE_STEP_BATCHES)
+    assert all(t["passed"] is None for t in a["targets"])
+    md = (tmp_path / "bench.md").read_text()
+    assert "Decode attention at the memory floor" in md and "Smoke run" in md
+    assert (tmp_path / "09_bench_attention.png").stat().st_size > 0
+
+
+def test_attention_targets_compare_with_the_floor():
+    from kvlab.bench.attention import targets
+
+    kernel = [dict(batch=b, ctx=c, paths={"fast": {"ratio_to_floor": 1.5 if c < 32768 else 2.5}})
+              for b, c in [(64, 512), (64, 4096), (64, 32768), (256, 4096), (256, 32768)]]
+    step = {"rows": [dict(batch=64, paths={"fast": {"ratio_to_floor": 3.5},
+                                           "fast_compiled": {"ratio_to_floor": 2.9},
+                                           "teaching": {"ratio_to_floor": 1.0}})],
+            "graphs_built_while_serving": 0}
+    found = {t["name"]: t for t in targets(dict(smoke=False, kernel=kernel, step=step))}
+    assert found["fast decode attention, batch 64, context 512"]["passed"] is True
+    assert found["fast decode attention, batch 256, context 32768"]["passed"] is False
+    step_target = found["CUDA-graph decode step (fast_compiled), 64 running requests"]
+    assert step_target["passed"] is True and step_target["measured"] == 2.9   # the teaching kernel is not counted
+    assert found["torch.compile recompiles after start-up"]["passed"] is True

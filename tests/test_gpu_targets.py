@@ -23,9 +23,10 @@ import torch
 import kvlab  # noqa: F401  (first: decides compiled vs interpreter)
 from gpu_targets import Launch, compile_for_each, jit_functions, reached, record
 from kvlab import gpus
-from kvlab.attention import paged_decode_attention
+from kvlab.attention import FastConfig, fast_launches, paged_decode_attention
 from kvlab.bench.public import empty_kernel
 from kvlab.check import ch08_attention_kernel as ch08, ch09_fast as ch09
+from kvlab.check import ch09_merge_splits as ch09_merge, ch09_split_attention as ch09_split
 from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast
 from kvlab.kernels import fast_alloc as fast_kernels
 from kvlab.kvcache import random_paged_layout
@@ -73,6 +74,27 @@ def attention(dtype, kv_heads=None):
     paged_decode_attention(q, k.to(dtype), v.to(dtype), table, rows, lens)
 
 
+def fast_attention(dtype, num_splits: int):
+    """Chapter 09's fast decode attention as a GPU launches it: with a 16-bit pool, tl.dot in that
+    type (LOW_PRECISION; the interpreter multiplies in float32 instead); one split writes the
+    output directly, more launch the merge."""
+    q, k, v, table, rows, lens = random_paged_layout(0, 16, [40, 70], heads=8, kv_heads=2,
+                                                     head_dim=64, device=DEV)
+    out = torch.empty(q.shape, dtype=torch.float32, device=DEV)
+    for launch in fast_launches(q, k.to(dtype), v.to(dtype), table, rows.to(DEV, torch.int64),
+                                lens.to(DEV, torch.int64), out, 0.125, num_splits, FastConfig()):
+        kwargs = {k: v for k, v in launch.kwargs.items() if k not in ("num_warps", "num_stages")}
+        if "LOW_PRECISION" in kwargs:
+            kwargs["LOW_PRECISION"] = dtype != torch.float32
+        launch.kernel[launch.grid](*launch.args, **kwargs)
+
+
+def merge_inputs(batch=2, heads=4, splits=3, head_dim=16):
+    """Chapter 09's merge exercise: each split's output and log-sum-exp, and the lengths."""
+    o = torch.randn(batch, heads, splits, head_dim, device=DEV)
+    return o, torch.randn(batch, heads, splits, device=DEV), i64(40, 70), splits
+
+
 @dataclass(frozen=True)
 class Spec:
     chapters: str                         # where the launch comes from ("08 10")
@@ -97,6 +119,11 @@ SPECS = [
     Spec("08", lambda f: ch08.run_attention_kernel(ch08.paged_attention_kernel_solution,
                                                    *random_paged_layout(0, 4, [5, 9], device=DEV), block_n=8)),
     Spec("09", lambda f: ch09.run_scan_kernel(ch09.extend_scan_solution, [3, 0, 4], [9, 5, 4], 4)),
+    Spec("09 10", lambda f: fast_attention(f, num_splits=1), floats=True),
+    Spec("09 10", lambda f: fast_attention(f, num_splits=2), floats=True),
+    Spec("09", lambda f: ch09_split.run_split_kernel(ch09_split.split_attention_solution,
+                                                     *ch09_split.spare_layout(0, 4, [40, 9], 8, 2, 16, 1), 2, 16)),
+    Spec("09", lambda f: ch09_merge.run_merge_kernel(ch09_merge.merge_splits_solution, *merge_inputs(), 16)),
 ]
 
 

@@ -75,14 +75,15 @@ SERVING = {"chunks, padded decode": dict(prefill_budget=7),
            "whole prompts, plain decode": dict(chunked_prefill=False, decode_graphs="off")}
 
 
+@pytest.mark.parametrize("attention", ["fast", "teaching"])
 @pytest.mark.parametrize("serving", sorted(SERVING))
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_same_tokens_as_generate_with_shared_prefixes(models, arch, page_size, serving):
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_same_tokens_as_generate_with_shared_prefixes(models, arch, page_size, serving, attention):
     model = models[arch]
     prompts = shared_prefix_prompts(seed=page_size)
     gen = PagedGenerator(model, page_size=page_size, num_pages=256 // page_size + 8, max_running=8,
-                         **SERVING[serving])
+                         attention=attention, **SERVING[serving])
     got = gen.generate(prompts, max_new_tokens=4, output_logits=True)
     assert (gen.stats["chunks"] > 0) == (serving == "chunks, padded decode")
     assert (gen.stats["graph_steps"] > 0) == (serving == "chunks, padded decode")
@@ -262,6 +263,61 @@ def test_a_decode_step_of_your_own_serves_the_model(models):
     assert_identical(model, gen, prompts, got, 5)
 
 
+@pytest.mark.parametrize("attention", ["fast", "teaching"])
+def test_the_chosen_decode_kernels_are_the_ones_that_run(models, attention, monkeypatch):
+    """attention="fast" decodes through chapter 09's kernels, "teaching" through chapter 08's,
+    in padded graph steps and packed steps alike; the other one is never launched."""
+    from kvlab.kernels import attention as teaching_kernels
+    from kvlab.kernels import fast_attention
+
+    launched = {"fast": 0, "teaching": 0}
+    for name, kernel in (("fast", fast_attention.split_decode_kernel),
+                         ("teaching", teaching_kernels.paged_decode_attention_kernel)):
+        def counted(*args, _run=kernel.run, _name=name, **kwargs):
+            launched[_name] += 1
+            return _run(*args, **kwargs)
+        monkeypatch.setattr(kernel, "run", counted)
+    prompts = shared_prefix_prompts(seed=7, system_len=9, suffixes=(2, 5))
+    gen = PagedGenerator(models["llama"], page_size=4, num_pages=64, max_running=4, prefill_budget=8,
+                         attention=attention)
+    got = gen.generate(prompts, max_new_tokens=4, output_logits=True)
+    assert gen.stats["graph_steps"] > 0 and gen.stats["chunks"] > 0   # both kinds of step ran
+    other = "teaching" if attention == "fast" else "fast"
+    assert launched[attention] > 0 and launched[other] == 0, launched
+    assert_identical(models["llama"], gen, prompts, got, 4)
+
+
+def _inductor_runs() -> str | None:
+    """Why torch.compile's inductor cannot compile here (None: it can): on a CPU it needs a
+    C++ compiler."""
+    try:
+        fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, dynamic=False)
+        torch.testing.assert_close(fn(torch.ones(3)), torch.sin(torch.ones(3)) * 2 + 1)
+    except Exception as e:  # noqa: BLE001 - any failure means: no compiler here
+        return f"torch.compile cannot run here: {type(e).__name__}: {str(e)[:200]}"
+    return None
+
+
+def test_a_compiled_decode_step_gives_the_same_tokens_and_recompiles_nothing_after_start_up(models):
+    """compile_decode=True: torch.compile of the padded decode step, compiled at start-up (the
+    batch size symbolic, the attention call left to run as it is); serving then builds no new
+    graph, whatever the batch, and the tokens are generate()'s."""
+    why = _inductor_runs()
+    if why:
+        pytest.skip(why)
+    from kvlab.hf.graphs import dynamo_graphs
+
+    model = models["llama"]
+    gen = PagedGenerator(model, page_size=4, num_pages=64, max_running=4, graph_sizes=[2, 4],
+                         compile_decode=True)
+    assert gen.graphs.compiled and gen.graphs.graphs_at_start == dynamo_graphs() > 0
+    prompts = shared_prefix_prompts(seed=3, system_len=6, suffixes=(1, 4, 2))   # 4 prompts: 4, 3, 2 run
+    got = gen.generate(prompts, max_new_tokens=5, output_logits=True)
+    assert gen.stats["graph_steps"] > 0
+    assert dynamo_graphs() == gen.graphs.graphs_at_start      # no recompile after start-up
+    assert_identical(model, gen, prompts, got, 5)
+
+
 def test_chunked_prefill_keeps_each_step_within_the_token_budget(models):
     """A long prompt is computed over several steps, at most `prefill_budget` prompt tokens a
     step, while the other requests keep decoding; a chunk gives no token until the last one."""
@@ -331,6 +387,9 @@ def test_clear_prefix_cache_makes_the_next_call_cold(models):
     (dict(graph_sizes=[1, 2, 64]), "graph_sizes"),
     (dict(prefill_budget=0), "prefill_budget"),
     (dict(chunked_prefill=1), "chunked_prefill"),
+    (dict(attention="flash"), "attention"),
+    (dict(compile_decode="yes"), "compile_decode"),
+    (dict(compile_decode=True, decode_graphs="off"), "compile_decode"),
 ])
 def test_bad_serving_options_are_refused(models, kw, argument):
     with pytest.raises(InvalidArgument) as err:
@@ -374,36 +433,44 @@ def test_gpu_a_step_never_waits_for_the_gpu(models, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_gpu_serving_compiles_nothing_after_start_up(models, page_size):
-    """Construction compiles the decode kernel (capturing the graphs) and the page-table kernel
-    (writing the dummy row); then batches of 1, 16, 17 and 40 requests, prompts in chunks,
-    compile no variant of either."""
+    """Construction compiles the decode kernels (both variants of the fast one, and capturing
+    the graphs), the decode step with torch.compile, and the page-table kernel (writing the
+    dummy row); then batches of 1, 16, 17 and 40 requests, prompts in chunks, compile no
+    variant of any, and torch.compile builds no graph."""
     from kvlab.kernels.attention import paged_decode_attention_kernel
+    from kvlab.kernels.fast_attention import merge_splits_kernel, split_decode_kernel
     from kvlab.kernels.paging import write_page_table_kernel
 
     def compiled():
         return [sum(len(c[0]) for c in k.device_caches.values())
-                for k in (paged_decode_attention_kernel, write_page_table_kernel)]
+                for k in (paged_decode_attention_kernel, split_decode_kernel, merge_splits_kernel,
+                          write_page_table_kernel)]
+
+    from kvlab.hf.graphs import dynamo_graphs
 
     gen = PagedGenerator(models["llama"], page_size=page_size, num_pages=4096 // page_size,
                          max_running=64, prefill_budget=64)
-    before = compiled()
+    assert gen.graphs.compiled            # torch.compile of the decode step, on by default here
+    before = compiled(), dynamo_graphs()
     rng = random.Random(page_size)
     for n in (1, 16, 17, 40):
         gen.generate([[rng.randrange(VOCAB) for _ in range(rng.randint(1, 90))] for _ in range(n)],
                      max_new_tokens=5)
-    assert compiled() == before
+    assert (compiled(), dynamo_graphs()) == before
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["fast", "teaching"])
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("page_size", [1, 4, 16])
-def test_gpu_same_tokens_as_generate_with_compiled_triton(models, arch, page_size):
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_gpu_same_tokens_as_generate_with_compiled_triton(models, arch, page_size, attention):
     """On CUDA, compiled Triton: the models run on the GPU in float32 and must match
     generate() token for token, logits within 1e-4, with cache hits and eviction."""
     model = models[arch]
     assert model.device.type == "cuda", f"model on {model.device}, expected cuda"
     prompts = shared_prefix_prompts(seed=11 + page_size, system_len=40, suffixes=(5, 17, 1, 30, 8))
-    gen = PagedGenerator(model, page_size=page_size, num_pages=160 // page_size + 2, max_running=3)
+    gen = PagedGenerator(model, page_size=page_size, num_pages=160 // page_size + 2, max_running=3,
+                         attention=attention)
     got = gen.generate(prompts, max_new_tokens=24, output_logits=True)
     assert_identical(model, gen, prompts, got, 24)
     assert gen.stats["prefill_cached"] > 0, f"no cache hits: {gen.stats}"

@@ -439,6 +439,55 @@ CH08_KERNEL = [
            "the page-table row loaded past the request's length"),
 ]
 
+# --- chapter 09: decode attention at the memory floor (the first pass's loads, the merge) ------
+
+_SLOTS = "slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)"
+_KV_HEAD = "kv = slots * stride_kv_s + g * stride_kv_h  #"
+_SPLIT_LEN = "split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N"
+
+CH09_ATTENTION = [
+    Mutant("split_attention", _KV_HEAD, "kv = slots * stride_kv_s + g * GROUP * stride_kv_h  #",
+           ("query head 2 (K/V head 1)", "looks like program (b, g, s) reads K/V head g * GROUP"),
+           "a group reads the K/V head numbered like its first query head"),
+    Mutant("split_attention", _KV_HEAD, "kv = slots * stride_kv_s + 0 * stride_kv_h  #",
+           ("looks like every program reads K/V head 0",), "every group reads K/V head 0"),
+    Mutant("split_attention", _SLOTS,
+           "slots = (tl.load(page_table_ptr + row * stride_pt_row + n0) + tl.arange(0, BLOCK_N)).to(tl.int64)",
+           ("[page_size 3: every block crosses pages]", "a block that crosses a page boundary"),
+           "a block reads consecutive slots from its first one (right while a block stays in one page)",
+           "lucky"),
+    Mutant("split_attention", "        for n0 in range(start, end, BLOCK_N):\n",
+           "        tl.store(q_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :], "
+           "q * scale, mask=mask_h[:, None] & mask_d[None, :])\n        for n0 in range(start, end, BLOCK_N):\n",
+           ("your code changed `q_ptr`",), "scales q in place", "input"),
+    Mutant("split_attention", _SPLIT_LEN, "split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), 16) * 16",
+           ("[BLOCK_N 32, four splits of 40 positions: one block each]",), "splits of blocks of 16 written in",
+           "param"),
+    Mutant("split_attention", 'm_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")', 'm_i = -float("inf")',
+           ("does not compile for a GPU", "Loop-carried variable m_i"),
+           "the running max starts as a scalar and becomes a vector of the group's heads", "compiled"),
+    Mutant("merge_splits", "        alpha = tl.exp(m - m_new)  # rescales what was summed under the old max (0 at first)\n"
+           "        w = tl.exp(lse - m_new)  # this split's weight, at most 1\n",
+           "        alpha = 1.0\n        w = tl.exp(lse)  # each split weighted by its sum of exp(score)\n",
+           ("[large scores: exp(lse) overflows float32 without the max]",
+            "looks like the splits are weighted by exp(lse) without the max correction"),
+           "a split merge without the max correction (right while scores are small)", "lucky"),
+    Mutant("merge_splits", "acc = acc * alpha + w * o", "acc = acc + w * o",
+           ("looks like acc is not rescaled when the max grows",), "the merge forgets to rescale acc"),
+    Mutant("merge_splits", "        m = m_new\n", "",
+           ("[two splits, scores of a few units]", "looks like m is never updated"), "the merge's max never moves"),
+    Mutant("merge_splits", "alpha = tl.exp(m - m_new)", "alpha = 1.0",
+           ("looks like alpha is 1",), "nothing summed under the old max is rescaled"),
+    Mutant("merge_splits", "        m = m_new\n",
+           "        m = m_new\n        tl.store(lse_ptr + b * stride_l_b + h * stride_l_h + s, lse - m)\n",
+           ("your code changed `lse_ptr`",), "normalises the lse in place", "input"),
+    Mutant("merge_splits", _SPLIT_LEN, "split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), 16) * 16",
+           ("[BLOCK_N 32, ragged lengths, page_size 3]",), "splits of blocks of 16 written in", "param"),
+    Mutant("merge_splits", "total = 0.0", "total = 0",
+           ("does not compile for a GPU", "total", "write 0.0, not 0"),
+           "total starts as the int 0: a loop carry that becomes a float", "compiled"),
+]
+
 # --- chapter 11: the hash-chained cache --------------------------------------------------
 
 CH11 = [
@@ -819,7 +868,7 @@ BLIND_SPOTS = [
 ]
 
 MUTANTS = (CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
-           + CH11 + BLIND_SPOTS)
+           + CH09_ATTENTION + CH11 + BLIND_SPOTS)
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -849,6 +898,7 @@ APPLIES = {
     "decode_step": _FAULTS | {"lucky", "state", "blame"},
     "paged_attention": _FAULTS | {"lucky"}, "paged_attention_kernel": _FAULTS | {"lucky", "compiled"},
     "extend_scan": _FAULTS | {"lucky", "compiled"}, "paged_attention_step": _FAULTS | {"lucky", "state"},
+    "split_attention": _FAULTS | {"lucky", "compiled"}, "merge_splits": _FAULTS | {"lucky", "compiled"},
     "pad_decode_batch": _FAULTS | {"lucky"},
     "page_hashes": _FAULTS | {"lucky"}, "hash_match": _FAULTS | {"lucky", "state"},
     "allocate_pages": _FAULTS | {"lucky", "state"},
@@ -857,7 +907,7 @@ APPLIES = {
 
 
 def test_every_class_of_slip_has_a_mutant_on_every_exercise_it_applies_to():
-    assert set(APPLIES) == set(COURSE_EXERCISES) and len(APPLIES) == 22
+    assert set(APPLIES) == set(COURSE_EXERCISES) and len(APPLIES) == 24
     missing = [(name, kind) for name, kinds in APPLIES.items() for kind in sorted(kinds)
                if not any(m.exercise == name and m.kind == kind for m in MUTANTS)]
     assert not missing
@@ -866,7 +916,8 @@ def test_every_class_of_slip_has_a_mutant_on_every_exercise_it_applies_to():
 COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_extend_part1", "alloc_extend_part2",
                     "alloc_extend_part3", "alloc_decode", "match_prefix", "match_req",
                     "insert_prefix", "cache_req_regions", "cache_req_remap", "decode_step",
-                    "paged_attention", "paged_attention_kernel", "extend_scan", "paged_attention_step",
+                    "paged_attention", "paged_attention_kernel", "extend_scan", "split_attention", "merge_splits",
+                    "paged_attention_step",
                     "pad_decode_batch", "page_hashes", "hash_match", "allocate_pages", "free_pages"]
 
 
@@ -958,6 +1009,27 @@ REWRITES = [
     Rewrite("cache_req_remap", "    row = list(row_slots)\n    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]\n",
             "    row = [cached_slots[p] if old_cached_len <= p < already_cached_len else s\n"
             "           for p, s in enumerate(row_slots)]\n", "the new row from a comprehension"),
+    Rewrite("split_attention",
+            "            k = tl.load(k_pool_ptr + kv[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None],\n"
+            "                        other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_N]\n",
+            "            k = tl.trans(tl.load(k_pool_ptr + kv[:, None] + offs_d[None, :],\n"
+            "                                 mask=mask_n[:, None] & mask_d[None, :], other=0.0).to(tl.float32))\n",
+            "K loaded as [BLOCK_N, BLOCK_D] and transposed"),
+    Rewrite("split_attention", _SLOTS,
+            "slots = tl.load(page_table_ptr + row * stride_pt_row + tl.where(mask_n, offs_n, n0)).to(tl.int64)",
+            "masked positions read the block's first slot instead of a masked load"),
+    Rewrite("merge_splits",
+            "        alpha = tl.exp(m - m_new)  # rescales what was summed under the old max (0 at first)\n"
+            "        w = tl.exp(lse - m_new)  # this split's weight, at most 1\n",
+            "        alpha = tl.exp2((m - m_new) * 1.4426950408889634)  # exp(x) = 2 ** (x * log2(e))\n"
+            "        w = tl.exp2((lse - m_new) * 1.4426950408889634)\n",
+            "the exponentials written with exp2"),
+    Rewrite("merge_splits",
+            "    for s in range(0, live):\n        lse = tl.load(lse_ptr + b * stride_l_b + h * stride_l_h + s)\n",
+            "    for s in range(0, live):  # the largest lse first: m is the final max from the start\n"
+            "        m = tl.maximum(m, tl.load(lse_ptr + b * stride_l_b + h * stride_l_h + s))\n"
+            "    for s in range(0, live):\n        lse = tl.load(lse_ptr + b * stride_l_b + h * stride_l_h + s)\n",
+            "two loops: the largest lse first, then the weighted sums"),
     Rewrite("paged_attention_step", "    k_pool[slots] = k                                 # all of its K/V heads at once\n"
             "    v_pool[slots] = v\n", "    k_pool.index_copy_(0, slots, k)\n    v_pool.index_copy_(0, slots, v)\n",
             "the new K/V stored with index_copy_"),

@@ -1,4 +1,5 @@
-"""``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only] [--serve]`` (chapters 09, 10).
+"""``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only] [--serve] [--attention]``
+(chapters 09, 10).
 
 On CUDA: the full suite, written to ``--out`` (default ``figures/``): ``bench.json``,
 ``bench.md`` (with the command that produced it) and the ``09_*.png`` plots. For honest
@@ -10,6 +11,10 @@ unless ``--out`` is given, so it never overwrites the GPU results in ``figures/`
 ``--serve``: only the serving benchmark of chapter 10 (:mod:`kvlab.bench.serve`), added to the
 ``bench.json`` already in the output folder (under ``"serve"``), ``bench.md`` written again
 from it, and ``10_bench_serve.png``.
+
+``--attention``: only the decode-attention benchmark of chapter 09 (:mod:`kvlab.bench.attention`:
+the attention kernels and the whole decode step against the HBM floor), added to ``bench.json``
+the same way (under ``"attention"``), with ``09_bench_attention.png``.
 """
 from __future__ import annotations
 
@@ -34,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trap", action="store_true", help="skip the one slow recompile demonstration")
     ap.add_argument("--public-only", action="store_true", help="only the public calls, floor and first calls")
     ap.add_argument("--serve", action="store_true", help="only the serving benchmark (chapter 10)")
+    ap.add_argument("--attention", action="store_true",
+                    help="only the decode-attention benchmark (chapter 09: kernels and decode step vs the HBM floor)")
     args = ap.parse_args(argv)
     smoke = args.smoke or runtime.INTERPRET
     out = args.out
@@ -42,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve:
         res = serve_main(out, smoke)
         targets = res["serve"]["targets"]
+    elif args.attention:
+        res = attention_main(out, smoke)
+        targets = res["attention"]["targets"]
     else:
         res = run(smoke=smoke, trap=not args.no_trap, public_only=args.public_only)
         write_outputs(res, out)
@@ -74,6 +84,28 @@ def serve_main(out: str, smoke: bool) -> dict:
     res = load(path) if os.path.exists(path) else {}
     res["serve"] = serve
     write_outputs(res, out, plots=["10_bench_serve.png"])
+    return res
+
+
+def attention_main(out: str, smoke: bool) -> dict:
+    """Run the decode-attention benchmark; keep whatever else ``out/bench.json`` holds."""
+    from .attention import run_attention
+    from .report import load
+    from .suite import _meta
+
+    attention = run_attention(smoke=smoke)
+    meta = _meta(smoke)
+    try:
+        import transformers
+        version = transformers.__version__
+    except ImportError:
+        version = None
+    attention["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
+                             transformers=version, date=meta["date"], command=meta["command"])
+    path = os.path.join(out, "bench.json")
+    res = load(path) if os.path.exists(path) else {}
+    res["attention"] = attention
+    write_outputs(res, out, plots=["09_bench_attention.png"])
     return res
 
 

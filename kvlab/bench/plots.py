@@ -9,6 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 
 from ..viz.legibility import MAX_WIDTH_IN
+from .attention_report import plot_attention
 from .serve_report import plot_serve
 
 COLORS = {"teaching": "#c0504d", "fast": "#2e7d32", "fast_host_lens": "#66bb6a",
@@ -198,4 +199,5 @@ PLOTS = {
     "09_page_table_write.png": plot_page_table,
     "09_public_call.png": plot_public_call,
     "10_bench_serve.png": plot_serve,
+    "09_bench_attention.png": plot_attention,
 }

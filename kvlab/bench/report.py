@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 
+from .attention_report import attention_section
 from .serve_report import serve_section
 from .timing import round_ratios
 
@@ -36,9 +37,14 @@ def _loop(entry: dict | None) -> str:
 
 
 def markdown(res: dict) -> str:
-    if "meta" not in res:            # a serving benchmark alone
-        return "\n".join(["# kvlab.bench"] + serve_section(res["serve"])) + "\n"
-    return _suite_markdown(res) + ("\n".join(serve_section(res["serve"])) + "\n" if res.get("serve") else "")
+    extra = ""
+    if res.get("attention"):
+        extra += "\n".join(attention_section(res["attention"])) + "\n"
+    if res.get("serve"):
+        extra += "\n".join(serve_section(res["serve"])) + "\n"
+    if "meta" not in res:            # a serving or attention benchmark alone
+        return "# kvlab.bench\n" + extra
+    return _suite_markdown(res) + extra
 
 
 def _suite_markdown(res: dict) -> str:
@@ -218,7 +224,10 @@ def write_outputs(res: dict, out_dir: str, log=print, *, plots: list[str] | None
             continue
         if name == "10_bench_serve.png" and not res.get("serve"):
             continue
-        if name.startswith("09_") and plot.__name__ != "plot_public_call" and not res.get("extend"):
+        if name == "09_bench_attention.png":
+            if not res.get("attention"):
+                continue
+        elif name.startswith("09_") and plot.__name__ != "plot_public_call" and not res.get("extend"):
             continue  # a run of the public calls only: the kernels' plots have no data
         if name == "09_public_call.png" and not res.get("public_extend"):
             continue

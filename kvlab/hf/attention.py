@@ -20,9 +20,13 @@ Shapes (one layer; GQA: ``heads = kv_heads * group``)::
   head for its group, softmax);
 * :func:`kvlab.attention.paged_decode_attention` -- chapter 08's Triton kernel behind its host
   checks, which takes grouped-query attention (re-exported here);
+* :func:`kvlab.attention.fast_paged_decode_attention` -- chapter 09's fast kernels (a K/V
+  group's query heads in one program, a split over the sequence), the same contract;
 * :func:`paged_attention_step` -- one decode step of one layer for a batch: write the new K/V
   at the slots the page table names, then paged attention over ``[0, position]`` (the
-  chapter's exercise, and what :class:`kvlab.hf.PagedGenerator` runs for every decode token);
+  chapter's exercise, and what :class:`kvlab.hf.PagedGenerator` runs for every decode token;
+  ``impl="fast"``, the default, reads through chapter 09's kernels, ``"teaching"`` through
+  chapter 08's);
 * :func:`prefill_attention` -- several new tokens of one request at once (a prompt or a chunk
   of one), causal, through the row, with torch's ``scaled_dot_product_attention``.
 """
@@ -32,12 +36,24 @@ import math
 
 import torch
 
-from ..attention import check_paged_attention_inputs, check_rows_mapped, paged_decode_attention
+from ..attention import (check_paged_attention_inputs, check_rows_mapped, fast_paged_decode_attention,
+                         paged_decode_attention)
 from ..errors import InvalidArgument
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_attention_reference",
-           "paged_decode_attention", "check_step_inputs", "paged_attention_step", "prefill_mask",
+           "paged_decode_attention", "fast_paged_decode_attention", "ATTENTION_IMPLS",
+           "check_impl", "check_step_inputs", "paged_attention_step", "warm_up_fast_kernels", "prefill_mask",
            "prefill_attention"]
+
+#: the decode kernels a step can read through: chapter 09's fast ones, chapter 08's
+ATTENTION_IMPLS = ("fast", "teaching")
+
+
+def check_impl(impl, argument: str = "impl") -> str:
+    if impl not in ATTENTION_IMPLS:
+        raise InvalidArgument(argument, f"one of {ATTENTION_IMPLS} (chapter 09's kernels or chapter 08's)",
+                              f"got {impl!r}")
+    return impl
 
 
 # --- the reference ----------------------------------------------------------------------
@@ -84,25 +100,50 @@ def check_step_inputs(q, k, v, k_pool, v_pool, page_table, rows, positions) -> N
 
 
 def paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions,
-                         scale: float | None = None, *, check: bool = True) -> torch.Tensor:
+                         scale: float | None = None, *, check: bool = True, impl: str = "fast",
+                         slots: torch.Tensor | None = None, seq_lens: torch.Tensor | None = None,
+                         out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One layer, one decode step, a whole batch: store the new K/V, then paged attention.
 
     Request ``b`` owns page-table row ``rows[b]``; its new token sits at position
     ``positions[b]``. Its key and value (``k[b]``, ``v[b]``, already rotated by the model)
     go to slot ``page_table[rows[b], positions[b]]`` of ``k_pool`` / ``v_pool``; then its
     query ``q[b]`` attends to positions ``[0, positions[b]]`` -- the new token included --
-    through the row. Returns ``[batch, heads, head_dim]`` float32. Lifted from chapter 10
-    (the exercise); ``check=False`` is for a caller that checked the step already.
+    through the row. Returns ``[batch, heads, head_dim]`` in ``out_dtype`` (float32 by
+    default). Lifted from chapter 10 (the exercise); ``check=False`` is for a caller that
+    checked the step already.
+
+    ``impl``: ``"fast"`` (chapter 09's kernels) or ``"teaching"`` (chapter 08's). ``slots``
+    and ``seq_lens`` (``page_table[rows, positions]`` and ``positions + 1``) may be given by a
+    caller that computed them once for every layer of the step.
     """
+    check_impl(impl)
     if check:
         check_step_inputs(q, k, v, k_pool, v_pool, page_table, rows, positions)
     rows = torch.as_tensor(rows, device=page_table.device).long()
     positions = torch.as_tensor(positions, device=page_table.device).long()
-    slots = page_table[rows, positions].long()        # where each request's new token goes
+    if slots is None:
+        slots = page_table[rows, positions].long()    # where each request's new token goes
+    if seq_lens is None:
+        seq_lens = positions + 1
     k_pool[slots] = k.to(k_pool.dtype)
     v_pool[slots] = v.to(v_pool.dtype)
-    return paged_decode_attention(q, k_pool, v_pool, page_table, rows, positions + 1, scale,
-                                  check=False)
+    if impl == "fast":
+        return fast_paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens, scale,
+                                           out_dtype=out_dtype, check=False)
+    return paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens, scale,
+                                  check=False).to(out_dtype)
+
+
+def warm_up_fast_kernels(k_pool, v_pool, page_table, row: int, heads: int, dtype: torch.dtype) -> None:
+    """Compile both variants of chapter 09's decode kernels now (one split, written directly;
+    several, then merged) by attending once from ``row``'s position 0 each way: a server
+    meets both as its batch grows, and should compile neither while it serves."""
+    q = torch.zeros(1, heads, k_pool.shape[2], dtype=dtype, device=k_pool.device)
+    one = torch.tensor([row], device=page_table.device)
+    for splits in (1, 2):
+        fast_paged_decode_attention(q, k_pool, v_pool, page_table, one, torch.ones_like(one),
+                                    num_splits=splits, out_dtype=dtype, check=False)
 
 
 # --- prefill: several new tokens of one request -------------------------------------------

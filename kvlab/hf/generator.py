@@ -48,8 +48,8 @@ import torch
 
 from ..args import check_int, check_page_size, check_token_ids, div_ceil
 from ..errors import InvalidArgument, OutOfPages
-from .attention import check_rows_mapped
-from .graphs import DecodeGraphs, graph_batch_sizes
+from .attention import check_impl, check_rows_mapped
+from .graphs import COMPILE_BY_DEFAULT, DecodeGraphs, graph_batch_sizes
 from .plugin import (check_generation_config, check_model, eos_token_ids, paged_attention_active,
                      register_attention)
 from .prefill import PrefillAdder, Seq
@@ -105,6 +105,11 @@ class PagedGenerator:
       ``decode_step`` is given, else ``"eager"``;
     * ``decode_step``: a function with the signature of :func:`kvlab.hf.paged_attention_step`
       to use instead of it (chapter 10's exercise);
+    * ``attention``: the decode kernels, ``"fast"`` (chapter 09's: a K/V group's query heads
+      in one program, a split over the sequence) or ``"teaching"`` (chapter 08's);
+    * ``compile_decode``: ``torch.compile`` the padded decode step's forward pass at start-up,
+      before the graphs are captured (chapter 09; :class:`~kvlab.hf.graphs.DecodeGraphs`).
+      ``None``: :data:`~kvlab.hf.graphs.COMPILE_BY_DEFAULT` where graphs are captured, else off;
     * ``check_steps``: check every step's rows on the host before its forward pass (a few waits
       for the GPU per step; default: only without CUDA, where a bad slot would corrupt memory).
     """
@@ -113,7 +118,8 @@ class PagedGenerator:
                  max_seq_len: int | None = None, prefill_budget: int = 8192,
                  chunked_prefill: bool = True, decode_graphs: str = "auto",
                  graph_sizes: Sequence[int] | None = None, decode_step: Callable | None = None,
-                 check_steps: bool | None = None):
+                 check_steps: bool | None = None, attention: str = "fast",
+                 compile_decode: bool | None = None):
         from ..kvcache import KVPool
         from ..paging import new_page_table
 
@@ -138,6 +144,9 @@ class PagedGenerator:
         if decode_graphs not in GRAPH_MODES:
             raise InvalidArgument("decode_graphs", f"one of {GRAPH_MODES}", f"got {decode_graphs!r}")
         self.decode_step = decode_step
+        self.attention = check_impl(attention, "attention")
+        if compile_decode is not None:
+            _check_bool("compile_decode", compile_decode)
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         self.group = heads // kv_heads
@@ -157,15 +166,21 @@ class PagedGenerator:
         self.requests: list[RequestStats] = []
         self.logits: list[torch.Tensor] = []
         register_attention()
-        self.graphs = self._decode_graphs(decode_graphs, graph_sizes)
+        self.graphs = self._decode_graphs(decode_graphs, graph_sizes, compile_decode)
 
-    def _decode_graphs(self, mode: str, sizes: Sequence[int] | None) -> DecodeGraphs | None:
+    def _decode_graphs(self, mode: str, sizes: Sequence[int] | None,
+                       compile_decode: bool | None) -> DecodeGraphs | None:
         """The padded decode step (captured now, at start-up, or run eagerly), or None."""
         if mode == "auto":
             on_gpu = self.model.device.type == "cuda" and self.decode_step is None
             mode = "capture" if on_gpu else "eager"
         if mode == "off":
+            if compile_decode:
+                raise InvalidArgument("compile_decode", 'True only with decode_graphs "capture" or '
+                                      '"eager" (it compiles the padded decode step)', 'decode_graphs="off"')
             return None
+        if compile_decode is None:
+            compile_decode = COMPILE_BY_DEFAULT and mode == "capture"
         if sizes is None:
             sizes = graph_batch_sizes(min(self.max_running, 256))
         sizes = sorted(set(check_int(f"graph_sizes[{i}]", s, minimum=1) for i, s in enumerate(sizes)))
@@ -174,7 +189,8 @@ class PagedGenerator:
                                   f"got {list(sizes)}")
         with paged_attention_active(self.model), torch.inference_mode():
             return DecodeGraphs(self.model, self.pool, self.page_table, self.dummy_row, sizes,
-                                capture=mode == "capture", decode_step=self.decode_step)
+                                capture=mode == "capture", decode_step=self.decode_step,
+                                attention=self.attention, compile=compile_decode)
 
     def _map_dummy_row(self) -> None:
         """Every entry of the dummy row points into the dummy page (its first slot, and its
@@ -352,7 +368,8 @@ class PagedGenerator:
             ids = [req.input_ids[start] for req, start in zip(step.reqs, step.start)]
             tokens, logits = self.graphs.run(ids, step.table_idx, step.start)
             return tokens, logits, self.graphs.padded_size(len(step))
-        inputs = build_step(step, self.pool, self.page_table, last, self.group, self.decode_step)
+        inputs = build_step(step, self.pool, self.page_table, last, self.group, self.decode_step,
+                            self.attention)
         out = self.model(input_ids=inputs.input_ids[None], position_ids=inputs.positions[None],
                          use_cache=False, logits_to_keep=inputs.keep, kvlab_step=inputs.batch)
         logits = out.logits[0]

@@ -28,6 +28,13 @@ into the dummy page and read only it::
 keeps the buffers and the graphs and runs a decode step through them. Without CUDA (the
 interpreter) it runs the very same padded step without capturing it, so the tokens are the
 same everywhere.
+
+Before capturing, it can ``torch.compile`` the step's forward pass (chapter 09): the many small
+kernels of a transformers layer (norms, RoPE, activations, residual adds) fused into a few,
+the attention call left as it is (a graph break), the batch size symbolic so that one
+compilation serves every captured size. SGLang's ``--enable-torch-compile`` does the same
+before its capture, compiling per batch size (``patch_model`` in
+``python/sglang/srt/model_executor/cuda_graph_runner.py``).
 """
 from __future__ import annotations
 
@@ -38,9 +45,26 @@ import torch
 
 from ..args import check_int
 from ..errors import InvalidArgument
+from .attention import warm_up_fast_kernels
 from .step import StepBatch, to_device
 
-__all__ = ["graph_batch_sizes", "graph_size", "pad_decode_batch", "DecodeGraphs"]
+__all__ = ["graph_batch_sizes", "graph_size", "pad_decode_batch", "DecodeGraphs", "dynamo_graphs",
+           "COMPILE_BY_DEFAULT"]
+
+
+#: whether PagedGenerator compiles its captured decode step unless told (compile_decode=None):
+#: on an H200 the compiled step of the serving model replays faster at 64 and 256 running
+#: requests, for tens of seconds more start-up (python -m kvlab.bench --attention measures both;
+#: figures/bench.md); without graphs (in the interpreter) it stays off
+COMPILE_BY_DEFAULT = True
+
+
+def dynamo_graphs() -> int:
+    """How many graphs ``torch.compile`` has built in this process so far: a recompile builds
+    one more, so a serving loop that compiles nothing after start-up leaves it unchanged."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -79,10 +103,15 @@ class DecodeGraphs:
 
     :meth:`run` takes the real lanes (token ids, rows, positions), pads them with the dummy
     request, runs the step and returns each real lane's greedy next token and logits.
+    ``attention``: the decode kernels (:func:`~kvlab.hf.attention.paged_attention_step`'s
+    ``impl``; the fast ones are compiled for both of their variants here, at start-up).
+    ``compile``: ``torch.compile`` the step's forward pass first (:meth:`_compile`, chapter 09);
+    ``graphs_at_start`` then counts the graphs it built, for a check that none follow.
     """
 
     def __init__(self, model, pool, page_table: torch.Tensor, dummy_row: int,
-                 sizes: Sequence[int], *, capture: bool, decode_step: Callable | None = None):
+                 sizes: Sequence[int], *, capture: bool, decode_step: Callable | None = None,
+                 attention: str = "fast", compile: bool = False):
         if not sizes:
             raise InvalidArgument("sizes", "at least one batch size", "got none")
         if capture and page_table.device.type != "cuda":
@@ -96,17 +125,31 @@ class DecodeGraphs:
         self.capture = capture
         device = page_table.device
         max_bs = self.sizes[-1]
-        # rows 0..2: token ids, positions, page-table rows of the lanes; the graphs read these
-        self.inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
-        self.inputs[2].fill_(dummy_row)
+        # the lanes' token ids, positions and page-table rows: the graphs read these buffers
+        self.ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        self.rows = torch.full((max_bs,), dummy_row, dtype=torch.int64, device=device)
         self.logits = torch.zeros(max_bs, model.config.vocab_size, dtype=model.dtype, device=device)
         self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.steps = {bs: StepBatch(pool=pool, page_table=page_table, single_rows=self.inputs[2, :bs],
-                                    single_positions=self.inputs[1, :bs], decode_step=decode_step)
+        self.steps = {bs: StepBatch(pool=pool, page_table=page_table, single_rows=self.rows[:bs],
+                                    single_positions=self.positions[:bs], decode_step=decode_step,
+                                    attention=attention)
                       for bs in self.sizes}
+        self.compiled = compile
+        self._model_forward = model.forward
+        if compile:
+            self._compile()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if decode_step is None and attention == "fast":
+            warm_up_fast_kernels(pool.k[0], pool.v[0], page_table, dummy_row,
+                                 model.config.num_attention_heads, model.dtype)
         if capture:
             self._capture()
+        elif compile:
+            for bs in reversed(self.sizes):    # compile now, at start-up, not while serving
+                self._forward(bs)
+        #: graphs torch.compile had built when start-up ended (see :func:`dynamo_graphs`)
+        self.graphs_at_start = dynamo_graphs() if compile else None
 
     def fits(self, n: int) -> bool:
         """A decode step of ``n`` requests has a size to run at."""
@@ -115,11 +158,24 @@ class DecodeGraphs:
     def padded_size(self, n: int) -> int:
         return graph_size(n, self.sizes) or n
 
+    def _compile(self) -> None:
+        """``torch.compile`` the model's forward pass, the attention call left out
+        (:func:`kvlab.hf.plugin.kvlab_attention` is ``torch.compiler.disable``-d: a graph
+        break), so the K/V store and the Triton kernels run as they are, and the compiler fuses what lies between two attention calls -- norms, RoPE,
+        activations, residual adds -- into a few kernels. The batch size is a symbolic size
+        (``dynamic=True``), so all sizes share the compiled code: one compilation (and one for
+        size 1) at start-up rather than one per size."""
+        self._model_forward = torch.compile(self.model.forward, dynamic=True)
+
     def _forward(self, bs: int) -> None:
         """The step at size ``bs``: what a graph records and replays."""
-        ids, positions = self.inputs[0, :bs], self.inputs[1, :bs]
-        logits = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                            logits_to_keep=0, kvlab_step=self.steps[bs]).logits[0]
+        ids, positions = self.ids[:bs], self.positions[:bs]
+        step = self.steps[bs]
+        # what every layer's attention reads, computed once per step (a graph records it once)
+        step.single_slots = self.page_table[self.rows[:bs], positions].long()
+        step.single_seq_lens = positions + 1
+        logits = self._model_forward(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                                     logits_to_keep=0, kvlab_step=step).logits[0]
         self.logits[:bs].copy_(logits)
         torch.argmax(logits, dim=-1, out=self.tokens[:bs])
 
@@ -156,10 +212,10 @@ class DecodeGraphs:
         rows_p, positions_p, _ = pad_decode_batch(lanes[2], lanes[1], self.page_table, self.sizes,
                                                   self.dummy_row)
         bs = len(rows_p)
-        self.inputs[0, n:bs].zero_()
-        self.inputs[0, :n].copy_(lanes[0])
-        self.inputs[1, :bs].copy_(positions_p)
-        self.inputs[2, :bs].copy_(rows_p)
+        self.ids[n:bs].zero_()
+        self.ids[:n].copy_(lanes[0])
+        self.positions[:bs].copy_(positions_p)
+        self.rows[:bs].copy_(rows_p)
         if self.capture:
             self.graphs[bs].replay()
         else:

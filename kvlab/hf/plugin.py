@@ -25,6 +25,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import Iterator
 
+import torch
+
 from ..errors import InvalidArgument
 
 __all__ = ["ATTENTION_NAME", "SUPPORTED", "MIN_TRANSFORMERS", "require_transformers",
@@ -104,6 +106,7 @@ def eos_token_ids(model) -> frozenset[int]:
     return frozenset(int(t) for t in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
+@torch.compiler.disable
 def kvlab_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                     kvlab_step=None, **kwargs):
     """The function registered as ``attn_implementation="kvlab_paged"``.
@@ -111,6 +114,10 @@ def kvlab_attention(module, query, key, value, attention_mask, scaling=None, dro
     ``query``: ``[1, heads, N, head_dim]``, ``key``/``value``: ``[1, kv_heads, N, head_dim]``
     for the ``N`` tokens of this step, all requests packed in one row. Returns
     ``([1, N, heads, head_dim], None)`` as every attention function of transformers does.
+
+    ``torch.compile`` does not look inside (a graph break where a layer calls it): the K/V
+    store and the Triton kernels run as they are, and one compiled piece of the layer serves
+    every layer (chapter 09, :class:`kvlab.hf.graphs.DecodeGraphs`).
     """
     if kvlab_step is None:
         raise RuntimeError(f"attn_implementation={ATTENTION_NAME!r} runs only inside "

@@ -87,6 +87,9 @@ class StepBatch:
     extend_index: torch.Tensor | None = None   # packed indices of the prefill tokens
     extends: Sequence[Extend] = ()
     decode_step: Callable | None = None  # a replacement for paged_attention_step (chapter 10)
+    attention: str = "fast"       # paged_attention_step's impl: chapter 09's kernels or 08's
+    single_slots: torch.Tensor | None = None     # page_table[single_rows, single_positions] ...
+    single_seq_lens: torch.Tensor | None = None  # ... and single_positions + 1, once per step
 
     def attend(self, layer: int, query, key, value, scale) -> torch.Tensor:
         """HF layout in (``[1, heads, N, d]``, K/V ``[1, kv_heads, N, d]``), ``[1, N, heads, d]`` out."""
@@ -114,8 +117,9 @@ class StepBatch:
     def _decode(self, q, k, v, k_pool, v_pool, scale) -> torch.Tensor:
         args = (q, k, v, k_pool, v_pool, self.page_table, self.single_rows,
                 self.single_positions, scale)
-        if self.decode_step is None:
-            return paged_attention_step(*args, check=False)  # the loop checked the step
+        if self.decode_step is None:                   # the loop checked the step
+            return paged_attention_step(*args, check=False, impl=self.attention, slots=self.single_slots,
+                                        seq_lens=self.single_seq_lens, out_dtype=q.dtype)
         return self.decode_step(*args)
 
 
@@ -129,11 +133,13 @@ class StepInputs(NamedTuple):
 
 
 def build_step(step, pool, page_table: torch.Tensor, keep: Sequence[bool], group: int,
-               decode_step: Callable | None = None) -> StepInputs:
+               decode_step: Callable | None = None, attention: str = "fast") -> StepInputs:
     """The model's inputs for the :class:`~kvlab.req.ForwardBatch` ``step`` (pages mapped).
 
     ``keep[b]``: request ``b`` wants the logits of its last token of the step (a chunk of a
-    prompt that goes on in a later step does not); ``group``: query heads per K/V head.
+    prompt that goes on in a later step does not); ``group``: query heads per K/V head;
+    ``attention``: the decode kernels (``"fast"`` or ``"teaching"``, see
+    :func:`~kvlab.hf.attention.paged_attention_step`).
     Every index is built on the host in
     plain lists and reaches the device in one copy; the slots are looked up on the device
     (``page_table[row, position]``), so nothing here waits for the GPU.
@@ -163,5 +169,6 @@ def build_step(step, pool, page_table: torch.Tensor, keep: Sequence[bool], group
                for o, n, s, r in spans]
     batch = StepBatch(pool=pool, page_table=page_table, single_rows=srows_t, single_positions=spos_t,
                       single_index=single_t, out_loc=page_table[rows_t, pos_t].long(),
-                      extend_index=ext_t, extends=extends, decode_step=decode_step)
+                      extend_index=ext_t, extends=extends, decode_step=decode_step,
+                      attention=attention)
     return StepInputs(ids_t, pos_t, last_t, batch)

@@ -12,3 +12,4 @@ from .attention import paged_decode_attention_kernel  # noqa: F401,E402  (chapte
 from .alloc import alloc_decode_kernel, alloc_extend_kernel  # noqa: F401,E402  (chapters 03-04)
 from .fast_alloc import (decode_fast_kernel, extend_fill_kernel, extend_fused_kernel,  # noqa: F401,E402
                          extend_scan_kernel)  # (chapter 09)
+from .fast_attention import merge_splits_kernel, split_decode_kernel  # noqa: F401,E402  (chapter 09)

@@ -64,3 +64,53 @@ def paged_decode_attention_reference(q, k_pool, v_pool, page_table, table_idx, s
         weights = torch.softmax(scores, dim=-1)                    # [heads, n]
         out[b] = torch.einsum("hn,nhd->hd", weights, v)
     return out
+
+
+# --- chapter 09: the split over the sequence and its merge --------------------------------
+
+
+def split_ranges_reference(seq_len: int, num_splits: int, block_n: int) -> list[tuple[int, int]]:
+    """The positions ``[start, end)`` of each split of a request that holds any: splits of whole
+    blocks, ``ceil(ceil(seq_len / num_splits) / block_n) * block_n`` positions each, in order;
+    the last one shorter. ``(300, 4, 64)`` gives ``[(0, 128), (128, 256), (256, 300)]``."""
+    per = -(-(-(-seq_len // num_splits)) // block_n) * block_n
+    return [(start, min(start + per, seq_len)) for start in range(0, seq_len, per)]
+
+
+def split_partials_reference(q, k_pool, v_pool, page_table, table_idx, seq_lens, num_splits: int,
+                             block_n: int, scale: float | None = None):
+    """Each split's partial result, as the first pass of chapter 09 writes it: ``o[b, h, s]`` =
+    attention of query head ``h`` over the positions of split ``s`` alone, and ``lse[b, h, s]``
+    = the log of the sum of ``exp(score)`` over them. Grouped-query attention: query head
+    ``h`` reads K/V head ``h // (heads // kv_heads)``. Splits that hold no position are NaN.
+    Returns ``(o [batch, heads, num_splits, head_dim], lse [batch, heads, num_splits])``, float32.
+    """
+    batch, heads, head_dim = q.shape
+    group = heads // k_pool.shape[1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    o = torch.full((batch, heads, num_splits, head_dim), float("nan"))
+    lse = torch.full((batch, heads, num_splits), float("nan"))
+    for b in range(batch):
+        row, n = int(table_idx[b]), int(seq_lens[b])
+        for s, (start, end) in enumerate(split_ranges_reference(n, num_splits, block_n)):
+            slots = [int(page_table[row, t]) for t in range(start, end)]
+            k = k_pool[slots].float().cpu().repeat_interleave(group, dim=1)   # [len, heads, d]
+            v = v_pool[slots].float().cpu().repeat_interleave(group, dim=1)
+            scores = torch.einsum("hd,nhd->hn", q[b].float().cpu(), k) * scale
+            o[b, :, s] = torch.einsum("hn,nhd->hd", torch.softmax(scores, dim=-1), v)
+            lse[b, :, s] = torch.logsumexp(scores, dim=-1)
+    return o, lse
+
+
+def merge_splits_reference(o, lse, live: list[int]) -> torch.Tensor:
+    """The whole attention from the splits' partials: request ``b`` has ``live[b]`` splits, and
+    ``out = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)`` with ``M`` the largest ``lse``
+    (subtracting it keeps every ``exp`` at most 1). Returns ``[batch, heads, head_dim]``."""
+    batch, heads, _, head_dim = o.shape
+    out = torch.empty(batch, heads, head_dim)
+    for b in range(batch):
+        n = live[b]
+        m = lse[b, :, :n].max(dim=-1, keepdim=True).values                # [heads, 1]
+        w = torch.exp(lse[b, :, :n] - m)                                   # [heads, n]
+        out[b] = (w[:, :, None] * o[b, :, :n]).sum(1) / w.sum(-1, keepdim=True)
+    return out

@@ -3,6 +3,8 @@
 * ``09_fill_mapping.png``: how the fast fill splits a batch's output among programs: every
   program takes BLOCK consecutive output positions, finds each one's request by binary search
   in ``token_start``, and computes its slot with one formula (old page or new page).
+* ``09_split_reads.png``: which program of decode attention reads which pages, chapter 08's
+  kernel (one program per query head) beside chapter 09's (one per K/V head and split).
 * ``09_bench_*.png``, ``09_recompile_trap.png``, ``09_prefix_sum_scaling.png``,
   ``09_page_table_write.png``, ``09_public_call.png``: the benchmark, drawn from
   ``figures/bench.json`` (measured on a GPU by ``python -m kvlab.bench``), so they render the
@@ -93,6 +95,37 @@ def fill_mapping_figure(prefix_lens=(6, 4, 0, 9), seq_lens=(11, 4, 11, 15), page
                  f"the old page (last_loc + 1 + k); solid = new pages (free_pages[page_start + j] * P + pos % P)",
                  fontsize=9)
     return fig
+
+
+def split_reads_plan(seq_lens=(21, 9, 3), page_size=3, block_n=8, num_splits=3, group=4, seed=3):
+    """Requests on shuffled pages, and the positions each split program reads
+    (:func:`kvlab.attention.split_ranges`: the kernel's own formula)."""
+    import random
+
+    from ..attention import split_ranges
+    from ..viz.split_reads import SplitReads
+
+    need = [-(-n // page_size) for n in seq_lens]
+    pages = list(range(sum(need)))
+    random.Random(seed).shuffle(pages)
+    rows, at = [], 0
+    for n, k in zip(seq_lens, need):
+        rows.append([pages[at + t // page_size] for t in range(n)])
+        at += k
+    spans = [split_ranges(n, num_splits, block_n) for n in seq_lens]
+    return SplitReads([chr(ord("A") + i) for i in range(len(seq_lens))], rows, spans, num_splits,
+                      page_size, block_n, group)
+
+
+def split_reads_figure(**kw):
+    from ..viz.split_reads import draw_split_reads
+
+    return draw_split_reads(split_reads_plan(**kw))
+
+
+@figure("09_split_reads.png")
+def _split_reads():
+    return split_reads_figure()
 
 
 @figure("09_fill_mapping.png")

@@ -1,9 +1,9 @@
 # %% [markdown]
 # # 09 · Making it fast
 #
-# **Time:** about 75 minutes, and 30 more for the optional part on host costs. **Assumes:**
-# chapters 03 and 04 (the teaching kernels); the optional part also CUDA streams and pinned
-# memory (chapter 02).
+# **Time:** about 110 minutes, and 30 more for the optional part on host costs. **Assumes:**
+# chapters 03 and 04 (the teaching kernels), chapter 08 (paged decode attention, the online
+# softmax); the optional part also CUDA streams and pinned memory (chapter 02).
 #
 # **Goal.** Chapters 03 and 04 rebuilt SGLang's `alloc_extend_kernel` and `alloc_decode_kernel`
 # as the [source design](glossary.md#source-design) wrote them. They are correct, and they carry three costs that only show
@@ -16,6 +16,10 @@
 # 2. **O(bs²) prefix sums.** Each [program](glossary.md#program) re-sums the lengths of every request before it.
 # 3. **A host [sync](glossary.md#sync) per batch.** `ret_values.item()` waits for the GPU on every call, and the
 #    [page](glossary.md#page) count arrives only *after* the kernel has already read `free_pages`.
+#
+# Then it does the same for chapter 08's paged decode attention: measured against the memory
+# floor, rebuilt so that every K/V byte is read once by enough programs to fill the GPU, and
+# followed by the rest of the decode step.
 #
 # The numbers in this chapter were measured on an H200 by `python -m kvlab.bench` and saved in
 # `figures/bench.json`, so the plots read the same on a laptop. On a GPU the chapter also
@@ -524,6 +528,407 @@ for trial in range(kvlab.runtime.pick(cpu=5, gpu=100)):
 print("your scan + the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 
 # %% [markdown]
+# ## Decode attention at the memory floor
+#
+# So far this chapter made the *allocator* fast. The kernel a decode step spends most of its
+# attention time in is chapter 08's paged decode attention, and it has a cost of its own that
+# only a GPU shows. Decode attention does almost no arithmetic: every K/V row it loads takes
+# part in one dot product per query head and is never used again. So its time is bounded below
+# by the bytes it must read divided by the GPU's memory bandwidth, the
+# [memory floor](glossary.md#memory-floor), and a good kernel is one that gets close to it.
+#
+# Two things keep chapter 08's kernel far from that floor:
+#
+# 1. **It reads K/V several times.** Real models use
+#    [grouped-query attention](glossary.md#grouped-query-attention) (chapter 10 serves one):
+#    `heads` query heads share `kv_heads` K/V heads, and query head `h` reads K/V head
+#    `h // group` with `group = heads // kv_heads` (Llama 3.2 1B: 32 query heads on 8 K/V heads,
+#    a group of 4). Chapter 08's kernel runs one program per `(request, query head)`, so the 4
+#    programs of a group each load the same K/V rows: 4 times the bytes.
+# 2. **It runs too few programs.** One request of 32,768 tokens gives it 32 programs, each
+#    walking 32,768 positions alone, on a GPU with 132 streaming multiprocessors.
+#
+# `python -m kvlab.bench --attention` measures it on a GPU beside a new kernel and transformers'
+# own attention (`scaled_dot_product_attention` on contiguous K/V), at the shapes of that model
+# (bfloat16, pages of 16); `figures/bench.md` names the run saved with the course. The floor is the bytes a call must move (K/V once, the
+# page-table entries, `q` and the output) divided by the bandwidth of a large device-to-device
+# copy measured in the same run:
+
+# %%
+att = bench["attention"]
+bw = att["bandwidth"]
+print(f"copy bandwidth: {bw['gb_per_s']:.0f} GB/s on {att['meta']['device']}")
+print(f"{'batch':>5} {'context':>7} {'floor µs':>9} {'chapter 08':>11} {'x floor':>8} {'chapter 09':>11} {'x floor':>8}")
+for r in att["kernel"]:
+    if r.get("skipped"):
+        continue
+    t, f = r["paths"]["teaching"], r["paths"]["fast"]
+    print(f"{r['batch']:>5} {r['ctx']:>7} {r['floor_us']:>9.1f} {t['us']:>11.1f} {t['ratio_to_floor']:>8.1f}"
+          f" {f['us']:>11.1f} {f['ratio_to_floor']:>8.2f}")
+
+# %% [markdown]
+# Chapter 08's kernel stays several times above the floor at every shape, and worst for one long
+# request. Its K/V traffic explains the first part in bytes: per call it reads the K/V rows of
+# a K/V head once per query head of the group. The GPU's L2 cache can serve some of those
+# repeated reads (the 4 programs of a group run at about the same time), so the time is not
+# exactly 4 times the floor, but every byte that misses the L2 is paid again:
+
+# %%
+shape = att["shape"]
+group = shape["heads"] // shape["kv_heads"]
+r = next(r for r in att["kernel"] if (r["batch"], r["ctx"]) == (64, 4096))
+b = r["bytes"]
+print(f"batch 64, context 4096: K/V {b['kv'] / 1e6:.0f} MB; chapter 08's programs read "
+      f"{b['teaching_design'] / 1e6:.0f} MB by design ({group} query heads per K/V head), chapter 09's "
+      f"{b['fast_design'] / 1e6:.0f} MB")
+
+# %% [markdown]
+# ### The picture: which program reads which pages
+#
+# Three requests of 21, 9 and 3 tokens on shuffled pages of 3 (a page is labelled with its
+# physical number `p`). Top: chapter 08's programs for request A, one per query head; each
+# reads every page. Bottom: the new kernel's programs, one per `(request, K/V head, split)`:
+# each serves all 4 query heads of its K/V head, and a request's positions are cut into
+# [splits](glossary.md#split) of whole blocks, one program each, so that even one request keeps
+# several programs busy. A split past a request's end has nothing to read and exits at once.
+
+# %% alt="Which program reads which pages for three requests of 21, 9 and 3 tokens on pages of 3: chapter 08's kernel runs one program per query head, so each of request A's 4 heads reads every page, while chapter 09's runs one program per K/V head and split, reading each page once for all 4 heads, with splits past a request's end reading nothing."
+from kvlab.scenes.ch09_making_it_fast import split_reads_figure
+
+split_reads_figure()
+plt.show()
+
+# %% [markdown]
+# ### Build-up 1: the query heads of a group in one program
+#
+# For one request and one K/V head, the 4 query heads of the group are a `[group, head_dim]`
+# matrix, the K rows of a block a `[BLOCK_N, head_dim]` one, and their scores one matrix
+# product, `q @ K^T`: `[group, BLOCK_N]`. K is loaded once and used by every head. In Triton
+# that is `tl.dot(q, k)` with `k` loaded as `[head_dim, BLOCK_N]`; `tl.dot` needs at least 16
+# rows, so a program pads its `group` heads to `BLOCK_H = 16` rows (masked: padding costs
+# arithmetic, which is free here, not bytes). The weighted sum of V is a second product,
+# `p @ V`. In torch, on one request:
+
+# %%
+from kvlab.hf.attention import paged_attention_reference
+from kvlab.kvcache import random_paged_layout
+from kvlab.reference.attention import (merge_splits_reference, split_partials_reference,
+                                       split_ranges_reference)
+
+q, k_pool, v_pool, table, rows_, lens = random_paged_layout(0, 3, [14], heads=8, kv_heads=2, head_dim=16)
+g, grp = 1, 4                                                        # K/V head 1: query heads 4..7
+slots = table[int(rows_[0]), :14].long()
+q_group = q[0, g * grp:(g + 1) * grp]                                # [group, head_dim]
+k_rows, v_rows = k_pool[slots, g], v_pool[slots, g]                  # [n, head_dim]: read once
+scores = q_group @ k_rows.T / 4.0                                    # [group, n]
+together = torch.softmax(scores, -1) @ v_rows                        # [group, head_dim]
+print("q_group", tuple(q_group.shape), "K rows", tuple(k_rows.shape), "scores", tuple(scores.shape))
+one_by_one = torch.stack([torch.softmax(q[0, h] @ k_pool[slots, h // grp].T / 4.0, -1) @ v_pool[slots, h // grp]
+                          for h in range(g * grp, (g + 1) * grp)])   # chapter 08: a head at a time
+torch.testing.assert_close(together, one_by_one)
+print("the group's heads in one product == one head at a time")
+
+# %% [markdown]
+# ### Build-up 2: split the positions, then merge with the log-sum-exp
+#
+# A split `s` covers positions `[start, end)` and ends with what chapter 08's kernel ends with:
+# the running max `m_s`, the sum `l_s` of `exp(score - m_s)` and the weighted sum `acc_s`. It
+# writes two things: its normalised output `o_s = acc_s / l_s` and the
+# [log-sum-exp](glossary.md#log-sum-exp) of its scores, `lse_s = m_s + log(l_s)`, the log of
+# `sum exp(score)` over the split. The whole softmax weighs each split by its share of the
+# total sum, `exp(lse_s) / sum_t exp(lse_t)`:
+#
+#     out = sum_s exp(lse_s) o_s / sum_s exp(lse_s)
+#         = sum_s exp(lse_s - M) o_s / sum_s exp(lse_s - M)     M = max_s lse_s
+#
+# The two lines are equal, but only the second can be computed: a score of 100 makes
+# `exp(lse)` overflow float32. A second, tiny kernel does this merge, one program per
+# `(request, query head)`, walking the splits with the online softmax of chapter 08, the splits
+# playing the part of blocks. (SGLang's Triton decode attention is built the same way: a first
+# kernel with 16 query heads of a group per program and `tl.dot`, splits rounded to whole blocks,
+# and a second kernel that merges them by log-sum-exp, in
+# `python/sglang/srt/layers/attention/triton_ops/decode_attention.py`.) Splits hold whole blocks of `BLOCK_N` positions,
+# `ceil(ceil(seq_len / num_splits) / BLOCK_N) * BLOCK_N` each, computed by every program
+# from its request's own length. In torch, with scores large enough to overflow:
+
+# %%
+print("splits of a 300-token request, 4 splits, blocks of 64:", split_ranges_reference(300, 4, 64))
+q, k_pool, v_pool, table, rows_, lens = random_paged_layout(1, 3, [40, 7], heads=8, kv_heads=2, head_dim=16)
+q = q * 60                                                        # scores of hundreds
+o, lse = split_partials_reference(q, k_pool, v_pool, table, rows_, lens, num_splits=3, block_n=16)
+live = [len(split_ranges_reference(int(n), 3, 16)) for n in lens]
+print("o", tuple(o.shape), "lse", tuple(lse.shape), "live splits per request", live)
+print("lse of request 0, head 0:", [round(float(x), 1) for x in lse[0, 0, :live[0]]])
+w = torch.exp(lse[0, 0, :live[0]])
+print("exp(lse) without the max:", w.tolist(), "->", (w[:, None] * o[0, 0, :live[0]]).sum(0)[:2] / w.sum())
+merged = merge_splits_reference(o, lse, live)
+torch.testing.assert_close(merged, paged_attention_reference(q, k_pool, v_pool, table, rows_, lens))
+print("with the max subtracted: the merge == attention over all positions at once")
+
+# %% [markdown]
+# ### Build-up 3: how many splits
+#
+# More splits mean more programs, but each costs a partial result and the merge a second
+# launch. `kvlab.attention.choose_num_splits` aims for two programs per streaming
+# multiprocessor (the H200 has 132) from the batch and the K/V heads, with no split shorter
+# than 256 positions of the longest context the page table allows. A batch that fills the GPU
+# by itself gets one split, and then the first kernel writes the output directly and the merge
+# is not launched. The number of splits is a *runtime* argument, like every length here: a new
+# batch or a longer context never compiles a new kernel (the fast kernels have few compiled
+# variants: per pool dtype, group, head size, and one split or several).
+
+# %%
+from kvlab.attention import choose_num_splits
+
+for batch, context in [(1, 32768), (1, 4096), (1, 512), (16, 4096), (64, 4096), (256, 32768)]:
+    print(f"batch {batch:>3}, 8 K/V heads, context {context:>5}: "
+          f"{choose_num_splits(batch, 8, context, sms=132):>2} split(s)")
+
+# %% [markdown]
+# ## Your turn: the block's loads (part 1)
+#
+# The first kernel runs one program per `(request b, K/V head g, split s)`: `g` is
+# `tl.program_id(1)` and the program serves query heads `g * GROUP .. g * GROUP + GROUP - 1`
+# (`heads` in the kernel, padded to `BLOCK_H` rows). Everything is written except what one block
+# reads. Write it:
+#
+# 1. the block's slots, **one per position**: `page_table[row, offs_n]`, masked with `mask_n`.
+#    A block is `BLOCK_N` consecutive positions of the row; their pages are wherever the
+#    allocator found them, so a block that crosses a page boundary continues on some other page
+#    of the pool;
+# 2. `k`: the rows of **K/V head `g`** of those slots, as `[BLOCK_D, BLOCK_N]` (ready for
+#    `tl.dot(q, k)`), and `v` as `[BLOCK_N, BLOCK_D]`; mask both with `mask_n` and `mask_d`
+#    (`other=0.0`) and convert to `tl.float32`. Slot `t`'s K/V head `g` starts at
+#    `t * stride_kv_s + g * stride_kv_h`.
+#
+# `kvlab.check.split_attention` launches your kernel with blocks of 16 and 32 positions, pages of
+# 1 to 16 tokens on shuffled pages, grouped and plain multi-head attention and splits that hold
+# nothing, and compares every split's `o` and `lse` with `kvlab.reference.split_partials_reference`.
+# Only `o` and `lse` are written. Hints: `kvlab.check.hint("split_attention", 1)` (up to 3);
+# the reference: `kvlab.solutions.show("split_attention")`.
+
+# %%
+@triton.jit
+def my_split_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, table_idx_ptr,
+                              seq_lens_ptr, o_ptr, lse_ptr, scale, num_splits, stride_q_b,
+                              stride_q_h, stride_kv_s, stride_kv_h, stride_pt_row, stride_o_b,
+                              stride_o_h, stride_o_s, stride_l_b, stride_l_h, head_dim,
+                              GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    g = tl.program_id(1)  # the K/V head: its GROUP query heads share it
+    s = tl.program_id(2)  # the split
+    row = tl.load(table_idx_ptr + b).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # whole blocks
+    start = s * split_len
+    end = tl.minimum(start + split_len, seq_len)
+    if start < end:  # a split past the request's end has nothing to read
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < GROUP
+        heads = g * GROUP + offs_h  # the query heads of this program
+        offs_d = tl.arange(0, BLOCK_D)
+        mask_d = offs_d < head_dim
+        q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
+                    mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+        for n0 in range(start, end, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < end
+            ### BEGIN SOLUTION
+            slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+            kv = slots * stride_kv_s + g * stride_kv_h  # each position's row of K/V head g
+            k = tl.load(k_pool_ptr + kv[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None],
+                        other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_N]
+            v = tl.load(v_pool_ptr + kv[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            ### END SOLUTION
+            ### BEGIN STARTER
+            # YOUR CODE HERE: split_attention
+            # slots of the block (one per position), then k [BLOCK_D, BLOCK_N] and v [BLOCK_N, BLOCK_D]
+            ### END STARTER
+            scores = tl.dot(q, k, input_precision="ieee") * scale  # [BLOCK_H, BLOCK_N]
+            scores = tl.where(mask_n[None, :], scores, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(scores - m_new[:, None])
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+        out = b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + s * stride_o_s + offs_d[None, :]
+        tl.store(o_ptr + out, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(lse_ptr + b.to(tl.int64) * stride_l_b + heads * stride_l_h + s, m_i + tl.log(l_i), mask=mask_h)
+
+
+kvlab.check.split_attention(my_split_attention_kernel);
+
+# %%
+kvlab.check.hint("split_attention", 1);
+# kvlab.solutions.show("split_attention")   # uncomment to read the reference solution
+
+# %% [markdown]
+# ## Your turn: the merge (part 2)
+#
+# The second kernel runs one program per `(request b, query head h)`. It computes the number of
+# live splits of its request as the first kernel cut them, loads each split's `lse` and `o`, and
+# keeps the online softmax of chapter 08 over them: a running max `m`, a running `total` of
+# `exp(lse - m)` and `acc` of `exp(lse - m) * o`. Write the update inside the loop: `m_new`,
+# `alpha` (what rescales everything summed under the old max), this split's weight `w`, then
+# `acc`, `total` and `m`. `kvlab.check.merge_splits` feeds it partial results of random layouts,
+# among them scores that rise from split to split, fall, and overflow `exp` without the max;
+# `o`, `lse` and `seq_lens` are read-only. Hints: `kvlab.check.hint("merge_splits", 1)` (up to
+# 3); the reference: `kvlab.solutions.show("merge_splits")`.
+
+# %%
+@triton.jit
+def my_merge_splits_kernel(o_ptr, lse_ptr, seq_lens_ptr, out_ptr, num_splits, stride_o_b, stride_o_h,
+                           stride_o_s, stride_l_b, stride_l_h, stride_out_b, stride_out_h, head_dim,
+                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as the first pass
+    live = tl.cdiv(seq_len, split_len)  # the splits that hold positions of this request
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    m = -float("inf")  # the largest lse so far
+    total = 0.0  # sum of exp(lse_s - m)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # sum of exp(lse_s - m) * o_s
+    for s in range(0, live):
+        lse = tl.load(lse_ptr + b * stride_l_b + h * stride_l_h + s)
+        o = tl.load(o_ptr + b * stride_o_b + h * stride_o_h + s * stride_o_s + offs_d, mask=mask_d, other=0.0)
+        ### BEGIN SOLUTION
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp(m - m_new)  # rescales what was summed under the old max (0 at first)
+        w = tl.exp(lse - m_new)  # this split's weight, at most 1
+        acc = acc * alpha + w * o
+        total = total * alpha + w
+        m = m_new
+        ### END SOLUTION
+        ### BEGIN STARTER
+        # YOUR CODE HERE: merge_splits
+        # m_new, alpha and w from lse; then acc, total and m
+        ### END STARTER
+    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_d, acc / total, mask=mask_d)
+
+
+kvlab.check.merge_splits(my_merge_splits_kernel);
+
+# %%
+kvlab.check.hint("merge_splits", 1);
+# kvlab.solutions.show("merge_splits")   # uncomment to read the reference solution
+
+# %% [markdown]
+# ## Lift: your two kernels vs `kvlab.attention.fast_paged_decode_attention`
+#
+# The package's kernels (`kvlab.kernels.fast_attention`) are these two, plus what a GPU needs:
+# `tl.dot` in the pool's 16-bit dtype there (exact float32 in the interpreter, whose `tl.dot`
+# gets bfloat16 matrices wrong), blocks of 128 positions, and the one-split shortcut. Their host
+# wrapper, `kvlab.attention.fast_paged_decode_attention`, checks exactly what chapter 08's
+# wrapper checks, before any launch. Your kernels (each once it passes its checker; until then
+# the reference stands in), launched one after the other, must give what it gives, and what
+# the oracle gives, on random layouts: page sizes 1, 3 and 16, grouped and plain multi-head
+# attention, ragged lengths, one to five splits.
+
+# %%
+from kvlab.attention import FastConfig, fast_paged_decode_attention
+
+split_kernel = kvlab.check.choose("split_attention", my_split_attention_kernel, kvlab.solutions.get("split_attention"))
+merge_kernel = kvlab.check.choose("merge_splits", my_merge_splits_kernel, kvlab.solutions.get("merge_splits"))
+
+
+def notebook_fast_attention(q, k_pool, v_pool, page_table, rows, lens, num_splits, block_n=16):
+    """The two passes of this section: partial results per split, then their merge."""
+    batch, heads, head_dim = q.shape
+    kv_heads = k_pool.shape[1]
+    o = torch.empty(batch, heads, num_splits, head_dim, device=q.device)
+    lse = torch.empty(batch, heads, num_splits, device=q.device)
+    out = torch.empty(batch, heads, head_dim, device=q.device)
+    rows, lens = rows.to(q.device, torch.int64), lens.to(q.device, torch.int64)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    split_kernel[(batch, kv_heads, num_splits)](
+        q, k_pool, v_pool, page_table, rows, lens, o, lse, 1.0 / head_dim ** 0.5, num_splits,
+        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
+        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), head_dim,
+        GROUP=heads // kv_heads, BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
+        BLOCK_N=block_n, BLOCK_D=block_d)
+    merge_kernel[(batch, heads)](o, lse, lens, out, num_splits, o.stride(0), o.stride(1), o.stride(2),
+                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), head_dim,
+                                 BLOCK_N=block_n, BLOCK_D=block_d)
+    return out
+
+
+rng_lift = random.Random(9)
+for trial in range(kvlab.runtime.pick(cpu=4, gpu=40)):
+    P = [1, 3, 16][trial % 3]
+    heads, kv_heads = rng_lift.choice([(8, 2), (4, 4), (6, 1)])
+    args = random_paged_layout(200 + trial, P, [rng_lift.randint(1, 60) for _ in range(rng_lift.randint(1, 3))],
+                               heads=heads, kv_heads=kv_heads, head_dim=16, device=device)
+    splits = rng_lift.randint(1, 5)
+    ours = notebook_fast_attention(*args, num_splits=splits)
+    theirs = fast_paged_decode_attention(*args, num_splits=splits, config=FastConfig(block_n=16))
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(theirs, paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
+print("your two kernels == kvlab's fast_paged_decode_attention == the oracle")
+
+# %% [markdown]
+# ## The rest of the step: compile it before capturing it
+#
+# Attention is one kernel per layer; a decode step of a transformers model is hundreds. Around
+# each attention call the layer runs the model's own code, op by op: the norms (a cast, a
+# square, a mean, a reciprocal square root, two multiplications), rotary embeddings, the
+# activation, residual additions, each a kernel of a few microseconds that reads and writes
+# its whole input. Chapter 10 replays the decode step from a CUDA graph, which removes the
+# *host's* cost of launching them, not the GPU's cost of running them one after the other.
+# `torch.compile` removes that: it traces the layer and fuses each run of small operations into
+# one generated kernel. vLLM compiles its models by default; SGLang has `--enable-torch-compile`,
+# which compiles the decode forward with `torch.compile(..., dynamic=False)` for each batch size
+# it captures (`patch_model` in `python/sglang/srt/model_executor/cuda_graph_runner.py`).
+#
+# `kvlab.hf.PagedGenerator(..., compile_decode=True)` does it for the padded decode step, at
+# start-up, before the graphs are captured (`kvlab.hf.graphs.DecodeGraphs`), in two ways that
+# keep it from compiling again while it serves:
+#
+# * the attention call is left out: `kvlab.hf.plugin.kvlab_attention` is
+#   `torch.compiler.disable`-d, a [graph break](glossary.md#graph-break) where a layer calls it.
+#   The K/V store and the Triton kernels run as they are, and the pieces between two attention
+#   calls (and so every layer) share one compiled version;
+# * the batch size is a symbolic size (`dynamic=True`): every captured size uses the same
+#   compiled code, instead of one compilation per size.
+#
+# Whether anything compiled after start-up is counted, not assumed:
+# `kvlab.hf.graphs.dynamo_graphs()` is the number of graphs `torch.compile` has built in the
+# process, taken at the end of start-up and again after serving. The saved run measured the
+# whole decode step of chapter 10's serving model (replayed from its CUDA graph) against its
+# floor, the weights, every K/V byte of the contexts and the logits:
+
+# %%
+st = att["step"]
+for r in st["rows"]:
+    cells = ", ".join(f"{name} {e['replay_us'] / 1e3:.2f} ms ({e['ratio_to_floor']:.2f}x)"
+                      for name, e in r["paths"].items())
+    print(f"{r['batch']:>3} running requests: floor {r['floor_us'] / 1e3:.2f} ms "
+          f"({r['bytes']['floor'] / 1e9:.2f} GB); {cells}")
+print("start-up:", ", ".join(f"{n} {s:.1f} s" for n, s in st["startup_s"].items()),
+      f"| graphs torch.compile built while serving: {st.get('graphs_built_while_serving')}")
+
+# %% [markdown]
+# Compiling costs start-up time (the start-up line above: the compiled generator beside the
+# others) and buys a shorter step at every size captured, so `PagedGenerator` compiles by default where it captures graphs (a
+# GPU), and not in the interpreter, where there are no graphs to capture and compiling would
+# only slow a chapter down (`compile_decode=` overrides it either way). The targets of the
+# saved run, and the whole picture:
+
+# %% alt="Left: decode attention time over the memory floor on a log scale for batches of 1 to 256 and contexts of 512 to 32768 tokens, chapter 08's kernel far above, chapter 09's kernel and transformers' SDPA near the floor; right: the whole decode step's replay time over the floor with the fast kernels, with torch.compile, and with chapter 08's kernel, measured on the GPU the title names."
+for t in att["targets"]:
+    verdict = "n/a" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
+    print(f"[{verdict}] {t['name']}: {t['measured']} ({t['rule']})")
+fig = bench_plots.plot_attention(bench)
+plt.show()
+
+# %% [markdown]
 # ## Optional: where the time of a public call goes
 #
 # *This part is optional.* It follows the host's side of a call, down to Triton's C launcher,
@@ -693,9 +1098,16 @@ else:
 # - **Host work is counted in calls, not elements.** A NumPy or Python-wrapper call costs about
 #   a microsecond whatever it does: count the batch in one C call, launch through the C
 #   launcher with addresses, and wait (when a call must) on pinned memory instead of `.item()`.
+# - **Decode attention is bytes.** Measure it against the memory floor; read each K/V byte once
+#   (the query heads of a group in one program, `tl.dot` for their scores), cut long requests
+#   into splits so the GPU has programs to run, and merge the splits with the log-sum-exp,
+#   subtracting the largest one. The rest of a decode step is many small kernels:
+#   `torch.compile` before capture fuses them.
 #
 # `kvlab.PagedTokenAllocator` uses the fast path by default (`impl="fast"`); `impl="teaching"`
-# keeps the chapter 03-04 kernels. The full table is in `figures/bench.md`.
+# keeps the chapter 03-04 kernels. `kvlab.hf.PagedGenerator` decodes with this chapter's
+# attention kernels (`attention="fast"`, the default; `"teaching"` keeps chapter 08's) and
+# compiles its captured decode step (`compile_decode`). The full tables are in `figures/bench.md`.
 #
 # ## Questions
 #
@@ -708,6 +1120,9 @@ else:
 #    and two launches (scan, then fill) above.
 #    Which batches make the one-launch version do more work than the two-launch one, and why
 #    is one launch still the better choice for most batches a server sees?
+# 3. A decode step stores each request's new K/V with two torch `index_put` kernels per layer,
+#    then the split kernel reads them back. Could the split kernel store them itself? Which
+#    program would, and what must it make sure of before any program reads that slot?
 
 # %% [markdown] tags=["solution"]
 # ### Discussion
@@ -743,3 +1158,15 @@ print("versions for bs = 1..256:", len({triton.next_power_of_2(bs) for bs in ran
 # repeated work: each fused program walks the batch in blocks of `BATCH_BLOCK = 1024` lanes with
 # a carry, and past the bounds the repeated scans would cost the GPU more than a second launch
 # costs the host.
+#
+# **3. Storing the new K/V in the kernel.** Every program of a request and K/V head reads its
+# own split, and exactly one split holds the new token's position `seq_len - 1`: the last live
+# one. That program can store `k[b, g]` and `v[b, g]` at `page_table[row, seq_len - 1]` before
+# its loop, saving two launches per layer (and the lookup of the slot). What it must make sure
+# of: that its own loads of that slot see the store (the threads of a program that load a
+# row are not always those that stored it, so a barrier, `tl.debug_barrier()`, between the
+# store and the loop), and that no *other* program reads the slot, which holds as long as the
+# splits do not overlap and only the last one contains the new position. A merge-free launch
+# (one split) is the same program with one split. The price is a kernel that does two jobs, and
+# a contract (`paged_attention_step`: store, then attend) that the kernel now keeps in a way
+# the host cannot check.
