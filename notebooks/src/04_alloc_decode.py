@@ -241,7 +241,7 @@ for step in hist:
 # Running the notebook live? Scrub through the same steps with a slider (the strip above already shows
 # every step; the slider shows one at a time):
 
-# %%
+# %% alt="One decode step of the four requests on pages of 4 slots, the step the slider picks: each request gets one new slot, orange on its current page and green where it crosses into a new page."
 import ipywidgets as widgets
 
 
