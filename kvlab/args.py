@@ -15,7 +15,7 @@ import torch
 from .errors import InvalidArgument
 
 __all__ = ["div_ceil", "next_pow2", "is_int", "check_int", "check_page_size", "check_token_ids",
-           "check_int_vector", "check_slots", "check_whole_pages"]
+           "check_int_vector", "check_slots", "check_whole_pages", "check_device"]
 
 
 def div_ceil(a, b):
@@ -105,7 +105,10 @@ def check_slots(argument: str, slots) -> torch.Tensor:
         if not is_int(s):
             raise InvalidArgument(f"{argument}[{i}]", "must be an int slot (not a bool or a float)",
                                   f"got {type(s).__name__} {s!r}")
-    return torch.tensor([int(s) for s in slots], dtype=torch.int64)
+    values = [int(s) for s in slots]
+    if values and not (-(1 << 63) <= min(values) and max(values) < 1 << 63):
+        raise InvalidArgument(argument, "slots fit in int64", f"got {max(values, key=abs)}")
+    return torch.tensor(values, dtype=torch.int64)
 
 
 def check_whole_pages(argument: str, slots: torch.Tensor, page_size: int) -> None:
@@ -123,3 +126,17 @@ def check_whole_pages(argument: str, slots: torch.Tensor, page_size: int) -> Non
         raise InvalidArgument(argument, "each page of slots must be one whole physical page "
                               f"(p*{P}, p*{P}+1, ..., p*{P}+{P - 1})",
                               f"got {slots.tolist()[:2 * P]}...")
+
+
+def check_device(argument: str, device):
+    """``None`` (the runtime's device), a ``torch.device``, or a name torch knows (``"cpu"``,
+    ``"cuda:0"``); returned as given, a name as a ``torch.device``."""
+    if device is None or isinstance(device, torch.device):
+        return device
+    if isinstance(device, str) or (is_int(device) and not isinstance(device, torch.Tensor)):
+        try:
+            return torch.device(device)
+        except (RuntimeError, ValueError, TypeError):
+            pass
+    raise InvalidArgument(argument, 'a torch.device or a device name ("cpu", "cuda", "cuda:0")',
+                          f"got {device!r}"[:80])

@@ -47,7 +47,7 @@ from .cache_manager_undo import CacheManagerUndo
 from .cache_regions import CacheRegions, Region
 from .errors import CacheMisuse, InvalidArgument, OutOfPages
 from .paging import UNMAPPED, page_to_token, write_page_table, write_page_table_triton
-from .hash_cache import HashPrefixCache
+from .hash_cache import MAX_SLOTS, HashPrefixCache
 from .radix_cache import MatchResult, RadixCacheHandle, RadixPrefixCache
 from .req import ForwardBatch, Req
 
@@ -74,6 +74,9 @@ class CacheManager(CacheManagerUndo):
                  page_table_writer: str = "triton", remap_duplicates: bool = True):
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.page_size = check_page_size(page_size)
+        if self.num_pages * self.page_size > MAX_SLOTS:
+            raise InvalidArgument("num_pages", "num_pages * page_size slots fit in int32 (at most 2**31)",
+                                  f"got {self.num_pages} * {self.page_size}")
         if not isinstance(page_table, torch.Tensor) or page_table.dim() != 2:
             raise InvalidArgument("page_table", "must be a 2-D tensor (rows x positions)")
         if page_table.dtype not in (torch.int32, torch.int64):
@@ -108,6 +111,7 @@ class CacheManager(CacheManagerUndo):
         if self._cache_keeps_free_pages:
             self.free_slots = self.free_slots[:0]
         self._running: dict[int, _Running] = {}  # table_idx -> record
+        self._last_allocation = None  # what the latest allocate_paged needs to be taken back
 
     # --- sizes: the page budget -------------------------------------------------------
 
@@ -187,16 +191,22 @@ class CacheManager(CacheManagerUndo):
                                   f"got {req.input_len} tokens")
         match = self.match_req(req)
         handle = match.handle
-        self.lock(handle, owner=req)
-        req.finished = False
-        req.cache_handle = handle
-        req.cached_len = handle.cached_len
-        req.device_len = max(req.device_len, req.cached_len)
-        if handle.cached_len:
-            self.page_table[req.table_idx, : handle.cached_len] = handle.get_matched_indices().to(
-                self.page_table.dtype)
-        self._running[req.table_idx] = _Running(req, handle.cached_len // self.page_size)
-        return match
+        fields, held = self._fields(req), self.prefix_cache.locks_held(handle, req)
+        try:  # all or nothing: a lock taken just before an interrupt is taken back too
+            self.lock(handle, owner=req)
+            req.finished = False
+            req.cache_handle = handle
+            req.cached_len = handle.cached_len
+            req.device_len = max(req.device_len, req.cached_len)
+            if handle.cached_len:
+                self.page_table[req.table_idx, : handle.cached_len] = handle.get_matched_indices().to(
+                    self.page_table.dtype)
+            self._running[req.table_idx] = _Running(req, handle.cached_len // self.page_size)
+            return match
+        except BaseException:
+            self._undo_admit(req, handle, held)
+            self._put_fields(req, fields)
+            raise
 
     # --- the serving steps: prefill / decode_step / mixed_step, then complete_step -----
 
@@ -229,27 +239,23 @@ class CacheManager(CacheManagerUndo):
             self._check_req(req, f"prefill[{i}]")
         for i, req in enumerate(decode):
             self._running_record(req, f"decode_step: reqs[{i}]")
-        fields = [(r.cached_len, r.device_len, r.cache_handle, r.finished) for r in prefill]
-        admitted: list[Req] = []
+        fields = [self._fields(r) for r in prefill]
+        new = [r for r in prefill if not self._is_running(r)]
+        self._last_allocation = None  # (allocate_paged keeps its record there: taken back below too)
         try:
-            for req in prefill:
-                if not self._is_running(req):
-                    self.admit(req)  # match + lock the hit + map it into the row
-                    admitted.append(req)
+            for req in new:
+                self.admit(req)  # match + lock the hit + map it into the row
             if reserve:
                 needed, available = self.pages_needed(prefill, extra_tokens=reserve), self.available_pages
                 if needed > available:
                     raise OutOfPages(needed, available, f"prefill (with room for {reserve} more "
                                      "token(s) per request, after prefix hits)")
+            batch = ForwardBatch.of(prefill, decode, self.page_table)  # (mapping moves no length)
             self.allocate_paged(list(prefill) + list(decode))
+            return batch
         except BaseException:
-            for req in reversed(admitted):
-                self._undo_admit(req)
-            for req, (cached, device, handle, finished) in zip(prefill, fields):
-                req.cached_len, req.device_len, req.cache_handle, req.finished = (
-                    cached, device, handle, finished)
+            self._undo_step(self._last_allocation, new, list(zip(prefill, fields)))
             raise
-        return ForwardBatch.of(prefill, decode, self.page_table)
 
     def complete_step(self, batch: ForwardBatch, next_tokens: Sequence[int] | None,
                       done: Sequence[bool] | None = None, *,
@@ -265,18 +271,32 @@ class CacheManager(CacheManagerUndo):
         chunk of a longer prompt) produces no token: its entry of ``next_tokens`` is ``None``,
         and it is not cached until its last chunk -- mini-sglang's scheduler skips a
         ``ChunkedReq`` the same way (``scheduler/scheduler.py``, ``_process_last_data``).
+
+        All or nothing: if any step fails or is interrupted (the second ``cache_req``, say),
+        every step before it is taken back too -- the ``cache_req`` calls that ran, every
+        recorded token, every length -- so the batch is exactly as before the call and the same
+        call can simply be made again.
         """
         reqs, tokens, done = self._validate_complete_step(batch, next_tokens, done, cache_prompt)
         chunk = [end < req.input_len for req, end in zip(reqs, batch.end)]
-        for i, req in enumerate(reqs):
-            if tokens is not None and not chunk[i]:
-                req.append_token(tokens[i])
-            req.complete_one()  # cached_len = device_len; device_len += 1
-        settled = []
-        for req, prefilled, finished, chunked in zip(reqs, batch.prefilling, done, chunk):
-            if finished or (prefilled and cache_prompt and not chunked):
-                settled.append((req, self.cache_req(req, finished=finished)))
-        return settled
+        fields = [self._fields(req) for req in reqs]
+        settled, undos = [], []
+        try:
+            for i, req in enumerate(reqs):
+                if tokens is not None and not chunk[i]:
+                    req.append_token(tokens[i])
+                req.complete_one()  # cached_len = device_len; device_len += 1
+            for req, prefilled, finished, chunked in zip(reqs, batch.prefilling, done, chunk):
+                if finished or (prefilled and cache_prompt and not chunked):
+                    rec = self._validate_cache_req(req, finished)
+                    undos.append((req, self._settling(req, rec, inserting=True)))
+                    settled.append((req, self._cache_req(req, finished, undos[-1][1])))
+            return settled
+        except BaseException:
+            for req, undo in reversed(undos):  # (one that failed took itself back: a no-op then)
+                self._undo_settling(req, undo)
+            self._undo_step(None, (), list(zip(reqs, fields)))
+            raise
 
     # --- allocation -------------------------------------------------------------------
 
@@ -289,28 +309,22 @@ class CacheManager(CacheManagerUndo):
         anything fails after the first change, every change is rolled back (free list,
         evictions, page table; no request field is touched here) and the error propagates.
         """
+        plan = self._validate_allocation(reqs)
+        self._last_allocation = undo = self._allocation(*plan)  # (before any change; see mixed_step)
+        try:
+            self._map_pages(*plan, undo)
+        except BaseException:
+            self._undo_allocation(undo)
+            raise
+
+    def _map_pages(self, allocation_info, new_reqs, needed_pages: int, undo) -> None:
+        """Take the pages (evicting if short), write the table, record how far each row is
+        mapped; ``undo`` (:meth:`_allocation`) gets what eviction takes as it takes it."""
         P = self.page_size
-        allocation_info, new_reqs, needed_pages = self._validate_allocation(reqs)
         if needed_pages > 0:
-            # ==== take pages (evicting if short), write the table: all or nothing ====
-            free_before, evicted = self.free_slots, []
-            rows = [row for row, _, _ in allocation_info]
-            # one rectangle of the table, kept by slicing: indexing with a list of rows would
-            # copy that list to the GPU from pageable memory, a wait for the GPU on every step
-            rect = (slice(min(rows), max(rows) + 1),
-                    slice(min(first for _, first, _ in allocation_info) * P,
-                          max(last for _, _, last in allocation_info) * P))
-            table_before = self.page_table[rect].clone()
-            try:
-                allocated = self._allocate(needed_pages, evicted)
-                # our own page starts: skip page_to_token's value check (a device sync)
-                self._write_page_table(page_to_token(allocated, P, check_values=False), allocation_info)
-            except BaseException:
-                self.page_table[rect] = table_before
-                self.prefix_cache.undo_evict(evicted)
-                self.free_slots = free_before
-                raise
-        # ==== record how far each row is mapped now ====
+            allocated = self._allocate(needed_pages, undo.evicted)
+            # our own page starts: skip page_to_token's value check (a device sync)
+            self._write_page_table(page_to_token(allocated, P, check_values=False), allocation_info)
         for req in new_reqs:
             self._running[req.table_idx] = _Running(req, div_ceil(req.cached_len, P))
         for row, _first, last in allocation_info:
@@ -356,18 +370,18 @@ class CacheManager(CacheManagerUndo):
         nothing: if a step fails (or is interrupted), every step before it is undone.
         """
         rec = self._validate_cache_req(req, finished)
+        return self._cache_req(req, finished, self._settling(req, rec, inserting=True))
+
+    def _cache_req(self, req: Req, finished: bool, undo) -> CacheRegions:
         P = self.page_size
-        row = self.page_table[req.table_idx]
-        old_handle, old_len = req.cache_handle, self._handle_len(req)
-        row_before, free_before = row[: rec.alloc_pages * P].clone(), self.free_slots  # (a rollback's)
-        held = self.prefix_cache.locks_held(old_handle, req)
+        row, rec = self.page_table[req.table_idx], undo.rec
+        old_handle, old_len, row_before = undo.old_handle, self._handle_len(req), undo.row_before
         page_indices = row_before[: req.cached_len]
-        new_handle, already_len = None, 0
         try:
             # ============ [0, req.cached_len): hit | duplicate | newly inserted | tail ============
             already_len, new_handle = self.prefix_cache.insert_prefix(
                 req.input_ids[: req.cached_len], page_indices)
-            new_len = new_handle.cached_len
+            undo.new_handle, new_len = new_handle, new_handle.cached_len
             # duplicate [old_len, already_len): computed here, but cached meanwhile by another request
             duplicate = page_indices[old_len:already_len]
             freed = [self._free(duplicate)]
@@ -397,7 +411,7 @@ class CacheManager(CacheManagerUndo):
                 row_after=row[: req.cached_len].clone(), duplicate_slots=duplicate,
                 tail_slots=page_indices[new_len:], freed_pages=torch.cat(freed), remapped=remapped)
         except BaseException:
-            self._undo_req_steps(req, rec, row_before, free_before, old_handle, held, True, new_handle)
+            self._undo_settling(req, undo)
             raise
 
     def release_req(self, req: Req) -> torch.Tensor:
@@ -410,10 +424,9 @@ class CacheManager(CacheManagerUndo):
             raise CacheMisuse("release_req: the request's cache_handle is not locked by the request")
         row = self.page_table[req.table_idx]
         handle, mapped = req.cache_handle, rec.alloc_pages * self.page_size
-        row_before, free_before = row[:mapped].clone(), self.free_slots  # (a rollback's)
-        held = self.prefix_cache.locks_held(handle, req)
+        undo = self._settling(req, rec, inserting=False)
         try:  # all or nothing, as cache_req
-            freed = self._free(row_before[self._handle_len(req):])
+            freed = self._free(undo.row_before[self._handle_len(req):])
             if handle is not None:
                 self.unlock(handle, owner=req)
             row[:mapped] = UNMAPPED
@@ -421,5 +434,5 @@ class CacheManager(CacheManagerUndo):
             req.finished = True
             return freed
         except BaseException:
-            self._undo_req_steps(req, rec, row_before, free_before, handle, held)
+            self._undo_settling(req, undo)
             raise

@@ -201,10 +201,14 @@ class CacheManagerChecks:
 
     @staticmethod
     def _check_seq(name: str, value, n: int) -> list:
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != n:
+        try:
+            items = None if isinstance(value, (str, bytes, dict)) else list(value)
+        except TypeError:  # (not iterable, or a 0-d tensor)
+            items = None
+        if items is None or len(items) != n:
             raise InvalidArgument(name, f"one entry per request of the batch ({n})",
                                   f"got {value!r}"[:120])
-        return list(value)
+        return items
 
     # --- the conservation law ---------------------------------------------------------
 

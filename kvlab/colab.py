@@ -3,8 +3,8 @@
 In Colab the cell clones :data:`REPO_URL` and installs kvlab from it (Colab already has
 torch and triton); on a local checkout it only reports the runtime. Everywhere it ends with
 one line of the learner's progress (:func:`kvlab.check.progress`). ``tools/build_notebooks.py``
-puts :data:`SETUP_CELL` first in every notebook (after the "Open in Colab" badge of
-:func:`colab_badge`), and a test checks they all match.
+puts :data:`SETUP_CELL` first in every notebook (after the "Open in Colab" link of
+:func:`colab_link`), and a test checks they all match.
 """
 
 #: Where Colab fetches the course from. Change it here (and in pyproject's [project.urls])
@@ -29,8 +29,18 @@ def colab_url(notebook: str, repo_url: str = REPO_URL) -> str:
 
 
 def colab_badge(notebook: str) -> str:
-    """The Markdown of an "Open in Colab" badge for ``notebook`` (a path in the repository)."""
+    """The Markdown of an "Open in Colab" badge for ``notebook`` (a path in the repository): for
+    pages read online (the README); a notebook opens with :func:`colab_link` instead."""
     return f"[![Open in Colab]({COLAB_BADGE_SVG})]({colab_url(notebook)})"
+
+
+def colab_link(notebook: str) -> str:
+    """The Markdown line that opens every notebook: an "Open in Colab" text link. Text, not
+    Colab's badge picture: JupyterLab without internet shows the picture as a broken image
+    (and its Markdown keeps no ``onerror`` to fall back on), while text reads the same offline,
+    on GitHub and in Colab."""
+    return (f"**[Open in Colab]({colab_url(notebook)})** to run this chapter on a GPU in the "
+            "browser (it needs internet; on your own machine just run the cells below).")
 
 
 #: Where the setup cell clones the course in Colab (``KVLAB_COLAB_DIR`` overrides it).

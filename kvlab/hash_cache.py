@@ -33,6 +33,10 @@ free queue is an order, so each puts its pages back in their places in it, not j
 Because this cache keeps the free pages itself (``keeps_free_pages``), the manager leaves its
 own free list empty and hands freed pages back through :meth:`free`.
 
+Every call checks all its arguments before its first change (:class:`~kvlab.errors.InvalidArgument`
+naming the argument), and every call that changes the cache happens whole or not at all, also
+when it is interrupted between any two of its lines (:mod:`kvlab.hash_cache_undo`).
+
 Departures, each said where it happens: BLAKE2b instead of xxh64/SHA-256
 (:mod:`kvlab.hash_chain`); a reused page's hash leaves ``hash_to_page`` at once (nano-vllm at
 commit 2f352ae leaves the entry and relies on comparing the page's tokens); one page per hash
@@ -47,18 +51,24 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .args import check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
+from .args import check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
 from .errors import CacheMisuse, InvalidArgument, OutOfPages
-from .hash_cache_views import HashCacheViews
-from .hash_chain import (Allocation, FreeQueue, HashCacheHandle, PageHash, TakenPage, chain_hash,
-                         page_hashes, short)
+from .hash_cache_undo import HashCacheUndo, whole
+from .hash_chain import (DIGEST_SIZE, Allocation, FreeQueue, HashCacheHandle, PageHash, TakenPage, _chain,
+                         _page_hashes, chain_hash, check_hashable_ids, check_int64, page_hashes, short)
 from .radix_node import InsertResult, MatchResult
 from .runtime import default_device
 
 __all__ = ["HashPrefixCache", "HashCacheHandle", "Allocation", "chain_hash", "page_hashes"]
 
 
-class HashPrefixCache(HashCacheViews):
+#: the most slots a pool may have: its slots are int32, as the page table's
+MAX_SLOTS = 1 << 31
+#: ``lookup``'s ``parent`` when the caller gives none: the page's parent is not compared
+UNCHECKED = type("Unchecked", (), {"__repr__": lambda self: "UNCHECKED"})()
+
+
+class HashPrefixCache(HashCacheUndo):
     """A pool of ``num_pages`` pages of ``page_size`` slots whose full pages are cached by
     chained hash (chapter 11). See the module docstring for the states and the two sets of words.
 
@@ -75,10 +85,13 @@ class HashPrefixCache(HashCacheViews):
                  uncached_first: bool = False):
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.page_size = check_page_size(page_size)
+        if self.num_pages * self.page_size > MAX_SLOTS:
+            raise InvalidArgument("num_pages", "num_pages * page_size slots fit in int32 (at most 2**31)",
+                                  f"got {self.num_pages} * {self.page_size}")
         if not isinstance(uncached_first, bool):
             raise InvalidArgument("uncached_first", "must be a bool", f"got {uncached_first!r}")
         self.uncached_first = uncached_first
-        self.device = default_device(device)
+        self.device = default_device(check_device("device", device))
         self.ref_count = [0] * self.num_pages
         self.page_hash: list[PageHash | None] = [None] * self.num_pages
         self.page_parent: list[PageHash | None] = [None] * self.num_pages
@@ -90,71 +103,94 @@ class HashPrefixCache(HashCacheViews):
         # the latest insert_prefix's record for undo_insert: page it cached -> the free page whose
         # stale hash it took (see cache_page)
         self._displaced: dict[int, int] = {}
+        self._notes = None  # what the running call overwrote (kvlab.hash_cache_undo)
 
     # --- the building blocks -----------------------------------------------------------
 
-    def lookup(self, h: PageHash, tokens: Sequence[int]) -> int | None:
+    def lookup(self, h: PageHash, tokens: Sequence[int], parent=UNCHECKED) -> int | None:
         """The page cached under hash ``h`` holding exactly ``tokens``, or ``None``.
 
         The tokens are compared too (nano-vllm does; vLLM's older ``BlockHash`` carried them),
-        so a hash collision can never hand out a page with other tokens."""
+        and with ``parent`` (the parent page's hash, ``None`` for a first page) the page's parent
+        as well, so that not even a hash collision can hand out a page computed after another
+        prefix: :meth:`match` and :meth:`allocate` always give it."""
+        if not isinstance(h, bytes):
+            raise InvalidArgument("h", "a page's hash (bytes, from chain_hash)", f"got {type(h).__name__}")
+        if parent is not UNCHECKED and parent is not None and not isinstance(parent, bytes):
+            raise InvalidArgument("parent", "None (a first page) or the parent page's hash (bytes)",
+                                  f"got {type(parent).__name__}")
+        return self._find(h, check_hashable_ids("tokens", tokens), parent)
+
+    def _find(self, h: PageHash, tokens: Sequence[int], parent=UNCHECKED) -> int | None:
         page = self.hash_to_page.get(h)
         if page is None or self.page_tokens[page] != tuple(tokens):
             return None
+        if parent is not UNCHECKED and self.page_parent[page] != parent:
+            return None  # a collision: the same hash after another prefix
         return page
 
+    @whole
     def take_cached(self, page: int) -> None:
         """One more reference on a cached ``page`` (a hit); a free page leaves the free queue."""
+        self._take_cached(self._page("page", page))
+
+    def _take_cached(self, page: int) -> None:
         if self.ref_count[page] == 0:
             self.free_queue.remove(page)
-        self.ref_count[page] += 1
+        self._set_ref(page, self.ref_count[page] + 1)
 
+    @whole
     def take_free(self) -> int:
         """Hand out the head of the free queue with one reference; a cached page loses its hash
         there (that is the eviction)."""
+        return self._take_free()
+
+    def _take_free(self) -> int:
         if not self.free_queue:
             raise OutOfPages(1, 0, "take_free")
         page = self.free_queue.popleft()
         self._forget(page)
-        self.ref_count[page] = 1
+        self._set_ref(page, 1)
         return page
 
+    @whole
     def cache_page(self, page: int, h: PageHash, tokens: Sequence[int], parent: PageHash | None) -> None:
         """Make a full page findable under ``h`` (its chained hash from ``parent`` and ``tokens``).
 
         A free page that still holds ``h`` (it lost its parent to the queue: no prompt can
-        reach it any more) gives it up; a page in use keeps it, and ``page`` stays uncached."""
+        reach it any more) gives it up; a page in use keeps it, and ``page`` stays uncached.
+        A building block: it trusts its caller that ``h`` is ``chain_hash(parent, tokens)`` and
+        that ``page`` holds their KV (:meth:`check_integrity` proves the first)."""
+        page = self._page("page", page)
+        if not isinstance(h, bytes) or len(h) != DIGEST_SIZE:
+            raise InvalidArgument("h", f"a page's hash ({DIGEST_SIZE} bytes, from chain_hash)", f"got {h!r}"[:80])
+        if parent is not None and not isinstance(parent, bytes):
+            raise InvalidArgument("parent", "None (a first page) or the parent page's hash (bytes)",
+                                  f"got {type(parent).__name__}")
+        self._cache_page(page, h, check_hashable_ids("tokens", tokens), parent)
+
+    def _cache_page(self, page: int, h: PageHash, tokens: Sequence[int], parent: PageHash | None) -> None:
         owner = self.hash_to_page.get(h)
         if owner is not None and owner != page:
             if self.ref_count[owner] > 0:
                 return
             self._forget(owner)
         self._forget(page)
-        self.page_hash[page], self.page_parent[page] = h, parent
-        self.page_tokens[page] = tuple(tokens)
-        self.hash_to_page[h] = page
-
-    def _forget(self, page: int) -> None:
-        h = self.page_hash[page]
-        if h is None:
-            return
-        if self.hash_to_page.get(h) == page:
-            del self.hash_to_page[h]
-        self.page_hash[page] = self.page_parent[page] = self.page_tokens[page] = None
-        if self.ref_count[page] == 0:
-            self.evicted_pages += 1  # a cached page is handed out for other tokens
+        self._set_hash(page, h, parent, tuple(tokens))
 
     # --- the block manager's words (nano-vllm's allocate / deallocate / may_append) ----
 
     def match(self, input_ids) -> HashCacheHandle:
         """The longest cached chain of full pages from the start of ``input_ids``. Reads only."""
-        ids = check_token_ids("input_ids", input_ids)
+        return self._match(check_hashable_ids("input_ids", input_ids))
+
+    def _match(self, ids: list[int]) -> HashCacheHandle:
         P = self.page_size
         pages, hashes, parent = [], [], None
         for start in range(0, len(ids) - P + 1, P):
             tokens = ids[start:start + P]
-            h = chain_hash(parent, tokens)
-            page = self.lookup(h, tokens)
+            h = _chain(parent, tokens)
+            page = self._find(h, tokens, parent)
             if page is None:
                 break  # a chain cannot skip a page: every later hash depends on this one
             pages.append(page)
@@ -164,49 +200,57 @@ class HashPrefixCache(HashCacheViews):
 
     def pages_needed(self, input_ids) -> int:
         """Free-queue pages :meth:`allocate` would take: new pages plus hits that are free now."""
-        ids = check_token_ids("input_ids", input_ids)
-        hit = self.match(ids)
+        ids = check_hashable_ids("input_ids", input_ids)
+        return self._pages_needed(ids, self._match(ids))
+
+    def _pages_needed(self, ids: list[int], hit: HashCacheHandle) -> int:
         return div_ceil(len(ids), self.page_size) - len(hit.pages) + sum(
             1 for p in hit.pages if self.ref_count[p] == 0)
 
+    @whole
     def allocate(self, input_ids) -> Allocation:
         """Pages for a new sequence of ``input_ids``: its cached chain (hits, one more reference
         each), then pages from the head of the free queue for the rest; every new *full* page
         is cached at once (nano-vllm's ``allocate``). All or nothing: :class:`OutOfPages`
         before any change when the queue is short."""
-        ids = check_token_ids("input_ids", input_ids)
-        needed = self.pages_needed(ids)
+        ids = check_hashable_ids("input_ids", input_ids)
+        hit = self._match(ids)
+        needed = self._pages_needed(ids, hit)
         if needed > len(self.free_queue):
             raise OutOfPages(needed, len(self.free_queue), "allocate")
         P = self.page_size
-        hit = self.match(ids)
         for page in hit.pages:
-            self.take_cached(page)
+            self._take_cached(page)
         pages, parent = list(hit.pages), (hit.hashes[-1] if hit.hashes else None)
         for start in range(hit.cached_len, len(ids), P):
             tokens = ids[start:start + P]
             page = self.take_free()
             if len(tokens) == P:
-                h = chain_hash(parent, tokens)
-                self.cache_page(page, h, tokens, parent)
+                h = _chain(parent, tokens)
+                self._cache_page(page, h, tokens, parent)
                 parent = h
             pages.append(page)
         return Allocation(tuple(pages), hit.cached_len)
 
+    @whole
     def free(self, pages: Sequence[int]) -> None:
         """Drop one reference from each page, **last page first**; a page nobody holds any more
         joins the free queue and keeps its hash. Refuses (:class:`CacheMisuse`, nothing
         changed) to drop a reference a page does not have: a count never goes below zero."""
-        pages = [check_int(f"pages[{i}]", p) for i, p in enumerate(pages)]
+        pages = self._page_ids("pages", pages)
+        self._check_release(pages, "free")
+        self._release(pages)
+
+    def _check_release(self, pages: list[int], what: str) -> None:
         for page, times in Counter(pages).items():
-            if not 0 <= page < self.num_pages:
-                raise InvalidArgument("pages", f"page ids in [0, {self.num_pages})", f"got {page}")
             if self.ref_count[page] < times:
-                raise CacheMisuse(f"free: page {page} has {self.ref_count[page]} reference(s), "
+                raise CacheMisuse(f"{what}: page {page} has {self.ref_count[page]} reference(s), "
                                   f"{times} would be dropped (freed twice, or never allocated?)")
+
+    def _release(self, pages: list[int]) -> None:
         released = []
         for page in reversed(pages):  # the tail of a chain is evicted before its beginning
-            self.ref_count[page] -= 1
+            self._set_ref(page, self.ref_count[page] - 1)
             if self.ref_count[page] == 0:
                 released.append(page)
         fresh = [p for p in released if self.page_hash[p] is None]
@@ -216,20 +260,49 @@ class HashPrefixCache(HashCacheViews):
         for page in reversed(fresh if self.uncached_first else []):
             self.free_queue.appendleft(page)  # vLLM: free_block_queue.prepend_n(fresh_blocks)
 
+    @whole
     def append_token(self, pages: Sequence[int], input_ids) -> tuple[int, ...]:
         """After a decode step appended one token (``input_ids`` includes it): a new page when
         the token starts one, and the last page cached when the token fills it (nano-vllm's
-        ``may_append``). Returns the sequence's pages."""
-        ids = check_token_ids("input_ids", input_ids)
-        P, pages = self.page_size, [check_int("pages", p) for p in pages]
+        ``may_append``). ``pages``: the sequence's pages (each held by it), before the token or
+        after. Returns the sequence's pages."""
+        pages, ids = self._validate_append(pages, input_ids)
+        P = self.page_size
         if len(pages) < div_ceil(len(ids), P):
             pages.append(self.take_free())
-        if ids and len(ids) % P == 0 and self.page_hash[pages[-1]] is None:
+        if len(ids) % P == 0 and self.page_hash[pages[-1]] is None:
             parent = None
             if len(pages) > 1:  # a page that twins one in use carries no hash: chain from the tokens
-                parent = self.page_hash[pages[-2]] or page_hashes(ids[:-P], P)[-1]
-            self.cache_page(pages[-1], chain_hash(parent, ids[-P:]), ids[-P:], parent)
+                parent = self.page_hash[pages[-2]] or _page_hashes(ids[:-P], P)[-1]
+            self._cache_page(pages[-1], _chain(parent, ids[-P:]), ids[-P:], parent)
         return tuple(pages)
+
+    def _validate_append(self, pages, input_ids) -> tuple[list[int], list[int]]:
+        """Every rule of :meth:`append_token`, checked before anything changes (per token: only
+        what this call reads or writes, the sequence's last pages and its last page of tokens)."""
+        ids, pages, P = check_token_ids("input_ids", input_ids), self._page_ids("pages", pages), self.page_size
+        if not ids:
+            raise InvalidArgument("input_ids", "the sequence with its new token (at least one token)", "got []")
+        check_int64("input_ids", ids, len(ids) - P)  # (the tokens this call may hash)
+        before, after = div_ceil(len(ids) - 1, P), div_ceil(len(ids), P)
+        if len(pages) not in (before, after):
+            raise InvalidArgument("pages", f"the sequence's pages before the token ({before}) or after "
+                                  f"it ({after}) for {len(ids)} tokens", f"got {len(pages)} pages")
+        for i in range(max(0, after - 2), len(pages)):  # the pages it caches or chains from
+            if self.ref_count[pages[i]] == 0:
+                raise InvalidArgument(f"pages[{i}]", "a page the sequence holds (ref_count > 0: "
+                                      "from allocate or append_token)", f"page {pages[i]} is free")
+        if len(pages) < after and not self.free_queue:
+            raise OutOfPages(1, 0, "append_token")
+        parent = pages[after - 2] if after > 1 else None  # the page before the one the token fills
+        if len(ids) % P == 0 and parent is not None and self.page_tokens[parent] not in (None, tuple(ids[-2 * P:-P])):
+            raise InvalidArgument("input_ids", "the tokens the sequence's pages hold",
+                                  f"page {parent} holds {list(self.page_tokens[parent])}"[:120])
+        if len(ids) % P == 0 and parent is not None and self.page_hash[parent] is None:
+            check_int64("input_ids", ids)  # (a twin page: the chain is hashed from the tokens)
+        if len(set(pages)) != len(pages):
+            raise InvalidArgument("pages", "a sequence's pages are distinct", f"got {pages}"[:120])
+        return pages, ids
 
     # --- the radix cache's words, for CacheManager ----------------------------------------
 
@@ -237,6 +310,7 @@ class HashPrefixCache(HashCacheViews):
         """:meth:`match` as the radix cache answers it (a ``MatchResult`` holding the handle)."""
         return MatchResult(self.match(input_ids))
 
+    @whole
     def insert_prefix(self, input_ids, indices) -> InsertResult:
         """Cache the full pages of ``input_ids`` whose KV sits in ``indices`` (one slot per token).
 
@@ -245,14 +319,14 @@ class HashPrefixCache(HashCacheViews):
         Every new page must be held by the caller alone (one reference, no hash); that
         reference passes to the cache, so the pages are evictable until someone locks the
         handle (the radix cache's new node is unlocked too)."""
-        ids = check_token_ids("input_ids", input_ids)
+        ids = check_hashable_ids("input_ids", input_ids)
         indices = check_slots("indices", indices)
         if indices.numel() != len(ids):
             raise InvalidArgument("indices", "one slot per token: len(indices) == len(input_ids)",
                                   f"got {indices.numel()} slots for {len(ids)} tokens")
         P = self.page_size
         insert_len = len(ids) // P * P
-        hit = self.match(ids[:insert_len])
+        hit = self._match(ids[:insert_len])
         new_slots = indices[hit.cached_len:insert_len]
         check_whole_pages("indices", new_slots, P)
         new_pages = [int(s) // P for s in new_slots[::P].tolist()]
@@ -269,21 +343,17 @@ class HashPrefixCache(HashCacheViews):
         for i, page in enumerate(new_pages):
             tokens = ids[hit.cached_len + i * P: hit.cached_len + (i + 1) * P]
             parent = hashes[-1] if hashes else None
-            h = chain_hash(parent, tokens)
+            h = _chain(parent, tokens)
             owner = self.hash_to_page.get(h)
             if owner is not None and self.ref_count[owner] == 0:
                 self._displaced[page] = owner  # recorded first: undo_insert gives its hash back
-            self.cache_page(page, h, tokens, parent)
+            self._cache_page(page, h, tokens, parent)
             hashes.append(h)
-        self.free(new_pages)  # the caller's reference passes to the cache
+        self._release(new_pages)  # the caller's reference passes to the cache
         handle = HashCacheHandle(insert_len, hit.pages + tuple(new_pages), tuple(hashes), self)
         return InsertResult(hit.cached_len, handle)
 
-    def holds(self, handle) -> bool:
-        """Whether every page of ``handle`` still carries its hash in this cache."""
-        return (isinstance(handle, HashCacheHandle) and handle.cache is self and
-                all(self.page_hash[p] == h for p, h in zip(handle.pages, handle.hashes)))
-
+    @whole
     def lock_handle(self, handle: HashCacheHandle, unlock: bool = False, *, owner=None) -> None:
         """Take (or with ``unlock=True`` give back) one reference on every page of ``handle``
         for ``owner``. Only an owner that holds a lock may unlock it (:class:`CacheMisuse`
@@ -291,6 +361,8 @@ class HashPrefixCache(HashCacheViews):
         if not isinstance(handle, HashCacheHandle):
             raise InvalidArgument("handle", "must be a HashCacheHandle from this cache",
                                   f"got {type(handle).__name__}")
+        if not isinstance(unlock, bool):
+            raise InvalidArgument("unlock", "must be a bool", f"got {unlock!r}")
         if not self.holds(handle):
             raise CacheMisuse("lock_handle: a page of the handle's prefix was reused for other "
                               "tokens (or the handle belongs to another cache); lock a handle right "
@@ -308,119 +380,35 @@ class HashPrefixCache(HashCacheViews):
                 raise CacheMisuse(f"lock_handle(unlock=True): the handle (pages {list(handle.pages)}) "
                                   f"is not locked by {owner!r}"[:160] + ". Only the owner that locked "
                                   "a handle may unlock it, once per lock")
-            if held == 1:
-                del self._locks[key]
-            else:
-                self._locks[key] = held - 1
-            self.free(handle.pages)
+            self._check_release(list(handle.pages), "lock_handle(unlock=True)")
+            self._set_lock(key, held - 1)
+            self._release(list(handle.pages))
         else:
-            self._locks[key] = held + 1
+            self._set_lock(key, held + 1)
             for page in handle.pages:
-                self.take_cached(page)
+                self._take_cached(page)
 
-    def is_locked_by(self, handle, owner=None) -> bool:
-        """Whether ``owner`` holds a lock on ``handle`` (the empty handle: always)."""
-        if not self.holds(handle):
-            return False
-        return not handle.pages or self.locks_held(handle, owner) > 0
-
-    def locks_held(self, handle, owner=None) -> int:
-        """How many locks ``owner`` holds on ``handle`` (the empty handle, which locks nothing: 0)."""
-        if not isinstance(handle, HashCacheHandle) or handle.cache is not self or not handle.pages:
-            return 0
-        try:
-            return self._locks.get((owner, handle.pages), 0)
-        except TypeError:  # an unhashable owner holds nothing
-            return 0
-
+    @whole
     def evict_leaves(self, num_tokens: int, into: list | None = None) -> list[TakenPage]:
         """Take ``div_ceil(num_tokens, P)`` pages (or all there are) from the head of the free
         queue, one reference each, cached ones losing their hash; return them in order (each with
         what it held, and its slots in ``value``) so that :meth:`undo_evict` can put them back.
         The cache manager's word for "pages, please". ``into``: the caller's list, which gets each
-        page before it is taken (and is returned), so that an interrupt part-way loses none."""
+        page before it is taken (and is returned); a call that fails is taken back whole, its
+        pages in the queue again, where :meth:`undo_evict` leaves them."""
+        if into is not None and not isinstance(into, list):
+            raise InvalidArgument("into", "None or a list", f"got {type(into).__name__}")
         n = min(div_ceil(check_int("num_tokens", num_tokens, minimum=0), self.page_size),
                 len(self.free_queue))
         taken: list[TakenPage] = [] if into is None else into
         for page in self.free_queue.head(n):
-            # recorded first: undo_evict reads from the cache how far the next line got
             taken.append(TakenPage(page, self.page_hash[page], self.page_parent[page],
                                    self.page_tokens[page], self._slots([page])))
-            self.take_free()
+            self.take_free()  # (the building block: a notebook may watch it)
         return taken
 
+    @whole
     def evict(self, num_tokens: int) -> torch.Tensor:
         """:meth:`evict_leaves`, returning the token slots of the pages taken."""
         taken = self.evict_leaves(num_tokens)
         return torch.cat([t.value for t in taken]) if taken else self._slots([])
-
-    # --- a caller's rollback: each undo_* takes back one step, last step first -------------
-    #
-    # Each reads what happened from the cache itself, so that it also works when the step was
-    # stopped part-way or its caller never heard back; each is valid only while nothing else
-    # changed the cache since. Together they leave the cache as it was, free queue order included.
-
-    def undo_evict(self, taken: Sequence[TakenPage]) -> None:
-        """Put the pages of an :meth:`evict_leaves` call back at the head of the free queue, in
-        their order, with their hashes. A page recorded but not taken yet (the eviction was
-        stopped part-way) stays where it is; one that :meth:`take_free` left part-way goes back too.
-        Refuses (:class:`CacheMisuse`, nothing changed) when a page was taken by someone else."""
-        back = [t for t in taken if t.page not in self.free_queue]
-        for t in back:
-            if self.ref_count[t.page] > 1 or self.page_hash[t.page] not in (None, t.hash) or (
-                    t.hash is not None and self.hash_to_page.get(t.hash, t.page) != t.page):
-                raise CacheMisuse(f"undo_evict: page {t.page} cannot go back (the cache changed)")
-        for t in reversed(back):
-            if t.hash is not None:
-                if self.page_hash[t.page] is None:
-                    self.evicted_pages -= 1  # (take_free counted it when the hash went)
-                self.page_hash[t.page], self.page_parent[t.page] = t.hash, t.parent
-                self.page_tokens[t.page], self.hash_to_page[t.hash] = t.tokens, t.page
-            self.ref_count[t.page] = 0
-            self.free_queue.appendleft(t.page)
-
-    def undo_lock(self, handle: HashCacheHandle, owner=None) -> None:
-        """Take back the latest lock ``owner`` took on ``handle``: as an unlock, except that each
-        page the lock took out of the free queue goes back to its place there (not to the tail,
-        where an unlock queues it), so the queue is as the lock found it."""
-        held = self.locks_held(handle, owner)
-        if held == 0:
-            raise CacheMisuse(f"undo_lock: the handle (pages {list(getattr(handle, 'pages', ()))}) "
-                              f"is not locked by {owner!r}"[:160])
-        key = (owner, handle.pages)
-        if held == 1:
-            del self._locks[key]
-        else:
-            self._locks[key] = held - 1
-        for page in reversed(handle.pages):  # the lock took them first to last
-            self.ref_count[page] -= 1
-            if self.ref_count[page] == 0:
-                self.free_queue.restore(page)
-
-    def undo_free(self, pages: Sequence[int]) -> None:
-        """Take back those of ``pages`` that a :meth:`free` left in the free queue without a hash:
-        each is held once again, as before the free (the caller held it alone). Pages held, or
-        with a hash, stay as they are."""
-        for page in pages:
-            if page in self.free_queue and self.page_hash[page] is None:
-                self.free_queue.remove(page)
-                self.ref_count[page] = 1
-
-    def undo_insert(self, slots) -> None:
-        """Take back what an :meth:`insert_prefix` call cached on the caller's ``slots`` (those it
-        passed that it held alone, without a hash): each of their pages that carries a hash now
-        loses it (no eviction: nothing was handed out) and is the caller's again, held once, out
-        of the free queue; a free page whose stale hash the insert took gets it back."""
-        pages = [s // self.page_size for s in check_slots("slots", slots)[:: self.page_size].tolist()]
-        for page in reversed(pages):
-            h, parent, tokens = self.page_hash[page], self.page_parent[page], self.page_tokens[page]
-            if h is None:
-                continue
-            if page in self.free_queue:
-                self.free_queue.remove(page)
-            self.ref_count[page] = 1
-            self._forget(page)  # (held: not counted as an eviction)
-            displaced = self._displaced.pop(page, None)
-            if displaced is not None and self.ref_count[displaced] == 0 and self.page_hash[displaced] is None:
-                self.cache_page(displaced, h, tokens, parent)
-                self.evicted_pages -= 1  # (cache_page counted it when it took the hash)

@@ -1,6 +1,6 @@
 """The hash-chained prefix cache read, never changed (chapter 11): its pages as the cache
-manager's checks list them, its sizes, the cache as plain data for drawings, and the proof of its
-invariants.
+manager's checks list them, its sizes, who holds which lock, the checks of page-id arguments, the
+cache as plain data for drawings, and the proof of its invariants.
 
 :class:`~kvlab.hash_cache.HashPrefixCache` inherits these, so that its own module holds the
 algorithm: the building blocks, the block manager's words, the radix cache's words and the undo
@@ -13,8 +13,9 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .errors import IntegrityError
-from .hash_chain import FreeQueue, HashSnapshot, PageHash, PageNode, chain_hash, short
+from .args import check_int, check_int_vector, is_int
+from .errors import IntegrityError, InvalidArgument
+from .hash_chain import FreeQueue, HashCacheHandle, HashSnapshot, PageHash, PageNode, chain_hash, short
 from .radix_node import NodeInfo, SizeInfo
 
 __all__ = ["HashCacheViews"]
@@ -33,6 +34,60 @@ class HashCacheViews:
     hash_to_page: dict[PageHash, int]
     free_queue: FreeQueue
     _locks: dict[tuple[Hashable, tuple[int, ...]], int]
+
+    # --- page-id arguments --------------------------------------------------------------
+
+    def _is_page(self, page) -> bool:
+        return is_int(page) and 0 <= page < self.num_pages
+
+    def _page(self, argument: str, page) -> int:
+        """A page id: an int in ``[0, num_pages)``, else :class:`InvalidArgument` naming ``argument``."""
+        page = check_int(argument, page)
+        if not 0 <= page < self.num_pages:
+            raise InvalidArgument(argument, f"a page id in [0, {self.num_pages})", f"got {page}")
+        return page
+
+    def _page_ids(self, argument: str, pages) -> list[int]:
+        """Page ids: a list or tuple of ints (or a 1-D integer tensor), each in ``[0, num_pages)``."""
+        if isinstance(pages, torch.Tensor):
+            pages = check_int_vector(argument, pages).tolist()
+        elif isinstance(pages, (str, bytes)) or not isinstance(pages, (list, tuple)):
+            raise InvalidArgument(argument, "a list or tuple of page ids (ints)", f"got {type(pages).__name__}")
+        if list(map(type, pages)).count(int) != len(pages):
+            pages = [check_int(f"{argument}[{i}]", p) for i, p in enumerate(pages)]
+        if pages and not (0 <= min(pages) and max(pages) < self.num_pages):
+            i = next(i for i, p in enumerate(pages) if not 0 <= p < self.num_pages)
+            raise InvalidArgument(f"{argument}[{i}]", f"a page id in [0, {self.num_pages})", f"got {pages[i]}")
+        return list(pages)
+
+    # --- locks ------------------------------------------------------------------------------
+
+    def holds(self, handle) -> bool:
+        """Whether every page of ``handle`` still carries its hash in this cache."""
+        if not isinstance(handle, HashCacheHandle) or handle.cache is not self or len(handle.pages) != len(handle.hashes):
+            return False
+        n, page_hash = self.num_pages, self.page_hash
+        try:
+            return all(0 <= p < n and page_hash[p] == h for p, h in zip(handle.pages, handle.hashes))
+        except TypeError:  # (a handle built by hand, with something else than page ids)
+            return False
+
+    def is_locked_by(self, handle, owner=None) -> bool:
+        """Whether ``owner`` holds a lock on ``handle`` (the empty handle: always)."""
+        if not self.holds(handle):
+            return False
+        return not handle.pages or self.locks_held(handle, owner) > 0
+
+    def locks_held(self, handle, owner=None) -> int:
+        """How many locks ``owner`` holds on ``handle`` (the empty handle, which locks nothing: 0)."""
+        if not isinstance(handle, HashCacheHandle) or handle.cache is not self or not handle.pages:
+            return 0
+        try:
+            return self._locks.get((owner, handle.pages), 0)
+        except TypeError:  # an unhashable owner holds nothing
+            return 0
+
+    # --- sizes and snapshots ------------------------------------------------------------------
 
     @property
     def size_info(self) -> SizeInfo:

@@ -25,14 +25,16 @@ from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import torch
 
+from .args import check_int, check_page_size, check_token_ids, is_int
 from .errors import CacheMisuse, InvalidArgument
 
-__all__ = ["PageHash", "chain_hash", "page_hashes", "short", "FreeQueue", "HashCacheHandle",
-           "Allocation", "TakenPage", "PageNode", "HashSnapshot"]
+__all__ = ["PageHash", "chain_hash", "page_hashes", "check_hashable_ids", "check_int64", "short", "FreeQueue",
+           "HashCacheHandle", "Allocation", "TakenPage", "PageNode", "HashSnapshot"]
 
 #: A page's chained hash: 16 bytes (vLLM's ``BlockHash`` is ``bytes`` too).
 PageHash = bytes
 DIGEST_SIZE = 16
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def chain_hash(parent: PageHash | None, page_tokens: Sequence[int]) -> PageHash:
@@ -42,23 +44,48 @@ def chain_hash(parent: PageHash | None, page_tokens: Sequence[int]) -> PageHash:
     a seed ``NONE_HASH``). Two pages with the same tokens after different prefixes get
     different hashes, because their parents differ.
     """
+    if parent is not None and not isinstance(parent, bytes):
+        raise InvalidArgument("parent", "None (a first page) or the parent page's hash (bytes)",
+                              f"got {type(parent).__name__}")
+    return _chain(parent, check_hashable_ids("page_tokens", page_tokens))
+
+
+def _chain(parent: PageHash | None, page_tokens: Sequence[int]) -> PageHash:
+    """:func:`chain_hash` of ids already checked (the caches' own walks)."""
     h = hashlib.blake2b(digest_size=DIGEST_SIZE)
     if parent is not None:
         h.update(parent)
-    try:
-        h.update(struct.pack(f"<{len(page_tokens)}q", *page_tokens))
-    except struct.error:
-        raise InvalidArgument("page_tokens", "token ids must be ints that fit in int64",
-                              f"got {list(page_tokens)[:8]}") from None
+    h.update(struct.pack(f"<{len(page_tokens)}q", *page_tokens))
     return h.digest()
+
+
+def check_hashable_ids(argument: str, token_ids) -> list[int]:
+    """Token ids (:func:`kvlab.args.check_token_ids`) that are hashed as int64: each in
+    ``[-2**63, 2**63)``, else :class:`InvalidArgument` naming the argument and the first one."""
+    return check_int64(argument, check_token_ids(argument, token_ids))
+
+
+def check_int64(argument: str, ids: list[int], start: int = 0) -> list[int]:
+    """``ids[start:]`` (ints already) each fit in int64, else :class:`InvalidArgument` naming the
+    first one that does not (``argument[i]``). Returns ``ids``."""
+    tail = ids[start:] if start > 0 else ids
+    if tail and not (INT64_MIN <= min(tail) and max(tail) <= INT64_MAX):
+        i = next(i for i, t in enumerate(tail) if not INT64_MIN <= t <= INT64_MAX)
+        raise InvalidArgument(f"{argument}[{max(start, 0) + i}]", "token ids fit in int64 (a page is "
+                              "hashed as int64 token ids)", f"got {tail[i]}")
+    return ids
 
 
 def page_hashes(input_ids: Sequence[int], page_size: int) -> list[PageHash]:
     """The chained hash of every **full** page of ``input_ids`` (a partial last page has none)."""
+    return _page_hashes(check_hashable_ids("input_ids", input_ids), check_page_size(page_size))
+
+
+def _page_hashes(input_ids: Sequence[int], page_size: int) -> list[PageHash]:
     out: list[PageHash] = []
     parent = None
     for start in range(0, len(input_ids) - page_size + 1, page_size):
-        parent = chain_hash(parent, input_ids[start:start + page_size])
+        parent = _chain(parent, input_ids[start:start + page_size])
         out.append(parent)
     return out
 
@@ -81,12 +108,17 @@ class FreeQueue:
     neighbours it left, so that :meth:`restore` can put it back exactly there in O(1) while the
     list around it is as it was (Knuth's "dancing links"): a caller that takes pages out and then
     has to roll back restores them in reverse order, and the queue is as before, order included.
+
+    ``journal``: ``None``, or a list that gets one entry per link or unlink *before* it happens
+    (the hash cache's calls set it while they run); :meth:`undo` takes an entry back, so a call
+    that fails part-way plays its entries back, last first, and the queue is as it was.
     """
 
     def __init__(self, pages: Iterable[int] = ()):
         self._next: dict[int, int] = {_HEAD: _TAIL}
         self._prev: dict[int, int] = {_TAIL: _HEAD}
         self._left: dict[int, tuple[int, int]] = {}  # page taken out -> (its prev, its next) then
+        self.journal: list | None = None
         for page in pages:
             self.append(page)
 
@@ -94,7 +126,10 @@ class FreeQueue:
         return len(self._next) - 1
 
     def __contains__(self, page: int) -> bool:
-        return page in self._next and page != _HEAD
+        try:
+            return page in self._next and page != _HEAD
+        except TypeError:  # an unhashable "page" is in no queue
+            return False
 
     def __iter__(self) -> Iterator[int]:
         page = self._next[_HEAD]
@@ -106,17 +141,38 @@ class FreeQueue:
         return f"FreeQueue({list(self)})"
 
     def _link(self, page: int, prev: int, nxt: int) -> None:
+        page = check_int("page", page, minimum=0)
         if page in self:
             raise CacheMisuse(f"page {page} is already in the free queue")
+        if self.journal is not None:  # noted first: undo finds the queue before or after this
+            self.journal.append((True, page, prev, nxt, self._left.get(page)))
         self._next[prev], self._prev[page], self._next[page], self._prev[nxt] = page, prev, nxt, page
         self._left.pop(page, None)
 
     def _unlink(self, page: int) -> None:
-        if page not in self:
-            raise CacheMisuse(f"page {page} is not in the free queue")
-        prev, nxt = self._prev.pop(page), self._next.pop(page)
-        self._next[prev], self._prev[nxt] = nxt, prev
-        self._left[page] = (prev, nxt)
+        if not is_int(page) or page not in self:
+            raise CacheMisuse(f"page {page!r} is not in the free queue")
+        prev, nxt = self._prev[page], self._next[page]
+        if self.journal is not None:
+            self.journal.append((False, page, prev, nxt, self._left.get(page)))
+        self._next[prev], self._prev[nxt], self._left[page] = nxt, prev, (prev, nxt)
+        del self._prev[page], self._next[page]
+
+    def undo(self, entry: tuple) -> None:
+        """Take back one :attr:`journal` entry, the latest not taken back yet, whether or not its
+        link or unlink ran (a call may stop just after noting it): the three pages it touched get
+        their links of before, and the page what it remembered."""
+        linked, page, prev, nxt, left = entry
+        if linked:
+            self._next[prev], self._prev[nxt] = nxt, prev
+            self._next.pop(page, None)
+            self._prev.pop(page, None)
+        else:
+            self._next[prev], self._prev[page], self._next[page], self._prev[nxt] = page, prev, nxt, page
+        if left is None:
+            self._left.pop(page, None)
+        else:
+            self._left[page] = left
 
     def append(self, page: int) -> None:
         """Put ``page`` at the tail: it is handed out after every page already queued."""
@@ -141,7 +197,7 @@ class FreeQueue:
     def can_restore(self, page: int) -> bool:
         """Whether :meth:`restore` can put ``page`` back: it was taken out, and the two pages it
         left between are neighbours again."""
-        prev, nxt = self._left.get(page, (None, None))
+        prev, nxt = self._left.get(page, (None, None)) if is_int(page) else (None, None)
         return page not in self and prev is not None and self._next.get(prev) == nxt
 
     def restore(self, page: int) -> None:
@@ -149,12 +205,13 @@ class FreeQueue:
         removals last first). Refuses (:class:`CacheMisuse`, nothing changed) when the queue around
         that place changed since."""
         if not self.can_restore(page):
-            raise CacheMisuse(f"page {page} cannot go back into the free queue where it was taken "
+            raise CacheMisuse(f"page {page!r} cannot go back into the free queue where it was taken "
                               "from (the queue changed since)")
         self._link(page, *self._left[page])
 
     def head(self, n: int) -> list[int]:
         """The first ``n`` pages, without taking them."""
+        n = check_int("n", n, minimum=0)
         out, page = [], self._next[_HEAD]
         while len(out) < n and page != _TAIL:
             out.append(page)

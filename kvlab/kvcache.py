@@ -118,3 +118,37 @@ def random_paged_layout(seed: int, page_size: int, seq_lens, *, heads: int = 2,
     return PagedLayout(q.to(device), k.to(device), v.to(device), table.to(device),
                        torch.tensor(row_of[:len(seq_lens)], device=device),
                        torch.tensor(seq_lens, device=device))
+
+
+#: the page a :func:`random_decode_step`'s dummy row maps (its first slot), beyond every real page
+DUMMY_PAGE = 30
+
+
+class DecodeStep(NamedTuple):
+    """One decode step's page-table view: request ``b`` in row ``rows[b]``, its new token at
+    ``positions[b]``; row ``dummy_row`` maps only the dummy page (chapter 10's padding)."""
+
+    rows: torch.Tensor        # [batch] int64
+    positions: torch.Tensor   # [batch] int64
+    page_table: torch.Tensor  # [table_rows + 1, cols] int32, -1 unmapped
+    dummy_row: int
+
+
+def random_decode_step(seed: int, page_size: int, seq_lens, table_rows: int = 10,
+                       dummy_row: int | None = None) -> DecodeStep:
+    """A page table of ``table_rows`` rows plus the dummy row (``dummy_row``, the last by
+    default), whose every entry is the first slot of page :data:`DUMMY_PAGE`: request ``b``
+    holds ``seq_lens[b]`` positions on shuffled pages below it, in a shuffled row of the others;
+    its new token is its last (chapter 10's exercise and its checker draw their steps here)."""
+    P, lens = page_size, [int(n) for n in seq_lens]
+    rng = random.Random(seed)
+    dummy = table_rows if dummy_row is None else dummy_row
+    table = torch.full((table_rows + 1, max(lens, default=0) // P * P + P), -1, dtype=torch.int32)
+    table[dummy] = DUMMY_PAGE * P
+    pages = rng.sample(range(DUMMY_PAGE), sum(-(-n // P) for n in lens))
+    rows = rng.sample([r for r in range(table_rows + 1) if r != dummy], len(lens))
+    for row, n in zip(rows, lens):
+        mine = [pages.pop() for _ in range(-(-n // P))]
+        table[row, :len(mine) * P] = torch.tensor([p * P + i for p in mine for i in range(P)])
+    return DecodeStep(torch.tensor(rows, dtype=torch.int64),
+                      torch.tensor([n - 1 for n in lens], dtype=torch.int64), table, dummy)

@@ -33,7 +33,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .args import check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
+from .args import check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
 from .errors import CacheMisuse, IntegrityError, InvalidArgument
 from .radix_node import (InsertResult, MatchResult, NodeInfo, RadixCacheHandle, RadixNode, SizeInfo,
                          TreeSnapshot)
@@ -66,7 +66,7 @@ class RadixPrefixCache:
 
     def __init__(self, page_size: int, device: "torch.device | str | None" = None):
         self.page_size = check_page_size(page_size)
-        self.device = default_device(device)
+        self.device = default_device(check_device("device", device))
         self._next_uid = 0
         self._now = 0  # the LRU clock: one tick per walk (match or insert)
         self.root: RadixNode | None = None
@@ -152,15 +152,12 @@ class RadixPrefixCache:
         Both halves keep the node's LRU stamp. ``node`` stays the lower half, so the handles
         and locks that point at it still cover exactly the same tokens."""
         assert 0 < pos < node.length and pos % self.page_size == 0
-        parent = node.parent
+        parent, P = node.parent, self.page_size
         upper = RadixNode(node.key[:pos], node.value[:pos], self._uid(), node.last_access)
-        upper.ref_count = node.ref_count  # every lock through node also runs through upper
-        del parent.children[node.key[:self.page_size]]
-        parent.children[upper.key[:self.page_size]] = upper
-        upper.parent = parent
-        node.key, node.value = node.key[pos:], node.value[pos:]
-        upper.children[node.key[:self.page_size]] = node
-        node.parent = upper
+        upper.ref_count, upper.parent = node.ref_count, parent  # every lock through node also runs through upper
+        upper.children[node.key[pos:pos + P]] = node
+        # one statement: the tree never shows half a split (upper keeps node's first page as its key)
+        parent.children[node.key[:P]], node.parent, node.key, node.value = upper, upper, node.key[pos:], node.value[pos:]
         return upper
 
     def _walk(self, ids: Sequence[int], *, touch: bool = True) -> tuple[RadixNode, int]:
@@ -227,8 +224,9 @@ class RadixPrefixCache:
             new_node = RadixNode(tuple(ids[prefix_len:]), new_value.clone(), self._uid(),
                                  self._tick())
             new_node.parent = node
-            node.children[new_node.key[:self.page_size]] = new_node
-            self.evictable_size += new_node.length
+            # one statement: the new leaf and the size that counts it come together
+            node.children[new_node.key[:self.page_size]], self.evictable_size = (
+                new_node, self.evictable_size + new_node.length)
             node = new_node
         return InsertResult(prefix_len, RadixCacheHandle(insert_len, node))
 
@@ -263,29 +261,36 @@ class RadixPrefixCache:
             return
         record = (owner, handle.node)
         held = self._locks.get(record, 0)
-        if unlock:
-            if held == 0:
-                others = sum(c for (_, node), c in self._locks.items() if node is handle.node)
-                raise CacheMisuse(
-                    f"lock_handle(unlock=True): the handle is not locked by {_owner_name(owner)} "
-                    f"(node {handle.node.uid}; {others} lock(s) on it held by other owners). Only "
-                    "the owner that locked a handle may unlock it, once per lock")
-            if held == 1:
-                del self._locks[record]
+        if not isinstance(unlock, bool):
+            raise InvalidArgument("unlock", "must be a bool", f"got {unlock!r}")
+        if unlock and held == 0:
+            others = sum(c for (_, node), c in self._locks.items() if node is handle.node)
+            raise CacheMisuse(
+                f"lock_handle(unlock=True): the handle is not locked by {_owner_name(owner)} "
+                f"(node {handle.node.uid}; {others} lock(s) on it held by other owners). Only "
+                "the owner that locked a handle may unlock it, once per lock")
+        # ==== whole or not at all: what the path held before, put back if anything fails ====
+        path = list(handle.node.path_to_root())
+        counts, sizes, step = [node.ref_count for node in path], self.size_info, -1 if unlock else 1
+        try:
+            if held + step:
+                self._locks[record] = held + step
             else:
-                self._locks[record] = held - 1
-            for node in handle.node.path_to_root():
-                node.ref_count -= 1
-                if node.ref_count == 0:
-                    self.evictable_size += node.length
-                    self.protected_size -= node.length
-        else:
-            self._locks[record] = held + 1
-            for node in handle.node.path_to_root():
-                if node.ref_count == 0:
-                    self.evictable_size -= node.length
-                    self.protected_size += node.length
-                node.ref_count += 1
+                del self._locks[record]
+            for node in path:
+                node.ref_count += step
+                if node.ref_count == (0 if unlock else 1):  # it just became evictable (or protected)
+                    self.evictable_size, self.protected_size = (self.evictable_size - step * node.length,
+                                                                self.protected_size + step * node.length)
+        except BaseException:  # (an interrupt part-way: no lock half taken, no count off by one)
+            for node, count in zip(path, counts):
+                node.ref_count = count
+            self.evictable_size, self.protected_size = sizes
+            if held:
+                self._locks[record] = held
+            else:
+                self._locks.pop(record, None)
+            raise
 
     def is_locked_by(self, handle: RadixCacheHandle, owner=None) -> bool:
         """Whether ``owner`` holds a lock on ``handle`` (the root handle: always locked)."""
@@ -339,6 +344,8 @@ class RadixPrefixCache:
         have to roll back passes its own, so that a failure or an interrupt part-way through
         (a learner pressing stop) loses no node already evicted."""
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
+        if into is not None and not isinstance(into, list):
+            raise InvalidArgument("into", "None or a list", f"got {type(into).__name__}")
         evicted: list[RadixNode] = [] if into is None else into
         if num_tokens == 0:
             return evicted
@@ -362,6 +369,9 @@ class RadixPrefixCache:
         rollback when what it evicted for could not be finished). Only valid while nothing
         else changed the tree since. A node recorded but not yet detached (the eviction was
         stopped part-way) is left where it is."""
+        if not isinstance(evicted, (list, tuple)) or not all(isinstance(n, RadixNode) for n in evicted):
+            raise InvalidArgument("evicted", "the list evict_leaves returned (RadixNode)",
+                                  f"got {type(evicted).__name__}")
         for node in reversed(evicted):
             parent, key = node.parent, node.key[:self.page_size]
             if parent is not None and not node.detached and parent.children.get(key) is node:
@@ -383,12 +393,17 @@ class RadixPrefixCache:
         passed that were in no node before): the unlocked leaf that starts on one of them. A
         caller's rollback, read from the tree itself, so it also works when the insert ran but its
         caller never got the handle. A node split by the insert's walk stays split (the same
-        pages, as a match leaves them)."""
+        pages, as a match leaves them), and so does a node of the insert that a later walk split:
+        both halves start on the caller's slots, the upper one a leaf once the lower one is gone."""
         starts = set(check_slots("slots", slots)[:: self.page_size].tolist())
-        for node in self.nodes():
-            if node.is_leaf() and not node.ref_count and int(node.value[0]) in starts:
-                del node.parent.children[node.key[:self.page_size]]
-                self.evictable_size, node.detached = self.evictable_size - node.length, True
+        removed = True
+        while removed:
+            removed = False
+            for node in self.nodes():
+                if node.is_leaf() and not node.ref_count and int(node.value[0]) in starts:
+                    del node.parent.children[node.key[:self.page_size]]
+                    self.evictable_size, node.detached = self.evictable_size - node.length, True
+                    removed = True
 
     # --- checks -----------------------------------------------------------------------
 

@@ -168,4 +168,7 @@ class ForwardBatch:
 
     def slots(self, i: int) -> torch.Tensor:
         """Every slot request ``i``'s attention reads: its row over ``[0, end[i])``."""
+        i = check_int("i", i)
+        if not 0 <= i < len(self.reqs):
+            raise InvalidArgument("i", f"a request of the batch: in [0, {len(self.reqs)})", f"got {i}")
         return self.page_table[self.table_idx[i], : self.end[i]]

@@ -8,8 +8,8 @@
   nbval reports, although in a notebook it does not stop Run All).
 * No cell echoes what a call of ``kvlab.check`` or ``kvlab.solutions`` returned (an ``Out[..]``
   under a checker, a hint or a solution that was printed already): :func:`stray_echo`.
-* Every figure a notebook shows is legible in JupyterLab: its smallest text is at least 9 px
-  tall in a 970 px output area (:mod:`kvlab.viz.legibility`). The kernels inherit
+* Every figure a notebook shows is legible in JupyterLab: at most 8.4 in wide, and its smallest
+  text at least 9 px tall in an 848 px output area (:mod:`kvlab.viz.legibility`). The kernels inherit
   ``KVLAB_FIGURE_AUDIT``, set here to a file of this worker's, so ``import kvlab`` measures
   each figure as it is rendered; the file is emptied when a notebook starts.
 
@@ -135,11 +135,14 @@ def _illegible(path: Path) -> str | None:
     bad = [r for r in records if not r["legible"]]
     if not bad:
         return None
+    from kvlab.viz.legibility import MAX_WIDTH_IN, MIN_TEXT_PX, OUTPUT_WIDTH_PX
+
     lines = [f"  {r['width_px']} px wide at {r['dpi']:g} dpi, smallest text {r['smallest_pt']:g} pt "
              f"= {r['smallest_px']} px ('{r['smallest_text']}' in the figure titled '{r['title']}')"
-             for r in bad]
-    return (f"{path.name}: {len(bad)} of {len(records)} figures have text under 9 px in a 970 px "
-            "wide output area (kvlab.viz.legibility):\n" + "\n".join(lines))
+             + (f": wider than {MAX_WIDTH_IN:g} in" if r.get("too_wide") else "") for r in bad]
+    return (f"{path.name}: {len(bad)} of {len(records)} figures are wider than {MAX_WIDTH_IN:g} in or "
+            f"have text under {MIN_TEXT_PX:g} px in a {OUTPUT_WIDTH_PX} px wide output area "
+            "(kvlab.viz.legibility):\n" + "\n".join(lines))
 
 
 def pytest_runtest_setup(item):

@@ -5,6 +5,23 @@ the point is to see *everything* a call could have changed, not only what the AP
 """
 from __future__ import annotations
 
+import kvlab.cache_manager
+import kvlab.cache_manager_checks
+import kvlab.cache_manager_undo
+import kvlab.cache_regions
+import kvlab.hash_cache
+import kvlab.hash_cache_undo
+import kvlab.hash_cache_views
+import kvlab.hash_chain
+import kvlab.radix_cache
+import kvlab.radix_node
+import kvlab.req
+
+#: the cache manager and both prefix caches: tests interrupt a call at any line run in these
+MANAGER_MODULES = [kvlab.cache_manager, kvlab.cache_manager_checks, kvlab.cache_manager_undo,
+                   kvlab.cache_regions, kvlab.req, kvlab.radix_cache, kvlab.radix_node, kvlab.hash_cache,
+                   kvlab.hash_cache_undo, kvlab.hash_cache_views, kvlab.hash_chain]
+
 
 def cache_state(cache, *, stamps: bool = True) -> dict:
     """The radix tree node by node, its sizes, its clock and who holds which lock.
@@ -64,3 +81,11 @@ def manager_state(cm, reqs=(), *, stamps: bool = True) -> dict:
 def assert_unchanged(before: dict, after: dict) -> None:
     for key in before:
         assert before[key] == after[key], f"{key} changed"
+
+
+def without_ids(state: dict) -> dict:
+    """A manager's state with the identities of its requests and nodes left out (to compare two
+    managers that went through the same calls)."""
+    cache = dict(state["cache"], locks=sorted(lock[1:] for lock in state["cache"]["locks"]))
+    reqs = [(r[1], r[3], r[4], r[6], r[5].cached_len if r[5] is not None else None) for r in state["reqs"]]
+    return dict(state, cache=cache, running=[(row, pages) for row, _, pages in state["running"]], reqs=reqs)

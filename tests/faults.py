@@ -4,12 +4,16 @@
   stop) are what the injections raise;
 * :func:`failing` wraps a callable so that its k-th call fails, before or after doing its work;
 * :func:`interrupt_at_line` raises :class:`Interrupted` at the k-th line a function runs (by
-  ``sys.settrace``), so a test can interrupt a method between *any* two of its lines.
+  ``sys.settrace``), so a test can interrupt a method between *any* two of its lines; given
+  modules instead, at the k-th line run by any of their functions, so a test can interrupt a
+  call anywhere in everything it calls there (:func:`lines_run` counts them).
 """
 from __future__ import annotations
 
+import inspect
 import sys
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Callable
 
 
@@ -37,23 +41,38 @@ def failing(fn: Callable, k: int = 0, *, after: bool = False, error: type = Boom
     return wrapper
 
 
+def _traced(where) -> Callable:
+    """A test of frames: those of ``where`` (a function, a method, or a module, or a list of them:
+    every function of a module counts)."""
+    codes, files = set(), set()
+    for item in where if isinstance(where, (list, tuple)) else [where]:
+        if isinstance(item, ModuleType):
+            files.add(item.__file__)
+        else:
+            codes.add(inspect.unwrap(getattr(item, "__func__", item)).__code__)
+    return lambda frame: frame.f_code in codes or frame.f_code.co_filename in files
+
+
 @contextmanager
-def interrupt_at_line(fn: Callable, k: int):
-    """Within the block, raise :class:`Interrupted` when ``fn``'s own frames reach their ``k``-th
-    line (from 1; callees run untraced). Yields a list whose only item is the number of lines
-    seen: fewer than ``k`` means the block ran to the end uninterrupted."""
-    code = getattr(fn, "__func__", fn).__code__
+def interrupt_at_line(where, k: int, *, error: type = None):
+    """Within the block, raise :class:`Interrupted` (once; or ``error``) when the frames of
+    ``where`` reach their ``k``-th line (from 1; other callees run untraced). ``where``: a function
+    (a decorated one is unwrapped), or modules (every function defined there). Yields a list whose
+    only item is the number of lines seen: fewer than ``k`` means the block ran to the end
+    uninterrupted."""
+    error = error or Interrupted
+    traced = _traced(where)
     seen = [0]
 
     def local(frame, event, arg):
         if event == "line":
             seen[0] += 1
             if seen[0] == k:
-                raise Interrupted(f"line {frame.f_lineno} of {code.co_name}")
+                raise error(f"line {frame.f_lineno} of {frame.f_code.co_name}")
         return local
 
     def calls(frame, event, arg):
-        return local if frame.f_code is code else None
+        return local if traced(frame) else None
 
     previous = sys.gettrace()
     sys.settrace(calls)
@@ -61,6 +80,13 @@ def interrupt_at_line(fn: Callable, k: int):
         yield seen
     finally:
         sys.settrace(previous)
+
+
+def lines_run(where, call: Callable) -> int:
+    """How many lines the frames of ``where`` run during ``call()`` (uninterrupted)."""
+    with interrupt_at_line(where, -1) as seen:
+        call()
+    return seen[0]
 
 
 @contextmanager

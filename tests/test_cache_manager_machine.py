@@ -4,7 +4,9 @@ decode_step / complete_step), releases, locks and unlocks by holders and by non-
 failures injected at every mutating step, as an error or an interrupt (a learner pressing
 stop): the page-table write (half-way; the Triton writer's kernel launch, before or after the
 kernel ran), eviction (between any two of its lines, or right after it returned), ``_free``,
-the locks and the insert of ``cache_req`` / ``release_req`` (before or after their work).
+the locks and the insert of ``cache_req`` / ``release_req`` (before or after their work), and in
+every rule, any line run anywhere in the manager and the prefix cache (``fail``: the k-th line;
+the call is then made again, and must do what it would have done).
 After every step: check_integrity, page conservation (every page free, cached or owned by
 exactly one running request), no two running requests share a slot, and every running request
 reads the KV of its own tokens. Page sizes 1, 4, 16 and 64, on the radix cache (chapter 05) and
@@ -22,7 +24,7 @@ import random
 from contextlib import nullcontext
 
 import pytest
-from cache_state import assert_unchanged, manager_state
+from cache_state import MANAGER_MODULES, assert_unchanged, manager_state
 from faults import Boom, FailingKernel, Interrupted, failing, interrupt_at_line, patched
 from hypothesis import event, settings
 from hypothesis import strategies as st
@@ -40,6 +42,8 @@ class WriteFailed(RuntimeError):
 
 
 INJECTED = (Boom, Interrupted, WriteFailed)
+#: a rule's failure: none, or an error or an interrupt at the k-th line run in the manager or the cache
+FAIL = st.one_of(st.none(), st.none(), st.tuples(st.integers(1, 600), st.sampled_from([Interrupted, Boom])))
 class CacheManagerMachine(RuleBasedStateMachine):
     page_size = 4
     prefix_cache = "radix"  # (not `cache`: that name is the cache_req rule below)
@@ -103,6 +107,22 @@ class CacheManagerMachine(RuleBasedStateMachine):
             return False
         return True
 
+    def run(self, call, reqs, fail):
+        """``call()``; with ``fail``, first once with that failure injected: it must change
+        nothing (a radix match may split and stamp the tree), and then the call is made again."""
+        if fail is not None:
+            k, error = fail
+            before = manager_state(self.cm, reqs, stamps=False)
+            with interrupt_at_line(MANAGER_MODULES, k, error=error) as seen:
+                try:
+                    return call()
+                except (Boom, Interrupted):
+                    assert seen[0] == k
+            assert_unchanged(before, manager_state(self.cm, reqs, stamps=False))
+            self.cm.check_integrity()
+            event(f"failed at a line, nothing changed: {error.__name__}")
+        return call()
+
     def allocated(self, batch) -> None:
         """The model step after a batch got its pages."""
         self.forward(batch)
@@ -124,10 +144,10 @@ class CacheManagerMachine(RuleBasedStateMachine):
     # --- the rules ----------------------------------------------------------------------------
 
     @precondition(lambda self: self.free_rows())
-    @rule()
-    def admit(self):
+    @rule(fail=FAIL)
+    def admit(self, fail):
         req = Req(self.prompt(), self.free_rows()[0])
-        self.cm.admit(req)
+        self.run(lambda: self.cm.admit(req), [req], fail)
         self.admitted.append(req)
 
     @precondition(lambda self: self.admitted)
@@ -151,8 +171,8 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.allocated(batch)
 
     @precondition(lambda self: self.running())
-    @rule(fail=st.booleans())
-    def decode(self, fail):
+    @rule(fail=st.booleans(), fail_at=FAIL)
+    def decode(self, fail, fail_at):
         batch = [r for r in self.running() if r.device_len < self.max_len]
         if not batch:
             return
@@ -167,15 +187,16 @@ class CacheManagerMachine(RuleBasedStateMachine):
             self.refused(lambda: self.cm.decode_step(batch), OutOfPages, batch)
             self.cm.release_req(self.rng.choice(batch))  # the scheduler retracts one
             return
-        step = self.cm.decode_step(batch)
+        step = self.run(lambda: self.cm.decode_step(batch), batch, fail_at)
         self.forward(batch)
         done = [self.rng.random() < 0.2 for _ in batch]
-        self.cm.complete_step(step, [self.rng.randrange(3) for _ in batch], done)
+        tokens = [self.rng.randrange(3) for _ in batch]
+        self.run(lambda: self.cm.complete_step(step, tokens, done), batch, fail_at)
         self.finished += [r for r, d in zip(batch, done) if d]
 
     @precondition(lambda self: self.free_rows())
-    @rule(n=st.integers(1, ROWS), reserve=st.sampled_from([0, 0, 5]), fail=st.booleans())
-    def prefill_words(self, n, reserve, fail):
+    @rule(n=st.integers(1, ROWS), reserve=st.sampled_from([0, 0, 5]), fail=st.booleans(), fail_at=FAIL)
+    def prefill_words(self, n, reserve, fail, fail_at):
         """Admit and map new prompts in one call. Refused (OutOfPages) or failed (``fail``: the
         page-table write interrupted half-way), it takes back what it admitted: nothing changed
         (on the hash cache, the free pages the admissions hit are back in their places)."""
@@ -189,21 +210,40 @@ class CacheManagerMachine(RuleBasedStateMachine):
             event(f"prefill failed, nothing changed: {type(e).__name__}")
             return
         self.forward(reqs)
-        self.cm.complete_step(batch, [self.rng.randrange(3) for _ in reqs])
+        tokens = [self.rng.randrange(3) for _ in reqs]
+        self.run(lambda: self.cm.complete_step(batch, tokens), reqs, fail_at)
+
+    @precondition(lambda self: self.free_rows() and self.running())
+    @rule(fail=FAIL)
+    def mixed(self, fail):
+        """New prompts and the running requests' next tokens in one step."""
+        decode = [r for r in self.running() if r.device_len < self.max_len]
+        new = [Req(self.prompt(), row) for row in self.free_rows()[:2]]
+        if self.cm.pages_needed(new + decode) > self.cm.available_pages:
+            return
+        try:
+            batch = self.run(lambda: self.cm.mixed_step(new, decode), new + decode, fail)
+        except OutOfPages:  # (the admissions' hits may lock what the count called evictable)
+            return
+        self.forward(new + decode)
+        tokens = [self.rng.randrange(3) for _ in batch.reqs]
+        done = [False] * len(new) + [self.rng.random() < 0.3 for _ in decode]
+        self.run(lambda: self.cm.complete_step(batch, tokens, done), new + decode, fail)
+        self.finished += [r for r, d in zip(batch.reqs, done) if d]
 
     @precondition(lambda self: self.running())
-    @rule(finished=st.booleans())
-    def cache(self, finished):
+    @rule(finished=st.booleans(), fail=FAIL)
+    def cache(self, finished, fail):
         req = self.rng.choice(self.running())
-        self.cm.cache_req(req, finished=finished)
+        self.run(lambda: self.cm.cache_req(req, finished=finished), [req], fail)
         if finished:
             self.finished.append(req)
 
     @precondition(lambda self: self.cm.running)
-    @rule()
-    def release(self):
+    @rule(fail=FAIL)
+    def release(self, fail):
         req = self.rng.choice(self.cm.running)
-        self.cm.release_req(req)
+        self.run(lambda: self.cm.release_req(req), [req], fail)
         if req in self.admitted:
             self.admitted.remove(req)
         self.finished.append(req)
@@ -215,18 +255,18 @@ class CacheManagerMachine(RuleBasedStateMachine):
         self.refused(lambda: self.cm.cache_req(req, finished=True), CacheMisuse, [req])
         self.refused(lambda: self.cm.release_req(req), CacheMisuse, [req])
 
-    @rule(owner=st.sampled_from([None, "outsider", 7]))
-    def lock_by_an_outsider(self, owner):
+    @rule(owner=st.sampled_from([None, "outsider", 7]), fail=FAIL)
+    def lock_by_an_outsider(self, owner, fail):
         handle = self.cm.prefix_cache.match_prefix(self.prompt()).handle
         if handle.cached_len:
-            self.cm.lock(handle, owner=owner)
+            self.run(lambda: self.cm.lock(handle, owner=owner), (), fail)
             self.external.append((handle, owner))
 
     @precondition(lambda self: self.external)
-    @rule()
-    def unlock_by_the_holder(self):
+    @rule(fail=FAIL)
+    def unlock_by_the_holder(self, fail):
         handle, owner = self.external.pop(self.rng.randrange(len(self.external)))
-        self.cm.unlock(handle, owner=owner)
+        self.run(lambda: self.cm.unlock(handle, owner=owner), (), fail)
 
     @rule(stranger=st.sampled_from([None, "stranger", "outsider"]))
     def unlock_by_a_non_holder(self, stranger):
@@ -258,7 +298,7 @@ class CacheManagerMachine(RuleBasedStateMachine):
         if how == "interrupt_at_line":
             where = type(cm.prefix_cache).evict_leaves
             if isinstance(cm.prefix_cache, HashPrefixCache) and k % 2:
-                where, k = HashPrefixCache.take_free, k // 2 + 1
+                where, k = HashPrefixCache._take_free, k // 2 + 1
             with interrupt_at_line(where, k):
                 done = self.attempt(lambda: cm.allocate_paged(batch), batch)
         elif how in ("interrupt_after", "error_after"):
@@ -311,18 +351,19 @@ class CacheManagerMachine(RuleBasedStateMachine):
     @rule(k=st.integers(0, 3), interrupt=st.booleans())
     def complete_step_with_a_failure(self, k, interrupt):
         """complete_step settles its requests one cache_req at a time: a failure in the k-th
-        leaves the earlier ones settled and the rest running, every invariant intact."""
+        takes back the earlier ones too (no token recorded, no length moved): the batch is as
+        before, and the same call then completes it."""
         batch = [r for r in self.running() if r.device_len < self.max_len]
         if not batch or self.cm.pages_needed(batch) > self.cm.available_pages:
             return
         step = self.cm.decode_step(batch)
         self.forward(batch)
         done = [self.rng.random() < 0.5 for _ in batch]
-        with patched(self.cm, "cache_req", failing(self.cm.cache_req, k, error=Interrupted if interrupt else Boom)):
-            try:
-                self.cm.complete_step(step, [self.rng.randrange(3) for _ in batch], done)
-            except INJECTED:
-                event("complete_step failed part-way")
+        tokens = [self.rng.randrange(3) for _ in batch]
+        with patched(self.cm, "_cache_req", failing(self.cm._cache_req, k, error=Interrupted if interrupt else Boom)):
+            if not self.attempt(lambda: self.cm.complete_step(step, tokens, done), batch, stamps=False):
+                event("complete_step failed part-way, taken back whole")
+                self.cm.complete_step(step, tokens, done)
         self.finished += [r for r in batch if r not in self.cm.running]
 
     # --- after every step ---------------------------------------------------------------------

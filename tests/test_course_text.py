@@ -332,3 +332,81 @@ def test_chapter_03_marks_sglangs_padding_page():
     text = prose(chapter("03"))
     said = text.index("free_pages = arange(1, num_pages + 1)")
     assert "Departure" in text[said - 200:said] and "python/sglang/srt/mem_cache/allocator.py" in text[said:said + 300]
+
+
+# --- the learner's moment: order, names, messages -------------------------------------------
+
+
+def test_progress_lists_each_chapter_s_exercises_in_the_order_its_notebook_checks_them():
+    import kvlab.check
+
+    for path in CHAPTERS:
+        answers_at = {m.group(1) for m in re.finditer(r"^def (\w+)\(", path.read_text(), flags=re.M)}
+        calls = re.findall(r"^kvlab\.check\.(\w+)\((\w+)", path.read_text(), flags=re.M)
+        asked = list(dict.fromkeys(name for name, fn in calls if fn in answers_at))  # on the answer cells' functions
+        listed = [n for n in kvlab.check.exercises() if kvlab.check.EXERCISES[n].chapter == path.name[:2]]
+        assert asked == listed, f"{path.name} checks {asked}, progress() lists {listed}"
+
+
+def test_no_chapter_names_a_checker_module():
+    """A lift cell names the package's function (or the reference solution), never the checker
+    module that keeps it (``kvlab.check.ch05_radix...``)."""
+    for path in CHAPTERS:
+        assert not re.search(r"kvlab\.check\.ch\d\d|from kvlab\.check\.ch", path.read_text()), path.name
+
+
+def _asserts_without_a_message(code: str) -> list[int]:
+    import ast
+
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:  # IPython syntax (a magic): no plain asserts to find
+        return []
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert) and node.msg is None]
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.stem)
+def test_no_chapter_cell_asserts_without_a_message(path):
+    """A failing assert in a chapter says what differs: a bare ``AssertionError:`` stops Run All
+    and tells the learner nothing."""
+    bare = []
+    for kind, text in cells(path) + [("code", t) for t in _solution_only_code(path)]:
+        if kind == "code":
+            bare += [text.split("\n")[n - 1].strip() for n in _asserts_without_a_message(text)]
+    assert not bare, f"{path.name}: asserts without a message:\n" + "\n".join(bare)
+
+
+def _solution_only_code(path: Path) -> list[str]:
+    out, current = [], None
+    for line in path.read_text().split("\n"):
+        if line.startswith("# %%"):
+            current = [] if ('tags=["solution"]' in line and "[markdown]" not in line) else None
+            if current is not None:
+                out.append(current)
+            continue
+        if current is not None:
+            current.append(line)
+    return ["\n".join(c) for c in out]
+
+
+def test_chapter_10_explains_before_it_shows_and_speaks_of_batch_entries():
+    text, words = chapter("10").read_text(), prose(chapter("10"))
+    for term in ("chunked-prefill", "cuda-graph", "dummy-row", "token-budget"):
+        assert f"](glossary.md#{term})" in words, f"chapter 10 does not link {term}"
+    exercise = text.index("def my_paged_attention_step")
+    assert 0 <= text.find("paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens") < exercise
+    first_print = text.index("on_step=lambda step: print(step)")
+    for name in ("`padded_to`", "`graph_steps`"):
+        assert 0 <= text.find(name) < first_print, f"{name} is printed before it is explained"
+    # a lane is Triton's (a block element, chapter 01); a decode batch has entries
+    assert not re.search(r"\blanes?\b", text, flags=re.I)
+    dummy = glossary_anchors()["dummy-row"]
+    assert "maps the" in dummy and "dummy page" in dummy and "kvlab keeps it unmapped" not in dummy
+
+
+def test_chapter_11_explains_the_random_prompts_hits_and_checks_it():
+    text = chapter("11").read_text()
+    said = text.index("**Random prompts: hits only when memory is short.**")
+    cell = text[said:text.index("# %% [markdown]", said + 10)]
+    assert "preempted" in cell and ("re-admitted" in cell or "admitted again" in cell)
+    assert "assert (hits > 0) == (pool != \"ample\")" in cell

@@ -494,3 +494,57 @@ def test_the_chapter_scenes_tell_the_story_they_draw():
     cache.check_integrity()
     for fig in (hash_chain_figure(), free_queue_figure()):
         assert fig.axes
+
+
+# --- a hash is never trusted alone; every argument is checked before the first change ------------
+
+
+def test_a_forced_collision_between_pages_after_different_prefixes_is_no_hit(monkeypatch):
+    """The parent is compared too: with a hash that ignores it (every page after any prefix
+    collides with its twin), a page computed after [1 2] is never served after [9 9]."""
+    import hashlib
+    import struct
+
+    def weak(parent, tokens):
+        return hashlib.blake2b(struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
+
+    monkeypatch.setattr(kvlab.hash_cache, "_chain", weak)
+    cache = HashPrefixCache(8, 2, device="cpu")
+    a = cache.allocate([1, 2, 3, 4])
+    b = cache.allocate([9, 9, 3, 4])  # its [3 4] collides with a's
+    assert b.cached_len == 0 and b.pages[1] != a.pages[1]
+    cache.free(b.pages)
+    c = cache.allocate([9, 9, 3, 4, 5])
+    assert c.cached_len == 2 and c.pages[1] != a.pages[1], "a page computed after another prefix was served"
+    assert cache.match([9, 9, 3, 4]).pages == c.pages[:1]
+    assert cache.lookup(weak(None, [3, 4]), [3, 4]) == a.pages[1]  # (without the parent: the tokens only)
+    assert cache.lookup(weak(None, [3, 4]), [3, 4], weak(None, [9, 9])) is None
+    assert cache.lookup(weak(None, [3, 4]), [3, 4], weak(None, [1, 2])) == a.pages[1]
+
+
+@pytest.mark.parametrize("call, argument", [
+    (lambda c, held, free: c.allocate([1, 2**63, 3]), "input_ids[1]"),
+    (lambda c, held, free: c.allocate([1, True]), "input_ids[1]"),
+    (lambda c, held, free: c.append_token([free], [1, 2, 3]), "pages[0]"),  # a page it does not hold
+    (lambda c, held, free: c.append_token([-1], [1, 2]), "pages[0]"),
+    (lambda c, held, free: c.append_token(list(held), [1, 2, 3, 4, 5, 6, 7, 8]), "pages"),  # too few pages
+    (lambda c, held, free: c.append_token(list(held), []), "input_ids"),
+    (lambda c, held, free: c.free(5), "pages"),
+    (lambda c, held, free: c.free(None), "pages"),
+    (lambda c, held, free: c.free([99]), "pages[0]"),
+    (lambda c, held, free: c.free([held[0], "1"]), "pages[1]"),
+    (lambda c, held, free: c.take_cached(-3), "page"),
+    (lambda c, held, free: c.cache_page(free, b"short", [1, 2], None), "h"),
+    (lambda c, held, free: c.lookup("h", [1, 2]), "h"),
+    (lambda c, held, free: c.evict_leaves(2, into=()), "into"),
+    (lambda c, held, free: c.lock_handle(c.match([1, 2]), unlock="yes"), "unlock"),
+])
+def test_a_bad_argument_is_refused_by_name_before_any_change(call, argument):
+    cache = HashPrefixCache(6, 2, device="cpu")
+    held = cache.allocate([1, 2, 3]).pages
+    free = list(cache.free_queue)[0]
+    before = hash_cache_state(cache)
+    with pytest.raises(InvalidArgument) as caught:
+        call(cache, held, free)
+    assert caught.value.argument == argument
+    assert hash_cache_state(cache) == before

@@ -75,7 +75,9 @@ def heads_modulo(q, k, v, k_pool, v_pool, page_table, rows, positions, scale):
 
 @pytest.mark.parametrize("wrong, says", [
     (no_page_table, "slot positions[b], not at the slot its page-table row names"),
-    (row_b, "row b instead of row rows[b]"),
+    # rows[b] replaced by b in the first case (one request, its first token) writes where one
+    # position too far would write too (row 0 maps nothing there): the message names no cause
+    (row_b, "request 0's new K should be in slot 0"),
     (only_k, "v_pool"),
     (without_itself, "must see itself"),
     (attend_then_store, "attends before writing"),
@@ -85,6 +87,7 @@ def test_each_mistake_is_named(wrong, says):
     with pytest.raises(CheckFailed) as err:
         kvlab.check.paged_attention_step(wrong, n_random=0)
     assert says in str(err.value)
+    assert ("looks like" in str(err.value)) == (wrong is not row_b)
     assert kvlab.check.status("paged_attention_step") == "failed"
 
 
@@ -95,9 +98,9 @@ from kvlab.check.ch10_graphs import pad_decode_batch_solution  # noqa: E402
 
 def test_pad_decode_batch_passes_the_solution_and_the_package(capsys):
     kvlab.check.pad_decode_batch(pad_decode_batch_solution, n_random=2)
-    assert "✓ pad_decode_batch: all 12 cases pass" in capsys.readouterr().out
+    assert "✓ pad_decode_batch: all 14 cases pass" in capsys.readouterr().out
     kvlab.check.pad_decode_batch(kvlab.hf.pad_decode_batch, n_random=3)
-    assert "✓ pad_decode_batch: all 13 cases pass" in capsys.readouterr().out
+    assert "✓ pad_decode_batch: all 15 cases pass" in capsys.readouterr().out
     assert kvlab.check.status("pad_decode_batch") == "passed"
 
 

@@ -1,4 +1,5 @@
-"""Every picture is legible where it is shown: no text under 9 px in a 970 px output area.
+"""Every picture is legible where it is shown: at most 8.4 in wide, no text under 9 px in an
+848 px output area (JupyterLab at 1280 px with the file browser open).
 
 The notebooks' figures are measured while nbval runs them (``notebooks/conftest.py`` turns on
 ``kvlab.viz.legibility``'s audit); here: every figure of ``kvlab.scenes`` (what ``figures/``
@@ -57,6 +58,36 @@ def test_a_wide_figure_shrinks_its_text():
     assert m.smallest_px == pytest.approx(7 * 100 / 72)
 
 
+def test_the_output_area_is_what_a_laptop_shows_and_wider_figures_fail_whatever_their_text():
+    from kvlab.viz.legibility import MAX_WIDTH_IN
+
+    assert OUTPUT_WIDTH_PX == 848 and MAX_WIDTH_IN == 8.4 and MAX_WIDTH_IN * 100 <= OUTPUT_WIDTH_PX
+    # 9 in with 9 pt text: scaled to 0.94, its text still 11.8 px tall, but wider than the rule
+    wide, ax = plt.subplots(figsize=(9.0, 2))
+    ax.set_title("a title", fontsize=9)
+    ax.tick_params(labelsize=9)
+    m = measure(wide, dpi=100, bbox_inches=None)
+    assert m.smallest_px > MIN_TEXT_PX and m.too_wide and not m.legible
+    with pytest.raises(IllegibleFigure, match="too wide: a figure of 9.00 in, at most 8.4 in and 848 px"):
+        check_legible(wide, "9 in", dpi=100, bbox_inches=None)
+    small_dpi = measure(wide, dpi=80, bbox_inches=None)  # 720 px, not scaled: still wider than the rule
+    assert small_dpi.width_px < OUTPUT_WIDTH_PX and small_dpi.too_wide
+    fits, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 2))
+    ax.tick_params(labelsize=7)
+    fits.tight_layout()
+    m = check_legible(fits, "8.4 in", dpi=100)  # the tight crop's margins: a PNG up to 848 px
+    assert m.width_px <= OUTPUT_WIDTH_PX and m.scale == 1.0
+    edge, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 2))  # 8.4 in, but its labels spill past its edges:
+    ax.tick_params(labelsize=7)                           # the PNG is scaled, so it is too wide
+    edge.subplots_adjust(left=0.0, right=1.0)
+    assert measure(edge, dpi=100).too_wide
+    # a legend drawn outside the axes widens the PNG past the figure: measured as drawn
+    spill, ax = plt.subplots(figsize=(8.0, 2))
+    ax.plot([0, 1], label="a label long enough to run far past the right edge of the figure")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5))
+    assert measure(spill, dpi=100).too_wide
+
+
 def test_only_drawn_text_counts():
     fig, ax = plt.subplots(figsize=(6, 2))
     ax.tick_params(labelsize=8)
@@ -79,6 +110,7 @@ def test_the_audit_records_every_png_a_process_renders(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["legible"] for r in records] == [False, True]  # the svg is not measured
     assert records[0]["width_px"] == 2000 and records[0]["smallest_px"] < MIN_TEXT_PX
+    assert records[0]["too_wide"] and records[0]["figure_width_in"] == 20.0 and not records[1]["too_wide"]
 
 
 # --- every figure the package draws ------------------------------------------------------

@@ -20,8 +20,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import itertools
+import re
 import textwrap
-from typing import NamedTuple
 
 import pytest
 import torch
@@ -29,30 +29,11 @@ import torch
 import kvlab.check
 import kvlab.solutions
 from kvlab.check import CheckFailed
+from mutant_kinds import KINDS, Mutant, Rewrite, WrongAnswer
+from mutants_ch10_11 import (MUTANTS_CH10_11, OTHER_SHAPES_CH10_11, REWRITES_CH10_11,
+                             WRONG_ANSWERS_CH10_11, mutant_globals)
 
 _counter = itertools.count()
-
-
-class Mutant(NamedTuple):
-    exercise: str  # the exercise whose solution is mutated (and whose checker must reject it)
-    old: str  # text in the solution's source ...
-    new: str  # ... replaced by this
-    must_say: tuple[str, ...]  # the failure message names these (argument, request, part, ...)
-    why: str  # the bug, in words
-    kind: str = "value"  # which class of slip (KINDS)
-
-
-#: the classes of slips: the first ones from the start; the others are blind spots a checker
-#: must not have (each is compared in a way the answer alone does not show)
-KINDS = {
-    "value": "wrong values, shapes only some inputs have, stray accesses, races, order of calls",
-    "input": "an input changed in place (the answer is right, the caller's data is not)",
-    "param": "a parameter of the statement that works at one value only (page size, BLOCK, scale)",
-    "lucky": "right by coincidence on unlucky inputs (page 0 first, rows in order, slot == position)",
-    "state": "state the statement constrains beyond the answer (other parts' slots, LRU stamps)",
-    "compiled": "runs in Triton's interpreter, but a GPU's compiler refuses it",
-    "blame": "caught, but a message that must name the right part or request",
-}
 
 
 def _source(obj) -> str:
@@ -77,6 +58,7 @@ def build_mutant(exercise: str, old: str, new: str, tmp_dir):
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     module.__dict__.update({k: v for k, v in fn.__globals__.items() if not k.startswith("__")})
+    module.__dict__.update(mutant_globals())
     spec.loader.exec_module(module)
     return getattr(module, fn.__name__)
 
@@ -86,14 +68,21 @@ def mutant_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("mutants")
 
 
-def _reject(mutant: Mutant, tmp_dir) -> str:
+def _reject(mutant: Mutant | WrongAnswer, tmp_dir) -> str:
+    """The checker rejects ``mutant``, saying what ``must_say`` says; a cause it names ("looks
+    like ...") is the slip made, never another one (a diagnosis names the slip or nothing)."""
     checker = getattr(kvlab.check, mutant.exercise)
-    bad = build_mutant(mutant.exercise, mutant.old, mutant.new, tmp_dir)
+    bad = (mutant.answer if isinstance(mutant, WrongAnswer)
+           else build_mutant(mutant.exercise, mutant.old, mutant.new, tmp_dir))
     with pytest.raises(CheckFailed) as info:
         checker(bad)
     msg = str(info.value)
     for needle in mutant.must_say:
         assert needle in msg, f"{mutant.why}: the message should say {needle!r}:\n{msg}"
+    for cause in re.findall(r"looks like (.*)", msg):
+        assert any(needle in f"looks like {cause}" for needle in mutant.must_say), (
+            f"{mutant.why}: the message names a cause the mutant's must_say does not expect:\n"
+            f"looks like {cause}\n(a diagnosis must name the slip made, or nothing)")
     return msg
 
 
@@ -497,13 +486,13 @@ CH11 = [
            ("[a partial last page has no hash]", "a partial page, which has no hash"),
            "hashes the partial last page"),
     Mutant("hash_match", "parent = chain_hash(parent, tokens)", "parent = chain_hash(None, tokens)",
-           ("matched pages: expected 4, got 1", "hash each page with the hash you computed"),
+           ("matched pages: expected 4, got 1", "page 1 ([3, 4]) is cached, as page"),
            "match hashes each page without its parent"),
     Mutant("hash_match", "            break  #", "            continue  #",
-           ("[stop at the first miss, though later pages are cached]", "walk past a page"),
+           ("[stop at the first miss, though later pages are cached]", "looks like it walks past a page"),
            "match walks past a page that is not cached"),
     Mutant("hash_match", "slots = [page * P + i for page in pages for i in range(P)]", "slots = list(pages)",
-           ("slots of the matched pages",), "returns page ids instead of slots"),
+           ("slots of the matched pages", "looks like these are the page ids"), "returns page ids instead of slots"),
     Mutant("allocate_pages", "h = chain_hash(parent, tokens) if full else None",
            "h = chain_hash(None, tokens) if full else None",
            ("page 7 is cached under", "the chained hash of every token up to its end"),
@@ -786,7 +775,9 @@ BLIND_SPOTS = [
            ("[scale 0.2", "instead of the scale it is given"), "1/sqrt(head_dim) instead of scale", "param"),
     Mutant("paged_attention_step", "slots = page_table[rows, positions].long()",
            "slots = page_table[torch.arange(len(rows)), positions].long()",
-           ("uses row b instead of row rows[b]",), "row b instead of rows[b]", "lucky"),
+           ("[one request, its first token] request 0's new K should be in slot 0",),
+           "row b instead of rows[b] (right while rows[b] == b; here silent: writing one position too "
+           "far gives the same pools)", "lucky"),
     Mutant("paged_attention_step", "    v_pool[slots] = v\n", "    v_pool[slots] = v\n    k_pool[slots - 1] = k\n",
            ("changed, but no new token belongs there",), "also writes the slot before each new one", "state"),
     Mutant("pad_decode_batch", "    size = next((s for s in sorted(sizes) if s >= n), n)",
@@ -795,10 +786,10 @@ BLIND_SPOTS = [
            "sorts the caller's sizes", "input"),
     Mutant("pad_decode_batch", "    size = next((s for s in sorted(sizes) if s >= n), n)",
            "    size = 1 << (n - 1).bit_length() if n <= max(sizes) else n",
-           ("[sizes 1 2 4 8 12 16 24", "has 12 lanes", "got lengths [16, 16, 16]", "pads to the next power of two"),
+           ("[one request, size 1 not captured: pads to 2]", "has 2 entries", "got lengths [1, 1, 1]"),
            "pads to the next power of two (right while the captured sizes are the powers of two)", "param"),
     Mutant("pad_decode_batch", "rows.new_full((size - n,), dummy_row)", "rows.new_full((size - n,), page_table.shape[0] - 1)",
-           ("rows: ", "(padded lanes)", "the dummy row is dummy_row (6)"),
+           ("rows: ", "(padded entries)", "the dummy row is dummy_row (6)"),
            "the dummy row taken as the table's last (right while it is the last)", "param"),
     Mutant("pad_decode_batch", "s for s in sorted(sizes) if s >= n", "s for s in sizes if s >= n",
            ("[sizes given out of order]", "the first size that holds the batch in the order given"),
@@ -839,7 +830,8 @@ BLIND_SPOTS = [
            ("[hits on pages in use]", "your code changed `input_ids`", "had 7 items, now 3"),
            "cuts the cached prefix off the caller's prompt", "input"),
     Mutant("allocate_pages", "    P = cache.page_size\n", "    P = 2\n",
-           ("[the partial last page is never cached]", "cached_len should be 4, got 0"), "a page size of 2 written in", "param"),
+           ("[every full page cached, in use and free]", "cached_len should be 8, got 0"),
+           "a page size of 2 written in", "param"),
     Mutant("allocate_pages", "            page = cache.take_free()",
            "            low = min(cache.free_queue)  # (the lowest-numbered free page)\n"
            "            cache.free_queue.remove(low)\n            cache.free_queue.appendleft(low)\n"
@@ -851,7 +843,8 @@ BLIND_SPOTS = [
            "caches a new page without its parent", "state"),
     Mutant("allocate_pages", "            page = cache.take_free()",
            "            page = cache.free_queue.popleft()  # (the head, by hand)\n            cache.ref_count[page] = 1",
-           ("page 4 is cached under", "handed out loses its old hash: cache.take_free() drops it"),
+           ("page 4 is cached under", "it was a free cached page, and it is in use now, for other tokens, "
+            "under its old hash", "cache.take_free() drops it"),
            "takes the queue's head by hand (the page keeps its old hash)", "state"),
     Mutant("free_pages", "    for page in reversed(pages):", "    pages.reverse()\n    for page in pages:",
            ("your code changed `pages`", "`pages[0]` was 9, now 11"), "reverses the caller's list", "input"),
@@ -868,19 +861,30 @@ BLIND_SPOTS = [
 ]
 
 MUTANTS = (CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
-           + CH09_ATTENTION + CH11 + BLIND_SPOTS)
+           + CH09_ATTENTION + CH11 + BLIND_SPOTS + MUTANTS_CH10_11)
+#: every wrong answer: the planted slips and the answers written out whole
+WRONG = list(MUTANTS) + WRONG_ANSWERS_CH10_11
 
 
-@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: f"{m.exercise}: {m.why}")
+@pytest.mark.parametrize("mutant", WRONG, ids=lambda m: f"{m.exercise}: {m.why}")
 def test_mutant_is_rejected_and_the_message_points_at_the_bug(mutant, mutant_dir):
     _reject(mutant, mutant_dir)
 
 
 def test_there_are_enough_mutants_on_every_exercise():
     assert len(MUTANTS) >= 80
-    assert len({(m.exercise, m.why) for m in MUTANTS}) == len(MUTANTS)
+    assert len({(m.exercise, m.why) for m in WRONG}) == len(WRONG)
     assert {m.exercise for m in MUTANTS} >= set(COURSE_EXERCISES)
-    assert all(m.must_say for m in MUTANTS) and {m.kind for m in MUTANTS} <= set(KINDS)
+    assert all(m.must_say for m in WRONG) and {m.kind for m in WRONG} <= set(KINDS)
+
+
+def test_the_fourth_pass_adds_thirty_wrong_answers_and_ten_rewrites_over_chapters_10_and_11():
+    chapter = {name: kvlab.check.EXERCISES[name].chapter for name in kvlab.check.exercises()}
+    wrong = MUTANTS_CH10_11 + WRONG_ANSWERS_CH10_11
+    right = REWRITES_CH10_11 + OTHER_SHAPES_CH10_11
+    assert len(wrong) >= 30 and len(right) >= 10
+    assert {chapter[m.exercise] for m in wrong} == {chapter[r[0]] for r in right} == {"10", "11"}
+    assert {m.kind for m in wrong} >= {"type", "unseen", "blame"}
 
 
 _FAULTS = {"input", "param"}  # every exercise has inputs and a parameter (a page size, a scale)
@@ -904,12 +908,20 @@ APPLIES = {
     "allocate_pages": _FAULTS | {"lucky", "state"},
     "free_pages": {"input", "lucky", "state"},  # no parameter of the statement enters the code
 }
+# chapters 10-11 (the fourth pass): answers whose type the statement fixes, inputs the cases
+# never had, diagnoses that must name the slip made
+for _name in ("paged_attention_step", "pad_decode_batch", "page_hashes", "hash_match", "allocate_pages"):
+    APPLIES[_name] = APPLIES[_name] | {"type", "unseen" if _name != "paged_attention_step" else "blame"}
+APPLIES["free_pages"] = APPLIES["free_pages"] | {"unseen"}
+APPLIES["page_hashes"] |= {"blame"}
+APPLIES["hash_match"] |= {"blame"}
+APPLIES["pad_decode_batch"] |= {"blame"}
 
 
 def test_every_class_of_slip_has_a_mutant_on_every_exercise_it_applies_to():
     assert set(APPLIES) == set(COURSE_EXERCISES) and len(APPLIES) == 24
     missing = [(name, kind) for name, kinds in APPLIES.items() for kind in sorted(kinds)
-               if not any(m.exercise == name and m.kind == kind for m in MUTANTS)]
+               if not any(m.exercise == name and m.kind == kind for m in WRONG)]
     assert not missing
 
 
@@ -922,13 +934,6 @@ COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_
 
 
 # --- correct answers written differently must pass -----------------------------------------------
-
-
-class Rewrite(NamedTuple):
-    exercise: str
-    old: str
-    new: str
-    why: str
 
 
 REWRITES = [
@@ -1055,7 +1060,7 @@ def assert_passes(exercise: str, answer, **kwargs) -> None:
     assert kvlab.check.status(exercise) == "passed"
 
 
-@pytest.mark.parametrize("rewrite", REWRITES, ids=lambda r: f"{r.exercise}: {r.why}")
+@pytest.mark.parametrize("rewrite", REWRITES + REWRITES_CH10_11, ids=lambda r: f"{r.exercise}: {r.why}")
 def test_a_correct_rewrite_passes(rewrite, mutant_dir, capsys):
     good = build_mutant(rewrite.exercise, rewrite.old, rewrite.new, mutant_dir)
     assert_passes(rewrite.exercise, good)
@@ -1138,7 +1143,8 @@ OTHER_SHAPES = [("paged_attention", vectorised_attention), ("write_page_table", 
                 ("allocate_pages", allocate_pages_hits_first)]
 
 
-@pytest.mark.parametrize("exercise, answer", OTHER_SHAPES, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize("exercise, answer", OTHER_SHAPES + OTHER_SHAPES_CH10_11,
+                         ids=lambda x: getattr(x, "__name__", x))
 def test_a_correct_answer_of_another_shape_passes(exercise, answer, capsys):
     assert_passes(exercise, answer)
 

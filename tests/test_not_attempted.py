@@ -84,7 +84,7 @@ def test_choose_uses_the_package_until_the_learner_passes(capsys):
     capsys.readouterr()
     assert check.choose("page_to_token", right_page_to_token, kvlab.page_to_token) is kvlab.page_to_token
     out = capsys.readouterr().out
-    assert "using kvlab.paging.page_to_token" in out and "not attempted" in out
+    assert "using kvlab.page_to_token" in out and "not attempted" in out
     check.page_to_token(right_page_to_token)
     assert check.choose("page_to_token", right_page_to_token, kvlab.page_to_token) is right_page_to_token
     assert "using your right_page_to_token" in capsys.readouterr().out

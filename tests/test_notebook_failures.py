@@ -114,6 +114,28 @@ def test_in_a_kernel_failures_show_their_message_and_the_learners_lines_only(tmp
     assert cells[6].execution_count is not None and cells[7].execution_count is None
 
 
+def test_a_check_that_fails_before_others_in_its_cell_says_they_did_not_run(tmp_path):
+    # chapter 03's cell checks parts 1, 2 and 3 in a row: when part 1 fails, the failure and the
+    # chapter's recheck say that part 2 was not run, rather than "run its cell above"
+    nb = notebook(
+        "import kvlab.check as check\n"
+        "@check.exercise('_first_part', chapter='98')\n"
+        "def first(fn):\n    if fn(1) != 2:\n        raise check.CheckFailed('part 1 is wrong')\n"
+        "@check.exercise('_second_part', chapter='98', after='_first_part')\n"
+        "def second(fn):\n    print('second checked')",
+        "check._first_part(lambda x: x)\ncheck._second_part(lambda x: x)",
+        "check.recheck('98')",
+    )
+    execute(nb, tmp_path)
+    (failed,) = errors(nb.cells[1])
+    assert failed.splitlines()[-1] == "(The check after it in this cell did not run: kvlab.check._second_part.)"
+    assert "second checked" not in text(nb.cells[1])
+    said = text(nb.cells[2])
+    assert ("· _second_part: not checked in this session: kvlab.check._first_part failed before it "
+            "in the same cell, and a failed check ends its cell, so this check did not run") in said
+    assert "run its cell above" not in said
+
+
 def test_in_terminal_ipython_only_a_failure_that_ends_the_cell_counts(tmp_path):
     script = '''
 from IPython.core.interactiveshell import InteractiveShell
@@ -180,7 +202,7 @@ def test_a_wrong_answer_in_a_learner_notebook_runs_to_its_last_cell(tmp_path):
         "✗ kvlab.check.page_to_token", "✗ kvlab.check.recheck('01')"]
     exercise_at = shown[0][0]
     later = "".join(text(c) for c in code[exercise_at + 1:])
-    assert ("using kvlab.paging.page_to_token (your my_page_to_token has not passed "
+    assert ("using kvlab.page_to_token (your my_page_to_token has not passed "
             "kvlab.check.page_to_token yet: failed)") in later
     assert "1 failing (page_to_token)" in text(code[-1])
 

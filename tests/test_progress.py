@@ -73,12 +73,14 @@ def test_each_outcome_is_saved_with_its_chapter(fresh):
     assert entry["state"] == "passed" and entry["chapter"] == "01" and entry["at"]
 
 
-def test_a_file_that_cannot_be_read_counts_as_empty_and_is_rewritten(fresh):
+def test_a_file_that_cannot_be_read_counts_as_empty_and_is_kept_aside(fresh, capsys):
     fresh.parent.mkdir(parents=True)
     fresh.write_text("{not json")
     assert progress_file.load() == {}
+    assert "could not be read" in capsys.readouterr().err
     check.page_to_token(right)
     assert progress_file.load()["page_to_token"]["state"] == "passed"
+    assert [p.read_text() for p in fresh.parent.glob("progress.unreadable-*.json")] == ["{not json"]
 
 
 def test_a_file_that_cannot_be_written_never_breaks_a_check(monkeypatch, tmp_path, fresh):
@@ -133,6 +135,49 @@ def test_a_new_chapter_appears_by_registering_its_exercise(fresh, capsys):
         assert len(calls) == 2 and "✓ _demo_progress" in capsys.readouterr().out
     finally:
         del check.EXERCISES["_demo_progress"]
+
+
+def test_progress_lists_each_chapter_in_the_order_its_notebook_asks(fresh, capsys):
+    # alphabetically chapter 10 would list pad_decode_batch first and chapter 05 insert_prefix
+    names = check.exercises()
+    for earlier, later in [("paged_attention_step", "pad_decode_batch"), ("match_prefix", "match_req"),
+                           ("match_req", "insert_prefix"), ("page_hashes", "hash_match"),
+                           ("hash_match", "allocate_pages"), ("allocate_pages", "free_pages"),
+                           ("alloc_extend_part1", "alloc_extend_part2")]:
+        assert names.index(earlier) < names.index(later)
+    check.progress()
+    rows = capsys.readouterr().out.splitlines()[1:-1]
+    assert [r.split()[1] for r in rows] == names
+
+
+def test_choose_names_what_a_learner_can_reach(fresh, capsys):
+    from kvlab.hash_cache import HashPrefixCache
+
+    check.choose("page_to_token", starter, kvlab.page_to_token)
+    check.choose("free_pages", starter, HashPrefixCache.free)
+    check.choose("hash_match", starter, kvlab.solutions.get("hash_match"))
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("using kvlab.page_to_token (your starter has not passed")
+    assert out[1].startswith("using kvlab.HashPrefixCache.free (")
+    assert out[2].startswith("using the reference solution of hash_match "
+                             "(kvlab.solutions.show('hash_match') prints it) (")
+    assert not any("kvlab.check.ch" in line for line in out)
+
+
+def test_recheck_says_a_part_was_not_run_when_the_part_before_it_failed(fresh, capsys):
+    import kvlab.solutions
+
+    wrong = lambda *args, **kwargs: None  # noqa: E731 - writes nothing: part 1 fails
+    with pytest.raises(check.CheckFailed):
+        check.alloc_extend_part1(wrong, n_random=0)
+    with pytest.raises(check.CheckFailed, match="1 of 3 exercises of chapter 03 fails"):
+        check.recheck("03")
+    out = capsys.readouterr().out
+    assert ("· alloc_extend_part2: not checked in this session: kvlab.check.alloc_extend_part1 "
+            "failed before it in the same cell") in out
+    assert ("· alloc_extend_part3: not checked in this session (nor is alloc_extend_part2, checked "
+            "before it in the same cell") in out
+    assert kvlab.solutions.get("alloc_extend_part1") is not None
 
 
 def test_recheck_runs_the_function_last_checked_again(fresh, capsys):

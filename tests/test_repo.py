@@ -189,9 +189,11 @@ def test_notebook_opens_with_its_colab_badge_and_the_setup_cell(path):
 
     nb = nbformat.read(path, as_version=4)
     badge = nb.cells[0]
-    assert badge.cell_type == "markdown" and "Open in Colab" in badge.source
+    assert badge.cell_type == "markdown" and "[Open in Colab](" in badge.source
     assert f"({colab_url(path.relative_to(ROOT).as_posix())})" in badge.source, (
-        "the badge must open this very notebook in Colab")
+        "the link must open this very notebook in Colab")
+    # no picture from another site: without internet JupyterLab would show a broken image
+    assert "![" not in badge.source and "<img" not in badge.source
     assert nb.cells[1].cell_type == "code" and nb.cells[1].source == SETUP_CELL
 
 

@@ -117,3 +117,93 @@ def test_the_lab_overrides_turn_the_news_popup_off(tmp_path):
 
 def test_the_workspace_is_ignored_by_git():
     assert "work/" in (ROOT / ".gitignore").read_text().split()
+
+
+# --- nothing of the learner's is lost, and nothing stops `make lab` with a traceback ----------
+
+
+def test_fresh_twice_in_the_same_second_keeps_both_copies(course, tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    monkeypatch.setattr(workspace.time, "strftime", lambda fmt, *a: "20250102-030405")
+    (work / "00_tour.ipynb").write_text("my first answers")
+    first = workspace.fresh(work, "00")
+    (work / "00_tour.ipynb").write_text("my second answers")  # edited the fresh copy at once
+    second = workspace.fresh(work, "00")
+    kept = sorted(p.read_text() for p in work.glob("00_tour.*.ipynb"))
+    assert kept == ["my first answers", "my second answers"]
+    assert {p.name for p in first} | {p.name for p in second} == {
+        "00_tour.20250102-030405.ipynb", "00_tour.20250102-030405-2.ipynb"}
+    assert len(list((work / "solutions").glob("00_tour.*.ipynb"))) == 2
+
+
+DAMAGED_RECORDS = {"a list": b"[]", "null": b"null", "a number": b"5", "not JSON": b"{",
+                   "not UTF-8": b"\xff\xfe{", "nested too deep": b"[" * 100_000 + b"]" * 100_000}
+
+
+@pytest.fixture
+def lab(course, tmp_path, monkeypatch):
+    """`make lab`'s first step, with JupyterLab's settings written into the test's folder."""
+    monkeypatch.setattr(workspace, "write_lab_overrides", lambda: workspace.LAB_OVERRIDES)
+    return lambda work: workspace.main(["prepare", str(work)])
+
+
+@pytest.mark.parametrize("kind", DAMAGED_RECORDS)
+def test_a_damaged_record_costs_one_line_and_make_lab_carries_on(lab, course, tmp_path, capsys, kind):
+    work = tmp_path / "work"
+    assert lab(work) == 0
+    (work / "00_tour.ipynb").write_text("my answers")
+    (course / "02_new.ipynb").write_text("learner 02")
+    (work / workspace.RECORD).write_bytes(DAMAGED_RECORDS[kind])
+    capsys.readouterr()
+    assert lab(work) == 0
+    out, err = capsys.readouterr()
+    said = [line for line in out.splitlines() if workspace.RECORD in line]
+    assert len(said) == 1 and "carrying on" in said[0] and err == ""
+    assert (work / "00_tour.ipynb").read_text() == "my answers"  # the learner's work untouched
+    assert (work / "02_new.ipynb").read_text() == "learner 02"  # and the new chapter arrived
+    record = json.loads((work / workspace.RECORD).read_text())
+    assert record["02_new.ipynb"] and isinstance(record, dict)  # a sound record again
+    assert lab(work) == 0 and workspace.RECORD not in capsys.readouterr().out  # said once
+
+
+def test_a_record_with_entries_it_cannot_use_keeps_the_others(course, tmp_path):
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    record = json.loads((work / workspace.RECORD).read_text())
+    record["01_pages.ipynb"] = ["not", "a", "digest"]
+    (work / workspace.RECORD).write_text(json.dumps(record))
+    (course / "00_tour.ipynb").write_text("learner 00, improved")
+    assert workspace.prepare(work) == ["00_tour.ipynb"]  # still reported from the sound entry
+
+
+def test_a_record_it_cannot_write_costs_one_line_and_make_lab_carries_on(lab, tmp_path, capsys, monkeypatch):
+    work = tmp_path / "work"
+
+    def read_only(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(workspace.tempfile, "mkstemp", read_only)
+    assert lab(work) == 0
+    out, err = capsys.readouterr()
+    assert (work / "00_tour.ipynb").exists() and err == ""
+    said = [line for line in out.splitlines() if workspace.RECORD in line]
+    assert len(said) == 1 and "Permission denied" in said[0]
+    assert not list(work.glob(".course-copies-*"))  # no half-written leftovers
+
+
+def test_a_workspace_it_cannot_write_is_one_line_and_an_exit_code(lab, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert lab(blocker / "work") == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("kvlab: could not prepare") and len(out.splitlines()) == 1 and err == ""
+
+
+@pytest.mark.parametrize("raw", ["[]", "null", "{", "5"])
+def test_damaged_lab_settings_are_replaced(tmp_path, raw):
+    path = tmp_path / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(raw)
+    assert workspace.write_lab_overrides(tmp_path) == path
+    assert json.loads(path.read_text()) == workspace.LAB_OVERRIDES

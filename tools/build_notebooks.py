@@ -5,7 +5,7 @@
 
 One source, ``notebooks/src/NN_name.py`` (jupytext's percent format: ``# %%`` starts a code
 cell, ``# %% [markdown]`` a markdown cell), gives two notebooks, both opening with an
-"Open in Colab" badge for that notebook (:func:`kvlab.colab.colab_badge`) and the setup cell
+"Open in Colab" text link for that notebook (:func:`kvlab.colab.colab_link`) and the setup cell
 (:data:`kvlab.colab.SETUP_CELL`), ending (when chapter NN has a registered exercise) with a
 cell that checks the chapter's exercises again (:func:`kvlab.check.review.closing_cells`), and
 stored without outputs:
@@ -49,7 +49,7 @@ import nbformat
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from kvlab.check.review import chapters, closing_cells  # noqa: E402
-from kvlab.colab import SETUP_CELL, colab_badge  # noqa: E402
+from kvlab.colab import SETUP_CELL, colab_link  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
 from notebook_kernel import KERNELSPEC  # noqa: E402
@@ -146,9 +146,10 @@ def build(src_path: Path, which: str) -> nbformat.NotebookNode:
 
 
 def badge_cell(src_path: Path, which: str) -> nbformat.NotebookNode:
-    """The first cell: an "Open in Colab" badge for this build of the chapter."""
+    """The first cell: an "Open in Colab" link for this build of the chapter (text: it reads the
+    same without internet, where Colab's badge picture would show broken)."""
     path = target(src_path, which).relative_to(ROOT).as_posix()
-    cell = nbformat.v4.new_markdown_cell(colab_badge(path))
+    cell = nbformat.v4.new_markdown_cell(colab_link(path))
     cell["id"] = "colab-badge"
     return cell
 

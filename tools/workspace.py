@@ -21,14 +21,22 @@ not your work, so it is brought up to date every time.
 What each copy was made from is recorded in ``WORK/.course-copies.json`` (file name → hash of
 the course notebook at copy time). ``prepare`` also writes JupyterLab's settings overrides into
 this environment: no news or update pop-up over the notebook.
+
+Nothing here stops ``make lab`` with a traceback or loses a learner's file: a kept copy gets a
+name no file has yet (``make fresh`` twice in one second keeps both); a record that cannot be
+read (not JSON, not an object of names, nested too deep) or written (read-only) is said in one
+line, and the run carries on without it (the course's updates to the copies it does not know
+are then not reported).
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,15 +70,51 @@ def _digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _say(line: str) -> None:
+    print(f"kvlab: {line}")
+
+
 def _load_record(work: Path) -> dict[str, str]:
+    """The record of what each copy was made from; empty (said in one line) when it is damaged."""
+    path = work / RECORD
     try:
-        return json.loads((work / RECORD).read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except FileNotFoundError:
         return {}
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        _say(f"{path} could not be read ({type(e).__name__}); carrying on without it: the course's "
+             "updates to your existing copies are not reported until `make fresh`")
+        return {}
+    if not isinstance(data, dict):
+        _say(f"{path} holds {type(data).__name__}, not a record of your copies; carrying on without "
+             "it: the course's updates to your existing copies are not reported until `make fresh`")
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 def _save_record(work: Path, record: dict[str, str]) -> None:
-    (work / RECORD).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    """Write the record whole (a new file replaces the old in one step); one line if it cannot."""
+    path, tmp = work / RECORD, None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=work, prefix=".course-copies-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(record, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    except OSError as e:
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
+        _say(f"could not update {path} ({e.strerror or e}); your notebooks are untouched, but the "
+             "course's updates to them may go unreported")
+
+
+def _unused(path: Path, stamp: str) -> Path:
+    """``NAME.<stamp>.ipynb`` beside ``path``, or ``NAME.<stamp>-2.ipynb``, ...: a name no file has."""
+    n = 1
+    while True:
+        candidate = path.with_name(f"{path.stem}.{stamp}{f'-{n}' if n > 1 else ''}{path.suffix}")
+        if not os.path.lexists(candidate):
+            return candidate
+        n += 1
 
 
 def _copy(src: Path, dest: Path, record: dict[str, str], name: str) -> None:
@@ -116,7 +160,7 @@ def fresh(work: Path, chapter: str) -> list[Path]:
     for name in names:
         dest = work / name
         if dest.exists():
-            old = dest.with_name(f"{dest.stem}.{stamp}.ipynb")
+            old = _unused(dest, stamp)  # never one that exists: `make fresh` twice a second keeps both
             dest.rename(old)
             kept.append(old)
             print(f"kvlab: kept your {name} as {old.relative_to(work)}")
@@ -128,13 +172,19 @@ def fresh(work: Path, chapter: str) -> list[Path]:
 
 def write_lab_overrides(prefix: Path = Path(sys.prefix)) -> Path:
     path = prefix / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
         current = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        current = {}
+    if not isinstance(current, dict):
         current = {}
     current.update(LAB_OVERRIDES)
-    path.write_text(json.dumps(current, indent=2) + "\n")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(current, indent=2) + "\n")
+    except OSError as e:
+        _say(f"could not write JupyterLab's settings to {path} ({e.strerror or e}); it may show its "
+             "news pop-up")
     return path
 
 
@@ -148,11 +198,15 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("work", nargs="?", default="work")
     args = ap.parse_args(argv)
     work = Path(args.work)
-    if args.command == "prepare":
-        prepare(work)
-        write_lab_overrides()
-    else:
-        fresh(work, args.chapter)
+    try:
+        if args.command == "prepare":
+            prepare(work)
+            write_lab_overrides()
+        else:
+            fresh(work, args.chapter)
+    except OSError as e:  # (a folder it cannot write, a full disk): one line, not a traceback
+        _say(f"could not {args.command} {work}/: {e}")
+        return 1
     return 0
 
 

@@ -2,6 +2,8 @@
 the saved result (``res["serve"]``), so they read the same on a laptop as on the GPU."""
 from __future__ import annotations
 
+from ..viz.legibility import MAX_WIDTH_IN
+
 #: path -> what the report calls it
 SERVE_LABELS = {"generate": "transformers `generate` (one left-padded batch)",
                 "generate_batch": "transformers `generate_batch` (continuous batching, paged cache)",
@@ -67,21 +69,24 @@ def serve_section(s: dict) -> list[str]:
 
 
 def plot_serve(res: dict):
-    """Tokens/s of each path; the generator's steps over its last timed run."""
+    """Tokens/s of each path (top); the generator's steps over its last timed run (bottom).
+
+    One column, :data:`kvlab.viz.legibility.MAX_WIDTH_IN` wide: the panels are stacked and the
+    step panel's legend sits above its plot, where it covers no bar and no line."""
     import matplotlib.pyplot as plt
 
     s = res["serve"]
     names = [n for n, e in s["paths"].items() if e.get("tokens_per_s")]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.4), gridspec_kw={"width_ratios": [5, 6]})
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(MAX_WIDTH_IN, 7.4), gridspec_kw={"height_ratios": [4, 5]})
     vals = [s["paths"][n]["tokens_per_s"] for n in names]
-    ax1.barh(range(len(names)), vals, color=[COLORS.get(n, "gray") for n in names])
-    for i, v in enumerate(vals):
+    ax1.barh(range(len(names)), vals, height=0.45, color=[COLORS.get(n, "gray") for n in names])
+    for i, (n, v) in enumerate(zip(names, vals)):  # each path named above its bar: the bars keep the width
         ax1.text(v, i, f" {v:.0f}", va="center", fontsize=9)
-    ax1.set_yticks(range(len(names)))
-    ax1.set_yticklabels([SERVE_LABELS.get(n, n).replace("`", "") for n in names], fontsize=9)
-    ax1.invert_yaxis()
-    ax1.set_xlabel("new tokens / s (median of the timed runs)")
-    ax1.set_xlim(0, max(vals) * 1.25 if vals else 1)
+        ax1.text(0, i - 0.27, SERVE_LABELS.get(n, n).replace("`", ""), va="bottom", fontsize=9)
+    ax1.set_yticks([])
+    ax1.set_ylim(len(names) - 0.5, -0.85)
+    ax1.set_xlabel("new tokens / s (median of the timed runs)", fontsize=9)
+    ax1.set_xlim(0, max(vals) * 1.2 if vals else 1)
     where = "SMOKE RUN (not timings)" if s.get("smoke") else s.get("meta", {}).get("device", "")
     ax1.set_title(f"{s['workload']['requests']} requests, {s['workload']['new_tokens']} new tokens each; {where}",
                   fontsize=10)
@@ -91,15 +96,16 @@ def plot_serve(res: dict):
                                ("decode", "#2e7d32", "decode-only step (CUDA graph)")):
         pts = [(i, st["ms"]) for i, st in zip(xs, steps) if st["kind"] == kind]
         ax2.bar([p[0] for p in pts], [p[1] for p in pts], color=color, label=label, width=0.9)
-    ax2.set_xlabel("step of kvlab's last timed run")
-    ax2.set_ylabel("wall time of the step, ms")
+    ax2.set_xlabel("step of kvlab's last timed run", fontsize=9)
+    ax2.set_ylabel("wall time of the step, ms", fontsize=9)
     twin = ax2.twinx()
     twin.plot(list(xs), [st["running"] for st in steps], color="black", lw=1.2, label="requests in the step")
-    twin.set_ylabel("requests in the step")
+    twin.set_ylabel("requests in the step", fontsize=9)
     twin.set_ylim(0, max([st["running"] for st in steps], default=1) * 1.1)
     h1, l1 = ax2.get_legend_handles_labels()
     h2, l2 = twin.get_legend_handles_labels()
-    ax2.legend(h1 + h2, l1 + l2, fontsize=9, loc="upper right")
-    ax2.set_title("kvlab PagedGenerator, step by step", fontsize=10)
+    ax2.legend(h1 + h2, l1 + l2, fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=3,
+               frameon=False, borderaxespad=0.2, handlelength=1.5, columnspacing=1.2)
+    ax2.set_title("kvlab PagedGenerator, step by step", fontsize=10, pad=22)
     fig.tight_layout()
     return fig

@@ -15,7 +15,9 @@ The floors of this package, each importing only from the floors below it::
     review            progress, recheck: where the learner stands
     catalog           every exercise (imports each chapter module): hint, status, choose
     chNN_*.py         the chapters' cases and checkers
+    answers           the type, dtype and device an answer's statement fixes, one line each
     core              run_cases, call_learner, compare_flat          picture (failure pictures)
+    slips             a diagnosis: the one known slip that gives exactly the learner's answer
     inputs, compiled  read-only arguments compared; kernels compiled for a GPU (compile_child)
     pool_state        a hash-chained cache as plain data, and how two differ in words
     sandbox           guarded_call: guard bands + audit + a child process

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -42,9 +43,11 @@ def broken_modules() -> dict[str, BaseException]:
 
 
 def exercises() -> list[str]:
-    """Names of every exercise in the course, in chapter order."""
+    """Names of every exercise in the course: chapter by chapter, each chapter's in the order
+    its notebook asks for them (``exercise(..., order=)``, then the order of registration)."""
     load_all()
-    return sorted(EXERCISES, key=lambda n: (EXERCISES[n].chapter, n))
+    registered = {name: i for i, name in enumerate(EXERCISES)}
+    return sorted(EXERCISES, key=lambda n: (EXERCISES[n].chapter, EXERCISES[n].order, registered[n]))
 
 
 def lookup(name: str) -> Exercise:
@@ -74,6 +77,25 @@ def _qualified_name(obj) -> str:
     return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', repr(target))}"
 
 
+def public_name(obj) -> str:
+    """How a learner reaches ``obj``: ``kvlab.page_hashes`` rather than the module that defines
+    it, when the package exports it (``kvlab.HashPrefixCache.free`` for a method); the
+    reference solution of an exercise is named as such, never by the checker module keeping it."""
+    for package in ("kvlab", "kvlab.hf", "kvlab.kernels"):  # only those imported already
+        module = sys.modules.get(package)
+        exported = getattr(module, "__all__", ())
+        name = next((n for n in exported if getattr(module, n, None) is obj), None)
+        if name is not None:
+            return f"{package}.{name}"
+        owner, _, method = getattr(obj, "__qualname__", "").partition(".")
+        if method and owner in exported and getattr(getattr(module, owner), method, None) is obj:
+            return f"{package}.{owner}.{method}"
+    for ex in EXERCISES.values():
+        if ex.solution is obj:
+            return f"the reference solution of {ex.name} (kvlab.solutions.show({ex.name!r}) prints it)"
+    return _qualified_name(obj)
+
+
 def choose(name: str, yours: Callable[..., Any], package: Callable[..., Any]):
     """``yours`` once it has passed ``kvlab.check.<name>``, else ``package``; says which.
 
@@ -85,6 +107,6 @@ def choose(name: str, yours: Callable[..., Any], package: Callable[..., Any]):
     if state == "passed":
         print(f"using your {mine} (it passed kvlab.check.{name})")
         return yours
-    print(f"using {_qualified_name(package)} (your {mine} has not passed kvlab.check.{name} "
+    print(f"using {public_name(package)} (your {mine} has not passed kvlab.check.{name} "
           f"yet: {state})")
     return package

@@ -79,6 +79,9 @@ def page_to_token(fn, *, seed: int = 0, n_random: int = 8) -> int:
         if not isinstance(got, torch.Tensor):
             raise CheckFailed(f"[{case.name}] return a torch.Tensor, not {type(got).__name__}",
                               case=case.name)
+        if got.dim() != 1:
+            raise CheckFailed(f"[{case.name}] return the slots as a 1-D tensor, page after page; "
+                              f"got shape {tuple(got.shape)} (.flatten() it)", case=case.name)
         segments = [Segment(f"page {k} (start {s})", k * page_size, (k + 1) * page_size)
                     for k, s in enumerate(starts.tolist())]
         compare_flat(torch.tensor(expected, dtype=torch.int64), got, case=case.name,

@@ -272,7 +272,7 @@ _COMMON_HINT = ("Lengths first, with the starter's pre_page_end = ceil(pre/P)*P 
 
 @exercise(
     "alloc_extend_part1",
-    chapter="03",
+    chapter="03", order=1,
     hints=[
         "Part 1 fills the rest of the request's last, partly used page: the slots right after "
         "last_loc, i.e. last_loc + 1, last_loc + 2, ... (load last_loc from last_loc_ptr + pid).",
@@ -293,7 +293,7 @@ def alloc_extend_part1(kernel, *, seed: int = 0, n_random: int = 4) -> int:
 
 @exercise(
     "alloc_extend_part2",
-    chapter="03",
+    chapter="03", order=2, after="alloc_extend_part1",
     hints=[
         "Part 2 covers whole new pages. This request's new pages are free_pages[new_page_start_loc], "
         "free_pages[new_page_start_loc + 1], ...; new_page_start_loc (given) counts the new pages "
@@ -317,7 +317,7 @@ def alloc_extend_part2(kernel, *, seed: int = 0, n_random: int = 4) -> int:
 
 @exercise(
     "alloc_extend_part3",
-    chapter="03",
+    chapter="03", order=3, after="alloc_extend_part2",
     hints=[
         "Part 3 is the request's last new page, filled from offset 0 to seq % page_size - 1. "
         "This exercise also writes ret_values (the starter marks both places).",

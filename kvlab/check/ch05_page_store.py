@@ -69,6 +69,7 @@ def _insert_cases(seed: int, n_random: int) -> list[Case]:
 @exercise(
     "insert_prefix",
     chapter="05",
+    order=3,
     hints=[
         "Only whole pages are cached: insert_len = len(input_ids) // page_size * page_size.",
         "Walk page by page from the start: while the prefix up to the end of the next page, "

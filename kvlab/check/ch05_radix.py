@@ -148,6 +148,7 @@ def _left_part_way(cache: RadixPrefixCache, query: list[int]) -> str | None:
 @exercise(
     "match_prefix",
     chapter="05",
+    order=1,
     hints=[
         "Start at cache.root with matched = 0. A child is found by the next whole page of the "
         "prompt: node.children.get(tuple(input_ids[matched:matched + P])). Fewer than P tokens "
@@ -239,6 +240,7 @@ def _match_req_cases(seed: int, n_random: int) -> list[Case]:
 @exercise(
     "match_req",
     chapter="05",
+    order=2,
     hints=[
         "The prefill must produce the logits of the next token, and those come out of the model "
         "at the last prompt position: that position must be computed, so it cannot come from the cache.",

@@ -115,6 +115,7 @@ def _cases(seed: int, n_random: int) -> list[Case]:
 @exercise(
     "cache_req_regions",
     chapter="06",
+    order=1,
     hints=[
         "First find new_cached_len: insert_prefix caches whole pages only, so it is "
         "req_cached_len // page_size * page_size.",
@@ -235,6 +236,7 @@ def _remap_cases(seed: int, n_random: int) -> list[Case]:
 @exercise(
     "cache_req_remap",
     chapter="06",
+    order=2,
     hints=[
         "Only the duplicate region [old_cached_len, already_cached_len) changes. Its pages go back "
         "to the free list: one page start per page, row_slots[old_cached_len:already_cached_len:page_size].",

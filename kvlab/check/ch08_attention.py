@@ -95,6 +95,7 @@ def _diagnose(args, got) -> str:
 @exercise(
     "paged_attention",
     chapter="08",
+    order=1,
     hints=[
         "Work one request at a time: row = table_idx[b], n = seq_lens[b]. The slots of its tokens "
         "are page_table[row, :n] - positions n and beyond may be unmapped (-1).",

@@ -189,6 +189,7 @@ def _kernel_cases(seed: int, n_random: int) -> list[Case]:
 @exercise(
     "paged_attention_kernel",
     chapter="08",
+    order=2,
     hints=[
         "Per block: the new running max is the larger of m_i and the block's largest score, "
         "m_new = tl.maximum(tl.max(scores, 0), m_i). Masked lanes hold -inf, so they never win.",

@@ -10,13 +10,16 @@ Request ``b`` owns page-table row ``rows[b]``; its new token sits at position
 ``[batch, kv_heads, head_dim]`` (grouped-query attention: ``heads`` is a multiple of
 ``kv_heads``), the pools ``[num_slots, kv_heads, head_dim]``. ``fn`` writes ``k[b]``, ``v[b]``
 at slot ``page_table[rows[b], positions[b]]`` of the pools, then returns paged attention of
-``q[b]`` over positions ``[0, positions[b]]`` (``[batch, heads, head_dim]``).
+``q[b]`` over positions ``[0, positions[b]]``: a floating-point tensor ``[batch, heads,
+head_dim]`` on ``q``'s device (the model casts it to its own dtype).
 
 Checked against :func:`kvlab.hf.attention.paged_attention_reference`: first the pools
-(exactly the new tokens' slots changed, holding exactly their K/V), then the output
-(``atol=1e-4``), with the default ``scale`` and others (a model passes its own). ``q``, ``k``,
-``v``, ``page_table``, ``rows`` and ``positions`` are read-only. A failure names the request,
-the slot or head, and, when it recognises the mistake, says which one.
+(exactly the new tokens' slots changed, holding exactly their K/V), then the output's type and
+values (``atol=1e-4``), with the default ``scale`` and others (a model passes its own). ``q``,
+``k``, ``v``, ``page_table``, ``rows`` and ``positions`` are read-only, and ``q``, ``k`` and ``v``
+come as the model hands them over: views whose memory is not in row order (a ``.view`` that
+needs it fails here as it would in ``PagedGenerator``). A failure names the request, the slot or
+head, and the mistake when it alone gives the answer (:mod:`kvlab.check.slips`).
 """
 from __future__ import annotations
 
@@ -27,7 +30,9 @@ import torch
 
 from .. import runtime
 from ..kvcache import random_paged_layout
+from .answers import expect_tensor
 from .core import Case, CheckFailed, call_learner, exercise, looks_like, run_cases
+from .slips import recognised
 
 ATOL = 1e-4
 
@@ -126,28 +131,46 @@ def _check_pools(case: str, a: dict, want_k, want_v, got_k, got_v) -> None:
         else:
             msg = (f"[{case}] {name}[{s}] changed, but no new token belongs there: the new tokens' "
                    f"slots are {new_slots} (page_table[rows, positions])")
-        msg += f"\n  {len(wrong)} slot(s) of {name} differ: {wrong[:8]}" + _diagnose_pool(a, got_k)
+        why = recognised((got_k, got_v), _pool_slips(args), lambda x, y: all(map(torch.equal, x, y)))
+        msg += f"\n  {len(wrong)} slot(s) of {name} differ: {wrong[:8]}" + why
         raise CheckFailed(msg + "\n" + _where(a), case=case, label=f"{name} slot {s}")
 
 
-def _diagnose_pool(a: dict, got_k) -> str:
-    args = a["args"]
-    positions, rows, table = args["positions"], args["rows"], args["page_table"]
-    tries = {
+def _stored(args: dict, k_slots=None, v_slots=None, k_new=None, v_new=None):
+    """The pools after a step that stores ``k_new`` at ``k_slots`` and ``v_new`` at ``v_slots``
+    (default: the new K/V at their slots; ``()`` stores nothing)."""
+    right = args["page_table"][args["rows"], args["positions"]].long()
+    out = []
+    for pool, slots, new in ((args["k_pool"], k_slots, k_new), (args["v_pool"], v_slots, v_new)):
+        pool = pool.clone()
+        slots = right if slots is None else slots
+        if len(slots):
+            if bool((slots >= pool.shape[0]).any()) or bool((slots < -pool.shape[0]).any()):
+                raise IndexError("a slip's slot outside the pool")
+            pool[slots] = new
+        out.append(pool)
+    return tuple(out)
+
+
+def _pool_slips(args: dict) -> dict:
+    """The pools that known slips leave (:func:`kvlab.check.slips.recognised`)."""
+    positions, rows, table, k, v = (args[n] for n in ("positions", "rows", "page_table", "k", "v"))
+    by_position = positions.long()
+    by_b = table[torch.arange(len(rows)), positions].long()
+    one_on = table[rows, (positions + 1).clamp(max=table.shape[1] - 1)].long()
+    unmapped = " (that row maps nothing there: -1, and k_pool[-1] is the last slot)"
+    return {
         "it writes at slot positions[b], not at the slot its page-table row names":
-            positions.long(),
-        "it uses row b instead of row rows[b]":
-            table[torch.arange(len(rows)), positions].long(),
-        "it writes one position too far (positions[b] + 1)":
-            table[rows, (positions + 1).clamp(max=table.shape[1] - 1)].long(),
+            lambda: _stored(args, by_position, by_position, k, v),
+        "it uses row b instead of row rows[b]" + (unmapped if bool((by_b < 0).any()) else ""):
+            lambda: _stored(args, by_b, by_b, k, v),
+        "it writes one position too far (positions[b] + 1)" + (unmapped if bool((one_on < 0).any()) else ""):
+            lambda: _stored(args, one_on, one_on, k, v),
+        "it never stores V: v_pool[slots] = v is missing": lambda: _stored(args, None, (), k, v),
+        "it never stores K: k_pool[slots] = k is missing": lambda: _stored(args, (), None, k, v),
+        "it stores k in both pools (v_pool[slots] = k)": lambda: _stored(args, None, None, k, k),
+        "it swaps K and V (k_pool gets v, v_pool gets k)": lambda: _stored(args, None, None, v, k),
     }
-    num_slots = got_k.shape[0]
-    for message, slots in tries.items():
-        if bool((slots >= -num_slots).all()) and slots.max() < num_slots and torch.equal(got_k[slots], args["k"]):
-            if bool((slots < 0).any()):  # an unmapped -1 indexes the pool's last slot
-                message += " (that row maps nothing there: -1, and k_pool[-1] is the last slot)"
-            return "\n  looks like " + message
-    return ""
 
 
 def _diagnose_output(a: dict, want_k, want_v, got) -> str:
@@ -178,6 +201,7 @@ def _diagnose_output(a: dict, want_k, want_v, got) -> str:
 @exercise(
     "paged_attention_step",
     chapter="10",
+    order=1,
     hints=[
         "Request b's new token sits at position positions[b] of page-table row rows[b], so its "
         "slot is page_table[rows[b], positions[b]]; for the whole batch at once: "
@@ -203,14 +227,14 @@ def paged_attention_step(fn, *, seed: int = 0, n_random: int = 4) -> int:
         # the case and the reference live on the CPU; the learner's step runs on the runtime's device
         on = {name: args[name].to(runtime.DEVICE, copy=True) for name in
               ("q", "k", "v", "k_pool", "v_pool", "page_table", "rows", "positions")}
+        for name in ("q", "k", "v"):  # as the model hands them over: [N, heads, d] views of [heads, N, d]
+            on[name] = on[name].transpose(0, 1).contiguous().transpose(0, 1)
         got = call_learner(fn, on["q"], on["k"], on["v"], on["k_pool"], on["v_pool"],
                            on["page_table"], on["rows"], on["positions"], args["scale"],
                            read_only=(0, 1, 2, 5, 6, 7))
         _check_pools(case.name, a, want_k, want_v, on["k_pool"].cpu(), on["v_pool"].cpu())
-        if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(want.shape):
-            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
-            raise CheckFailed(f"[{case.name}] return a tensor of shape {tuple(want.shape)} "
-                              f"[batch, heads, head_dim], got {shape}\n{_where(a)}", case=case.name)
+        expect_tensor(case.name, "the output", got, floating=True, device=on["q"].device,
+                      shape=want.shape, meaning="[batch, heads, head_dim]")
         got = got.float().cpu()
         err = torch.nan_to_num((got - want).abs(), nan=float("inf"))
         if not bool((err <= ATOL).all()):

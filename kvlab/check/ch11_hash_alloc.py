@@ -23,15 +23,17 @@ from __future__ import annotations
 import random
 
 from ..hash_chain import chain_hash, page_hashes, short
+from .answers import expect_int, expect_ints, expect_parts
 from .ch11_hash_chain import _A, _B, _LONG, build_pool, pool_order, random_script, shown_script
 from .core import Case, CheckFailed, call_learner, exercise, run_cases
 from .failures import fmt_values
 from .pool_state import pool_difference, pool_state
 
 
-def compare_pool(case: str, cache, ref, twin, where: str) -> None:
+def compare_pool(case: str, cache, ref, twin, where: str, before=None) -> None:
     """The learner's cache against the oracle (counts, queue, cached pages and their hashes,
-    evictions), then against ``twin``, the cache the reference solution left (all the rest)."""
+    evictions), then against ``twin``, the cache the reference solution left (all the rest).
+    ``before``: the cache's :func:`pool_state` before the call, to tell what became of a page."""
     P = cache.page_size
     for p, (r, g) in enumerate(zip(ref.refs, cache.ref_count)):
         if r != g:
@@ -50,11 +52,14 @@ def compare_pool(case: str, cache, ref, twin, where: str) -> None:
             continue
         if p not in expected:
             tokens = cache.page_tokens[p]
+            old = before.pages[p] if before is not None else None
             if tokens is not None and len(tokens) < P:
                 why = f"it holds a partial page {list(tokens)}: only full pages are cached"
-            elif ref.refs[p] > 0:
-                why = ("it should not be cached (was it handed out again for other tokens? A page "
-                       "handed out loses its old hash: cache.take_free() drops it)")
+            elif (ref.refs[p] > 0 and old is not None and old.ref_count == 0
+                  and old.page_hash == got.get(p)):
+                why = ("it was a free cached page, and it is in use now, for other tokens, under "
+                       "its old hash: a page handed out loses its old hash (cache.take_free() "
+                       "drops it)")
             else:
                 why = "it should not be cached"
             raise CheckFailed(f"[{case}] page {p} is cached under {short(got.get(p))}, but {why}{where}",
@@ -121,10 +126,15 @@ def _alloc_cases(seed: int, n_random: int) -> list[Case]:
         return Case(name, {"P": P, "script": script, "ids": ids, "pages": num_pages,
                            "seed": sum(name.encode())}, kind)  # each case its own page order
 
+    head = [("alloc", [1, 2, 3, 4]), ("alloc", [8]), ("alloc", [9, 9, 9, 9]), ("free", 0), ("free", 1)]
     cases = [
         case("empty cache: every page new, full ones cached", 2, [], [1, 2, 3, 4, 5]),
         case("hits on pages in use", 2, [("alloc", _A)], _A[:4] + [0, 0, 0]),
         case("hits on free cached pages: they leave the queue", 2, [("alloc", _A), ("free", 0)], _A[:6] + [0]),
+        case("every page of the prompt cached: all hits, nothing new", 2, [("alloc", _A)], _A),
+        case("every full page cached, in use and free", 4, [("alloc", _A), ("alloc", _A[:4]), ("free", 0)], _A),
+        case("the queue's head is a cached page this prompt hits: hits first, then new pages", 2,
+             head, [1, 2, 3, 4, 5], num_pages=5),
         case("the partial last page is never cached", 4, [("alloc", _A)], _A[:6]),
         case("same tokens after another beginning: a miss", 2, [("alloc", _B)], [1, 2, 9, 9, 9, 9]),
         case("a later page cached, an earlier one not: stop at the miss", 2,
@@ -132,6 +142,7 @@ def _alloc_cases(seed: int, n_random: int) -> list[Case]:
         case("the queue hands out a cached page: its hash goes", 2,
              [("alloc", _A), ("free", 0), ("alloc", _B)], [7, 7, 7, 7, 7], num_pages=7),
         case("page_size 1", 1, [("alloc", [5, 6, 7]), ("free", 0)], [5, 6, 8]),
+        case("token ids past 255", 2, [("alloc", [256, 1, 300, 7])], [256, 1, 300, 7, 999, 1000]),
         case("full pages handed out again: each one evicted", 2,
              [("alloc", _A), ("free", 0), ("alloc", [9] * 8)], [8] * 8, num_pages=10),
         case("page_size 64: a hit, then a new full page and a partial one", 64,
@@ -148,6 +159,7 @@ def _alloc_cases(seed: int, n_random: int) -> list[Case]:
 @exercise(
     "allocate_pages",
     chapter="11",
+    order=3,
     hints=[
         "Walk the prompt page by page (the last page may be partial). While every page so far "
         "was a hit, hash a full page with its parent and cache.lookup(h, tokens): a page found "
@@ -161,7 +173,8 @@ def _alloc_cases(seed: int, n_random: int) -> list[Case]:
     solution=allocate_pages_solution,
 )
 def allocate_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
-    """Check ``fn(cache, input_ids) -> (pages, cached_len)`` (nano-vllm's allocate)."""
+    """Check ``fn(cache, input_ids) -> (pages, cached_len)`` (nano-vllm's allocate): pages a
+    list (or tuple) of ints, cached_len an int."""
 
     def run_one(case: Case) -> None:
         a = case.args
@@ -169,12 +182,12 @@ def allocate_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
         twin, _, _ = build_pool(a["P"], a["pages"], a["script"], a["seed"])
         expected = ref.allocate(a["ids"])
         allocate_pages_solution(twin, list(a["ids"]))
+        before = pool_state(cache)
         got = call_learner(fn, cache, list(a["ids"]), read_only=(1,))
         where = _where(a, f"input_ids {fmt_values(a['ids'], 24)}")
-        if not (isinstance(got, (tuple, list)) and len(got) == 2):
-            raise CheckFailed(f"[{case.name}] return (pages, cached_len), not {got!r}"[:200] + where,
-                              case=case.name)
-        pages, cached_len = [int(p) for p in got[0]], got[1]
+        pages, cached_len = expect_parts(case.name, got, ("pages", "cached_len"))
+        pages = expect_ints(case.name, "pages", pages, (list, tuple), "page ids")
+        expect_int(case.name, "cached_len", cached_len)
         if cached_len != expected.cached_len:
             raise CheckFailed(f"[{case.name}] cached_len should be {expected.cached_len}, got "
                               f"{cached_len} (hits are the cached chain from the first page, in whole "
@@ -182,7 +195,7 @@ def allocate_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
         if pages != list(expected.pages):
             raise CheckFailed(f"[{case.name}] pages should be {list(expected.pages)}, got {pages} (hits "
                               f"first, then the head of the free queue){where}", case=case.name)
-        compare_pool(case.name, cache, ref, twin, where)
+        compare_pool(case.name, cache, ref, twin, where, before)
 
     return run_cases("allocate_pages", _alloc_cases(seed, n_random), run_one)
 
@@ -202,8 +215,10 @@ def free_pages_solution(cache, pages):
 
 
 def _free_cases(seed: int, n_random: int) -> list[Case]:
-    def case(name, P, script, k, kind="edge"):
-        return Case(name, {"P": P, "script": script, "k": k, "pages": 12,
+    """``free``: which pages to free, ``k`` (all of allocation k) or ``[(k, i), ...]`` (page i
+    of allocation k; ``i`` None: all of its pages)."""
+    def case(name, P, script, free, kind="edge"):
+        return Case(name, {"P": P, "script": script, "free": free, "pages": 12,
                            "seed": sum(name.encode())}, kind)  # each case its own page order
 
     two = [("alloc", _A), ("alloc", _A[:4] + [6, 6, 6])]
@@ -213,7 +228,13 @@ def _free_cases(seed: int, n_random: int) -> list[Case]:
         case("the last holder frees the shared pages", 2, two + [("free", 1)], 0),
         case("a partial page queues too (without a hash)", 4, [("alloc", _A[:6])], 0),
         case("pages freed already: refuse, change nothing", 2, [("alloc", _A), ("free", 0)], 0),
+        case("only the first page has no reference left: refuse, change nothing", 2,
+             [("alloc", [5, 5]), ("free", 0), ("alloc", _A)], [(0, 0), (1, None)]),
+        case("a page listed twice, with one reference: refuse, change nothing", 2,
+             [("alloc", _A)], [(0, None), (0, 3)]),
+        case("a page listed twice, with two references: both go", 2, two, [(1, None), (0, 0)]),
         case("page_size 1", 1, [("alloc", [5, 6, 7]), ("alloc", [5, 6, 9])], 0),
+        case("token ids past 255", 2, [("alloc", [256, 1, 300, 7, 2])], 0),
         case("page_size 64: the shared first page stays, the rest queue", 64,
              [("alloc", _LONG), ("alloc", _LONG[:64] + [1] * 64)], 1),
     ]
@@ -222,13 +243,25 @@ def _free_cases(seed: int, n_random: int) -> list[Case]:
         P = rng.choice([1, 2, 4, 8])
         start = [rng.randrange(3) for _ in range(3 * P)]
         script = [("alloc", start[: rng.randrange(1, 3 * P + 1)] + [rng.randrange(3)]) for _ in range(3)]
-        cases.append(case(f"random {i + 1} (page_size {P})", P, script, rng.randrange(3), "random"))
+        free = rng.randrange(3) if i % 3 else [(rng.randrange(3), None), (rng.randrange(3), 0)]
+        cases.append(case(f"random {i + 1} (page_size {P})", P, script, free, "random"))
     return cases
+
+
+def _chosen(allocations, free) -> tuple[list[int], str]:
+    """The pages a free case frees, and how the messages say which."""
+    if isinstance(free, int):
+        return list(allocations[free]), f"the pages of allocation {free}"
+    pages = [p for k, i in free for p in (allocations[k] if i is None else [allocations[k][i]])]
+    said = " + ".join(f"allocation {k}'s pages" if i is None else f"page {i} of allocation {k}"
+                      for k, i in free)
+    return pages, said
 
 
 @exercise(
     "free_pages",
     chapter="11",
+    order=4,
     hints=[
         "For each page, from the LAST to the first: cache.ref_count[page] -= 1. The deep end of a "
         "chain then queues before its beginning, so it is evicted first.",
@@ -248,8 +281,8 @@ def free_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
         script = a["script"]
         cache, ref, allocations = build_pool(a["P"], a["pages"], script, a["seed"])
         twin, _, _ = build_pool(a["P"], a["pages"], script, a["seed"])
-        pages = list(allocations[a["k"]])
-        where = _where(a, f"free the pages {pages} of allocation {a['k']}")
+        pages, said = _chosen(allocations, a["free"])
+        where = _where(a, f"free {pages} ({said})")
         refused = False
         try:
             ref.free(pages)
@@ -264,9 +297,13 @@ def free_pages(fn, *, seed: int = 0, n_random: int = 10) -> int:
             if not refused:
                 raise CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}{where}",
                                   case=case.name) from e
+            where = (f"\n  your code raised, as it must, but only after changing the cache: free "
+                     f"must check every page before it changes anything{where}")
         else:
             if refused:
-                raise CheckFailed(f"[{case.name}] these pages have no reference left to drop: free "
+                short_of = next(p for p in pages if twin.ref_count[p] < pages.count(p))
+                raise CheckFailed(f"[{case.name}] page {short_of} is listed {pages.count(short_of)} "
+                                  f"time(s) but holds {twin.ref_count[short_of]} reference(s): free "
                                   "must refuse (raise) before changing anything, so that no count "
                                   f"goes below zero{where}", case=case.name)
         compare_pool(case.name, cache, ref, twin, where)

@@ -35,6 +35,8 @@ from .audit import Order
 from .failures import Case, CheckFailed, Layout, Segment, fmt_values, label_at
 from .guards import explain_value
 from .messages import learner_traceback
+from .slips import close
+from .slips import recognised as slips_recognised
 from .registry import EXERCISES, exercise  # noqa: F401  (kvlab.check.core.EXERCISES, as before)
 
 __all__ = ["Case", "CheckFailed", "Layout", "Segment", "call_learner", "compare_flat",
@@ -330,13 +332,7 @@ def _names(fn, positions: Sequence[int]) -> list[str]:
 
 
 def looks_like(got: torch.Tensor, slips: dict[str, Callable[[], torch.Tensor]], atol: float) -> str:
-    """``"\n  looks like <slip>"`` for the first known slip whose output ``make()`` matches
-    ``got`` (within ``atol``), else ``""``: a checker names the mistake it recognises."""
-    for message, make in slips.items():
-        try:
-            wrong = make()
-        except Exception:  # noqa: BLE001 - a wrong variant may not even run on this input
-            continue
-        if wrong.shape == got.shape and torch.allclose(wrong, got, atol=atol):
-            return "\n  looks like " + message
-    return ""
+    """``"\n  looks like <slip>"`` when exactly one known slip's output ``make()`` matches ``got``
+    (within ``atol``), else ``""`` (:mod:`kvlab.check.slips`: a checker names only the mistake it
+    is sure of)."""
+    return slips_recognised(got, slips, close(atol))

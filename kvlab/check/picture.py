@@ -195,7 +195,7 @@ def band_figure(writes, *, shown_data: int = 6, shown_band: int = 12):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    fig, axes = plt.subplots(len(writes), 1, figsize=(9, 0.3 + 1.1 * len(writes)), squeeze=False)
+    fig, axes = plt.subplots(len(writes), 1, figsize=(MAX_WIDTH_IN, 0.3 + 1.1 * len(writes)), squeeze=False)
     for ax, w in zip(axes[:, 0], writes):
         far = max(w.distances)
         n_band = min(max(shown_band, far + 1), 40)

@@ -34,6 +34,11 @@ class Exercise:
     solution_regions: tuple[str, ...] = ()
     #: the chapter module's checker itself (raises CheckFailed), without the bookkeeping
     grade: Callable[..., Any] | None = None
+    #: its place among its chapter's exercises: the order in which the notebook asks for them
+    order: int = 0
+    #: the exercise checked right before this one in the same cell, on the same answer (chapter
+    #: 03's parts): when that one fails, the cell stops before this check runs
+    after: str | None = None
 
 
 EXERCISES: dict[str, Exercise] = {}
@@ -82,7 +87,8 @@ def not_attempted_line(name: str, why: str) -> str:
 
 
 def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
-             solution: Callable[..., Any] | None = None, solution_regions: Sequence[str] = ()):
+             solution: Callable[..., Any] | None = None, solution_regions: Sequence[str] = (),
+             order: int = 0, after: str | None = None):
     """Decorator: register a checker under ``name`` with its hints and reference solution.
 
     The registered checker prints one line and returns None (nothing for a notebook to echo):
@@ -90,7 +96,9 @@ def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
     :func:`not_attempted`), so a learner can run a whole chapter before writing anything. A
     wrong answer raises :class:`CheckFailed`; in a notebook it is shown and Run All goes on
     (:mod:`kvlab.check.cells`). A chapter's exercises appear in ``kvlab.check.progress()`` and
-    ``recheck`` by being registered here: nothing else lists them.
+    ``recheck`` by being registered here: nothing else lists them, in the order of ``order``
+    (the chapter's: ``tests/test_course_text.py`` compares it with the notebook). ``after``
+    names the exercise whose check comes right before this one in the same cell.
     """
 
     def register(checker):
@@ -104,7 +112,7 @@ def exercise(name: str, *, chapter: str, hints: Sequence[str] = (),
             record(name, found.state, call)
 
         EXERCISES[name] = Exercise(name, chapter, check, list(hints), solution,
-                                   tuple(solution_regions), checker)
+                                   tuple(solution_regions), checker, order, after)
         check.exercise_name = name
         check.hint = lambda level=1: show_hint(name, level)
         return check
@@ -120,10 +128,26 @@ def _failure(name: str, err: CheckFailed, call: tuple) -> CheckFailed:
         err.pending = (name, "failed", call)
         if cells.in_kernel():
             err.footer = (f"(Run All goes on: later cells use the package's version until yours "
-                          f"passes. A hint: kvlab.check.hint({name!r}, 1).)")
+                          f"passes. A hint: kvlab.check.hint({name!r}, 1).)" + _not_run_after(name))
     else:
         record(name, "failed", call)
     return err
+
+
+def checked_after(name: str) -> list[str]:
+    """The exercises whose checks follow ``name``'s in its cell (``after=``), in order."""
+    chain, at = [], name
+    while (at := next((n for n, ex in EXERCISES.items() if ex.after == at), None)) is not None:
+        chain.append(at)
+    return chain
+
+
+def _not_run_after(name: str) -> str:
+    later = checked_after(name)
+    if not later:
+        return ""
+    return (f"\n(The check{'s' * (len(later) > 1)} after it in this cell did not run: "
+            f"{', '.join(f'kvlab.check.{n}' for n in later)}.)")
 
 
 def _source_of(fn) -> str:

@@ -82,6 +82,19 @@ def _chapter(chapter) -> str:
     return f"{int(text):02d}" if text.isdigit() else text
 
 
+def _why_unchecked(name: str) -> str:
+    """What happened to an exercise never checked in this session, in a recheck's words."""
+    before = EXERCISES[name].after
+    if before is not None and STATUS.get(before) == "failed":
+        return (f"not checked in this session: kvlab.check.{before} failed before it in the same "
+                "cell, and a failed check ends its cell, so this check did not run (once "
+                f"{before} passes, run that cell again, then this one)")
+    if before is not None and before not in LAST_CALL:
+        return (f"not checked in this session (nor is {before}, checked before it in the same "
+                "cell: run that cell, then this one)")
+    return "not checked in this session (run its cell above, then this one)"
+
+
 def recheck(chapter) -> None:
     """Check every exercise of ``chapter`` ("01") again, on the function you last checked.
 
@@ -100,7 +113,7 @@ def recheck(chapter) -> None:
     for name in names:
         call = LAST_CALL.get(name)
         if call is None:
-            print(f"· {name}: not checked in this session (run its cell above, then this one)")
+            print(f"· {name}: {_why_unchecked(name)}")
             continue
         fn, args, kwargs = call
         found = verdict(name, fn, args, kwargs)

@@ -157,7 +157,7 @@ class PagedGenerator:
         # one row more than max_running: the dummy request's (new_page_table makes it)
         self.page_table = new_page_table(self.max_running, max_seq_len, self.page_size, device)
         self.dummy_row = self.max_running
-        # one page more than the manager hands out: the dummy page, where padded lanes write
+        # one page more than the manager hands out: the dummy page, where padded entries write
         self.pool = KVPool((self.num_pages + 1) * self.page_size, c.num_hidden_layers, kv_heads,
                            head_dim, dtype=model.dtype, device=device)
         self._map_dummy_row()

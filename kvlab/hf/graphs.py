@@ -10,8 +10,8 @@ first, all graphs sharing one memory pool; a batch larger than the largest size 
 without a graph. Its engine (``engine/engine.py``) keeps one extra page-table row for a
 *dummy request* (row ``max_running_req``) and one extra page in the KV pool (the
 *dummy page*, page ``num_pages``, which no request ever owns), and fills the dummy row with
-the dummy page's slot. Padded lanes are that request at position 0, so they write their K/V
-into the dummy page and read only it::
+the dummy page's slot. Padded entries of the batch are that request at position 0, so they
+write their K/V into the dummy page and read only it::
 
     page table                                   KV pool
     row 0    [ 12 13 14 15 | 40 41 42 .. ]        page 3  = slots 12..15   (request A)
@@ -19,7 +19,7 @@ into the dummy page and read only it::
     row R    [  D  D  D  D   D  D  D  D ]  dummy  page num_pages = slots D..D+P-1: nobody's
 
     5 running requests, padded to the captured size 8:
-    lane        0   1   2   3   4 |  5  6  7
+    entry       0   1   2   3   4 |  5  6  7
     row         3   0   7   1   2 |  R  R  R
     position   40  17  33   8  21 |  0  0  0
     slot       ..  ..  ..  ..  .. |  D  D  D        (page_table[row, position])
@@ -74,20 +74,20 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 def graph_size(n: int, sizes: Sequence[int]) -> int | None:
-    """The smallest captured size that holds ``n`` lanes (``None``: larger than every size)."""
+    """The smallest captured size that holds ``n`` requests (``None``: larger than every size)."""
     return next((s for s in sorted(sizes) if s >= n), None)
 
 
 def pad_decode_batch(rows: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor,
                      sizes: Sequence[int], dummy_row: int):
-    """Pad one decode step's lanes up to the next captured batch size (mini-sglang's
+    """Pad one decode step's entries up to the next captured batch size (mini-sglang's
     ``GraphRunner.pad_batch``).
 
     ``rows[b]``, ``positions[b]``: request ``b``'s page-table row and the position of its new
     token (int64 tensors, on the page table's device). Returns ``(rows, positions, slots)``
-    of length ``graph_size(len(rows), sizes)``: the real lanes unchanged, then padded lanes
-    of the dummy request (row ``dummy_row``, position 0), and every lane's K/V slot
-    ``page_table[rows, positions]`` -- for a padded lane the dummy page's. A batch larger
+    of length ``graph_size(len(rows), sizes)``: the real entries unchanged, then padded entries
+    of the dummy request (row ``dummy_row``, position 0), and every entry's K/V slot
+    ``page_table[rows, positions]`` -- for a padded entry the dummy page's. A batch larger
     than every size is returned unpadded (it runs without a graph).
     """
     n = len(rows)
@@ -101,8 +101,8 @@ class DecodeGraphs:
     """The decode step at the batch sizes ``sizes``: fixed input buffers, and a CUDA graph
     per size captured at construction (``capture=True``) or the same step run eagerly.
 
-    :meth:`run` takes the real lanes (token ids, rows, positions), pads them with the dummy
-    request, runs the step and returns each real lane's greedy next token and logits.
+    :meth:`run` takes the real entries (token ids, rows, positions), pads them with the dummy
+    request, runs the step and returns each real entry's greedy next token and logits.
     ``attention``: the decode kernels (:func:`~kvlab.hf.attention.paged_attention_step`'s
     ``impl``; the fast ones are compiled for both of their variants here, at start-up).
     ``compile``: ``torch.compile`` the step's forward pass first (:meth:`_compile`, chapter 09);
@@ -125,7 +125,7 @@ class DecodeGraphs:
         self.capture = capture
         device = page_table.device
         max_bs = self.sizes[-1]
-        # the lanes' token ids, positions and page-table rows: the graphs read these buffers
+        # the entries' token ids, positions and page-table rows: the graphs read these buffers
         self.ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.rows = torch.full((max_bs,), dummy_row, dtype=torch.int64, device=device)
@@ -180,7 +180,7 @@ class DecodeGraphs:
         torch.argmax(logits, dim=-1, out=self.tokens[:bs])
 
     def _capture(self) -> None:
-        """Largest size first, one memory pool for all (mini-sglang's order); every lane the
+        """Largest size first, one memory pool for all (mini-sglang's order); every entry the
         dummy request. A run before each capture compiles and initialises what it uses.
 
         Python's garbage collector stays off meanwhile: collecting an old generator in the
@@ -205,15 +205,15 @@ class DecodeGraphs:
 
     def run(self, input_ids: Sequence[int], rows: Sequence[int], positions: Sequence[int]):
         """One decode step of ``len(rows)`` requests (at most the largest size): returns
-        ``(tokens, logits)`` of the real lanes, on the device. Nothing here waits for the GPU."""
+        ``(tokens, logits)`` of the real entries, on the device. Nothing here waits for the GPU."""
         n = len(rows)
-        lanes = to_device(torch.tensor([input_ids, positions, rows], dtype=torch.int64),
+        entries = to_device(torch.tensor([input_ids, positions, rows], dtype=torch.int64),
                           self.page_table.device)
-        rows_p, positions_p, _ = pad_decode_batch(lanes[2], lanes[1], self.page_table, self.sizes,
+        rows_p, positions_p, _ = pad_decode_batch(entries[2], entries[1], self.page_table, self.sizes,
                                                   self.dummy_row)
         bs = len(rows_p)
         self.ids[n:bs].zero_()
-        self.ids[:n].copy_(lanes[0])
+        self.ids[:n].copy_(entries[0])
         self.positions[:bs].copy_(positions_p)
         self.rows[:bs].copy_(rows_p)
         if self.capture:

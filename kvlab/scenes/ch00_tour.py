@@ -312,7 +312,7 @@ def fig_sharing():
     ax = page_table_heatmap(table, page_size, rows=slice(0, 4),
                             title="requests 0-2 share one system prompt: their first two pages are "
                                   "the same physical pages (same colours, same slots)")
-    ax.figure.set_size_inches(9, 2.6)
+    ax.figure.set_size_inches(MAX_WIDTH_IN, 2.6)
     return ax.figure
 
 
@@ -324,5 +324,5 @@ def fig_first_page_table():
     ax = page_table_heatmap(table, 4, title=f"a first page table: {len(lengths)} requests of lengths "
                                              f"{lengths} (last row: the spare dummy row)",
                             annotate=False)
-    ax.figure.set_size_inches(10, 2.8)
+    ax.figure.set_size_inches(MAX_WIDTH_IN, 2.8)
     return ax.figure

@@ -208,7 +208,7 @@ def draw_page_reads(prefix_lens: Sequence[int], seq_lens: Sequence[int], page_si
 def fig_oom_hazard():
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(9, 2.4))
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 2.4))
     draw_page_reads([3, 4, 0], [9, 12, 10], 4, [7, 3, 10, 1, 8], ax=ax, names=["r0", "r1", "r2"])
     fig.tight_layout()
     return fig

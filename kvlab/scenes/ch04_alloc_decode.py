@@ -9,6 +9,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
+from ..viz.legibility import MAX_WIDTH_IN
 from ..reference.alloc import alloc_decode_ref, alloc_extend_ref, pages_for
 from .registry import figure
 
@@ -90,7 +91,7 @@ def fig_decode_steps():
     import matplotlib.pyplot as plt
 
     history = example_history()
-    fig, axes = plt.subplots(len(history), 1, figsize=(8.5, 1.5 * len(history) + 0.6), sharex=True)
+    fig, axes = plt.subplots(len(history), 1, figsize=(MAX_WIDTH_IN, 1.5 * len(history) + 0.6), sharex=True)
     draw_decode_steps(history, 4, axes)
     fig.suptitle("alloc_decode, step by step (page_size 4): a request takes a new page exactly "
                  "when (seq - 1) % 4 == 0", fontsize=10)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from ..viz.legibility import MAX_WIDTH_IN
 from ..radix_cache import RadixPrefixCache
 from .registry import figure
 
@@ -74,7 +75,7 @@ def shared_prefix_figure():
     cm.complete_step(batch, [4])           # the forward pass produced 4; the prompt is cached
     second = Req(system + [7, 8, 9, 10, 11], 1)
     cm.prefill([second])                   # hits the 3 cached pages of the system prompt
-    fig, ax = plt.subplots(figsize=(9, 2.2))
+    fig, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 2.2))
     page_table_heatmap(cm.page_table[:2, :20], P, ax=ax,
                        title="two requests, one system prompt: the first 3 pages are shared")
     return fig

@@ -117,7 +117,7 @@ def prefill_bars(contiguous, paged, ax=None):
     ax.set_ylim(0, max(c) * 1.3)
     ax.legend(fontsize=7, frameon=False, loc="upper right")
     ax.set_title("same generated tokens: " + ("yes" if same else "NO") +
-                 "\nfewer prompt tokens computed when the prefix is cached", fontsize=9)
+                 "\nfewer prompt tokens computed\nwhen the prefix is cached", fontsize=9)
     return ax
 
 

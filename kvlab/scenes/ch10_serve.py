@@ -154,8 +154,8 @@ class PaddedStep(NamedTuple):
     page_size: int
     dummy_row: int
     dummy_page: int
-    running: int                 # real lanes; the rest are padding
-    rows: list[int]              # per lane: page-table row
+    running: int                 # real entries; the rest are padding
+    rows: list[int]              # per entry: page-table row
     positions: list[int]         # ... the position of its new token
     slots: list[int]             # ... where its K/V goes: page_table[row, position]
 
@@ -180,15 +180,15 @@ def padded_step(seed: int = 0, page_size: int = 4, running: int = 5, rows: int =
     reqs = [Req([rng.randrange(100) for _ in range(rng.randint(2, 4 * page_size))], row) for row in free]
     manager.complete_step(manager.prefill(reqs), [rng.randrange(100) for _ in reqs])
     step = manager.decode_step(reqs)
-    lanes = pad_decode_batch(torch.tensor(step.table_idx), torch.tensor(step.start), table, sizes, dummy_row)
+    padded = pad_decode_batch(torch.tensor(step.table_idx), torch.tensor(step.start), table, sizes, dummy_row)
     return PaddedStep(table.clone(), page_size, dummy_row, dummy_page, running,
-                      *(t.tolist() for t in lanes))
+                      *(t.tolist() for t in padded))
 
 
 @figure("10_padded_step.png")
 def padded_step_figure(step: "PaddedStep | None" = None):
-    """Top: the page table, each lane's cell outlined (what it writes and, up to it, reads);
-    the dummy row maps only the dummy page. Below: the lanes of the padded step."""
+    """Top: the page table, each entry's cell outlined (what it writes and, up to it, reads);
+    the dummy row maps only the dummy page. Below: the entries of the padded step."""
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.patches import Rectangle
@@ -197,7 +197,7 @@ def padded_step_figure(step: "PaddedStep | None" = None):
 
     step = step if step is not None else padded_step()
     table = step.page_table.numpy()
-    lanes = len(step.rows)
+    entries = len(step.rows)
     cols = max(step.positions) + 2
     hit = np.zeros(table.shape, dtype=bool)
     for r, p in zip(step.rows, step.positions):
@@ -208,10 +208,10 @@ def padded_step_figure(step: "PaddedStep | None" = None):
     ax1.set_yticks(range(table.shape[0]))
     ax1.set_yticklabels([f"{r}" if r != step.dummy_row else f"{r} (dummy)" for r in range(table.shape[0])],
                         fontsize=9)
-    ax1.set_title(f"page table, P={step.page_size}: outlined = the cell each lane writes;\n"
+    ax1.set_title(f"page table, P={step.page_size}: outlined = the cell each batch entry writes;\n"
                   f"the dummy row maps page {step.dummy_page} only", fontsize=10)
     ax2.axis("off")
-    ax2.set_xlim(0, lanes + 1.6)
+    ax2.set_xlim(0, entries + 1.6)
     ax2.set_ylim(0, 4.2)
     for y, (name, values) in zip((2.6, 1.7, 0.8), (("row", step.rows), ("position", step.positions),
                                                     ("slot", step.slots))):
@@ -221,12 +221,12 @@ def padded_step_figure(step: "PaddedStep | None" = None):
             ax2.add_patch(Rectangle((1.6 + b, y), 0.95, 0.7, fc="#d9d9d9" if pad else "#c6dbef",
                                     ec="#555555", lw=0.6))
             ax2.text(2.075 + b, y + 0.35, str(v), ha="center", va="center", fontsize=10)
-    for b in range(lanes):
+    for b in range(entries):
         ax2.text(2.075 + b, 3.55, str(b), ha="center", va="center", fontsize=9, color="#555555")
-    ax2.text(1.5, 3.55, "lane", ha="right", va="center", fontsize=10)
-    ax2.text(1.6 + step.running + (lanes - step.running) / 2, 0.35, "padding: the dummy request",
+    ax2.text(1.5, 3.55, "entry", ha="right", va="center", fontsize=10)
+    ax2.text(1.6 + step.running + (entries - step.running) / 2, 0.35, "padding: the dummy request",
              ha="center", va="center", fontsize=9, color="#555555")
-    ax2.set_title(f"{step.running} running requests padded to the captured size {lanes}", fontsize=10)
+    ax2.set_title(f"{step.running} running requests padded to the captured size {entries}", fontsize=10)
     fig.tight_layout()
     return fig
 
@@ -252,7 +252,7 @@ def prefill_per_step(timelines: dict, budget: int, ax=None):
     import matplotlib.pyplot as plt
 
     if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3.2))
+        _, ax = plt.subplots(figsize=(MAX_WIDTH_IN, 3.2))
     width = 0.8 / len(timelines)
     colors = ["#fd8d3c", "#2e7d32", "#5b7fbf"]
     for j, (name, tl) in enumerate(timelines.items()):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..viz.legibility import MAX_WIDTH_IN
 from ..hash_cache import HashPrefixCache
 from ..paging import UNMAPPED
 from .registry import figure
@@ -72,7 +73,7 @@ def hash_chain_figure():
     from ..viz.hash_chain import draw_hash_chains
 
     cache, rows = shared_system_prompt_scene()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(9.5, 4.6), gridspec_kw=dict(height_ratios=[1, 1.25]))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(MAX_WIDTH_IN, 4.6), gridspec_kw=dict(height_ratios=[1, 1.25]))
     page_table_heatmap(rows_page_table(rows), P, ax=top, title="page table: A and B map the same "
                        "three pages for the system prompt", row_label="request")
     top.set_yticks([0, 1], ["A", "B"])

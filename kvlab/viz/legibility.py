@@ -2,13 +2,17 @@
 
 JupyterLab shows a figure as a PNG drawn at the inline backend's dpi (matplotlib_inline sets
 none of its own since 0.1.4, so matplotlib's ``figure.dpi``, 100) and cropped to its drawn
-content (``bbox_inches="tight"``). An output area is about :data:`OUTPUT_WIDTH_PX` pixels wide;
-a wider PNG is scaled down to fit, and its text with it. A text of ``s`` points is then
-``s * dpi / 72 * min(1, OUTPUT_WIDTH_PX / width)`` pixels tall on screen, and the course wants
-every text at least :data:`MIN_TEXT_PX`::
+content (``bbox_inches="tight"``). An output area is :data:`OUTPUT_WIDTH_PX` pixels wide (a
+1280 px window with the file browser open); a wider PNG is scaled down to fit, and its text
+with it. A text of ``s`` points is then ``s * dpi / 72 * min(1, OUTPUT_WIDTH_PX / width)``
+pixels tall on screen. The course wants every text at least :data:`MIN_TEXT_PX`, and every
+figure at most :data:`MAX_WIDTH_IN` wide (CONTRIBUTING's rule) and never scaled: its PNG, the
+tight crop's margins included, at most :data:`OUTPUT_WIDTH_PX`::
 
-    figure 23 in wide, 7 pt labels:  2297 px at 100 dpi -> scaled by 0.42 -> text 4.1 px  (illegible)
-    figure  9 in wide, 7 pt labels:   900 px             -> not scaled     -> text 9.7 px  (fine)
+    figure 23 in wide, 7 pt labels:  2297 px at 100 dpi -> scaled by 0.37 -> text 3.6 px  (illegible)
+    figure  9 in wide, 9 pt labels:   900 px             -> scaled by 0.94 -> too wide     (illegible)
+    figure  8 in, a legend outside:   900 px             -> scaled by 0.94 -> too wide     (illegible)
+    figure 8.4 in wide, 7 pt labels:  846 px             -> not scaled     -> text 9.7 px  (fine)
 
 :func:`measure` renders a figure the way the inline backend does and reports both numbers.
 :func:`install_audit` (what ``KVLAB_FIGURE_AUDIT`` turns on at ``import kvlab``) measures
@@ -25,13 +29,14 @@ import struct
 import warnings
 from typing import NamedTuple
 
-#: The width of a JupyterLab output area at its default layout, in CSS pixels.
-OUTPUT_WIDTH_PX = 970
+#: The width of a JupyterLab output area, in CSS pixels, in a 1280 px wide window with the file
+#: browser open (what a learner on a laptop has; the default layout without it gives 970).
+OUTPUT_WIDTH_PX = 848
 #: The smallest text height the course allows, in pixels on screen.
 MIN_TEXT_PX = 9.0
-#: The widest figure the course draws, in inches: 960 px at the inline backend's 100 dpi, so an
+#: The widest figure the course draws, in inches: 840 px at the inline backend's 100 dpi, so an
 #: output area shows it unscaled and 7 pt text is 9.7 px tall (the smallest size the course uses).
-MAX_WIDTH_IN = 9.6
+MAX_WIDTH_IN = 8.4
 #: The environment variable that turns the audit on: a file path (JSON lines) or ``warn``.
 AUDIT_ENV = "KVLAB_FIGURE_AUDIT"
 
@@ -41,7 +46,8 @@ __all__ = ["AUDIT_ENV", "FigureLegibility", "MAX_WIDTH_IN", "MIN_TEXT_PX",
 
 
 class IllegibleFigure(AssertionError):
-    """A figure whose smallest text would be under :data:`MIN_TEXT_PX` on screen."""
+    """A figure wider than :data:`MAX_WIDTH_IN`, or whose smallest text would be under
+    :data:`MIN_TEXT_PX` on screen."""
 
 
 class FigureLegibility(NamedTuple):
@@ -53,6 +59,7 @@ class FigureLegibility(NamedTuple):
     smallest_pt: float  # the smallest font size drawn (inf when the figure has no text)
     smallest_text: str  # one text of that size, to find it
     n_texts: int
+    figure_width_in: float = 0.0  # the figure's own width (figsize), before the tight crop
 
     @property
     def scale(self) -> float:
@@ -65,12 +72,24 @@ class FigureLegibility(NamedTuple):
         return text_px(self.smallest_pt, self.dpi, self.width_px)
 
     @property
+    def width_in(self) -> float:
+        """The width as drawn, in inches (the PNG's pixels at its dpi)."""
+        return self.width_px / self.dpi if self.dpi else 0.0
+
+    @property
+    def too_wide(self) -> bool:
+        """Drawn wider than :data:`MAX_WIDTH_IN`, or a PNG an output area must scale down."""
+        return self.figure_width_in > MAX_WIDTH_IN + 0.005 or self.width_px > OUTPUT_WIDTH_PX
+
+    @property
     def legible(self) -> bool:
-        return self.smallest_px >= MIN_TEXT_PX
+        return self.smallest_px >= MIN_TEXT_PX and not self.too_wide
 
     def describe(self) -> str:
         what = f"'{self.smallest_text[:40]}'" if self.n_texts else "no text"
-        return (f"{self.width_px} px wide at {self.dpi:g} dpi (shown at {self.scale:.2f}), smallest "
+        wide = (f"; too wide: a figure of {self.figure_width_in:.2f} in, at most {MAX_WIDTH_IN:g} in and "
+                f"{OUTPUT_WIDTH_PX} px" if self.too_wide else "")
+        return (f"{self.width_px} px wide at {self.dpi:g} dpi (shown at {self.scale:.2f}{wide}), smallest "
                 f"text {self.smallest_pt:g} pt = {self.smallest_px:.1f} px on screen ({what})")
 
 
@@ -127,12 +146,12 @@ class _TextRecorder:
 _RECORDER = _TextRecorder()
 
 
-def _summary(texts: list, size: tuple[int, int], dpi: float) -> FigureLegibility:
+def _summary(texts: list, size: tuple[int, int], dpi: float, figure_width_in: float) -> FigureLegibility:
     if texts:
         pt, text = min(texts, key=lambda t: t[0])
     else:
         pt, text = float("inf"), ""
-    return FigureLegibility(size[0], size[1], float(dpi), pt, text, len(texts))
+    return FigureLegibility(size[0], size[1], float(dpi), pt, text, len(texts), float(figure_width_in))
 
 
 def measure(fig, dpi: float | None = None, *, bbox_inches: str | None = "tight") -> FigureLegibility:
@@ -146,15 +165,15 @@ def measure(fig, dpi: float | None = None, *, bbox_inches: str | None = "tight")
         texts = _RECORDER.active
     finally:
         _RECORDER.active = outer
-    return _summary(texts, _png_size(buf.getvalue()), dpi)
+    return _summary(texts, _png_size(buf.getvalue()), dpi, fig.get_figwidth())
 
 
 def check_legible(fig, name: str = "figure", dpi: float | None = None, **kwargs) -> FigureLegibility:
     """:func:`measure`, raising :class:`IllegibleFigure` when the smallest text is too small."""
     m = measure(fig, dpi, **kwargs)
     if not m.legible:
-        raise IllegibleFigure(f"{name}: {m.describe()}; needs >= {MIN_TEXT_PX:g} px at "
-                              f"{OUTPUT_WIDTH_PX} px of output width")
+        raise IllegibleFigure(f"{name}: {m.describe()}; needs a figure at most {MAX_WIDTH_IN:g} in wide "
+                              f"and text >= {MIN_TEXT_PX:g} px at {OUTPUT_WIDTH_PX} px of output width")
     return m
 
 
@@ -204,7 +223,7 @@ def _report(fig, filename, args, kwargs, texts, target: str) -> None:
         return
     dpi = kwargs.get("dpi", args[0] if args else None) or matplotlib.rcParams["savefig.dpi"]
     dpi = fig.dpi if dpi == "figure" else float(dpi)
-    m = _summary(texts, size, dpi)
+    m = _summary(texts, size, dpi, fig.get_figwidth())
     title = max(texts, key=lambda t: (t[0], len(t[1])))[1] if texts else ""  # the largest text
     if target == "warn":
         if not m.legible:
@@ -212,6 +231,7 @@ def _report(fig, filename, args, kwargs, texts, target: str) -> None:
         return
     record = dict(width_px=m.width_px, height_px=m.height_px, dpi=m.dpi, smallest_pt=m.smallest_pt,
                   smallest_px=round(m.smallest_px, 2), smallest_text=m.smallest_text[:60],
+                  figure_width_in=round(m.figure_width_in, 2), too_wide=m.too_wide,
                   legible=m.legible, title=title[:60], n_texts=m.n_texts)
     with open(target, "a") as f:
         f.write(json.dumps(record) + "\n")

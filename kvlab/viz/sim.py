@@ -118,7 +118,7 @@ def timeline_dashboard(timeline, *, step: int | None = None):
     """
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(3, 1, figsize=(9, 6.4), sharex=True,
+    fig, axes = plt.subplots(3, 1, figsize=(MAX_WIDTH_IN, 6.4), sharex=True,
                              gridspec_kw=dict(height_ratios=[1.4, 1, 0.8]))
     memory_over_time(timeline, axes[0])
     hit_rate_over_time(timeline, axes[1])
@@ -306,7 +306,7 @@ def step_figure(timeline, step: int, view: str = "page table"):
     """A Figure holding one view of one step, with a line of what happened at that step."""
     import matplotlib.pyplot as plt
 
-    sizes = {"page table": (MAX_WIDTH_IN, 3.6), "free list": (9, 3.4), "cache tree": (MAX_WIDTH_IN, 4.4),
+    sizes = {"page table": (MAX_WIDTH_IN, 3.6), "free list": (MAX_WIDTH_IN, 3.4), "cache tree": (MAX_WIDTH_IN, 4.4),
              "regions": (MAX_WIDTH_IN, 2.6)}
     fig, ax = plt.subplots(figsize=sizes[view])
     draw_step(timeline, step, view, ax, fontsize=8)

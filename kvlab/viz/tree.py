@@ -143,7 +143,7 @@ def draw_tree(tree, ax=None, *, previous: TreeSnapshot | None = None, title: str
     if ax is None:
         width = max(3.0, 1.9 * max(1.0, max(x for x, _ in pos.values()) + 1))
         depth = max(d for _, d in pos.values())
-        _, ax = plt.subplots(figsize=(min(width, 14), 1.0 + 1.1 * (depth + 1)))
+        _, ax = plt.subplots(figsize=(min(width, MAX_WIDTH_IN), 1.0 + 1.1 * (depth + 1)))
     ax.set_axis_off()
     xs = [x for x, _ in pos.values()]
     depth = max(d for _, d in pos.values())
@@ -200,7 +200,7 @@ def tree_legend(target) -> None:
 
 
 def draw_tree_steps(steps: Sequence[tuple[str, TreeSnapshot]], *, ncols: int | None = None,
-                    panel_width: float = 4.7, panel_height: float = 2.7):
+                    panel_width: float = 4.2, panel_height: float = 2.7):
     """A row (or grid) of small trees, one per ``(title, snapshot)``; each compared with the
     one before it, so new and evicted nodes stand out. At most as many columns as fit in an
     output area (``MAX_WIDTH_IN``). Returns the Figure."""

@@ -124,7 +124,8 @@ def best_time(fn, repeats=3):
 t_without, (out_without, rows_without) = best_time(generate_without_cache)
 t_with, (out_with, rows_with) = best_time(generate_with_cache)
 torch.testing.assert_close(out_with, out_without, atol=1e-5, rtol=1e-5)
-assert rows_without == n_tokens * (n_tokens + 1) // 2 and rows_with == n_tokens
+assert rows_without == n_tokens * (n_tokens + 1) // 2 and rows_with == n_tokens, (
+    f"rows projected: {rows_without} without the cache, {rows_with} with it, for {n_tokens} tokens")
 print(f"{n_tokens} tokens, d = {d}: same outputs either way")
 print(f"  key/value rows projected: without cache {rows_without:6d}, with cache {rows_with:4d} "
       f"({rows_without / rows_with:.0f}x fewer)")
@@ -158,7 +159,7 @@ bytes_per_token = 2 * layers * kv_heads * head_dim * bytes_per_number  # 2: a ke
 print(f"{bytes_per_token / 1024:.0f} KiB of KV cache per token")
 print(f"a 4096-token conversation: {4096 * bytes_per_token / 2**20:.0f} MiB")
 print(f"a 40 GiB pool holds {40 * 2**30 // bytes_per_token:,} tokens, shared by every request")
-assert bytes_per_token == 128 * 1024
+assert bytes_per_token == 128 * 1024, f"{bytes_per_token} bytes per token, expected 128 KiB"
 
 # %% [markdown]
 # A few hundred thousand token slots, shared by every running request: that is the budget the
@@ -223,9 +224,11 @@ for step in timeline:
     for e in step.work:
         final[e.name] = e.seq
     if step.kind == "prefill":
-        assert sum(e.seq - e.pre for e in step.work) <= 8
+        assert sum(e.seq - e.pre for e in step.work) <= 8, (
+            f"step {step.step}: a prefill step over the token budget of 8")
     else:
-        assert all(e.seq == e.pre + 1 for e in step.work)  # decode: one token per request
+        assert all(e.seq == e.pre + 1 for e in step.work), (  # decode: one token per request
+            f"step {step.step}: a decode step that is not one token per request")
 for r in THREE_REQUESTS:
     assert final[r.name] == r.prompt_len + r.output_len - 1, r
 print("KV tokens at the end:", final)
@@ -261,8 +264,9 @@ pages_each = [kvlab.div_ceil(n, page_size) for n in lengths]
 print("pages per request:", pages_each)
 print("slots held, paged:", sum(pages_each) * page_size, "of", 4 * 16,
       "| slots held, contiguous:", 4 * 16)
-assert sum(pages_each) == 10
-assert all(p * page_size - n < page_size for p, n in zip(pages_each, lengths))  # waste < one page
+assert sum(pages_each) == 10, f"{sum(pages_each)} pages in all, expected 10"
+assert all(p * page_size - n < page_size for p, n in zip(pages_each, lengths)), (  # waste < one page
+    f"more than a page wasted: pages {pages_each} for lengths {lengths}")
 
 # %% [markdown]
 # ## The page table
@@ -295,7 +299,8 @@ for row, n in enumerate(lengths):
     slots = table[row, :n]
     for start in range(0, n, 4):  # within one logical page, one physical page, consecutive slots
         chunk = slots[start:start + 4]
-        assert (chunk // 4 == chunk[0] // 4).all() and (chunk - chunk[0] == torch.arange(len(chunk))).all()
+        assert (chunk // 4 == chunk[0] // 4).all() and (chunk - chunk[0] == torch.arange(len(chunk))).all(), (
+            f"row {row}, positions {start}..: slots {chunk.tolist()} are not one page in order")
 print("every row maps exactly its length; each logical page sits in one physical page")
 
 # %% [markdown]
@@ -311,8 +316,10 @@ print("every row maps exactly its length; each logical page sits in one physical
 shared, P = sharing_table(page_size=4, seed=0)
 ax = page_table_heatmap(shared, P, rows=slice(0, 4), title="requests 0-2 share their first two pages")
 plt.show()
-assert torch.equal(shared[0, :8], shared[1, :8]) and torch.equal(shared[1, :8], shared[2, :8])
-assert not torch.equal(shared[3, :8], shared[0, :8])
+assert torch.equal(shared[0, :8], shared[1, :8]) and torch.equal(shared[1, :8], shared[2, :8]), (
+    "requests 0, 1 and 2 should map the same slots for their first two pages")
+assert not torch.equal(shared[3, :8], shared[0, :8]), (
+    "request 3 has another prompt: it shares no page with request 0")
 
 # %% [markdown]
 # ## The heatmap at serving scale
@@ -325,7 +332,7 @@ assert not torch.equal(shared[3, :8], shared[0, :8])
 rows, cols, P = 64, 4096, 16
 big, big_lengths = first_page_table(n_requests=rows - 1, max_seq_len=cols, page_size=P, seed=1)
 ax = page_table_heatmap(big, P, max_cells=512, title=f"{rows} request slots x {cols} positions")
-ax.figure.set_size_inches(10, 6)
+ax.figure.set_size_inches(8.4, 6)
 plt.show()
 
 # %% [markdown]

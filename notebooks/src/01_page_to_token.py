@@ -66,10 +66,10 @@ print("column + offsets   ", tuple(grid.shape), grid.tolist())
 
 slots = grid.flatten()  # rows one after another: page after page
 print("flatten()          ", tuple(slots.shape), slots.tolist())
-assert slots.tolist() == list(range(4, 12))
+assert slots.tolist() == list(range(4, 12)), f"slots {slots.tolist()}, expected 4..11"
 # `grid` is a fresh contiguous tensor, so flatten() only reinterprets its shape: a view, no copy
 print("flatten() is a view of grid (same memory):", slots.data_ptr() == grid.data_ptr())
-assert slots.data_ptr() == grid.data_ptr()
+assert slots.data_ptr() == grid.data_ptr(), "flatten() copied grid: expected a view of the same memory"
 
 # %% [markdown]
 # Two details are worth a second look:
@@ -115,7 +115,7 @@ def whoami_kernel(out_ptr):
 out = torch.full((6,), -1, dtype=torch.int32, device=device)
 whoami_kernel[(4,)](out)
 print(out.tolist())  # predict first: four programs, six entries
-assert out.tolist() == [0, 10, 20, 30, -1, 4]
+assert out.tolist() == [0, 10, 20, 30, -1, 4], f"out = {out.tolist()}, expected [0, 10, 20, 30, -1, 4]"
 
 # %% [markdown]
 # ### 2. `tl.arange` and a mask: many lanes per program
@@ -143,7 +143,8 @@ out = torch.full((n + 2,), -1, dtype=torch.int32, device=device)
 copy_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, BLOCK=BLOCK)
 print("programs:", triton.cdiv(n, BLOCK))
 print(out.tolist())  # predict first: what do the last two entries hold?
-assert out[:n].tolist() == [2 * v for v in range(100, 110)] and out[n:].tolist() == [-1, -1]
+assert out[:n].tolist() == [2 * v for v in range(100, 110)] and out[n:].tolist() == [-1, -1], (
+    f"out = {out.tolist()}: the first {n} doubled, the two spare entries still -1")
 
 # %% [markdown]
 # Without the mask, program 2's lanes 10 and 11 would store into `out[10]` and `out[11]` (and
@@ -224,7 +225,8 @@ for other in (0, 100):
     sum_upto_kernel[(len(x),)](x, out, BLOCK=BLOCK, OTHER=other)
     print(f"other={other:3d}: {out.tolist()}")
     if other == 0:
-        assert out.tolist() == [3, 4, 8, 9, 14]  # the running sums
+        assert out.tolist() == [3, 4, 8, 9, 14], (  # the running sums
+            f"other=0 gives {out.tolist()}, expected the running sums [3, 4, 8, 9, 14]")
 print("lanes each program sums:", BLOCK, "| masked-off lanes in program 0:", BLOCK - 1)
 
 # %% [markdown]
@@ -295,7 +297,8 @@ for trial in range(n_trials):
     for fn in (kvlab.page_to_token, page_to_token_triton_nb):
         got = fn(starts, P)
         assert got.tolist() == expected, (fn.__name__, P, ids)
-        assert got.dtype == dtype and got.device == starts.device
+        assert got.dtype == dtype and got.device == starts.device, (
+            f"{fn.__name__} returned {got.dtype} on {got.device}, given {dtype} on {starts.device}")
 print(f"the Triton kernel and kvlab.page_to_token match the reference on {n_trials} random inputs")
 
 # %% [markdown]
@@ -306,7 +309,8 @@ P = 16
 n_pages = kvlab.runtime.pick(cpu=100, gpu=100_000)
 starts = torch.randperm(4 * n_pages, device=device)[:n_pages].to(torch.int64) * P
 out = page_to_token_triton_nb(starts, P, block=128)
-assert out.numel() == n_pages * P and torch.equal(out, kvlab.page_to_token(starts, P))
+assert out.numel() == n_pages * P and torch.equal(out, kvlab.page_to_token(starts, P)), (
+    f"{out.numel()} slots, expected {n_pages * P}, or not the same as kvlab.page_to_token")
 print(f"{n_pages} pages -> {out.numel()} slots in {triton.cdiv(out.numel(), 128)} programs; "
       f"the last program fills {out.numel() - 128 * (triton.cdiv(out.numel(), 128) - 1)} of its 128 lanes")
 
@@ -334,7 +338,7 @@ picked = random.Random(1).sample(range(16), 6)
 fig = pages_to_slots_figure(page_ids=picked, page_size=4, num_pages=16)
 plt.show()
 got = kvlab.page_to_token(torch.tensor([p * 4 for p in picked], device=device), 4)
-assert got.tolist() == page_to_token_ref([p * 4 for p in picked], 4)
+assert got.tolist() == page_to_token_ref([p * 4 for p in picked], 4), f"slots {got.tolist()} for pages {picked}"
 
 # %% [markdown]
 # ## Your turn
@@ -408,8 +412,10 @@ for _ in range(kvlab.runtime.pick(cpu=20, gpu=200)):
     dtype = rng.choice([torch.int32, torch.int64])
     starts = torch.tensor([p * P for p in rng.sample(range(2048), rng.randint(0, 16))], dtype=dtype,
                           device=device)
-    assert torch.equal(my_version(starts, P), kvlab.page_to_token(starts, P))
-    assert torch.equal(page_to_token_triton_nb(starts, P), kvlab.paging.page_to_token_triton(starts, P))
+    assert torch.equal(my_version(starts, P), kvlab.page_to_token(starts, P)), (
+        f"page_size {P}, starts {starts.tolist()}: yours differs from kvlab.page_to_token")
+    assert torch.equal(page_to_token_triton_nb(starts, P), kvlab.paging.page_to_token_triton(starts, P)), (
+        f"page_size {P}, starts {starts.tolist()}: the notebook's kernel differs from kvlab's")
 print("notebook == kvlab.page_to_token == kvlab.paging.page_to_token_triton")
 
 # %% [markdown]

@@ -57,9 +57,9 @@ print("device:", device, "| pinned host memory available:", kvlab.runtime.can_pi
 # (`num_pages + 1` pages) and fills the dummy row with that page's first slot, so every padded
 # request reads and writes only the dummy page.
 #
-# **Departure:** kvlab keeps the spare row but has no dummy page and leaves the dummy row at
-# `-1`: nothing in this course replays CUDA graphs, and an unmapped row makes any use of it
-# visible.
+# **Departure:** kvlab's page table keeps the spare row but leaves it at `-1`: nothing before
+# chapter 10 replays CUDA graphs, and an unmapped row makes any use of it visible. Chapter 10's
+# `PagedGenerator`, which does replay them, adds the dummy page and maps the row to it.
 
 # %%
 cuda_graph_max_bs = 160
@@ -75,7 +75,8 @@ def padded_size(bs):
 for bs in [1, 3, 5, 9, 100]:
     print(f"a decode batch of {bs:3d} runs as {padded_size(bs):3d}: "
           f"{padded_size(bs) - bs:2d} dummy request(s) added, all on the dummy row")
-assert [padded_size(b) for b in (3, 9, 100)] == [4, 16, 104]
+assert [padded_size(b) for b in (3, 9, 100)] == [4, 16, 104], (
+    f"padded sizes {[padded_size(b) for b in (3, 9, 100)]}, expected [4, 16, 104]")
 
 # %% [markdown]
 # **Columns.** A request's row needs one column per token it can reach, `max_seq_len`, rounded
@@ -101,7 +102,8 @@ print("shape:", tuple(table.shape), "dtype:", table.dtype)
 print("rows    =", max_running_req, "+ 1 (dummy)")
 print("columns = div_ceil(14, 4) * 4 =", div_ceil(max_seq_len, P) * P,
       f"(mini-sglang: 14 rounded up to a multiple of 32 entries = {(max_seq_len + 31) // 32 * 32})")
-assert table.shape == (max_running_req + 1, 16) and (table == kvlab.UNMAPPED).all()
+assert table.shape == (max_running_req + 1, 16) and (table == kvlab.UNMAPPED).all(), (
+    f"table {tuple(table.shape)}: expected ({max_running_req + 1}, 16), every entry unmapped")
 
 # %% [markdown]
 # ## Which pages does each request need? (`allocate_paged`)
@@ -137,7 +139,8 @@ for req in DEMO_REQUESTS:
         needed_pages += last_page - first_page
         allocation_info.append((req.table_idx, first_page, last_page))
 print("allocation_info =", allocation_info, "| needed_pages =", needed_pages)
-assert allocation_info == [(0, 0, 3), (1, 2, 4), (3, 2, 3)] and needed_pages == 6
+assert allocation_info == [(0, 0, 3), (1, 2, 4), (3, 2, 3)] and needed_pages == 6, (
+    f"allocation_info {allocation_info} with {needed_pages} pages")
 
 # %% [markdown]
 # Row 2 (`cached_len = 6`, `device_len = 7`) needs nothing: position 6 lies in page 1, which it
@@ -163,7 +166,8 @@ page_starts = torch.tensor([free_pages.pop() * P for _ in range(needed_pages)], 
 allocated = kvlab.page_to_token(page_starts, P)
 print("new page starts:", page_starts.tolist())
 print("allocated slots:", allocated.tolist())
-assert allocated.numel() == sum((last - first) * P for _, first, last in allocation_info)
+assert allocated.numel() == sum((last - first) * P for _, first, last in allocation_info), (
+    f"{allocated.numel()} slots allocated for {allocation_info}")
 
 # %% [markdown]
 # ## The host path: two index tensors and one scatter
@@ -222,8 +226,9 @@ print("cols:", cols_host.tolist())
 fig = before_after_figure(before, after_host, P, title=f"allocation_info = {allocation_info}")
 plt.show()
 expected = write_page_table_ref(before.tolist(), allocated.tolist(), allocation_info, P)
-assert after_host.tolist() == expected
-assert torch.equal(after_host[2], before[2]) and (after_host[-1] == kvlab.UNMAPPED).all()
+assert after_host.tolist() == expected, "the host path wrote another table than the reference"
+assert torch.equal(after_host[2], before[2]) and (after_host[-1] == kvlab.UNMAPPED).all(), (
+    "row 2 changed, or the dummy row is mapped")
 
 # %% [markdown]
 # ## The Triton path: per-request metadata, one launch
@@ -281,7 +286,7 @@ def write_page_table_triton_nb(page_table, allocated, allocation_info, page_size
 after_triton = before.clone()
 meta = write_page_table_triton_nb(after_triton, allocated, allocation_info, P)
 print("meta, one column per request (rows: row, first_page, last_page, offset):\n", meta)
-assert torch.equal(after_triton, after_host)
+assert torch.equal(after_triton, after_host), "the Triton path wrote another table than the host path"
 print("the Triton path wrote exactly the same table as the host path")
 
 # %% [markdown]
@@ -334,7 +339,7 @@ try:
     kvlab.write_page_table(table, bad_allocated, bad_info, P)
 except ValueError as err:
     print(type(err).__name__, "->", err)
-assert torch.equal(table, snapshot)
+assert torch.equal(table, snapshot), "a refused write changed the page table"
 print("page table unchanged")
 
 # %% [markdown]
@@ -346,7 +351,7 @@ for info, n in [([(0, 0, 3), (1, 2, 4)], 19), ([(3, 2, 5)], 12)]:
         kvlab.write_page_table_triton(table, torch.arange(n, dtype=torch.int32, device=device), info, P)
     except ValueError as err:
         print(type(err).__name__, "->", err)
-assert torch.equal(table, snapshot)
+assert torch.equal(table, snapshot), "a refused write changed the page table"
 
 # %% [markdown]
 # ## Your turn
@@ -414,8 +419,10 @@ for _ in range(kvlab.runtime.pick(cpu=15, gpu=200)):
     write_page_table_triton_nb(mine_tri, allocated_r, info, page_size)
     kvlab.write_page_table(lib_host, allocated_r, info, page_size)
     kvlab.write_page_table_triton(lib_tri, allocated_r, info, page_size)
-    assert torch.equal(mine, lib_host) and torch.equal(mine_host, lib_host)
-    assert torch.equal(mine_tri, lib_tri) and torch.equal(lib_host, lib_tri)
+    assert torch.equal(mine, lib_host) and torch.equal(mine_host, lib_host), (
+        f"page_size {page_size}, allocation_info {info}: yours or the notebook's host path differs from kvlab's")
+    assert torch.equal(mine_tri, lib_tri) and torch.equal(lib_host, lib_tri), (
+        f"page_size {page_size}, allocation_info {info}: the Triton paths differ from kvlab's host path")
 print("yours == notebook's == kvlab.write_page_table == kvlab.write_page_table_triton")
 
 # %% [markdown]
@@ -458,7 +465,8 @@ for step in range(4):  # four batches, each growing some requests by some pages
     kvlab.write_page_table_triton(big, kvlab.page_to_token(starts, P), info, P)
 ax = page_table_heatmap(big, P, title=f"after four batches: {rows} request slots x {width} positions")
 plt.show()
-assert all((big[r] != kvlab.UNMAPPED).sum().item() == lengths[r] for r in range(rows))
+assert all((big[r] != kvlab.UNMAPPED).sum().item() == lengths[r] for r in range(rows)), (
+    "a row maps other than its length's positions")
 
 # %% [markdown]
 # ## Summary

@@ -107,10 +107,11 @@ for name, pre, seq in [("A", 70, 190), ("B", 128, 260)]:
     new_pages = -(-seq // P) - (-(-pre // P))
     print(f"{name}: pre={pre:3d} seq={seq:3d}  ceil(pre/P)*P={ceil_pre:3d}  floor(seq/P)*P={floor_seq:3d}"
           f"  ->  part1={n1:3d}  part2={n2:3d}  part3={n3:2d}   new pages={new_pages}")
-    assert (n1, n2, n3) == part_lengths(pre, seq, P)
+    assert (n1, n2, n3) == part_lengths(pre, seq, P), (
+        f"{name}: parts ({n1}, {n2}, {n3}), the reference says {part_lengths(pre, seq, P)}")
 
-assert part_lengths(70, 190, 64) == (58, 0, 62)
-assert part_lengths(128, 260, 64) == (0, 128, 4)
+assert part_lengths(70, 190, 64) == (58, 0, 62), f"A: {part_lengths(70, 190, 64)}, expected (58, 0, 62)"
+assert part_lengths(128, 260, 64) == (0, 128, 4), f"B: {part_lengths(128, 260, 64)}, expected (0, 128, 4)"
 print("4 new pages in all; out_indices = [A 58 | A 62 | B 128 | B 4] =", 58 + 62 + 128 + 4, "slots")
 
 # %% [markdown]
@@ -156,7 +157,8 @@ for pid in range(bs):
     print(f"program {pid}: mask={mask.int().tolist()}  output_start_loc={output_start_loc:3d}  "
           f"new_page_start_loc={new_page_start_loc}  (takes free_pages[{new_page_start_loc}:"
           f"{new_page_start_loc + my_pages}])")
-assert (output_start_loc, new_page_start_loc) == (120, 1)
+assert (output_start_loc, new_page_start_loc) == (120, 1), (
+    f"program 1 starts at {output_start_loc} and page {new_page_start_loc}, expected 120 and 1")
 
 # %% [markdown]
 # Every program re-sums *all* earlier requests: `bs` programs × `bs` [lanes](glossary.md#lane) = O(bs²) work for a
@@ -202,7 +204,8 @@ print("A part 1:", out[:3], "...", out[55:58])
 print("A part 3:", out[58:61], "...", out[117:120], " (page 7)")
 print("B part 2:", out[120:123], "...", out[245:248], " (pages 3, 9)")
 print("B part 3:", out[248:], " (page 5)")
-assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
+assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices, (
+    "one_program's slots differ from the reference's")
 
 # %% [markdown]
 # ## The kernel
@@ -260,11 +263,16 @@ def launch_extend(kernel, pre, seq, last, free_pages, P):
 
 
 out, ret = launch_extend(alloc_extend_kernel, ex_pre, ex_seq, ex_last, ex_free, 64)
-assert out.tolist() == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
-assert out[:58].tolist() == list(range(2 * 64 + 6, 3 * 64))                     # A 58: old page 2
-assert out[58:120].tolist() == list(range(7 * 64, 7 * 64 + 62))                 # A 62: new page 7
-assert out[120:248].tolist() == list(range(3 * 64, 4 * 64)) + list(range(9 * 64, 10 * 64))  # B 128
-assert out[248:].tolist() == [5 * 64 + k for k in range(4)]                     # B 4: new page 5
+assert out.tolist() == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices, (
+    "the kernel's slots differ from the reference's")
+assert out[:58].tolist() == list(range(2 * 64 + 6, 3 * 64)), (                     # A 58: old page 2
+    f"A's part 1: {out[:58].tolist()[:4]} ...")
+assert out[58:120].tolist() == list(range(7 * 64, 7 * 64 + 62)), (                 # A 62: new page 7
+    f"A's part 3: {out[58:120].tolist()[:4]} ...")
+assert out[120:248].tolist() == list(range(3 * 64, 4 * 64)) + list(range(9 * 64, 10 * 64)), (  # B 128
+    f"B's part 2: {out[120:248].tolist()[:4]} ...")
+assert out[248:].tolist() == [5 * 64 + k for k in range(4)], (                     # B 4: new page 5
+    f"B's part 3: {out[248:].tolist()}")
 print("the kernel reproduces [A 58 | A 62 | B 128 | B 4]")
 
 # %% [markdown]
@@ -280,7 +288,8 @@ print("the kernel reproduces [A 58 | A 62 | B 128 | B 4]")
 # %%
 pages, tokens = ret >> 32, ret & 0xFFFF_FFFF
 print(f"ret_values = {ret:#x} = {ret}  ->  pages = ret >> 32 = {pages}, tokens = ret & 0xFFFFFFFF = {tokens}")
-assert (pages, tokens) == unpack_ret_value(ret) == (4, 252)
+assert (pages, tokens) == unpack_ret_value(ret) == (4, 252), (
+    f"pages {pages}, tokens {tokens}: expected 4 and 252")
 
 # %% [markdown]
 # ## Validate against the reference on random batches
@@ -314,14 +323,16 @@ for trial in range(n_trials):
     got, ret = launch_extend(alloc_extend_kernel, pre, seq, last, free, P)
     plan = alloc_extend_ref(pre, seq, last, free, P)
     assert got.tolist() == plan.out_indices, (P, pre, seq)
-    assert unpack_ret_value(ret) == (plan.num_new_pages, len(plan.out_indices))
-    assert len(set(got.tolist())) == got.numel()  # no slot handed out twice
+    assert unpack_ret_value(ret) == (plan.num_new_pages, len(plan.out_indices)), (
+        f"ret_values {unpack_ret_value(ret)}, expected ({plan.num_new_pages}, {len(plan.out_indices)})")
+    assert len(set(got.tolist())) == got.numel(), (  # no slot handed out twice
+        f"a slot handed out twice in {got.tolist()}")
     seen["aligned"] += sum(p > 0 and p % P == 0 for p in pre)
     seen["unaligned"] += sum(p % P != 0 for p in pre)
     seen["empty prefix"] += pre.count(0)
     seen["empty extend"] += sum(p == s for p, s in zip(pre, seq))
 print(f"kernel == reference on {n_trials} random batches; requests seen: {seen}")
-assert all(v > 0 for v in seen.values())
+assert all(v > 0 for v in seen.values()), f"some kind of request never came up: {seen}"
 
 # %% [markdown]
 # ## The allocator around the kernel
@@ -341,7 +352,8 @@ assert all(v > 0 for v in seen.values())
 
 # %%
 alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4, impl="teaching")
-assert sorted(alloc.free_pages.tolist()) == list(range(12))  # page 0 too (SGLang: 1..num_pages)
+assert sorted(alloc.free_pages.tolist()) == list(range(12)), (  # page 0 too (SGLang: 1..num_pages)
+    "a new allocator should hold every page, page 0 included")
 alloc.free_pages = torch.tensor([5, 2, 9, 0, 7, 3, 10, 1, 8, 6, 4, 11], device=device)
 prefix = alloc.alloc_extend(torch.tensor([0, 0, 0], device=device), torch.tensor([3, 4, 0], device=device),
                             torch.tensor([-1, -1, -1], device=device), extend_num_tokens=7)
@@ -372,15 +384,17 @@ at = 0
 for r, (pre_r, seq_r) in enumerate(zip(pre_b, seq_b)):  # request r's run of out_indices
     table[r, pre_r:seq_r] = out[at:at + seq_r - pre_r]
     at += seq_r - pre_r
-assert at == out.numel()
+assert at == out.numel(), f"{at} slots written of {out.numel()}"
 fig = before_after_figure(table_before, table, 4,
                           title="alloc_extend's out_indices written into the page table (page_size 4)")
 plt.show()
 for r, n in enumerate(seq_b):  # every position mapped; each logical page in one physical page
     row = table[r, :n]
     pos = torch.arange(n, device=row.device)
-    assert (row >= 0).all() and (row // 4 == row[(pos // 4) * 4] // 4).all()
-    assert (row % 4 == pos % 4).all()  # position t sits at offset t % P
+    assert (row >= 0).all() and (row // 4 == row[(pos // 4) * 4] // 4).all(), (
+        f"request {r}: a position unmapped, or a logical page over two physical pages: {row.tolist()}")
+    assert (row % 4 == pos % 4).all(), (  # position t sits at offset t % P
+        f"request {r}: a position not at its offset t % 4: {row.tolist()}")
 print("each row maps exactly its seq_len positions; position t sits at offset t % 4 of its page")
 
 # %% [markdown]
@@ -408,13 +422,14 @@ seq_r = [p + rng.randint(0, 40) for p in pre_r]
 free_r = list(range(24))
 rng.shuffle(free_r)
 pic_r = prefill_then_extend(pre_r, seq_r, 16, free_r)
-fig, ax = plt.subplots(figsize=(9.6, 2.8))
+fig, ax = plt.subplots(figsize=(8.4, 2.8))
 draw_logical(pic_r, ax, names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)],
              title="logical view: row = request (pre -> seq), column = token position (page_size 16)")
 fig.tight_layout()
 plt.show()
 assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
-    int(pic_r.table[r, p - 1]) if p else -1 for r, p in enumerate(pre_r)], pic_r.free_before, 16).out_indices
+    int(pic_r.table[r, p - 1]) if p else -1 for r, p in enumerate(pre_r)], pic_r.free_before, 16).out_indices, (
+    "the picture's slots differ from the reference's")
 
 # %% [markdown]
 # ## When pages run out
@@ -453,7 +468,7 @@ print("out_indices:", got.tolist())
 print("ret_values says", ret >> 32, "pages were needed; only", len(short_free), "exist")
 bogus = [x for x in got.tolist() if x < 0]
 print("slots built from the sentinel:", bogus)
-assert bogus and all(x // 4 == SENTINEL for x in bogus)
+assert bogus and all(x // 4 == SENTINEL for x in bogus), f"no slot built from the sentinel: {got.tolist()}"
 
 # %% [markdown]
 # **The fix is an ordering.** `PagedTokenAllocator` counts the pages on the host *before* the
@@ -476,7 +491,7 @@ try:
     raise AssertionError("should have been refused")
 except kvlab.OutOfPages as err:
     print("OutOfPages:", err)
-assert alloc.state().equals(before)
+assert alloc.state().equals(before), "a refused alloc_extend changed the allocator"
 print("free_pages unchanged:", alloc.free_pages.tolist())
 
 try:
@@ -484,7 +499,7 @@ try:
                        torch.tensor([5], device=device), 6)  # last_loc 5 is offset 1, but pre=3 needs offset 2
 except kvlab.InvalidArgument as err:
     print("InvalidArgument:", err)
-assert alloc.state().equals(before)
+assert alloc.state().equals(before), "a refused alloc_extend changed the allocator"
 
 # %% [markdown]
 # ## Box: the source's kernel and SGLang's today
@@ -529,7 +544,9 @@ assert alloc.state().equals(before)
 # counts too. While part 1 is still the starter (`num_part1 = 0`), every part-2 slot of a
 # request with an unaligned prefix lands in the wrong place, however right part 2 is; and part 3
 # needs both counts before it. For `ret_values`, the last program is the one with
-# `pid == tl.num_programs(0) - 1` (chapter 01's first primer).
+# `pid == tl.num_programs(0) - 1` (chapter 01's first primer). The cell checks the parts in
+# that order, and a part that fails ends the cell: the parts after it are checked when you run
+# the cell again once it passes (its failure says so, and so does the chapter's last cell).
 #
 # A checker compares only its own part's slots with the reference (a slot you have not written
 # yet shows as `-1`, another part's position as `·`) and on a mistake names the case, the request
@@ -652,14 +669,16 @@ for trial in range(kvlab.runtime.pick(cpu=4, gpu=100)):
     pre, seq, last, free = random_batch(rng, P, rng.randint(1, 5))
     got_kernel, _ = launch_extend(extend_kernel, pre, seq, last, free, P)
     want_kernel, _ = launch_extend(alloc_extend_kernel, pre, seq, last, free, P)
-    assert torch.equal(got_kernel, want_kernel)
+    assert torch.equal(got_kernel, want_kernel), (
+        f"page_size {P}, pre {pre}, seq {seq}: your kernel {got_kernel.tolist()}, the package's {want_kernel.tolist()}")
 
     alloc = kvlab.PagedTokenAllocator(max(free + [x // P for x in last]) + 1, P)
     alloc.free_pages = torch.tensor(free, dtype=torch.int64, device=device)
     mine, my_free = my_alloc_extend(free, pre, seq, last, P)
     theirs = alloc.alloc_extend(torch.tensor(pre, device=device), torch.tensor(seq, device=device),
                                 torch.tensor(last, device=device), sum(seq) - sum(pre))
-    assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist()
+    assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist(), (
+        f"page_size {P}, pre {pre}, seq {seq}: the notebook's step and PagedTokenAllocator differ")
 print("notebook kernel == kvlab.kernels.alloc_extend_kernel; notebook allocator step == PagedTokenAllocator")
 
 # %% [markdown]
@@ -696,7 +715,7 @@ try:
     raise AssertionError("the checker should have caught this")
 except kvlab.check.CheckFailed as err:
     print(err)
-    assert "request 1, part 3" in str(err)
+    assert "request 1, part 3" in str(err), f"the checker blamed another request or part:\n{err}"
 
 # %% [markdown]
 # ## Summary

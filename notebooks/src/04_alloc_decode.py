@@ -43,7 +43,7 @@ print("device:", device)
 
 # %% alt="Five decode steps of three requests on pages of 4 slots, one panel per step: each request gets one new slot, orange where it is last_loc + 1 on the same page and green where it is the first slot of a new page taken from free_pages."
 history = example_history()
-fig, axes = plt.subplots(len(history), 1, figsize=(8.5, 1.5 * len(history) + 0.6), sharex=True)
+fig, axes = plt.subplots(len(history), 1, figsize=(8.0, 1.5 * len(history) + 0.6), sharex=True)
 draw_decode_steps(history, 4, axes)
 fig.tight_layout()
 plt.show()
@@ -69,10 +69,11 @@ for seq in range(1, 11):
     pre = seq - 1
     by_count = -(-seq // P) - (-(-pre // P))
     by_rule = int((seq - 1) % P == 0)
-    assert by_count == by_rule
+    assert by_count == by_rule, f"seq {seq}: the page count says {by_count}, the rule {by_rule}"
     print(f"{seq:4d}  {seq - 1:5d}  {(seq - 1) % P:9d}  {by_count:23d}" + ("   <- new page" if by_rule else ""))
 for P_ in (1, 2, 16, 64):  # and for other page sizes, far out
-    assert all((-(-s // P_) - (-(-(s - 1) // P_))) == int((s - 1) % P_ == 0) for s in range(1, 5000))
+    assert all((-(-s // P_) - (-(-(s - 1) // P_))) == int((s - 1) % P_ == 0) for s in range(1, 5000)), (
+        f"page_size {P_}: the rule (seq - 1) % P == 0 disagrees with the page count")
 
 # %% [markdown]
 # `page_size = 1` is the extreme: every token is the first of its page, so every request takes a
@@ -127,8 +128,10 @@ last = [2 * 4 + 3, 5 * 4 + 1, 9 * 4 + 3, -1, 1 * 4 + 0]
 free = [6, 0, 8, 3]
 out, ret = launch_decode(alloc_decode_kernel, seq, last, free, 4)
 print("out_indices:", out.tolist(), " new pages:", ret)
-assert out.tolist() == [6 * 4, 5 * 4 + 2, 0 * 4, 8 * 4, 1 * 4 + 1] and ret == 3
-assert out.tolist() == alloc_decode_ref(seq, last, free, 4).out_indices
+assert out.tolist() == [6 * 4, 5 * 4 + 2, 0 * 4, 8 * 4, 1 * 4 + 1] and ret == 3, (
+    f"out_indices {out.tolist()}, {ret} new pages")
+assert out.tolist() == alloc_decode_ref(seq, last, free, 4).out_indices, (
+    "the kernel's slots differ from the reference's")
 
 # %% [markdown]
 # ## Validate against the reference
@@ -188,12 +191,16 @@ for step in range(n_steps):
     free_before = alloc.free_pages.tolist()
     out = alloc.alloc_decode(torch.tensor(seq, device=device), torch.tensor(last, device=device)).tolist()
     plan = alloc_decode_ref(seq, last, free_before, P)
-    assert out == plan.out_indices and len(set(out)) == bs
-    assert alloc.free_pages.tolist() == free_before[plan.num_new_pages:]
+    assert out == plan.out_indices and len(set(out)) == bs, (
+        f"step {step}: slots {out} (the reference: {plan.out_indices}), or a slot twice")
+    assert alloc.free_pages.tolist() == free_before[plan.num_new_pages:], (
+        f"step {step}: the free list is not what is left after {plan.num_new_pages} new pages")
     for r, x in enumerate(out):
         others = {y // P for q, s in enumerate(owned) if q != r for y in s}
-        assert x // P not in others                      # never another request's page
-        assert (x % P == 0) == plan.takes_new_page[r]     # a new page is entered at offset 0
+        assert x // P not in others, (                      # never another request's page
+            f"step {step}: request {r} got slot {x}, on another request's page")
+        assert (x % P == 0) == plan.takes_new_page[r], (     # a new page is entered at offset 0
+            f"step {step}: request {r} got slot {x}: a new page starts at offset 0, an old one does not")
         owned[r].append(x)
 print(f"{n_steps} decode steps for {bs} requests: allocator == reference at every step; "
       f"lengths now {[len(s) for s in owned]}, {alloc.num_free_pages} pages free")
@@ -219,8 +226,10 @@ ax = page_table_heatmap(table, P, highlight=decoded, rows=slice(0, bs),
 plt.show()
 for r, row_slots in enumerate(owned):  # position t at offset t % P; one physical page per logical page
     row = torch.tensor(row_slots)
-    assert (row % P == torch.arange(len(row)) % P).all()
-    assert (row // P == row[(torch.arange(len(row)) // P) * P] // P).all()
+    assert (row % P == torch.arange(len(row)) % P).all(), (
+        f"request {r}: a position not at its offset t % P: {row.tolist()}")
+    assert (row // P == row[(torch.arange(len(row)) // P) * P] // P).all(), (
+        f"request {r}: a logical page over two physical pages: {row.tolist()}")
 
 # %% [markdown]
 # ## A longer run, as a strip of steps
@@ -230,12 +239,13 @@ for r, row_slots in enumerate(owned):  # position t at offset t % P; one physica
 
 # %% alt="Eight decode steps of four requests on pages of 4 slots, one panel per step: each step gives every request one slot, orange on its current page and green when it crosses into a new page."
 hist = decode_steps([2, 4, 7, 1], 8, 4, random.Random(5).sample(range(24), 24))
-fig, axes = plt.subplots(len(hist), 1, figsize=(9, 1.3 * len(hist) + 0.6), sharex=True)
+fig, axes = plt.subplots(len(hist), 1, figsize=(8.0, 1.3 * len(hist) + 0.6), sharex=True)
 draw_decode_steps(hist, 4, axes)
 fig.tight_layout()
 plt.show()
 for step in hist:
-    assert step.takes_new_page == [(s - 1) % 4 == 0 for s in step.seq_lens]
+    assert step.takes_new_page == [(s - 1) % 4 == 0 for s in step.seq_lens], (
+        f"seq_lens {step.seq_lens}: new pages {step.takes_new_page}")
 
 # %% [markdown]
 # Running the notebook live? Scrub through the same steps with a slider (the strip above already shows
@@ -246,8 +256,9 @@ import ipywidgets as widgets
 
 
 def show_step(step=1):
-    fig, ax = plt.subplots(figsize=(8.6, 1.9))
+    fig, ax = plt.subplots(figsize=(8.0, 1.9))
     draw_decode_steps([hist[step - 1]], 4, [ax], first_step=step)
+    fig.tight_layout()
     plt.show()
 
 
@@ -271,7 +282,7 @@ try:
     raise AssertionError("should have been refused")
 except kvlab.OutOfPages as err:
     print("OutOfPages:", err)
-assert small.state().equals(before)
+assert small.state().equals(before), "a refused alloc_decode changed the allocator"
 # with one request it fits
 print("one request:", small.alloc_decode(torch.tensor([5], device=device), torch.tensor([int(first[3])], device=device)).tolist())
 
@@ -363,12 +374,14 @@ for trial in range(kvlab.runtime.pick(cpu=8, gpu=100)):
     P = rng.choice([1, 4, 16, 64])
     seq, last, free = random_decode_batch(rng, P, rng.randint(1, 8))
     assert torch.equal(launch_decode(decode_kernel, seq, last, free, P)[0],
-                       launch_decode(alloc_decode_kernel, seq, last, free, P)[0])
+                       launch_decode(alloc_decode_kernel, seq, last, free, P)[0]), (
+        f"page_size {P}, seq {seq}: your kernel's slots differ from the package's")
     alloc = kvlab.PagedTokenAllocator(max(free + [x // P for x in last]) + 1, P)
     alloc.free_pages = torch.tensor(free, dtype=torch.int64, device=device)
     mine, my_free = my_alloc_decode(free, seq, last, P)
     theirs = alloc.alloc_decode(torch.tensor(seq, device=device), torch.tensor(last, device=device))
-    assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist()
+    assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist(), (
+        f"page_size {P}, seq {seq}: the notebook's step and PagedTokenAllocator differ")
 print("notebook kernel == kvlab.kernels.alloc_decode_kernel; notebook decode step == PagedTokenAllocator")
 
 # %% [markdown]
@@ -399,7 +412,7 @@ try:
     raise AssertionError("the checker should have caught this")
 except kvlab.check.CheckFailed as err:
     print(err)
-    assert "request 0" in str(err)
+    assert "request 0" in str(err), f"the checker blamed another request:\n{err}"
 
 # %% [markdown]
 # ## Summary

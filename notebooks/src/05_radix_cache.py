@@ -82,9 +82,12 @@ def page_store_match(store: dict, input_ids: list, page_size: int) -> int:
 print("match [1 2 3 4 5 6 0]:", page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P))
 print("match [1 2 3]        :", page_store_match(store, [1, 2, 3], P), " (a lone half page never matches)")
 print("match [9 2 3 4]      :", page_store_match(store, [9, 2, 3, 4], P), " (the first page differs: nothing)")
-assert page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P) == 6
-assert page_store_match(store, [1, 2, 3], P) == 2
-assert page_store_match(store, [9, 2, 3, 4], P) == 0
+assert page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P) == 6, (
+    f"matched {page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P)}, expected 6")
+assert page_store_match(store, [1, 2, 3], P) == 2, (
+    f"matched {page_store_match(store, [1, 2, 3], P)}, expected 2")
+assert page_store_match(store, [9, 2, 3, 4], P) == 0, (
+    f"matched {page_store_match(store, [9, 2, 3, 4], P)}, expected 0")
 
 # %% [markdown]
 # **Inserting** is the other half. Say a second request with prompt `[1 2 3 4 8 9 10]` ran
@@ -98,7 +101,8 @@ assert page_store_match(store, [9, 2, 3, 4], P) == 0
 # %%
 store[(1, 2, 3, 4, 8, 9)] = [24, 25]  # the one new whole page of [1 2 3 4 8 9 10]
 print("match [1 2 3 4 8 9 10]:", page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P))
-assert page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P) == 6
+assert page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P) == 6, (
+    f"matched {page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P)}, expected 6")
 
 # %% [markdown]
 # ## Build-up 2: the radix tree
@@ -132,7 +136,8 @@ print("already cached:", r.cached_len, "| the handle covers", r.handle.cached_le
       r.handle.get_matched_indices().tolist())
 for node in cache.nodes():
     print(f"  node {node.uid}: key {list(node.key)}, slots {node.value.tolist()}")
-assert r.cached_len == 4 and r.handle.get_matched_indices().tolist() == [6, 7, 8, 9, 24, 25]
+assert r.cached_len == 4 and r.handle.get_matched_indices().tolist() == [6, 7, 8, 9, 24, 25], (
+    f"already cached {r.cached_len}, slots {r.handle.get_matched_indices().tolist()}")
 draw_tree(cache)
 plt.show()
 
@@ -171,10 +176,12 @@ after = stamps(cache)
 print("cached_len:", m.cached_len, "slots:", m.handle.get_matched_indices().tolist(), "| clock now", cache.clock)
 for key in after:
     print(f"  node {list(key)}: last_access {before[key]} -> {after[key]}")
-assert m.cached_len == 4  # [5 0] is a different page from [5 6]
-assert after[(1, 2, 3, 4)] == cache.clock  # used: stamped
-assert after[(5, 6)] == before[(5, 6)] and after[(8, 9)] == before[(8, 9)]  # not entered: unchanged
-assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).cached_len == 6
+assert m.cached_len == 4, f"matched {m.cached_len}, expected 4"  # [5 0] is a different page from [5 6]
+assert after[(1, 2, 3, 4)] == cache.clock, (  # used: stamped
+    f"the node used has stamp {after[(1, 2, 3, 4)]}, the clock is {cache.clock}")
+assert after[(5, 6)] == before[(5, 6)] and after[(8, 9)] == before[(8, 9)], (  # not entered: unchanged
+    f"a node the match never entered was stamped: {before} -> {after}")
+assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).cached_len == 6, "[1 2 3 4 5 6 7 8] should match 6 tokens"
 
 # %% [markdown]
 # Now a match that ends *inside* a node. In a fresh cache holding one three-page node,
@@ -189,7 +196,8 @@ m = small.match_prefix([1, 2, 3, 4, 9, 9])
 print(f"matched {m.cached_len}; clock {small.clock}; old stamp {old_stamp}")
 for node in small.nodes():
     print(f"  node {list(node.key)}: last_access {node.last_access}")
-assert stamps(small) == {(1, 2, 3, 4): small.clock, (5, 6): old_stamp}
+assert stamps(small) == {(1, 2, 3, 4): small.clock, (5, 6): old_stamp}, (
+    f"stamps {stamps(small)}: only the node the match used is stamped")
 
 # %% [markdown]
 # **[Departure](glossary.md#departure): the split's upper half gets the new stamp.** mini-sglang leaves it old. Its
@@ -216,8 +224,9 @@ for ids in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]):  # new, one m
     clocked.insert_prefix(ids, torch.arange(len(ids), dtype=torch.int32))
     ticks.append(clocked.clock - before_clock)
 print("clock ticks per insert:", ticks, "| stamps:", stamps(clocked))
-assert ticks == [2, 2, 1]
-assert stamps(clocked) == {(1, 2, 3, 4): 5, (5, 6): 5}  # the third insert's walk stamped both
+assert ticks == [2, 2, 1], f"clock ticks per insert {ticks}, expected [2, 2, 1]"
+assert stamps(clocked) == {(1, 2, 3, 4): 5, (5, 6): 5}, (  # the third insert's walk stamped both
+    f"stamps {stamps(clocked)}, expected 5 for both nodes")
 
 # %% [markdown]
 # ## Why `match_req` drops the last token
@@ -241,8 +250,9 @@ for prompt in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]):
     hit = cm.match_req(Req(prompt, table_idx=0)).cached_len
     print(f"prompt {prompt}: full match {cm.prefix_cache.match_prefix(prompt).cached_len}, "
           f"match_req {hit}, tokens to compute {len(prompt) - hit}")
-    assert len(prompt) - hit >= 1
-assert cm.match_req(Req([1, 2, 3, 4, 5, 6], 0)).cached_len == 4
+    assert len(prompt) - hit >= 1, f"prompt {prompt}: nothing left to compute"
+assert cm.match_req(Req([1, 2, 3, 4, 5, 6], 0)).cached_len == 4, (
+    "match_req should leave the last page of a fully cached prompt to compute")
 
 # %% [markdown]
 # ## Locks, owners and LRU eviction, step by step
@@ -316,7 +326,8 @@ freed_2 = story.evict(4)
 record("evict(4): B's leaf is older than [5 6]")
 
 print("evict(1) freed slots", freed_1.tolist(), "| evict(4) freed slots", freed_2.tolist())
-assert freed_1.numel() == 4 and freed_2.numel() == 4  # a leaf goes whole: 4 tokens for evict(1)
+assert freed_1.numel() == 4 and freed_2.numel() == 4, (  # a leaf goes whole: 4 tokens for evict(1)
+    f"evict freed {freed_1.numel()} and {freed_2.numel()} slots, expected a whole leaf (4) each")
 draw_tree_steps(steps, ncols=2)
 plt.show()
 
@@ -339,10 +350,14 @@ info_before = story.size_info
 freed = story.evict(100)  # more than is evictable: kvlab's evict frees what it can
 print("freed slots:", freed.tolist())
 print("size before:", info_before, "after:", story.size_info)
-assert story.size_info.protected_size == info_before.protected_size == 4  # locked: untouched
-assert story.size_info.evictable_size == 0
-assert freed.numel() == info_before.evictable_size
-assert keep.get_matched_indices().tolist() == [6, 7, 8, 9]
+assert story.size_info.protected_size == info_before.protected_size == 4, (  # locked: untouched
+    f"protected {story.size_info.protected_size} of {info_before.protected_size}: a locked node was evicted")
+assert story.size_info.evictable_size == 0, (
+    f"{story.size_info.evictable_size} tokens still evictable after evict(100)")
+assert freed.numel() == info_before.evictable_size, (
+    f"freed {freed.numel()}, evictable before: {info_before.evictable_size}")
+assert keep.get_matched_indices().tolist() == [6, 7, 8, 9], (
+    f"the locked handle now covers {keep.get_matched_indices().tolist()}")
 
 # %% [markdown]
 # Two details matter for the cache manager in chapter 06:
@@ -365,9 +380,11 @@ except kvlab.CacheMisuse as e:
     print("CacheMisuse:", e)
 else:
     raise AssertionError("an unlock by a request that holds no lock must be refused")
-assert story.size_info == info_before and keep.node.ref_count == 1  # E's lock is untouched
+assert story.size_info == info_before and keep.node.ref_count == 1, (  # E's lock is untouched
+    "a refused unlock changed the sizes or E's lock")
 story.lock_handle(keep, unlock=True, owner="E")  # the holder may unlock
-assert story.size_info.protected_size == 0
+assert story.size_info.protected_size == 0, (
+    f"{story.size_info.protected_size} tokens still protected after E unlocked")
 
 _, handle = story.insert_prefix([7, 7, 7, 7], torch.arange(40, 44, dtype=torch.int32))
 try:
@@ -399,14 +416,17 @@ for page_size in (1, 2, 4):
         if rng.random() < 0.5:  # insert
             already_ref, insert_len = ref.insert(ids)
             already, handle = tree.insert_prefix(ids, slots)
-            assert (already, handle.cached_len) == (already_ref, insert_len)
+            assert (already, handle.cached_len) == (already_ref, insert_len), (
+                f"page_size {page_size}, insert {ids}: tree says {(already, handle.cached_len)}, the reference {(already_ref, insert_len)}")
             for k in range(already, insert_len, page_size):
                 first_slots[tuple(ids[:k + page_size])] = slots[k:k + page_size].tolist()
         else:  # match
             m = tree.match_prefix(ids)
-            assert m.cached_len == ref.match_len(ids) == page_aligned_len(m.cached_len, page_size)
+            assert m.cached_len == ref.match_len(ids) == page_aligned_len(m.cached_len, page_size), (
+                f"page_size {page_size}, match {ids}: tree {m.cached_len}, the reference {ref.match_len(ids)}")
             expect = [s for k in range(0, m.cached_len, page_size) for s in first_slots[tuple(ids[:k + page_size])]]
-            assert m.handle.get_matched_indices().tolist() == expect
+            assert m.handle.get_matched_indices().tolist() == expect, (
+                f"page_size {page_size}, match {ids}: slots {m.handle.get_matched_indices().tolist()}, expected {expect}")
         tree.check_integrity()
     print(f"page_size {page_size}: 40 random operations agree with the reference; "
           f"{len(tree.nodes())} nodes hold {tree.size_info.total_size} tokens "
@@ -447,8 +467,10 @@ for row, prompt in enumerate(prompts):
 cm.check_integrity()
 kvlab.viz.page_table_heatmap(cm.page_table[:4, :20], P4, title="shared pages across rows")
 plt.show()
-assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8])  # system_a's 2 whole pages
-assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 5]: 2 pages
+assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8]), (  # system_a's 2 whole pages
+    "rows 0 and 2 should share system_a's two pages")
+assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (  # system_b + [4 5]: 2 pages
+    "rows 1 and 3 should share two pages")
 
 # %% [markdown]
 # ## Your turn
@@ -585,17 +607,23 @@ for page_size in (1, 2, 4, 16):
     beginnings = [[rng.randrange(3) for _ in range(3 * page_size)] for _ in range(2)]
     for _ in range(25):
         ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 2 * page_size))]
-        assert match_prefix_fn(tree, ids) == tree.match_prefix(ids).cached_len == page_store_match(page_store, ids, page_size)
+        said = f"page_size {page_size}, prompt {ids}"
+        # the checkers take a length as an int or a one-element tensor, a match as a MatchResult
+        # or its length, new entries keyed by any sequence of tokens: compare them as ints and lists
+        mine, theirs = int(match_prefix_fn(tree, ids)), tree.match_prefix(ids).cached_len
+        assert mine == theirs == page_store_match(page_store, ids, page_size), (
+            f"{said}: your match_prefix {mine}, kvlab's {theirs}, the page store's {page_store_match(page_store, ids, page_size)}")
         if ids:  # a request has at least one token
             manager = CacheManager(1, page_size, kvlab.paging.new_page_table(1, 8, page_size), prefix_cache=tree)
-            mine = match_req_fn(tree, ids)
-            assert getattr(mine, "cached_len", mine) == manager.match_req(Req(ids, 0)).cached_len
+            got = match_req_fn(tree, ids)
+            mine, theirs = int(getattr(got, "cached_len", got)), manager.match_req(Req(ids, 0)).cached_len
+            assert mine == theirs, f"{said}: your match_req {mine}, CacheManager.match_req {theirs}"
         slots = list(range(next_slot, next_slot + len(ids)))
         next_slot += -(-len(ids) // page_size) * page_size
         mine, new_entries = insert_fn(page_store, ids, slots, page_size)
-        page_store.update(new_entries)
+        page_store.update({tuple(k): [int(x) for x in v] for k, v in dict(new_entries).items()})
         theirs = tree.insert_prefix(ids, torch.tensor(slots, dtype=torch.int32))
-        assert mine == theirs.cached_len
+        assert int(mine) == theirs.cached_len, f"{said}: your insert found {int(mine)} cached, kvlab's {theirs.cached_len}"
 print("match_prefix, match_req and the page-store insert agree with kvlab")
 
 # %% [markdown]

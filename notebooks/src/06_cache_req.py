@@ -116,7 +116,8 @@ cm.allocate_paged([a])
 print("A's row:", cm.page_table[0, :12].tolist())
 print("free_slots now:", cm.free_slots.tolist())
 cm.check_integrity()
-assert cm.page_table[0, :12].tolist() == list(range(12)) and cm.num_free_pages == 9
+assert cm.page_table[0, :12].tolist() == list(range(12)) and cm.num_free_pages == 9, (
+    f"A's row {cm.page_table[0, :12].tolist()}, {cm.num_free_pages} free pages")
 
 # %% [markdown]
 # ## Build-up 2: `cache_req` by hand
@@ -148,7 +149,8 @@ print(f"old={old_len}  already={already}  new={new_handle.cached_len}  req={a.ca
 duplicate_pages = row[old_len:already][::P]
 tail = row[new_handle.cached_len:]
 print("duplicate pages to free:", duplicate_pages.tolist(), "| tail slots (kept, unfinished):", tail.tolist())
-assert (old_len, already, new_handle.cached_len) == (0, 0, 8) and duplicate_pages.numel() == 0
+assert (old_len, already, new_handle.cached_len) == (0, 0, 8) and duplicate_pages.numel() == 0, (
+    f"old {old_len}, already {already}, cached {new_handle.cached_len}, duplicates {duplicate_pages.tolist()}")
 
 # %% [markdown]
 # Nothing was cached before, so A's first two pages become the cache's and the 2-token tail
@@ -170,7 +172,7 @@ assert (old_len, already, new_handle.cached_len) == (0, 0, 8) and duplicate_page
 regions_a = cm.cache_req(a, finished=False)
 print(regions_a)
 cm.check_integrity()
-assert (regions_a.hit, regions_a.inserted, regions_a.tail) == ((0, 0), (0, 8), (8, 10))
+assert (regions_a.hit, regions_a.inserted, regions_a.tail) == ((0, 0), (0, 8), (8, 10)), str(regions_a)
 page_owner_strip(cm, title="after A: two pages cached (locked by A), A owns its tail page")
 plt.show()
 
@@ -190,8 +192,9 @@ print(f"B: hit {hit} tokens;", regions_b)
 print("A's row:", cm.page_table[0, :12].tolist())
 print("B's row:", cm.page_table[1, :12].tolist())
 cm.check_integrity()
-assert regions_b.hit == (0, 8) and regions_b.duplicate == (8, 8)
-assert torch.equal(cm.page_table[0, :8], cm.page_table[1, :8])  # the very same slots
+assert regions_b.hit == (0, 8) and regions_b.duplicate == (8, 8), str(regions_b)
+assert torch.equal(cm.page_table[0, :8], cm.page_table[1, :8]), (  # the very same slots
+    "B should read A's cached slots for its first two pages")
 
 # %% [markdown]
 # A and B now both lock the system prompt's node, each with a lock of its own. A lock is
@@ -210,7 +213,7 @@ except kvlab.CacheMisuse as e:
     print("CacheMisuse:", e)
 else:
     raise AssertionError("an unlock by a request that holds no lock must be refused")
-assert cm.prefix_cache.size_info == before
+assert cm.prefix_cache.size_info == before, "a refused unlock changed the cache's sizes"
 cm.check_integrity()
 
 # %% [markdown]
@@ -256,10 +259,12 @@ print(regions_c)
 print(regions_d, "| freed pages:", regions_d.freed_pages.tolist())
 print("D's row after: ", cm.page_table[3, :16].tolist())
 cm.check_integrity()
-assert regions_d.duplicate == (8, 12) and regions_d.remapped
-assert torch.equal(cm.page_table[3, :12], cm.page_table[2, :12])  # D now reads C's cached pages
+assert regions_d.duplicate == (8, 12) and regions_d.remapped, str(regions_d)
+assert torch.equal(cm.page_table[3, :12], cm.page_table[2, :12]), (  # D now reads C's cached pages
+    "D should read C's cached pages")
 free_pages = set(cm.free_slots.tolist())
-assert not {s - s % P for s in cm.page_table[3, :13].tolist()} & free_pages  # no freed page in D's row
+assert not {s - s % P for s in cm.page_table[3, :13].tolist()} & free_pages, (  # no freed page in D's row
+    "a freed page is still in D's row")
 
 # %% [markdown]
 # Look at D's row: positions 8-11 used to map D's own page (slots 24-27); that page went back
@@ -309,7 +314,7 @@ print("source design (remap_duplicates=False):")
 cm_src, kv_src, prompt = stale_row_story(remap_duplicates=False)
 bad = wrong_reads(cm_src, kv_src, prompt, row=1)
 print("positions of row 1 whose slot now holds another request's KV:", bad.nonzero().flatten().tolist())
-assert bad.any()
+assert bad.any(), "the source design's row should read another request's KV here"
 try:
     cm_src.check_integrity()
 except kvlab.IntegrityError as e:
@@ -326,7 +331,8 @@ else:
 # %% alt="Two page tables after two requests prefilled the same prompt: in the source design 8 positions of row 1 still point at pages that were freed (outlined in red), while kvlab remapped row 1 to the cached pages so that none does."
 print("kvlab (remap_duplicates=True):")
 cm_fix, kv_fix, prompt = stale_row_story(remap_duplicates=True)
-assert not wrong_reads(cm_fix, kv_fix, prompt, row=1).any()
+assert not wrong_reads(cm_fix, kv_fix, prompt, row=1).any(), (
+    "with the remap no position reads another request's KV")
 cm_fix.check_integrity()
 
 fig, axes = plt.subplots(2, 1, figsize=(8, 4.2))
@@ -356,7 +362,7 @@ regions_fin = cm.cache_req(b, finished=True)
 print(regions_fin, "| freed pages:", regions_fin.freed_pages.tolist())
 print("free pages:", free_before, "->", cm.num_free_pages, "| B still running?", b in cm.running)
 cm.check_integrity()
-assert regions_fin.tail == (12, 13) and regions_fin.tail_freed and b not in cm.running
+assert regions_fin.tail == (12, 13) and regions_fin.tail_freed and b not in cm.running, str(regions_fin)
 region_bar(regions_fin)
 plt.show()
 
@@ -401,8 +407,9 @@ except kvlab.OutOfPages as e:
     print("OutOfPages:", e)
 else:
     raise AssertionError("8 pages cannot fit")
-assert torch.equal(state[0], cm.free_slots) and torch.equal(state[1], cm.page_table)
-assert state[2] == cm.prefix_cache.size_info
+assert torch.equal(state[0], cm.free_slots) and torch.equal(state[1], cm.page_table), (
+    "a refused allocate_paged changed the free slots or the page table")
+assert state[2] == cm.prefix_cache.size_info, "a refused allocate_paged changed the cache's sizes"
 cm.release_req(big)  # give up on it: unlock its handle (as big), free its pages (none)
 cm.check_integrity()
 page_owner_strip(cm, title="after the refused allocation: nothing moved")
@@ -434,11 +441,12 @@ def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
         ref = cache_req_regions_ref(regions.old_cached_len, regions.already_cached_len,
                                     regions.new_cached_len, regions.req_cached_len, finished)
         assert (regions.hit, regions.duplicate, regions.inserted, regions.tail) == (
-            ref.hit, ref.duplicate, ref.inserted, ref.tail)
+            ref.hit, ref.duplicate, ref.inserted, ref.tail), f"regions {regions}, the reference {ref}"
         freed = [row[p] for s, e in ref.freed for p in range(s, e, page_size)]
         if finished:  # pages mapped past the tail's page (a decode step's new page) go too
             freed += row[kvlab.div_ceil(req.cached_len, page_size) * page_size::page_size]
-        assert sorted(freed) == sorted(regions.freed_pages.tolist())
+        assert sorted(freed) == sorted(regions.freed_pages.tolist()), (
+            f"freed {sorted(regions.freed_pages.tolist())}, expected {sorted(freed)}")
         calls += 1
 
     for _ in range(steps):
@@ -483,11 +491,13 @@ def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
         cm.check_integrity()
         for r in cm.running:  # every running request reads the KV of its own tokens
             row = cm.page_table[r.table_idx].tolist()
-            assert all(kv[row[p]] == tuple(r.input_ids[: p + 1]) for p in range(r.cached_len))
+            assert all(kv[row[p]] == tuple(r.input_ids[: p + 1]) for p in range(r.cached_len)), (
+                f"row {r.table_idx} reads KV of other tokens")
     for r in cm.running:
         cache(r, True)
     info = cm.prefix_cache.size_info
-    assert info.protected_size == 0 and cm.num_free_pages * page_size + info.evictable_size == cm.num_pages * page_size
+    assert info.protected_size == 0 and cm.num_free_pages * page_size + info.evictable_size == cm.num_pages * page_size, (
+        f"after the trace: {info}, {cm.num_free_pages} free pages of {cm.num_pages}")
     return calls, evictions
 
 
@@ -498,7 +508,7 @@ for page_size in (1, 4, 16):
         totals = [totals[0] + calls, totals[1] + evictions]
     print(f"page_size {page_size:2d}: traces agree with the reference "
           f"({totals[0]} cache_req calls, {totals[1]} allocations that evicted)")
-    assert totals[0] > 0
+    assert totals[0] > 0, "no cache_req call was checked"
 
 # %% [markdown]
 # ## Your turn
@@ -618,21 +628,31 @@ for page_size in (1, 2, 4, 16):
             if not finished:
                 mine_row = remap_fn(got.row_before.tolist(), r.cache_handle.get_matched_indices().tolist(),
                                     got.old_cached_len, got.already_cached_len, page_size)
-                assert mine_row["row"] == got.row_after.tolist()
-                assert sorted(mine_row["free"]) == sorted(got.freed_pages.tolist())
+                # the checker takes the row and the pages as any sequence of ints: compare as lists
+                row, free = [int(x) for x in mine_row["row"]], sorted(int(x) for x in mine_row["free"])
+                said = f"page_size {page_size}, row {r.table_idx}"
+                assert row == got.row_after.tolist(), f"{said}: your row {row}, cache_req's {got.row_after.tolist()}"
+                assert free == sorted(got.freed_pages.tolist()), (
+                    f"{said}: you free {free}, cache_req frees {sorted(got.freed_pages.tolist())}")
                 remapped += got.remapped
                 cm.cache_req(r, finished=True)
             mine = regions_fn(got.row_before.tolist(), got.old_cached_len, got.already_cached_len,
                               got.req_cached_len, page_size, finished)
-            assert all(tuple(mine[k]) == tuple(v) for k, v in got.regions().items())
+            said = f"page_size {page_size}, row {r.table_idx}, finished={finished}"
+            differ = {k: (tuple(int(x) for x in mine[k]), tuple(v)) for k, v in got.regions().items()
+                      if tuple(int(x) for x in mine[k]) != tuple(v)}
+            assert not differ, f"{said}: regions (yours, cache_req's): {differ}"
             own_tail = got.row_before[got.new_cached_len:][::page_size].tolist() if finished else []
-            assert sorted(mine["free"]) == sorted(got.duplicate_slots[::page_size].tolist() + own_tail)
-            assert set(mine["free"]) <= set(got.freed_pages.tolist())
+            free = sorted(int(x) for x in mine["free"])
+            assert free == sorted(got.duplicate_slots[::page_size].tolist() + own_tail), (
+                f"{said}: you free {free}, the duplicates and the tail are "
+                f"{sorted(got.duplicate_slots[::page_size].tolist() + own_tail)}")
+            assert set(free) <= set(got.freed_pages.tolist()), f"{said}: you free {free}, cache_req {got.freed_pages.tolist()}"
             checked += 1
         cm.check_integrity()
 print(f"the regions agree with kvlab.CacheManager.cache_req on {checked} calls; "
       f"the remapped rows on the unfinished ones ({remapped} of them remapped)")
-assert remapped > 0
+assert remapped > 0, "no call remapped a row: the lift checked no remap"
 
 # %% [markdown]
 # ## Summary

@@ -77,14 +77,16 @@ w = shared_system_prompt(seed=0, n_requests=5, system_len=12, user_len=(3, 6), o
 for r in w.requests:
     print(f"request {r.rid}: arrives at step {r.arrival}, prompt {len(r.prompt):2d} tokens "
           f"{list(r.prompt[:14])}..., answers {len(r.output)} tokens")
-assert all(r.prompt[:12] == w.requests[0].prompt[:12] for r in w.requests)  # the shared system prompt
+assert all(r.prompt[:12] == w.requests[0].prompt[:12] for r in w.requests), (  # the shared system prompt
+    "every request should start with the same 12-token system prompt")
 
 chat = multi_turn_chat(seed=0, n_conversations=1, turns=3)
 for r in chat.requests:
     print(f"{r.tag}: prompt {len(r.prompt)} tokens, after request {r.after}")
 # each turn's prompt is the whole conversation so far: the previous prompt + its answer + more
 for prev, nxt in zip(chat.requests, chat.requests[1:]):
-    assert nxt.prompt[:prev.total_len] == prev.prompt + prev.output
+    assert nxt.prompt[:prev.total_len] == prev.prompt + prev.output, (
+        f"{nxt.tag}: its prompt does not start with {prev.tag}'s prompt and answer")
 
 # %% [markdown]
 # ## Build-up 2: one request through the CacheManager, by hand
@@ -129,7 +131,8 @@ for token in spec.output[1:]:
 regions = manager.cache_req(req, finished=True)
 print("finished:", regions)
 manager.check_integrity()
-assert manager.running == [] and (table[0] == -1).all()
+assert manager.running == [] and (table[0] == -1).all(), (
+    f"still running: {manager.running}, or row 0 still mapped")
 
 # %% [markdown]
 # ## Build-up 3: the next request finds the system prompt
@@ -145,8 +148,9 @@ manager.admit(req2)
 print(f"request 1: prompt {len(spec2.prompt)} tokens, hit {req2.cached_len} -> computes "
       f"{req2.device_len - req2.cached_len}")
 print("its row starts with the cached slots:", table[1, :req2.cached_len].tolist())
-assert req2.cached_len == 12
-assert table[1, :12].tolist() == regions.row_before[:12].tolist()  # the very slots request 0 wrote
+assert req2.cached_len == 12, f"request 1 hit {req2.cached_len} tokens, expected the 12 of the system prompt"
+assert table[1, :12].tolist() == regions.row_before[:12].tolist(), (  # the very slots request 0 wrote
+    "request 1 should map the very slots request 0 wrote")
 manager.release_req(req2)  # (abort it: we only wanted to see the hit)
 manager.check_integrity()
 
@@ -339,9 +343,10 @@ def check_timeline(tl, workload):
             else:
                 assert not free & set((mapped // tl.page_size).tolist()), f"step {s.step}: req {rid}"
     last = tl[-1]
-    assert last.memory.in_use == 0 and last.memory.free + last.memory.cached_evictable == tl.num_pages
+    assert last.memory.in_use == 0 and last.memory.free + last.memory.cached_evictable == tl.num_pages, (
+        f"at the end: {last.memory} of {tl.num_pages} pages")
     ended = sorted(r for s in tl.steps for r in s.finished + s.aborted)
-    assert ended == list(range(len(workload)))
+    assert ended == list(range(len(workload))), f"requests that ended: {ended}"
 
 
 check_timeline(timeline, make_workload("mixed", seed=0))
@@ -370,7 +375,8 @@ try:
     raise AssertionError("the stale row should have been caught")
 except SimIntegrityError as err:
     print(err)
-    assert err.step == 0 and err.rid == 1
+    assert err.step == 0 and err.rid == 1, (
+        f"caught at step {err.step}, request {err.rid}: expected step 0, request 1")
 
 # %% [markdown]
 # ## Pictures: page sizes 1, 16 and 64
@@ -389,8 +395,10 @@ for P, tl in runs.items():
     s = tl.summary()
     print(f"P={P:2d}: hit rate {s.hit_rate:4.0%}, prompt tokens computed {s.prefill_tokens}, "
           f"mean empty slots in part-filled pages {s.mean_wasted_slots:.1f}")
-assert runs[1].summary().hit_rate > runs[16].summary().hit_rate > runs[64].summary().hit_rate
-assert runs[1].summary().mean_wasted_slots == 0 < runs[16].summary().mean_wasted_slots
+assert runs[1].summary().hit_rate > runs[16].summary().hit_rate > runs[64].summary().hit_rate, (
+    f"hit rates {[runs[p].summary().hit_rate for p in (1, 16, 64)]} for pages of 1, 16, 64")
+assert runs[1].summary().mean_wasted_slots == 0 < runs[16].summary().mean_wasted_slots, (
+    f"empty slots {[runs[p].summary().mean_wasted_slots for p in (1, 16)]} for pages of 1, 16")
 
 # %% [markdown]
 # ## Scrub through the run

@@ -82,7 +82,8 @@ for req in reqs:
     pool.store_kv(k, v, out_loc, layer=0)
     contiguous_kv.append((k, v))
     print(f"request in row {req.table_idx}: {n} tokens at slots {out_loc.tolist()}")
-    assert torch.equal(pool.k[0][out_loc.long()], k)  # written where the row says
+    assert torch.equal(pool.k[0][out_loc.long()], k), (  # written where the row says
+        f"row {req.table_idx}: the pool does not hold its K where the row says")
 
 # %% [markdown]
 # ## Build-up 2: gather through the row, then plain attention
@@ -386,17 +387,21 @@ for i, (c, p) in enumerate(zip(contiguous, paged)):
 # %%
 worst = 0.0
 for c, p in zip(contiguous, paged):
-    assert p.tokens == c.tokens
+    assert p.tokens == c.tokens, f"the paged engine's tokens {p.tokens}, the contiguous one's {c.tokens}"
     for a, b in zip(p.logits, c.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
         worst = max(worst, float((a - b).abs().max()))
 print(f"tokens identical; largest logit difference {worst:.2e} (tolerance 1e-4)")
-assert paged[0].hit_tokens == [0] * N_REQ
-assert all(h == 12 for h in paged[1].hit_tokens)
-assert paged[1].prefill_tokens < contiguous[1].prefill_tokens
-assert paged[1].prefill_tokens == contiguous[1].prefill_tokens - 12 * N_REQ
+assert paged[0].hit_tokens == [0] * N_REQ, (
+    f"the first batch hit {paged[0].hit_tokens} tokens: nothing was cached yet")
+assert all(h == 12 for h in paged[1].hit_tokens), (
+    f"the second batch hit {paged[1].hit_tokens}: the system prompt's 12 tokens each")
+assert paged[1].prefill_tokens < contiguous[1].prefill_tokens, (
+    "the second batch computed no fewer prompt tokens with the cache")
+assert paged[1].prefill_tokens == contiguous[1].prefill_tokens - 12 * N_REQ, (
+    f"computed {paged[1].prefill_tokens}, expected {contiguous[1].prefill_tokens - 12 * N_REQ}")
 engine.manager.check_integrity()
-assert engine.manager.running == []
+assert engine.manager.running == [], f"still running: {engine.manager.running}"
 
 # %% [markdown]
 # ## Picture: shared pages in the page table
@@ -407,16 +412,17 @@ assert engine.manager.running == []
 # of its own.
 
 # %% alt="Left: batch 2's page table after prefill, three rows sharing their first three pages before pages of their own; right: bars of the prompt tokens computed in each batch, equal in batch 1 and far fewer with the prefix cache in batch 2, with the same generated tokens."
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9.6, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1]))
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1]))
 cols = max(len(p) for p in second) + NEW_TOKENS
 cols = -(-cols // 4) * 4
 page_table_heatmap(photos["prefill"][:N_REQ].cpu(), 4, cols=slice(0, cols), ax=ax1, colorbar=False,
-                   title="batch 2 after prefill: three shared pages, then each request's own")
+                   title="batch 2 after prefill: three shared pages,\nthen each request's own")
 prefill_bars(contiguous, paged, ax2)
 fig.tight_layout()
 plt.show()
 shared = photos["prefill"][:N_REQ, :12]
-assert (shared == shared[0]).all()   # every row maps the same 12 cached slots
+assert (shared == shared[0]).all(), (   # every row maps the same 12 cached slots
+    "every row should map the same 12 cached slots first")
 
 # %% [markdown]
 # ## Lift: the notebook's kernel vs `kvlab.attention.paged_decode_attention`
@@ -434,9 +440,10 @@ for i in range(N_RANDOM):
     args = random_layout(500 + i, page_size, [rng.randint(1, 48) for _ in range(rng.randint(1, 3))])
     ours = attend(*args, block_n=16)
     lifted = paged_decode_attention(*args)
-    torch.testing.assert_close(ours, lifted, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(attention_torch(*args), paged_decode_attention_reference(*args),
-                               atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours, lifted, atol=1e-5, rtol=1e-5, msg=lambda m: f"layout {i}, kernels: {m}")
+    # the checker takes any float dtype from the torch version: compare in float32
+    torch.testing.assert_close(attention_torch(*args).float(), paged_decode_attention_reference(*args),
+                               atol=1e-5, rtol=1e-5, msg=lambda m: f"layout {i}, torch versions: {m}")
 print(f"✓ the notebook's kernel == kvlab's kernel, the torch version == kvlab's reference, "
       f"on {N_RANDOM} random layouts")
 
@@ -468,7 +475,7 @@ torch.testing.assert_close(out_h, paged_decode_attention_reference(
     q_f, k_h.float(), v_h.float(), table_f, rows_f, lens_f), atol=1e-5, rtol=1e-5)
 # and the pool's rounding moves the output a little from the float32 pool's
 gap = (out_h - paged_decode_attention_reference(q_f, k_f, v_f, table_f, rows_f, lens_f)).abs().max().item()
-assert out_h.dtype == torch.float32 and gap < 5e-2
+assert out_h.dtype == torch.float32 and gap < 5e-2, f"the 16-bit pool moved the output by {gap}"
 print(f"✓ {k_h.element_size()} bytes per number instead of {k_f.element_size()}: "
       f"{k_h.nbytes + v_h.nbytes} bytes of K/V instead of {k_f.nbytes + v_f.nbytes}; "
       f"the output moves by at most {gap:.1e}")

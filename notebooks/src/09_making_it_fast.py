@@ -228,7 +228,7 @@ slots = torch.where(on_old, last_loc[r] + 1 + k, page * P + pos % P)
 print("r", tuple(r.shape), " slots", tuple(slots.shape))
 
 ref = alloc_extend_ref(pre.tolist(), seq.tolist(), last_loc.tolist(), free_pages.tolist(), P)
-assert slots.tolist() == ref.out_indices
+assert slots.tolist() == ref.out_indices, "the torch build-up's slots differ from the reference's"
 print("A:", slots[:3].tolist(), "...", slots[57:60].tolist(), "... | B:", slots[120:122].tolist(), "...",
       slots[-4:].tolist())
 
@@ -244,15 +244,17 @@ print("A:", slots[:3].tolist(), "...", slots[57:60].tolist(), "... | B:", slots[
 rows = torch.full((2, int(seq.max())), -1, dtype=torch.int64)
 rows[0, :70] = torch.cat([0 * P + torch.arange(64), 1 * P + torch.arange(6)])    # A's prefix: pages 0, 1
 rows[1, :128] = torch.cat([4 * P + torch.arange(64), 2 * P + torch.arange(64)])  # B's prefix: pages 4, 2
-assert [int(rows[0, 69]), int(rows[1, 127])] == last_loc.tolist()
+assert [int(rows[0, 69]), int(rows[1, 127])] == last_loc.tolist(), (
+    f"last prefix slots {[int(rows[0, 69]), int(rows[1, 127])]}, last_loc {last_loc.tolist()}")
 for r_ in range(2):
     n_new = int(extend[r_])
     rows[r_, int(pre[r_]):int(seq[r_])] = slots[int(token_start[r_]):int(token_start[r_]) + n_new]
 mapped = rows >= 0
-assert bool(((rows % P) == (torch.arange(rows.shape[1]) % P))[mapped].all())
+assert bool(((rows % P) == (torch.arange(rows.shape[1]) % P))[mapped].all()), (
+    "a position is not at its offset t % P")
 for r_, name in enumerate("AB"):
     print(f"{name}'s row, page by page:", (rows[r_, : int(seq[r_])][::P] // P).tolist())
-fig, ax = plt.subplots(figsize=(11, 1.8))
+fig, ax = plt.subplots(figsize=(8.4, 1.8))
 kvlab.viz.page_table_heatmap(rows, P, ax=ax, row_label="request (A, B)",
                              title="the worked example written into a page table: prefix pages, then out_indices")
 plt.show()
@@ -355,8 +357,10 @@ for trial in range(n_trials):
     for mode, kw in modes.items():
         got = alloc_extend_fast(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P, **kw)
         assert got.out_indices.tolist() == ref.out_indices, (trial, mode)
-        assert got.num_new_pages == ref.num_new_pages
-    assert extend_slots_torch(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P).tolist() == ref.out_indices
+        assert got.num_new_pages == ref.num_new_pages, (
+            f"trial {trial}, {mode}: {got.num_new_pages} new pages, expected {ref.num_new_pages}")
+    assert extend_slots_torch(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P).tolist() == ref.out_indices, (
+        f"trial {trial}: the torch build-up's slots differ from the reference's")
 print(f"fast extend == reference on {n_trials} random batches x 3 modes (and the torch build-up)")
 
 # %% [markdown]
@@ -370,7 +374,7 @@ try:
     raise AssertionError("should have raised")
 except kvlab.OutOfPages as err:
     print("refused:", err)
-assert short.tolist() == list(range(5))
+assert short.tolist() == list(range(5)), f"a refused call changed free_pages: {short.tolist()}"
 
 # %% [markdown]
 # Decode gets the same treatment: one program, a vector of requests, one scan over "does this
@@ -387,7 +391,8 @@ for trial in range(n_trials):
     free_l = list(range(page, page + len(seq_l)))
     ref = alloc_decode_ref(seq_l, last_l, free_l, P)
     got = alloc_decode_fast(as_t(seq_l), as_t(last_l), as_t(free_l), P, seq_lens_cpu=seq_l)
-    assert got.out_indices.tolist() == ref.out_indices and got.num_new_pages == ref.num_new_pages
+    assert got.out_indices.tolist() == ref.out_indices and got.num_new_pages == ref.num_new_pages, (
+        f"trial {trial}: fast decode's slots or page count differ from the reference's")
 print(f"fast decode == reference on {n_trials} random steps")
 
 # %% [markdown]
@@ -519,12 +524,15 @@ for trial in range(kvlab.runtime.pick(cpu=5, gpu=100)):
     pre_t, seq_t = as_t(pre_l), as_t(seq_l)
     starts = scan_starts(scan_kernel, pre_t, seq_t, P)
     extend, new_pages = seq_t - pre_t, (seq_t + P - 1) // P - (pre_t + P - 1) // P
-    assert torch.equal(starts[0], torch.cumsum(extend, 0) - extend)
-    assert torch.equal(starts[1], torch.cumsum(new_pages, 0) - new_pages)
+    assert torch.equal(starts[0], torch.cumsum(extend, 0) - extend), (
+        f"page_size {P}: token starts {starts[0].tolist()}, expected {(torch.cumsum(extend, 0) - extend).tolist()}")
+    assert torch.equal(starts[1], torch.cumsum(new_pages, 0) - new_pages), (
+        f"page_size {P}: page starts {starts[1].tolist()}, expected {(torch.cumsum(new_pages, 0) - new_pages).tolist()}")
     mine = extend_slots_torch(pre_t, seq_t, as_t(last_l), as_t(free_l), P, starts=starts)
     theirs = alloc_extend_fast(pre_t, seq_t, as_t(last_l), as_t(free_l), P,
                                prefix_lens_cpu=pre_l, seq_lens_cpu=seq_l)
-    assert torch.equal(mine, theirs.out_indices)
+    assert torch.equal(mine, theirs.out_indices), (
+        f"page_size {P}, pre {pre_l}, seq {seq_l}: the slots from your scan differ from alloc_extend_fast's")
 print("your scan + the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 
 # %% [markdown]
@@ -1028,13 +1036,14 @@ before = alloc.state()
 refused = alloc.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])  # 22: page 5, free
 print("the call returned without waiting; its slots:", refused.tolist())
 print("free pages:", alloc.num_free_pages, "(the refused call's page is not counted: this read waits for the device)")
-assert alloc.num_free_pages == 7
+assert alloc.num_free_pages == 7, (
+    f"{alloc.num_free_pages} free pages, expected 7 (the refused call's page not counted)")
 try:
     alloc.check_device_errors()  # the one read of the device
     raise AssertionError("should have been refused")
 except kvlab.InvalidArgument as err:
     print("raised at the next read:", err)
-assert alloc.state().equals(before)
+assert alloc.state().equals(before), "the refused call changed the allocator"
 good = alloc.alloc_extend(t([3]), t([6]), t([2]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])
 print("with last_loc on the request's own page:", good.tolist())
 alloc.check_device_errors()
@@ -1054,7 +1063,7 @@ pre_cpu = torch.tensor([rng.randrange(0, 500) for _ in range(1024)])
 seq_cpu = pre_cpu + torch.tensor([rng.randrange(0, 300) for _ in range(1024)])
 in_c = alloc_checks.extend_counts(pre_cpu, seq_cpu, 16)
 in_numpy = alloc_checks.extend_counts(pre_cpu.numpy(), seq_cpu.numpy(), 16)
-assert in_c == in_numpy
+assert in_c == in_numpy, f"the C helper says {in_c}, NumPy {in_numpy}"
 print(f"tokens {in_c.tokens}, new pages {in_c.pages}")
 for label, args in [("CPU tensors (C if built)", (pre_cpu, seq_cpu)), ("NumPy arrays", (pre_cpu.numpy(), seq_cpu.numpy()))]:
     runs = timeit.repeat(lambda: alloc_checks.extend_counts(*args, 16), number=200, repeat=5)

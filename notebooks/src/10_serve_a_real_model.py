@@ -16,9 +16,10 @@
 #   the [page table](glossary.md#page-table), the [KV pool](glossary.md#kv-pool) and chapter 08's Triton kernel -- and get **exactly** the
 #   tokens of `model.generate`,
 # * watch a multi-turn conversation compute only what is new, turn after turn,
-# * make it fast the way serving engines do -- admission by memory, chunked prefill, decode
-#   steps replayed from CUDA graphs padded with the page table's dummy row -- and measure it
-#   beside transformers' own `generate`.
+# * make it fast the way serving engines do -- admission by memory,
+#   [chunked prefill](glossary.md#chunked-prefill), decode steps replayed from
+#   [CUDA graphs](glossary.md#cuda-graph) padded with the page table's
+#   [dummy row](glossary.md#dummy-row) -- and measure it beside transformers' own `generate`.
 #
 # By default the chapter builds a small random Llama (2 layers, 4 query heads on 2 K/V heads)
 # and saves it to disk first, so it loads through `from_pretrained` like any checkpoint; no
@@ -137,6 +138,15 @@ print(f"{heads} query heads share {kv_heads} K/V heads: {heads // kv_heads} quer
 # compile-time number, `KV_GROUP`: each [program](glossary.md#program) (one request, one query head) loads the rows of
 # K/V head `h // KV_GROUP`. The plain-torch reference repeats each K/V head `group` times and
 # does ordinary attention. They must agree on edge cases and random layouts.
+#
+# Both take their arguments in one order, which your first exercise below uses too:
+#
+#     paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens, scale=None)
+#
+# `q` is `[batch, heads, head_dim]` (one new query per request), the pools
+# `[num_slots, kv_heads, head_dim]`; request `b` reads positions `0 .. seq_lens[b] - 1` of
+# page-table row `rows[b]` (a *length*, not the last position), and `scale` defaults to
+# `1/sqrt(head_dim)`.
 
 # %%
 import random
@@ -157,10 +167,11 @@ edge_cases = {                       # page size, lengths, query heads, K/V head
     "multi-head (group 1)": (4, [9, 6], 2, 2),
     "many requests, rows shuffled, group 3": (2, [3, 9, 1, 6, 4, 11], 6, 2),
 }
-for name, (page_size, seq_lens, h, kvh) in edge_cases.items():
-    args = random_layout(0, page_size, seq_lens, h, kvh)
-    torch.testing.assert_close(paged_decode_attention(*args), paged_attention_reference(*args),
-                               atol=1e-5, rtol=1e-5)
+for name, (page_size, lengths, h, kvh) in edge_cases.items():
+    q, k_pool, v_pool, page_table, rows, seq_lens = random_layout(0, page_size, lengths, h, kvh)
+    torch.testing.assert_close(paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens),
+                               paged_attention_reference(q, k_pool, v_pool, page_table, rows, seq_lens),
+                               atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
     print(f"✓ {name}")
 
 # %% [markdown]
@@ -181,7 +192,14 @@ for name, (page_size, seq_lens, h, kvh) in edge_cases.items():
 # `cache_req(finished=False)` for the new requests (their prompt pages join the cache at once)
 # and `cache_req(finished=True)` for requests that ended (EOS or `max_new_tokens`).
 # A request is admitted only when the pages it may still need fit, so no step runs out of
-# pages half-way. `on_step` shows the steps of a small run:
+# pages half-way. `on_step` shows the steps of a small run. Each `StepInfo` names the prompts
+# the step prefilled and the requests that decoded (by prompt index), the tokens of its forward
+# pass, the prompts it continued in chunks (`chunks`; chunked prefill, step 2 of the fast part
+# below), and `padded_to`: 0 for a step that packs prompts, else the batch size a decode-only
+# step ran at. A decode-only step is run the way a CUDA graph replays it, at one of a few
+# captured batch sizes, padded up with entries of a dummy request (step 3 below builds that);
+# `gen.stats` counts those steps as `graph_steps`, beside the tokens computed and taken from
+# the cache:
 
 # %%
 rng = random.Random(1)
@@ -251,7 +269,8 @@ def compare_with_generate(i, prompt, tokens, logits=None):
 
 worst = max(compare_with_generate(i, p, new_tokens[i], gen.logits[i]) for i, p in enumerate(prompts))
 assert worst <= LOGIT_ATOL, worst
-assert gen.stats["prefill_cached"] >= 2 * (len(system) // PAGE_SIZE * PAGE_SIZE)
+assert gen.stats["prefill_cached"] >= 2 * (len(system) // PAGE_SIZE * PAGE_SIZE), (
+    f"{gen.stats['prefill_cached']} prompt tokens from the cache: prompts 1 and 2 should find the system prompt")
 print(f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit difference {worst:.1e}")
 
 # %% [markdown]
@@ -296,10 +315,12 @@ computed_without_cache = sum(len(p) for p in turn_prompts)
 computed_with_cache = sum(s["prefill_computed"] for s in turn_stats)
 print(f"prompt tokens computed over {len(users)} turns: {computed_with_cache} with the prefix cache, "
       f"{computed_without_cache} without")
-assert computed_with_cache < computed_without_cache
+assert computed_with_cache < computed_without_cache, (
+    f"computed {computed_with_cache} tokens with the cache, {computed_without_cache} without")
 for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
     # the previous turn's prompt and answer, whole pages (the answer's last token has no K/V yet)
-    assert s["prefill_cached"] >= (len(p) + len(a) - 1) // PAGE_SIZE * PAGE_SIZE
+    assert s["prefill_cached"] >= (len(p) + len(a) - 1) // PAGE_SIZE * PAGE_SIZE, (
+        f"a turn took {s['prefill_cached']} tokens from the cache: the previous turn's whole pages are more")
 
 # %% [markdown]
 # ## Picture: per turn, computed vs cached; and the page table
@@ -312,7 +333,7 @@ for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
 # (the assert below compares the rows slot by slot) and adds pages of its own at the end.
 
 # %% alt="Top: bars of the prompt tokens of each turn of a conversation, most of them served from the prefix cache and only the new ones computed; bottom: the conversation's page-table row after each turn, coloured by the turn that computed each position."
-fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9.6, 6.6), gridspec_kw=dict(height_ratios=[1, 1]))
+fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8.4, 6.6), gridspec_kw=dict(height_ratios=[1, 1]))
 conversation_bars(turn_stats, ax1)
 conversation_rows(photos, [len(p) for p in turn_prompts], [s["prefill_cached"] for s in turn_stats],
                   PAGE_SIZE, ax=ax2)
@@ -321,7 +342,8 @@ fig.tight_layout()
 plt.show()
 for t in range(1, len(photos)):   # what an earlier turn mapped, a later turn maps to the same slots
     n = min(turn_stats[t]["prefill_cached"], len(turn_prompts[t - 1]))
-    assert torch.equal(photos[t][:n], photos[t - 1][:n])
+    assert torch.equal(photos[t][:n], photos[t - 1][:n]), (
+        f"turn {t + 1} maps the first {n} positions to other slots than turn {t}")
 
 # %% [markdown]
 # ## Side by side with transformers' `generate`
@@ -390,7 +412,12 @@ else:
 #
 # 1. store `k[b]`, `v[b]` at slot `page_table[rows[b], positions[b]]` of the pools;
 # 2. return [paged attention](glossary.md#paged-attention) of `q[b]` over positions `0 .. positions[b]` -- the new token sees
-#    itself -- with `kvlab.hf.paged_decode_attention` (it does the GQA head mapping).
+#    itself -- with `kvlab.hf.paged_decode_attention` (it does the GQA head mapping; its
+#    arguments are in build-up 2): a floating-point tensor `[batch, heads, head_dim]` on `q`'s
+#    device (the model casts it to its own dtype).
+#
+# `q`, `k` and `v` arrive as the model hands them over: views of its own tensors, whose memory
+# is not in row order (index or `reshape` them; a `.view` that needs row order fails).
 #
 # `kvlab.check.paged_attention_step` checks the pools (exactly the new slots written) and the
 # output, on edge cases (a request's first token, page size 1, new tokens opening new pages,
@@ -472,14 +499,15 @@ for pages in (10, 256):
     g.generate(six, max_new_tokens=4)
     print(f"{pages:3d} pages of {PAGE_SIZE}: at most {g.stats['most_running']} requests ran at once, "
           f"{g.stats['steps']} steps")
-    assert g.stats["most_running"] == min(6, pages // 3)
+    assert g.stats["most_running"] == min(6, pages // 3), (
+        f"{pages} pages: {g.stats['most_running']} requests at once, expected {min(6, pages // 3)}")
 
 # %% [markdown]
 # ### Step 2: chunked prefill
 #
 # A running request gets its next token only when the step it is in ends, and a step that
-# computes a long prompt is a long step. mini-sglang gives each step a token
-# budget (`max_extend_tokens`, 8192 by default) and cuts a prompt that does not fit into
+# computes a long prompt is a long step. mini-sglang gives each step a
+# [token budget](glossary.md#token-budget) (`max_extend_tokens`, 8192 by default) and cuts a prompt that does not fit into
 # chunks: `PrefillAdder._add_one_req` computes `chunk_size = min(token_budget, remain_len)`,
 # and a request cut short becomes a `ChunkedReq` that keeps its page-table row and its locked
 # cache handle and goes first in the next step. It produces no token until its last chunk, and
@@ -505,8 +533,10 @@ plt.show()
 for name, tl in runs.items():
     print(f"{name:21s} largest step: {max(s.prefill_tokens for s in tl.steps)} prompt tokens; "
           f"chunks: {[s.chunked for s in tl.steps if s.chunked]}")
-assert max(s.prefill_tokens for s in runs["chunks of the budget"].steps) <= 16
-assert max(s.prefill_tokens for s in runs["whole prompts"].steps) == 60
+assert max(s.prefill_tokens for s in runs["chunks of the budget"].steps) <= 16, (
+    "a chunked step computed more prompt tokens than the budget of 16")
+assert max(s.prefill_tokens for s in runs["whole prompts"].steps) == 60, (
+    "whole prompts: the long prompt should take one step of 60 tokens")
 
 # %% [markdown]
 # Whole prompts: the long prompt takes one step of 60 tokens, and the three running requests
@@ -534,16 +564,17 @@ print(f"✓ {chunky.stats['chunks']} chunks; the same tokens as generate()")
 # to the next captured size (`pad_batch`). The padding is a **dummy request**: its engine
 # (`engine/engine.py`) makes the page table one row longer than `max_running_req` and the KV
 # pool one page larger than the allocator hands out (`num_pages + 1  # +1 for dummy page`),
-# and fills that last row with the dummy page's slot. A padded lane is the dummy request at
-# position 0: it writes its K/V into the dummy page and reads only that. Nothing of any real
-# request is touched, whatever the padded lanes compute.
+# and fills that last row with the dummy page's slot. Each entry of the padded batch (one per
+# request, as in every decode step) names a row and a position; a padded entry is the dummy
+# request at position 0: it writes its K/V into the dummy page and reads only that. Nothing of
+# any real request is touched, whatever the padded entries compute.
 #
 # kvlab does the same: `PagedGenerator` captures its graphs when it is built (`decode_graphs=
 # "capture"`, the default on a GPU; nothing is captured or compiled while it serves), and in
 # the interpreter runs the very same padded step without a graph (`"eager"`), so the tokens
 # are the same everywhere. A step of 5 running requests, padded to the captured size 8:
 
-# %% alt="A page table on pages of 4 slots with the cell each decode lane writes outlined, and the dummy row that maps page 40 only; below, five running requests padded to the captured batch size of 8, the three padding lanes pointing at the dummy row's slot."
+# %% alt="A page table on pages of 4 slots with the cell each batch entry of a decode step writes outlined, and the dummy row that maps page 40 only; below, five running requests padded to the captured batch size of 8, the three padding entries pointing at the dummy row's slot."
 from kvlab.hf import graph_batch_sizes
 from kvlab.scenes.ch10_serve import padded_step, padded_step_figure
 
@@ -560,23 +591,25 @@ plt.show()
 # token; `sizes` are the captured batch sizes (in any order). Return `(rows, positions, slots)`,
 # each as long as the smallest size that holds the batch:
 #
-# 1. the real lanes unchanged, then padded lanes of the dummy request: row `dummy_row`,
+# 1. the real entries unchanged, then padded entries of the dummy request: row `dummy_row`,
 #    position 0;
-# 2. every lane's slot, `page_table[row, position]` -- for a padded lane, the dummy page's;
+# 2. every entry's slot, `page_table[row, position]` -- for a padded entry, the dummy page's;
 # 3. a batch larger than every size is returned as it is (it runs without a graph).
 #
-# `rows`, `positions`, `page_table` and `sizes` are read-only. The dummy row is whichever row
-# `dummy_row` names (`PagedGenerator`'s is the table's last; the checker puts it elsewhere too).
+# All three are 1-D tensors on the inputs' device: rows and positions int64, slots of the page
+# table's dtype (what `page_table[rows, positions]` gives) or int64. `rows`, `positions`,
+# `page_table` and `sizes` are read-only. The dummy row is whichever row `dummy_row` names
+# (`PagedGenerator`'s is the table's last; the checker puts it elsewhere too).
 #
-# `kvlab.check.pad_decode_batch` checks the size, then rows, positions and slots lane by lane,
-# on edge cases (nothing to pad, one request, page sizes 1 and 64, sizes out of order or not
+# `kvlab.check.pad_decode_batch` checks the types, the size, then rows, positions and slots entry by entry,
+# on edge cases (nothing to pad, one request with or without size 1 captured, page sizes 1 and 64, sizes out of order or not
 # powers of two, a batch too large for any graph) and random steps. Hints:
 # `kvlab.check.hint("pad_decode_batch", 1)` (up to 3); the reference:
 # `kvlab.solutions.show("pad_decode_batch")`.
 
 # %%
 def my_pad_decode_batch(rows, positions, page_table, sizes, dummy_row):
-    """Pad the step's lanes to the next captured size with the dummy request; look up every slot."""
+    """Pad the step's entries to the next captured size with the dummy request; look up every slot."""
     ### BEGIN SOLUTION
     n = len(rows)
     size = next((s for s in sorted(sizes) if s >= n), n)      # none holds it: no padding
@@ -601,24 +634,30 @@ kvlab.check.hint("pad_decode_batch", 1)
 #
 # `kvlab.hf.pad_decode_batch` is what `PagedGenerator`'s graphs call before every replay. On
 # random steps (once yours passes the checker; until then the package's stands in) both must
-# give the same lanes; then a generator whose padded steps write only the dummy page: its
-# pool starts as NaN everywhere, and after serving only the slots of computed tokens and the
-# dummy page's first slot hold numbers.
+# give the same entries. `kvlab.kvcache.random_decode_step` draws such a step: requests on
+# shuffled pages in shuffled rows, and a dummy row that maps only the dummy page.
 
 # %%
-from kvlab.check.ch10_graphs import step_case   # the checker's random steps
+from kvlab.kvcache import random_decode_step
 
 pad = kvlab.check.choose("pad_decode_batch", my_pad_decode_batch, kvlab.hf.pad_decode_batch)
 for seed in range(5):
     case_rng = random.Random(seed)
     lengths = [case_rng.randint(1, 12) for _ in range(case_rng.randint(1, 9))]
     sizes = sorted(case_rng.sample([1, 2, 4, 8, 16], 3))
-    case = step_case(4, lengths, 10, seed)
-    args = (case["rows"], case["positions"], case["page_table"], sizes, case["dummy_row"])
-    for mine, theirs in zip(pad(*args), kvlab.hf.pad_decode_batch(*args)):
-        assert torch.equal(torch.as_tensor(mine).cpu(), theirs.cpu())
-print("✓ the same padded lanes on 5 random steps")
+    decode = random_decode_step(seed, 4, lengths)
+    args = (decode.rows, decode.positions, decode.page_table, sizes, decode.dummy_row)
+    for what, mine, theirs in zip(("rows", "positions", "slots"), pad(*args), kvlab.hf.pad_decode_batch(*args)):
+        mine, theirs = mine.cpu().long(), theirs.cpu().long()  # slots may be int32 or int64
+        assert torch.equal(mine, theirs), f"step {seed}, {what}: yours {mine.tolist()}, the package's {theirs.tolist()}"
+print("✓ the same padded entries on 5 random steps")
 
+# %% [markdown]
+# Then a generator whose padded steps write only the dummy page: its pool starts as NaN
+# everywhere, and after serving only the slots of computed tokens and the dummy page's first
+# slot hold numbers.
+
+# %%
 watched = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=64, graph_sizes=[8])  # pads every decode step to 8
 watched.pool.k.fill_(float("nan"))
 got = watched.generate(prompts, max_new_tokens=NEW_TOKENS)
@@ -626,8 +665,9 @@ for i, prompt in enumerate(prompts):
     compare_with_generate(i, prompt, got[i])
 written = ~watched.pool.k[0].isnan().flatten(1).all(1)
 dummy = watched.num_pages * PAGE_SIZE
-assert int(written[:dummy].sum()) == watched.stats["prefill_computed"] + watched.stats["decode_tokens"]
-assert bool(written[dummy]) and not bool(written[dummy + 1:].any())
+computed = watched.stats["prefill_computed"] + watched.stats["decode_tokens"]
+assert int(written[:dummy].sum()) == computed, f"{int(written[:dummy].sum())} real slots written, {computed} tokens computed"
+assert bool(written[dummy]) and not bool(written[dummy + 1:].any()), "the dummy page's first slot only"
 print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' if watched.graphs.capture else 'run eagerly'}); "
       "slots written: the computed tokens' and the dummy page's first")
 

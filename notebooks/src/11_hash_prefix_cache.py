@@ -98,9 +98,12 @@ plt.show()
 A, B = [1, 2, 3, 4], [9, 9, 3, 4]
 print("chained:     ", [short(h) for h in page_hashes(A, 2)], [short(h) for h in page_hashes(B, 2)])
 print("page alone:  ", short(chain_hash(None, [3, 4])), "for both: page 1 would be shared by mistake")
-assert page_hashes(A, 2)[1] != page_hashes(B, 2)[1]
-assert page_hashes(A, 2)[1] == chain_hash(chain_hash(None, [1, 2]), [3, 4])
-assert page_hashes([1, 2, 3, 4, 5], 2) == page_hashes(A, 2)  # the partial page [5] has no hash
+assert page_hashes(A, 2)[1] != page_hashes(B, 2)[1], (
+    "page 1 of A and of B hold the same tokens after other first pages: their hashes must differ")
+assert page_hashes(A, 2)[1] == chain_hash(chain_hash(None, [1, 2]), [3, 4]), (
+    "page 1's hash should chain from page 0's")
+assert page_hashes([1, 2, 3, 4, 5], 2) == page_hashes(A, 2), (  # the partial page [5] has no hash
+    "the partial page [5] should get no hash")
 
 # %% [markdown]
 # ## Build-up 2: match by walking the chain
@@ -124,9 +127,12 @@ a = cache.allocate([1, 2, 3, 4, 5])  # two full pages (cached) and a partial one
 print("A:", a, "| hash_to_page:", {short(h): p for h, p in cache.hash_to_page.items()})
 for prompt in ([1, 2, 3, 4, 9, 9], [1, 2, 3, 9], [1, 2, 3], [7, 2, 3, 4]):
     print(f"match {prompt}: {cache.match(prompt).cached_len} tokens on pages {list(cache.match(prompt).pages)}")
-assert cache.match([1, 2, 3, 4, 9, 9]).cached_len == 4 and cache.match([1, 2, 3]).cached_len == 2
-assert cache.match([7, 2, 3, 4]).cached_len == 0  # [3 4] is cached only after [1 2]
-assert cache.page_hash[a.pages[2]] is None  # the partial page [5]: no hash, never shared
+assert cache.match([1, 2, 3, 4, 9, 9]).cached_len == 4 and cache.match([1, 2, 3]).cached_len == 2, (
+    "[1 2 3 4 9 9] should match 4 tokens and [1 2 3] 2")
+assert cache.match([7, 2, 3, 4]).cached_len == 0, (  # [3 4] is cached only after [1 2]
+    "[3 4] is cached only after [1 2]: [7 2 3 4] matches nothing")
+assert cache.page_hash[a.pages[2]] is None, (  # the partial page [5]: no hash, never shared
+    "the partial page [5] should have no hash")
 
 # %% [markdown]
 # ## Build-up 3: reference counts instead of locks
@@ -143,13 +149,16 @@ assert cache.page_hash[a.pages[2]] is None  # the partial page [5]: no hash, nev
 # %%
 b = cache.allocate([1, 2, 3, 4, 6, 6, 6])
 print("B:", b, "| ref counts", cache.ref_count)
-assert b.cached_len == 4 and cache.ref_count[0] == cache.ref_count[1] == 2
+assert b.cached_len == 4 and cache.ref_count[0] == cache.ref_count[1] == 2, (
+    f"B hit {b.cached_len} tokens; ref counts {cache.ref_count}")
 cache.free(a.pages)
 print("A done: ref counts", cache.ref_count, "free queue", list(cache.free_queue))
 cache.free(b.pages)
 print("B done: ref counts", cache.ref_count, "free queue", list(cache.free_queue))
-assert list(cache.free_queue)[-2:] == [1, 0]  # the system prompt's pages queue last: used last
-assert cache.match([1, 2, 3, 4, 6, 6, 6]).cached_len == 6  # freed, and still findable
+assert list(cache.free_queue)[-2:] == [1, 0], (  # the system prompt's pages queue last: used last
+    f"free queue {list(cache.free_queue)}: the system prompt's pages should queue last")
+assert cache.match([1, 2, 3, 4, 6, 6, 6]).cached_len == 6, (  # freed, and still findable
+    "a freed prompt should still be found")
 cache.check_integrity()
 
 # %% [markdown]
@@ -207,7 +216,8 @@ for uncached_first in (False, True):
     q = HashPrefixCache(6, 2, device="cpu", uncached_first=uncached_first)
     q.free(q.allocate([1, 2, 3, 4, 5]).pages)  # pages 0, 1 cached; page 2 holds the partial [5]
     print(f"uncached_first={uncached_first}: free queue {list(q.free_queue)} (head first)")
-    assert list(q.free_queue).index(2) == (0 if uncached_first else 3)
+    assert list(q.free_queue).index(2) == (0 if uncached_first else 3), (
+        f"uncached_first={uncached_first}: the partial page sits at {list(q.free_queue).index(2)} in {list(q.free_queue)}")
 
 # %% [markdown]
 # ## Build-up 5: the partial last page
@@ -226,8 +236,10 @@ for token in (4, 5, 6):
     ids.append(token)
     pages = dec.append_token(pages, ids)
     print(f"after {token}: pages {list(pages)}, last page's hash {short(dec.page_hash[pages[-1]])}")
-assert pages == (0, 1, 2) and dec.page_hash[2] == page_hashes(ids, 2)[2]
-assert dec.match(ids + [9]).cached_len == 6  # the decoded pages are shared like prompt pages
+assert pages == (0, 1, 2) and dec.page_hash[2] == page_hashes(ids, 2)[2], (
+    f"pages {pages}, page 2's hash {short(dec.page_hash[2])}")
+assert dec.match(ids + [9]).cached_len == 6, (  # the decoded pages are shared like prompt pages
+    "the decoded pages should be found like prompt pages")
 
 # %% [markdown]
 # **When** a page is cached differs between the engines. nano-vllm registers a page's hash when it
@@ -265,7 +277,8 @@ for page_size in (1, 2, 4):
                 if pool.pages_needed(ids) > len(pool.free_queue):
                     continue
                 got = pool.allocate(ids)
-                assert got == tuple(ref.allocate(ids))
+                assert got == tuple(ref.allocate(ids)), (
+                    f"step {step}: allocate gave {got}, the oracle {tuple(ref.allocate(ids))}")
                 live[step] = (ids, got.pages)
             elif op < 0.7:
                 sid = rng.choice(sorted(live))
@@ -273,15 +286,18 @@ for page_size in (1, 2, 4):
                 if len(old) < -(-len(ids) // page_size) and not pool.free_queue:
                     continue
                 new = pool.append_token(old, ids)
-                assert new == ref.append_token(old, ids)
+                assert new == ref.append_token(old, ids), (
+                    f"step {step}: append_token gave {new}, the oracle another")
                 live[sid] = (ids, new)
             else:
                 sid = rng.choice(sorted(live))
                 pool.free(live[sid][1])
                 ref.free(live.pop(sid)[1])
-            assert pool.ref_count == ref.refs and list(pool.free_queue) == ref.queue
+            assert pool.ref_count == ref.refs and list(pool.free_queue) == ref.queue, (
+                f"step {step}: counts {pool.ref_count} vs {ref.refs}, queue {list(pool.free_queue)} vs {ref.queue}")
             assert {p: h for h, p in pool.hash_to_page.items()} == {
-                p: page_hashes(list(key), page_size)[-1] for key, p in ref.page_of.items()}
+                p: page_hashes(list(key), page_size)[-1] for key, p in ref.page_of.items()}, (
+                f"step {step}: the cached pages differ from the oracle's")
             pool.check_integrity()
         print(f"page_size {page_size}, uncached_first={uncached_first}: 60 steps agree "
               f"({pool.evicted_pages} evictions, {len(pool.hash_to_page)} pages cached at the end)")
@@ -312,8 +328,10 @@ for row, prompt in enumerate(prompts):
 cm.check_integrity()
 page_table_heatmap(cm.page_table[:4, :20], P4, title="shared pages across rows (hash cache)")
 plt.show()
-assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8])  # system_a's 2 whole pages
-assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8])  # system_b + [4 5]: 2 pages
+assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8]), (  # system_a's 2 whole pages
+    "rows 0 and 2 should share system_a's two pages")
+assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (  # system_b + [4 5]: 2 pages
+    "rows 1 and 3 should share two pages")
 
 # %% [markdown]
 # ## Side by side, measured
@@ -364,9 +382,42 @@ plt.show()
 by = {(r.workload, r.pool, r.cache): r for r in rows}
 for name in COMPARED:
     ample = [by[(name, "ample", c)] for c in ("radix", "hash", "hash_uncached_first")]
-    assert all(r.diverged_at is None for r in ample[1:]) and len({r.hit_tokens for r in ample}) == 1
-    assert all(r.evicted_tokens == 0 for r in ample)
+    assert all(r.diverged_at is None for r in ample[1:]) and len({r.hit_tokens for r in ample}) == 1, (
+        f"{name}, ample pool: the caches part or hit differently")
+    assert all(r.evicted_tokens == 0 for r in ample), f"{name}, ample pool: something was evicted"
 print("ample pools: the three caches agree step by step on every workload")
+
+# %% [markdown]
+# **Random prompts: hits only when memory is short.** No two of the random prompts begin with
+# the same page, so none can reuse another's. Yet in the tight and half pools every cache takes
+# a few prompt tokens from the cache (the `hit tok` column), and in the ample pool none. Those
+# hits are a request's *own* pages: a request [preempted](glossary.md#preemption) to make room
+# goes back to the queue, but the prompt pages its prefill computed stay cached (its
+# `cache_req(finished=False)` inserted them), and when it is admitted again it finds them. An
+# ample pool never preempts, so no request is admitted twice, and there is nothing to hit. Step
+# by step: every step with hits admits a request that was preempted before (or in that same
+# step, to be admitted again at once), and hits at most the whole pages of those requests'
+# prompts.
+
+# %%
+prompt_of = {r.rid: r.prompt for r in make_workload("random_prompts", seed=0).requests}
+firsts = [tuple(p[:P4]) for p in prompt_of.values()]
+assert len(set(firsts)) == len(firsts), "two random prompts begin with the same page"
+for pool in ("tight", "half", "ample"):
+    rand = make_workload("random_prompts", seed=0)
+    run = Simulator(rand, SimConfig(num_pages=pool_sizes(rand, P4)[pool], page_size=P4)).run()
+    preempted, hits = set(), 0
+    for s in run.steps:
+        preempted |= set(s.preempted)
+        if s.hit_tokens:
+            back = [rid for rid in s.admitted if rid in preempted]
+            most = sum(len(prompt_of[rid]) // P4 * P4 for rid in back)  # their whole prompt pages
+            assert 0 < s.hit_tokens <= most, (f"{pool} pool, step {s.step}: {s.hit_tokens} hit tokens, "
+                                              f"re-admitted after a preemption: {back}")
+            hits += s.hit_tokens
+    print(f"random prompts, {pool:5s} pool: {len(preempted)} requests preempted, {hits} hit tokens, "
+          "every one on a re-admitted request's own pages")
+    assert (hits > 0) == (pool != "ample") and (len(preempted) > 0) == (pool != "ample"), (pool, hits, preempted)
 
 # %% [markdown]
 # **Eviction granularity.** The radix tree evicts a *whole leaf*, however many pages it holds
@@ -379,12 +430,15 @@ print("ample pools: the three caches agree step by step on every workload")
 
 # %%
 pressured = [r for r in rows if r.pool != "ample"]
-assert all(r.over_evicted == 0 for r in pressured if r.cache != "radix")
-assert any(r.over_evicted > 0 for r in pressured if r.cache == "radix")
+assert all(r.over_evicted == 0 for r in pressured if r.cache != "radix"), (
+    "a hash run evicted tokens no allocation asked for")
+assert any(r.over_evicted > 0 for r in pressured if r.cache == "radix"), (
+    "no radix run evicted more than asked for")
 mixed_tight = {c: by[("mixed", "tight", c)] for c in ("radix", "hash", "hash_uncached_first")}
 for pool in ("tight", "half"):
     assert min(by[("mixed", pool, c)].hit_tokens for c in ("hash", "hash_uncached_first")) > by[
-        ("mixed", pool, "radix")].hit_tokens
+        ("mixed", pool, "radix")].hit_tokens, (
+        f"{pool} pool of the mixed workload: the hash caches hit no more than the tree")
 for c, r in mixed_tight.items():
     print(f"mixed, tight pool, {c:20s}: {r.hit_tokens} hit tokens, {r.evicted_tokens} evicted, "
           f"{r.over_evicted} of them beyond what allocations asked for")
@@ -415,8 +469,10 @@ sim.cache.take_free = counting_take_free
 sim.run()
 print(f"{len(hasty)} cached pages handed out while a page without a hash waited behind them: {hasty}")
 half = {c: by[("multi_turn_chat", "half", c)] for c in ("radix", "hash", "hash_uncached_first")}
-assert hasty and half["hash_uncached_first"].diverged_at is None
-assert half["hash"].hit_tokens < half["radix"].hit_tokens == half["hash_uncached_first"].hit_tokens
+assert hasty and half["hash_uncached_first"].diverged_at is None, (
+    f"handed out while an uncached page waited: {hasty}; uncached-first parts at {half['hash_uncached_first'].diverged_at}")
+assert half["hash"].hit_tokens < half["radix"].hit_tokens == half["hash_uncached_first"].hit_tokens, (
+    f"hit tokens: {({c: r.hit_tokens for c, r in half.items()})}")
 
 # %% [markdown]
 # The order of cached pages differs too: the radix tree orders whole leaves by the last match
@@ -480,8 +536,8 @@ else:
     raise AssertionError("a hash without its parent must be rejected")
 
 # %% [markdown]
-# **Exercise `page_hashes`.** Write `my_page_hashes(input_ids, page_size) -> list`: the chained
-# hash of every full page, with `chain_hash(parent, page_tokens)` (`parent=None` for the first).
+# **Exercise `page_hashes`.** Write `my_page_hashes(input_ids, page_size) -> list`: a list with the chained
+# hash (bytes) of every full page, with `chain_hash(parent, page_tokens)` (`parent=None` for the first).
 # `input_ids` is read-only. Hints: `kvlab.check.hint("page_hashes", 1)`; `kvlab.solutions.show("page_hashes")` prints a
 # reference solution.
 
@@ -507,8 +563,8 @@ kvlab.check.page_hashes(my_page_hashes);
 # %% [markdown]
 # **Exercise `hash_match`.** Write `my_hash_match(cache, input_ids) -> (num_pages, slots)`: walk
 # the prompt's full pages from the first, `h = chain_hash(parent, tokens)`, find the page with
-# `cache.lookup(h, tokens)`, stop at the first miss. Return how many pages matched and their
-# slots (`page * P + i`). The cache and `input_ids` are read-only: the checker compares every
+# `cache.lookup(h, tokens)`, stop at the first miss. Return how many pages matched (an int) and
+# their slots (a list of ints, `page * P + i`). The cache and `input_ids` are read-only: the checker compares every
 # page's reference count, hash and tokens, `hash_to_page`, the free queue's order and
 # `evicted_pages` after your call. Hints: `kvlab.check.hint("hash_match", 1)`.
 
@@ -542,7 +598,8 @@ kvlab.check.hash_match(my_hash_match);
 # hit, hash the next full page and `cache.lookup` it; a hit gets `cache.take_cached(page)`. After
 # the first miss every page is new: `cache.take_free()` (the head of the queue; a cached page
 # loses its hash there), and a new **full** page becomes findable with
-# `cache.cache_page(page, h, tokens, parent)`. The checker gives only prompts that fit, and
+# `cache.cache_page(page, h, tokens, parent)`. Return the pages as a list (or a tuple) of ints and
+# `cached_len` as an int. The checker gives only prompts that fit, and
 # `input_ids` is read-only. Afterwards the whole cache must be as the reference leaves it: every
 # page's reference count, hash, parent hash and tokens, `hash_to_page`, the free queue in order
 # and `evicted_pages`. Hints: `kvlab.check.hint("allocate_pages", 1)`.
@@ -614,13 +671,15 @@ kvlab.check.free_pages(my_free_pages);
 # Your four functions against the ones [lifted](glossary.md#lift) into the package, on random
 # prompts with shared beginnings: `kvlab.page_hashes` and `HashPrefixCache.match` / `allocate` /
 # `free` on a twin cache, the same answers and the same state after every call. Until an exercise
-# passes its checker, this cell uses the reference solution in its place (and says so).
+# passes its checker, this cell uses the package's function in its place (`hash_match` has none
+# of that shape: its reference solution), and says so. Your `allocate_pages` may return its
+# pages as a list or a tuple (the checker takes both): the cell compares them as a tuple.
 
 # %%
-hashes_fn = kvlab.check.choose("page_hashes", my_page_hashes, kvlab.solutions.get("page_hashes"))
+hashes_fn = kvlab.check.choose("page_hashes", my_page_hashes, kvlab.page_hashes)
 match_fn = kvlab.check.choose("hash_match", my_hash_match, kvlab.solutions.get("hash_match"))
-allocate_fn = kvlab.check.choose("allocate_pages", my_allocate_pages, kvlab.solutions.get("allocate_pages"))
-free_fn = kvlab.check.choose("free_pages", my_free_pages, kvlab.solutions.get("free_pages"))
+allocate_fn = kvlab.check.choose("allocate_pages", my_allocate_pages, HashPrefixCache.allocate)
+free_fn = kvlab.check.choose("free_pages", my_free_pages, HashPrefixCache.free)
 
 rng = random.Random(11)
 for page_size in (1, 2, 4):
@@ -629,19 +688,26 @@ for page_size in (1, 2, 4):
     live = []
     for _ in range(30):
         ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [rng.randrange(3)]
-        assert hashes_fn(ids, page_size) == page_hashes(ids, page_size)
+        said = f"page_size {page_size}, prompt {ids}"
+        assert hashes_fn(ids, page_size) == page_hashes(ids, page_size), f"{said}: page hashes differ"
         n, slots = match_fn(mine, ids)
-        assert n == len(theirs.match(ids).pages) and slots == theirs.match(ids).get_matched_indices().tolist()
+        want = theirs.match(ids)
+        assert (n, slots) == (len(want.pages), want.get_matched_indices().tolist()), (
+            f"{said}: your match ({n}, {slots}), the package's ({len(want.pages)}, {want.get_matched_indices().tolist()})")
         if live and (rng.random() < 0.5 or theirs.pages_needed(ids) > len(theirs.free_queue)):
             pages = live.pop(rng.randrange(len(live)))
             free_fn(mine, list(pages))
             theirs.free(pages)
         elif theirs.pages_needed(ids) <= len(theirs.free_queue):
             pages, cached_len = allocate_fn(mine, ids)
-            assert (tuple(pages), cached_len) == tuple(theirs.allocate(ids))
+            done = theirs.allocate(ids)
+            assert (tuple(pages), cached_len) == (done.pages, done.cached_len), (
+                f"{said}: you allocated {tuple(pages)} with {cached_len} cached, the package {done.pages} with {done.cached_len}")
             live.append(tuple(pages))
-        assert mine.ref_count == theirs.ref_count and list(mine.free_queue) == list(theirs.free_queue)
-        assert mine.hash_to_page == theirs.hash_to_page
+        assert mine.ref_count == theirs.ref_count, f"{said}: ref_count {mine.ref_count}, the package's {theirs.ref_count}"
+        assert list(mine.free_queue) == list(theirs.free_queue), (
+            f"{said}: free queue {list(mine.free_queue)}, the package's {list(theirs.free_queue)}")
+        assert mine.hash_to_page == theirs.hash_to_page, f"{said}: hash_to_page differs from the package's"
         mine.check_integrity()
 print("page_hashes, hash_match, allocate_pages and free_pages agree with kvlab")
 

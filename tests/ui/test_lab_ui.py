@@ -148,10 +148,60 @@ def test_ch01_a_wrong_answer_reads_at_a_glance_and_run_all_goes_on(open_notebook
     exercise.screenshot(path=str(nb.shots / f"{Path(nb.name).stem}-wrong-answer.png"))
     # the cells after it went on with the package's version, and said so
     lift = nb.code_cell('kvlab.check.choose("page_to_token"')
-    assert "using kvlab.paging.page_to_token (your my_page_to_token has not passed" in \
+    assert "using kvlab.page_to_token (your my_page_to_token has not passed" in \
         lift.locator(".jp-OutputArea").first.inner_text()
     last = nb.page.locator(".jp-NotebookPanel .jp-CodeCell").last
     assert "kvlab.check.recheck" in last.locator(".jp-InputArea-editor").inner_text()
     assert "1 failing (page_to_token)" in last.locator(".jp-OutputArea").first.inner_text()
     last.scroll_into_view_if_needed()
     last.screenshot(path=str(nb.shots / f"{Path(nb.name).stem}-wrong-answer-recheck.png"))
+
+
+#: typed into chapter 11's first exercise: the right hashes, in a tuple (the statement asks for a list)
+TUPLE_ANSWER = """def my_page_hashes(input_ids, page_size):
+    return tuple(kvlab.page_hashes(input_ids, page_size))
+
+
+kvlab.check.page_hashes(my_page_hashes);"""
+
+
+def test_ch11_on_a_laptop_offline_a_wrong_type_reads_in_one_line_and_no_figure_is_scaled(
+        browser, lab_server, ui_output):
+    """JupyterLab at 1280 px with the file browser open (848 px of output), no internet: the
+    first cell's Colab link is text (no broken picture), a tuple where the statement asks for a
+    list is told in one line before the lift cell could trip over it, and no figure is wider
+    than the output area (so none is scaled down)."""
+    from lab_driver import NotebookPage
+
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(60_000)
+    try:
+        nb = NotebookPage(context.new_page(), lab_server, chapter("11"), ui_output).open()
+        assert nb.page.locator(".jp-FileBrowser").first.is_visible(), "the file browser is open"
+        first = nb.page.locator(".jp-NotebookPanel .jp-MarkdownCell").first
+        assert first.locator("a", has_text="Open in Colab").count() == 1
+        assert first.locator("img").count() == 0, "the first cell shows a picture from another site"
+        nb.type_into(nb.code_cell("# YOUR CODE HERE: page_hashes"), TUPLE_ANSWER)
+        nb.run_all(timeout_s=400, expected_errors=re.compile(
+            r"✗ kvlab\.check\.(page_hashes|recheck\('11'\)):|CheckFailed: "))
+        cell = nb.code_cell("kvlab.check.page_hashes(my_page_hashes)")
+        shown = cell.locator(".jp-OutputArea").first.inner_text()
+        assert shown.startswith("✗ kvlab.check.page_hashes: [two full pages] return a list of hashes "
+                                "(the bytes kvlab.chain_hash returns), got tuple"), shown
+        assert "kvlab/check" not in shown and "Traceback" not in shown
+        cell.scroll_into_view_if_needed()
+        cell.screenshot(path=str(nb.shots / "11_hash_prefix_cache-tuple-answer.png"))
+        lift = nb.code_cell('kvlab.check.choose("page_hashes"')
+        assert "using kvlab.page_hashes (your my_page_hashes has not passed" in \
+            lift.locator(".jp-OutputArea").first.inner_text()
+        area = nb.page.locator(".jp-NotebookPanel .jp-OutputArea-output").first.evaluate(
+            "e => e.getBoundingClientRect().width")
+        assert 820 <= area <= 870, f"the output area is {area:.0f} px wide, not about 848"
+        figures = [img for img in nb.output_images() if img["w"] >= 200]
+        assert figures and all(0 < img["w"] <= area for img in figures), (
+            f"figures wider than the {area:.0f} px output area: "
+            f"{[img['w'] for img in figures if img['w'] > area]}")
+        nb.screenshot("laptop")
+    finally:
+        context.close()
+        lab_server.shutdown_sessions()

@@ -1,0 +1,163 @@
+"""No public call of the cache manager's floor lets a raw Python or torch exception out for a bad
+argument, and a refused call changes nothing.
+
+Every public method of CacheManager, RadixPrefixCache, HashPrefixCache, FreeQueue and ForwardBatch
+(and the chained hash's functions) is called with each argument in turn replaced by each value of
+a catalogue of wrong ones (None, bools, floats, NaN, strings, huge and negative ints, nested and
+empty lists, tensors of the wrong dtype or shape, foreign objects), the other arguments valid. A
+call may accept the value (an owner may be any hashable) or refuse it with a kvlab error
+(InvalidArgument, CacheMisuse, OutOfPages); nothing else. A refused call leaves every piece of
+state as it was (tests/cache_state.py).
+"""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from cache_state import hash_cache_state, manager_state
+
+from kvlab import CacheManager, HashPrefixCache, RadixPrefixCache, Req
+from kvlab.errors import KvlabError
+from kvlab.hash_chain import FreeQueue, chain_hash, page_hashes
+from kvlab.paging import new_page_table
+
+BAD = [None, True, 1.5, float("nan"), "x", b"1", -1, 2**63, 10**30, [], [None], [1.5], [-1], [2**64],
+       [[1]], {}, object(), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.int64), torch.tensor(3)]
+
+
+#: calls that only answer a question: they may answer False (or 0) to a wrong argument
+READS = {"holds", "is_locked_by", "locks_held", "allocated_pages"}
+
+
+def served(cache: str):
+    """A manager with a request finished (its prefix cached), one running, one admitted."""
+    cm = CacheManager(12, 2, new_page_table(4, 16, 2), cache, page_table_writer="host")
+    a, b, c = Req([1, 2, 3, 4, 5], 0), Req([1, 2, 3, 4, 6], 1), Req([1, 2, 9], 2)
+    cm.complete_step(cm.prefill([a]), [7], [True])
+    batch = cm.prefill([b])
+    cm.admit(c)
+    return cm, [a, b, c], batch
+
+
+def manager_calls(cm: CacheManager, reqs, batch) -> dict:
+    """Public method -> valid arguments (positional), for a manager from :func:`served`."""
+    a, b, c = reqs
+    handle = b.cache_handle
+    return {"pages_needed": ([b],), "allocated_pages": (b,), "match_req": (c,), "lock": (handle, "x"),
+            "unlock": (handle, b), "admit": (Req([1, 2, 3, 4], 3),), "prefill": ([Req([1, 2, 3], 3)],),
+            "decode_step": ([],), "mixed_step": ([Req([1, 2], 3)], []),
+            "complete_step": (batch, [8], [False]), "allocate_paged": ([c],), "cache_req": (b,),
+            "release_req": (c,)}
+
+
+def _call(fn, args, kwargs, state) -> bool:
+    """Whether ``fn`` refused the arguments (with a kvlab error, changing nothing)."""
+    before = state()
+    try:
+        fn(*args, **kwargs)
+    except KvlabError:
+        assert state() == before, "a refused call changed the state"
+        return True
+    except Exception as e:  # noqa: BLE001 - that is the point
+        pytest.fail(f"{fn.__qualname__}{args!r:.120} {kwargs!r:.60} leaked {type(e).__name__}: {e}")
+    return False
+
+
+@pytest.mark.parametrize("cache", ["radix", "hash"])
+@pytest.mark.parametrize("method", sorted(manager_calls(*served("radix"))))
+def test_every_manager_call_refuses_a_bad_argument_with_a_kvlab_error(method, cache):
+    params = list(inspect.signature(getattr(CacheManager, method)).parameters.values())[1:]
+    refused = 0
+    for i in range(len(params)):
+        for bad in BAD:
+            cm, reqs, batch = served(cache)
+            args = list(manager_calls(cm, reqs, batch)[method])
+            kwargs = {"finished": False} if method == "cache_req" else {}
+            if i < len(args):
+                args[i] = bad
+            elif params[i].kind is inspect.Parameter.VAR_KEYWORD:
+                continue
+            else:
+                kwargs[params[i].name] = bad
+            refused += _call(getattr(cm, method), args, kwargs, lambda: manager_state(cm, reqs, stamps=False))
+    assert refused >= len(BAD) // 2 or method in READS, "the catalogue reached the method's checks"
+
+
+def cache_calls(cache) -> dict:
+    """Public method -> valid arguments, for a cache with [1 2|3 4] cached and locked by "a"."""
+    P = cache.page_size
+    if isinstance(cache, HashPrefixCache):
+        held = cache.allocate([1, 2, 3, 4, 5]).pages
+        handle = cache.match([1, 2, 3, 4])
+        cache.lock_handle(handle, owner="a")
+        mine = cache.evict_leaves(P)
+        return {"lookup": (handle.hashes[0], [1, 2]), "take_cached": (held[0],), "take_free": (),
+                "cache_page": (mine[0].page, chain_hash(None, [7, 7]), [7, 7], None),
+                "match": ([1, 2, 3],), "pages_needed": ([1, 2, 3],), "allocate": ([1, 2, 8],),
+                "free": (list(held),), "append_token": (list(held), [1, 2, 3, 4, 5, 6]),
+                "match_prefix": ([1, 2],), "insert_prefix": ([7, 7], [mine[0].page * P, mine[0].page * P + 1]),
+                "lock_handle": (handle,), "evict_leaves": (2,), "evict": (2,), "undo_evict": (mine,),
+                "undo_lock": (handle, "a"), "undo_free": ([mine[0].page],),
+                "undo_insert": ([mine[0].page * P, mine[0].page * P + 1],), "holds": (handle,),
+                "is_locked_by": (handle, "a"), "locks_held": (handle, "a")}
+    cache.insert_prefix([1, 2, 3, 4], torch.arange(4))
+    cache.insert_prefix([5, 5], torch.arange(4, 6))
+    handle = cache.match_prefix([1, 2, 3, 4]).handle
+    cache.lock_handle(handle, owner="a")
+    return {"match_prefix": ([1, 2],), "insert_prefix": ([7, 7], [8, 9]), "lock_handle": (handle,),
+            "is_locked_by": (handle, "a"), "locks_held": (handle, "a"), "evict": (2,), "evict_leaves": (2,),
+            "undo_evict": ([],), "undo_lock": (handle, "a"), "undo_insert": ([8, 9],)}
+
+
+def _cache_state(cache):
+    if isinstance(cache, HashPrefixCache):
+        return hash_cache_state(cache)
+    from cache_state import cache_state
+    return cache_state(cache, stamps=False)
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_every_prefix_cache_call_refuses_a_bad_argument_with_a_kvlab_error(kind):
+    def make():
+        return RadixPrefixCache(2, device="cpu") if kind == "radix" else HashPrefixCache(8, 2, device="cpu")
+
+    for method in cache_calls(make()):
+        params = list(inspect.signature(getattr(type(make()), method)).parameters.values())[1:]
+        refused = 0
+        for i in range(len(params)):
+            for bad in BAD:
+                cache = make()
+                args = list(cache_calls(cache)[method])
+                kwargs = {}
+                if i < len(args):
+                    args[i] = bad
+                else:
+                    kwargs[params[i].name] = bad
+                refused += _call(getattr(cache, method), args, kwargs, lambda: _cache_state(cache))
+        assert refused >= len(BAD) // 2 or method in READS or not params, f"{method}: the catalogue reached its checks"
+
+
+@pytest.mark.parametrize("bad", BAD, ids=[f"{i}-{type(b).__name__}" for i, b in enumerate(BAD)])
+def test_constructors_and_free_functions_refuse_a_bad_argument_with_a_kvlab_error(bad):
+    table = new_page_table(2, 8, 2)
+    calls = [lambda: HashPrefixCache(bad, 2), lambda: HashPrefixCache(4, bad), lambda: HashPrefixCache(4, 2, bad),
+             lambda: HashPrefixCache(4, 2, uncached_first=bad), lambda: RadixPrefixCache(bad),
+             lambda: RadixPrefixCache(2, bad), lambda: CacheManager(bad, 2, table), lambda: CacheManager(4, bad, table),
+             lambda: CacheManager(4, 2, bad), lambda: CacheManager(4, 2, table, bad),
+             lambda: CacheManager(4, 2, table, page_table_writer=bad),
+             lambda: CacheManager(4, 2, table, remap_duplicates=bad), lambda: Req(bad, 0), lambda: Req([1], bad),
+             lambda: Req([1], 0, cached_len=bad), lambda: chain_hash(bad, [1, 2]), lambda: chain_hash(None, bad),
+             lambda: page_hashes(bad, 2), lambda: page_hashes([1, 2], bad)]
+    queue = FreeQueue([3, 1, 2])
+    calls += [lambda: queue.append(bad), lambda: queue.appendleft(bad), lambda: queue.remove(bad),
+              lambda: queue.restore(bad), lambda: queue.head(bad), lambda: queue.can_restore(bad)]
+    cm, reqs, batch = served("hash")
+    calls += [lambda: batch.slots(bad)]
+    for call in calls:
+        try:
+            call()
+        except KvlabError:
+            pass
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"{inspect.getsource(call).strip()[:90]} with {bad!r:.40} leaked {type(e).__name__}: {e}")
