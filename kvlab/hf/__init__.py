@@ -12,7 +12,8 @@ transformers, model checks), :mod:`~kvlab.hf.step` (one step as the attention ca
 (decode steps replayed from CUDA graphs, padded with the dummy row),
 :mod:`~kvlab.hf.generator` (the serving loop), :mod:`~kvlab.hf.models` (small random models
 saved and loaded like real ones).
-transformers itself is optional: ``pip install 'kvlab[hf]'``.
+transformers itself is optional: ``pip install 'transformers>=4.56'`` (in a checkout, the ``hf``
+extra: ``pip install -e '.[hf]'``).
 """
 from __future__ import annotations
 
