@@ -9,8 +9,11 @@
 PYTHON     ?= python3
 VENV       ?= .venv
 BIN        := $(VENV)/bin
-# torch is installed first and pinned, so the resolver never swaps it for another build.
+# torch is installed first and pinned, so the resolver never swaps it for another build:
+# the CPU-only build from PyTorch's CPU index where no NVIDIA GPU is found, else PyPI's CUDA
+# build (tools/torch_build.py); TORCH_BUILD=cpu or cuda decides instead.
 TORCH_SPEC ?= torch==2.13.0
+TORCH_BUILD ?= auto
 PYTEST_WORKERS ?= 2
 # The oldest Triton kvlab supports (kvlab/triton_compat.py: OLDEST_TRITON; what torch 2.11 pins),
 # tested with whatever NumPy pip resolves for it today.
@@ -37,8 +40,8 @@ $(VENV)/.installed: pyproject.toml
 	@$(PYTHON) -m venv $(VENV)
 	@echo "kvlab set-up 2/5: upgrading pip"
 	@$(BIN)/python -m pip install --quiet --upgrade pip
-	@echo "kvlab set-up 3/5: $(TORCH_SPEC), the largest download"
-	@$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	@echo "kvlab set-up 3/5: $(TORCH_SPEC), the largest download, in the build this machine can use:"
+	@TORCH_BUILD="$(TORCH_BUILD)" $(BIN)/python tools/torch_build.py install --python "$(BIN)/python" --spec "$(TORCH_SPEC)"
 	@echo "kvlab set-up 4/5: kvlab and its extras (Triton, JupyterLab, transformers, test and site tools)"
 	@$(BIN)/python -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
 	@echo "kvlab set-up 5/5: the notebooks' Jupyter kernel"
@@ -81,9 +84,10 @@ setup-oldest: $(VENV_OLDEST)/.installed  ## create .venv-oldest: the oldest supp
 $(VENV_OLDEST)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV_OLDEST)
 	$(VENV_OLDEST)/bin/python -m pip install --quiet --upgrade pip
+	TORCH_BUILD="$(TORCH_BUILD)" $(VENV_OLDEST)/bin/python tools/torch_build.py install --python "$(VENV_OLDEST)/bin/python" --spec "$(TORCH_SPEC)"
 	$(VENV_OLDEST)/bin/python -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
 	$(VENV_OLDEST)/bin/python -m pip install --quiet -e ".[test,site]" "$(TORCH_SPEC)" "$(TRITON_OLDEST)"
-	$(VENV_OLDEST)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	$(VENV_OLDEST)/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
 	@touch $@
 
 test-oldest: setup-oldest  ## unit tests and chapters 03, 06, 08, 09, 10 on the oldest supported Triton

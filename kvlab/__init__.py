@@ -55,7 +55,7 @@ _SUBMODULES = {
     "kvcache", "attention", "engine", "bench", "paging", "token_allocator", "radix_cache",
     "cache_manager", "scenes", "runtime", "errors", "alloc_checks", "native_counts", "hash_cache",
     "hash_chain", "pressure",
-    "hf",  # chapter 10 (needs the optional transformers: pip install 'kvlab[hf]')
+    "hf",  # chapter 10 (needs the optional transformers: pip install 'transformers>=4.56')
 }
 
 __all__ = [

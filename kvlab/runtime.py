@@ -34,7 +34,7 @@ if INTERPRET:
 
 import torch  # noqa: E402  (after the environment variable, on purpose)
 
-from . import triton_compat  # noqa: E402
+from . import gpus, triton_compat  # noqa: E402
 
 if INTERPRET:
     # known Triton/NumPy breakages of the interpreter, mended for the versions that need it
@@ -63,6 +63,22 @@ def pick(cpu, gpu):
     return cpu if INTERPRET else gpu
 
 
+def _gpu() -> "gpus.GpuFit | None":
+    return None if INTERPRET else gpus.this_gpu()
+
+
+def half_dtype() -> torch.dtype:
+    """The 16-bit float type a chapter keeps K/V in here: bfloat16 on GPUs from sm_80 on and in
+    the interpreter, float16 on older GPUs such as Colab's T4 (:mod:`kvlab.gpus`)."""
+    gpu = _gpu()
+    return gpus.half_for_arch(gpu.arch if gpu else None)
+
+
+def half_note(dtype: torch.dtype) -> str:
+    """Why ``dtype`` (:func:`half_dtype`'s choice) here, in a sentence."""
+    return gpus.half_note(dtype, _gpu())
+
+
 class RuntimeInfo(NamedTuple):
     mode: str  # "gpu" or "interpreter"
     device: str
@@ -74,10 +90,12 @@ class RuntimeInfo(NamedTuple):
     numpy_version: str = "?"
     fixes: tuple[str, ...] = ()  # known Triton/NumPy issues kvlab mended (kvlab.triton_compat)
     warnings: tuple[str, ...] = ()  # version problems, each with its fix
+    course_fit: str = ""  # on a GPU: its arch and whether every chapter runs on it (kvlab.gpus)
 
     def __str__(self) -> str:
+        where = f"{self.device_name}, {self.course_fit}" if self.course_fit else self.device_name
         text = (
-            f"kvlab runtime: {self.mode} ({self.device_name})\n"
+            f"kvlab runtime: {self.mode} ({where})\n"
             f"  torch {self.torch_version}, triton {self.triton_version}, "
             f"numpy {self.numpy_version}, python {self.python_version}\n  {self.advice}"
         )
@@ -90,6 +108,7 @@ class RuntimeInfo(NamedTuple):
 
 def runtime_info() -> RuntimeInfo:
     triton_version, numpy_version = triton_compat.versions()
+    fit = ""
     if INTERPRET:
         mode, name = "interpreter", f"CPU: {platform.processor() or platform.machine()}"
         advice = (
@@ -100,10 +119,12 @@ def runtime_info() -> RuntimeInfo:
             "compiles the kernels."
         )
     else:
-        mode, name = "gpu", torch.cuda.get_device_name()
+        gpu = gpus.this_gpu()
+        mode, name, fit = "gpu", gpu.name, gpu.headline()
         advice = (
-            "Triton kernels are compiled for the GPU: the first call of each kernel compiles it "
-            "(about a second), later calls take microseconds. The chapters use larger sizes here."
+            f"{gpu.detail()}. Triton kernels are compiled for the "
+            "GPU: the first call of each kernel compiles it (about a second), later calls take "
+            "microseconds. The chapters use larger sizes here."
         )
     if _TRITON_WAS_IMPORTED_EARLY and INTERPRET:
         advice += (
@@ -121,6 +142,7 @@ def runtime_info() -> RuntimeInfo:
         numpy_version=numpy_version,
         fixes=tuple(triton_compat.applied_fixes()),
         warnings=tuple(triton_compat.problems(INTERPRET)),
+        course_fit=fit,
     )
 
 

@@ -77,8 +77,8 @@ MUTANTS_CH10_11 = [
     # --- inputs the cases never had ---
     Mutant("page_hashes", _PAGE,
            "        parent = chain_hash(parent, bytes(input_ids[start:start + page_size]))\n",
-           ("[token ids past 255 (a page is not its bytes)] your code raised ValueError",
-            "bytes must be in range(0, 256)"), "hashes a page as its bytes", "unseen"),
+           ("your code raised InvalidArgument: page_tokens", "(got bytes)"),
+           "hashes a page as its bytes", "unseen"),
     Mutant("page_hashes", "    hashes, parent = [], None\n" "    for start in range(0, len(input_ids) - page_size + 1, page_size):\n" + _PAGE,
            "    hashes, parent = [], None\n"
            "    for start in range(0, len(input_ids) - page_size + 1, page_size):\n"
@@ -115,7 +115,7 @@ MUTANTS_CH10_11 = [
            "sets cached_len at the first miss (a prompt with no miss keeps 0)", "unseen"),
     Mutant("allocate_pages", "h = chain_hash(parent, tokens) if full else None",
            "h = chain_hash(parent, bytes(tokens)) if full else None",
-           ("[token ids past 255] your code raised ValueError", "bytes must be in range(0, 256)"),
+           ("your code raised InvalidArgument: page_tokens", "(got bytes)"),
            "hashes a page as its bytes", "unseen"),
     Mutant("free_pages", "        if cache.ref_count[page] < list(pages).count(page):",
            "        if cache.ref_count[page] < 1:",

@@ -16,7 +16,7 @@ import torch
 
 transformers = pytest.importorskip(
     "transformers", minversion="4.56",
-    reason="kvlab.hf needs transformers >= 4.56: pip install 'kvlab[hf]'")
+    reason="kvlab.hf needs transformers >= 4.56: pip install 'transformers>=4.56'")
 
 import kvlab  # noqa: E402
 from kvlab import InvalidArgument, OutOfPages  # noqa: E402

@@ -190,3 +190,16 @@ def test_python_m_help_reads_as_plain_text(module, tmp_path):
     assert run.stdout.startswith(f"usage: python -m {module}")
     assert "``" not in run.stdout, "reST markup in --help"
     assert list(tmp_path.iterdir()) == [], "--help wrote files"
+
+
+# -- installing without make -------------------------------------------------------------
+def test_readme_installs_from_the_repository_not_from_a_release_that_does_not_exist():
+    from kvlab.colab import REPO_URL
+
+    readme = (ROOT / "README.md").read_text()
+    bare = r"pip install (?:-U )?(['\"]?)kvlab(\[[\w,]+\])?\1(?!\s*@)(?=\s|$|`)"
+    assert not re.search(bare, readme), \
+        "README offers `pip install kvlab`, a package-index release that does not exist"
+    assert f'pip install "kvlab @ git+{REPO_URL}"' in readme
+    assert "pip wheel --no-deps -w dist ." in readme and f"dist/kvlab-{PYPROJECT['version']}-" in readme
+    assert "--index-url https://download.pytorch.org/whl/cpu" in readme  # the CPU-only torch

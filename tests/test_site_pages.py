@@ -1,10 +1,16 @@
 """The website's pieces, without executing a chapter: a chapter's page (starter shown, solution
-folded, discussion folded, widget outputs made static), link rewriting, the home page, the
+folded, discussion folded, widget outputs made static, each figure's alt text from its cell's
+``# %%`` line), link rewriting, the home page (README's course table with its pictures), the
 chapters found by globbing, the executed-notebook record, the link check, and one small
-Sphinx build with a glossary. ``tests/ui/test_site.py`` browses the real site."""
+Sphinx build with a glossary (alt texts on the images, link-preview tags, a favicon, copy
+buttons, the theme's icon script gone and its icon fonts cut to the icons used). Without the
+``site`` extra (Sphinx and friends) the build test skips; the rest needs only jupytext and
+nbformat. ``tests/ui/test_site.py`` browses the real site."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -18,6 +24,8 @@ import build_notebooks  # noqa: E402
 import build_site  # noqa: E402
 import check_site_links  # noqa: E402
 import executed_notebooks  # noqa: E402
+import site_figures  # noqa: E402
+import site_home  # noqa: E402
 import site_pages  # noqa: E402
 
 from kvlab.check.progress_file import ENV as PROGRESS_ENV  # noqa: E402
@@ -35,7 +43,7 @@ SOURCE = '''\
 #
 # See the [glossary](glossary.md#Page-table).
 
-# %%
+# %% alt="The demo explorer's picture: a single pixel standing in for a figure."
 import kvlab
 
 # %% [markdown] tags=["learner"]
@@ -150,6 +158,77 @@ def test_cells_the_build_adds_are_shown_as_they_are(demo, tmp_path):
     assert sum(c.source.startswith(":::::{dropdown}") for c in page.cells) == 2
 
 
+# -- figures' alt text ------------------------------------------------------------------
+def _png_output(pixel: bytes = b"") -> nbformat.NotebookNode:
+    data = base64.b64decode(PNG) + pixel  # a distinct picture (its bytes), same PNG start
+    return nbformat.v4.new_output("display_data", data={"image/png": base64.b64encode(data).decode(),
+                                                        "text/plain": "<Figure>"})
+
+
+def test_each_figure_gets_the_alt_text_its_cell_declares(demo, tmp_path):
+    chapter, executed = demo
+    page = site_pages.chapter_page(chapter, executed, {}, _rebaser(tmp_path))
+    (key, alt), = page.metadata["kvlab"]["figure_alt"].items()
+    assert key == hashlib.sha256(base64.b64decode(PNG)).hexdigest()  # MyST-NB's file name
+    assert alt == "The demo explorer's picture: a single pixel standing in for a figure."
+
+
+def test_a_cell_with_two_figures_declares_two_alt_texts_in_order(tmp_path):
+    src = tmp_path / "98_two.py"
+    src.write_text('# %% [markdown]\n# # 98 · Two\n\n'
+                   '# %% alt=["First: the pool before the step, all pages free.", '
+                   '"Second: the pool after the step, two pages taken."]\nshow_both()\n')
+    nb = build_notebooks.build(src, "solutions")
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    code[1].outputs = [_png_output(b"1"), _png_output(b"2")]
+    page = site_pages.chapter_page(site_pages.Chapter(src), nb, {}, _rebaser(tmp_path))
+    alts = page.metadata["kvlab"]["figure_alt"]
+    first = hashlib.sha256(base64.b64decode(PNG) + b"1").hexdigest()
+    assert list(alts.values()) == ["First: the pool before the step, all pages free.",
+                                   "Second: the pool after the step, two pages taken."]
+    assert next(iter(alts)) == first
+
+
+def test_a_figure_without_alt_text_stops_the_build(demo, tmp_path):
+    chapter, executed = demo
+    code = [c for c in executed.cells if c.cell_type == "code"]
+    code[2].outputs.append(_png_output(b"x"))  # the exercise cell draws a figure, declares none
+    with pytest.raises(site_pages.SiteError, match=r"99_demo\.py cell \d+ shows 1 figure\(s\) but "
+                                                   r"declares 0 alt text\(s\): on its `# %%` line"):
+        site_pages.chapter_page(chapter, executed, {}, _rebaser(tmp_path))
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("The page table after two batches, one row per request.", None),
+    ("a heatmap", "has 2 words"),
+    ("02_page_table.png shows the page table after a write", "looks like a file name"),
+    ("3f9a0c1d2e4b5a6978c0d1e2f3a4b5c6.png", "looks like a file name"),
+])
+def test_an_alt_text_says_in_a_sentence_what_the_picture_shows(text, problem):
+    found = site_figures.alt_problem(text)
+    assert (found is None) if problem is None else (problem in found)
+
+
+def test_a_bad_alt_declaration_is_named_with_its_cell():
+    with pytest.raises(site_figures.FigureError, match=r"x\.py cell 3: alt text 'a plot' has 2 words"):
+        site_figures.declared_alt("a plot", "x.py cell 3")
+    with pytest.raises(site_figures.FigureError, match="alt must be a string or a list of strings"):
+        site_figures.declared_alt({"text": "no"}, "x.py cell 3")
+
+
+def test_every_chapter_declares_sentences_and_an_alt_text_where_it_shows_a_figure():
+    """The exact count is checked when the site is built (each figure of the executed
+    chapter against its cell's alt texts); here, without executing: each alt text is a
+    sentence, and a cell that calls plt.show() at its top level (not inside a function a
+    widget calls) declares at least as many."""
+    for chapter in site_pages.chapters():
+        for cell in site_pages.source_cells(chapter.source):  # raises on a bad alt text
+            shows = len(re.findall(r"^plt\.show\(\)", cell.source, re.M))
+            assert len(cell.role.alt) >= shows, (
+                f"{cell.role.where} calls plt.show() {shows} time(s) but declares "
+                f"{len(cell.role.alt)} alt text(s)")
+
+
 def test_links_are_rewritten_for_the_flat_site(tmp_path):
     rebaser = _rebaser(tmp_path)
     solutions = ROOT / "notebooks" / "solutions"
@@ -182,11 +261,39 @@ def test_the_chapters_are_found_by_globbing(tmp_path, monkeypatch):
 def test_the_home_page_lists_the_chapters_and_the_glossary(tmp_path):
     rows = [(site_pages.Chapter(tmp_path / "00_tour.py"), "00 · A tour"),
             (site_pages.Chapter(tmp_path / "11_hash_cache.py"), "11 · Hashed pages")]
-    text = site_pages.index_page("# kvlab\n", rows, has_glossary=True)
+    text = site_home.index_page("# kvlab\n", rows, has_glossary=True)
     assert "| 11 | [Hashed pages](11_hash_cache.ipynb) |" in text
     assert colab_url("notebooks/11_hash_cache.ipynb") in text
     assert ":glob:" in text and "[0-9][0-9]_*" in text and "\nglossary\n" in text
-    assert "glossary" not in site_pages.index_page("# kvlab\n", rows, has_glossary=False)
+    assert "glossary" not in site_home.index_page("# kvlab\n", rows, has_glossary=False)
+
+
+def test_readmes_course_table_gives_every_chapter_what_it_builds_and_a_picture():
+    course = site_home.course_table(site_home.README.read_text())
+    for chapter in site_pages.chapters():
+        row = course.get(chapter.name[:2])
+        assert row, f"README's course table has no row for chapter {chapter.name}"
+        assert len(row.what.split()) >= 2, f"{chapter.name}: README says too little it builds"
+        assert row.picture.startswith("figures/") and (ROOT / row.picture).is_file(), row
+        assert site_figures.alt_problem(row.alt, min_words=3) is None, row
+
+
+def test_the_home_page_shows_the_course_table_with_its_pictures(tmp_path):
+    readme = ('| # | chapter | what you build | a picture from it | run it |\n|---|---|---|---|---|\n'
+              '| 00 | [A tour](https://x/00_tour.html) | why pages; which runtime | <img src="'
+              'https://raw.githubusercontent.com/kvlab-course/kvlab/main/figures/00_fragmentation.png"'
+              ' width="300" alt="contiguous vs paged KV memory"> | [badge](https://colab) |\n')
+    course = site_home.course_table(readme)
+    assert course["00"] == site_home.CourseRow("00", "why pages; which runtime",
+                                                "figures/00_fragmentation.png",
+                                                "contiguous vs paged KV memory")
+    rows = [(site_pages.Chapter(tmp_path / "00_tour.py"), "00 · A tour")]
+    text = site_home.index_page("# kvlab\n", rows, False, course, _rebaser(tmp_path))
+    assert ":::{container} kvlab-course" in text
+    assert ('| 00 | [A tour](00_tour.ipynb) | why pages; which runtime | <img src="repo/figures/'
+            '00_fragmentation.png" alt="contiguous vs paged KV memory" class="kvlab-course-picture"'
+            in text)
+    assert (tmp_path / "site-src" / "repo" / "figures" / "00_fragmentation.png").is_file()
 
 
 # -- executed notebooks ----------------------------------------------------------------
@@ -294,8 +401,13 @@ def test_the_link_check_finds_missing_files_and_anchors(tmp_path):
 
 
 # -- one small build, with a glossary ----------------------------------------------------
+SITE_EXTRA = ["sphinx", "myst_nb", "sphinx_book_theme", "sphinx_design", "sphinx_copybutton"]
+
+
 @pytest.mark.slow
 def test_a_small_site_builds_with_its_glossary(demo, tmp_path, monkeypatch):
+    for module in SITE_EXTRA:  # the `site` extra (pip install -e '.[site]')
+        pytest.importorskip(module, reason="the site extra is not installed")
     chapter, executed = demo
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()
@@ -322,6 +434,34 @@ def test_a_small_site_builds_with_its_glossary(demo, tmp_path, monkeypatch):
     assert 'href="99_demo.html#questions"' in (html / "glossary.html").read_text()
     assert "glossary.html" in (html / "index.html").read_text()
     assert check_site_links.check(html) == []
+    page = (html / "99_demo.html").read_text()
+    # the figure's alt text from its cell; a copy button on code; a favicon; link previews
+    alt = "The demo explorer's picture: a single pixel standing in for a figure."
+    assert re.search(rf'<img alt="{re.escape(alt)}" src="_images/[0-9a-f]{{64}}\.png"', page)
+    assert "copybutton.js" in page and 'rel="icon" href="_static/favicon.svg"' in page
+    assert '<meta property="og:title" content="99 · A demo chapter" />' in page
+    assert re.search(r'<meta name="description" content="[^"]{20,}" />', page)
+    assert '<meta property="og:url" content="https://kvlab-course.github.io/kvlab/99_demo.html"' \
+        in page
+    # the theme's 1.5 MB icon script is gone, its icon fonts keep only the icons used
+    assert not list(html.rglob("fontawesome.js*")) and not list(html.rglob("*.map"))
+    assert not any("fontawesome.js" in p.read_text() for p in html.glob("*.html"))
+    fonts = {p.name: p.stat().st_size for p in html.rglob("fa-*.woff2")}
+    if fonts and _has("brotli"):
+        assert max(fonts.values()) < 8_000, fonts  # ~110 KB each, whole
+        from fontTools.ttLib import TTFont
+
+        glyphs = set(TTFont(next(html.rglob("fa-solid-900.woff2"))).getBestCmap())
+        glyphs |= set(TTFont(next(html.rglob("fa-brands-400.woff2"))).getBestCmap())
+        assert 0xF0C9 in glyphs  # fa-bars, the menu button every page shows (an <i> class)
+        assert 0xF019 in glyphs  # the download links' arrow, which the stylesheet draws
+        assert 0xF09B in glyphs  # the repository button's GitHub mark (the brands font)
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
 
 
 def test_github_pages_publishes_what_make_site_builds():

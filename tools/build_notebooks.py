@@ -51,6 +51,9 @@ sys.path.insert(0, str(ROOT))
 from kvlab.check.review import chapters, closing_cells  # noqa: E402
 from kvlab.colab import SETUP_CELL, colab_link  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "tools"))
+from notebook_kernel import KERNELSPEC  # noqa: E402
+
 SRC = ROOT / "notebooks" / "src"
 LEARNER_DIR = ROOT / "notebooks"
 SOLUTIONS_DIR = ROOT / "notebooks" / "solutions"
@@ -117,7 +120,7 @@ def build(src_path: Path, which: str) -> nbformat.NotebookNode:
     text = src_path.read_text()
     parsed = jupytext.reads(text, fmt="py:percent")
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = dict(KERNELSPEC)  # the kernel `make lab` installs (notebook_kernel)
     nb.metadata["language_info"] = {"name": "python"}
     cells = [nbformat.v4.new_code_cell(SETUP_CELL)]
     skip_tag = "solution" if which == "learner" else "learner"
@@ -161,7 +164,8 @@ def sources() -> list[Path]:
 
 
 def _same(a: nbformat.NotebookNode, b: nbformat.NotebookNode) -> bool:
-    strip = lambda nb: [(c.cell_type, c.source, dict(c.get("metadata", {}))) for c in nb.cells]  # noqa: E731
+    strip = lambda nb: ([(c.cell_type, c.source, dict(c.get("metadata", {}))) for c in nb.cells],  # noqa: E731
+                        nb.metadata.get("kernelspec"))
     return strip(a) == strip(b)
 
 

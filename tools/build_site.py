@@ -17,7 +17,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -30,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import check_site_links  # noqa: E402
 import executed_notebooks as ex  # noqa: E402
+import site_home  # noqa: E402
 import site_pages  # noqa: E402
 
 WEBSITE = ROOT / "website"
@@ -74,7 +77,8 @@ def write_sources(chapters: list[site_pages.Chapter], executed: dict[str, Path],
     (src / "downloads").mkdir()
     shutil.copyfile(WEBSITE / "_static" / "colab-badge.svg", src / "images" / "colab-badge.svg")
     rebaser = site_pages.LinkRebaser(src, {c.learner.name for c in chapters})
-    rows = []
+    course = site_home.course_table(site_home.README.read_text())
+    rows, figure_alt, previews = [], {}, {}
     for chapter in chapters:
         downloads = {}
         for label, path, name in [("the notebook (.ipynb)", chapter.learner, chapter.learner.name),
@@ -84,14 +88,48 @@ def write_sources(chapters: list[site_pages.Chapter], executed: dict[str, Path],
             downloads[label] = f"downloads/{name}"
         page = site_pages.chapter_page(chapter, nbformat.read(executed[chapter.name], as_version=4),
                                        downloads, rebaser)
+        figure_alt.update(page.metadata.pop("kvlab")["figure_alt"])
         nbformat.write(page, src / f"{chapter.name}.ipynb")
-        rows.append((chapter, site_pages.chapter_title(page)))
+        title = site_pages.chapter_title(page)
+        rows.append((chapter, title))
+        row = course.get(chapter.name[:2])
+        if row:
+            what = _plain(row.what)
+            previews[chapter.name] = _preview(
+                src, chapter.name, f"kvlab, a hands-on course on paged KV-cache management, "
+                f"chapter {row.number}: {what[:1].upper() + what[1:]}.", row)
     has_glossary = site_pages.GLOSSARY.exists()
     if has_glossary:
         text = rebaser.rewrite(site_pages.GLOSSARY.read_text(), site_pages.GLOSSARY.parent)
         (src / "glossary.md").write_text(text)
     intro = (WEBSITE / "intro.md").read_text()
-    (src / "index.md").write_text(site_pages.index_page(intro, rows, has_glossary))
+    (src / "index.md").write_text(site_home.index_page(intro, rows, has_glossary, course, rebaser))
+    first = next((course[n] for n in sorted(course) if course[n].picture), None)
+    previews["index"] = _preview(src, "index", _plain(_first_paragraph(intro)), first)
+    data = {"figure_alt": figure_alt, "pages": previews}
+    (src / "_kvlab_site.json").write_text(json.dumps(data, indent=1, sort_keys=True))
+
+
+def _plain(markdown: str) -> str:
+    """Markdown as one line of plain text (for a page's description)."""
+    text = re.sub(r"!?\[([^\]]*)\]\([^)]*\)", r"\1", markdown)
+    return " ".join(re.sub(r"[`*_]", "", text).split())
+
+
+def _first_paragraph(markdown: str) -> str:
+    paragraphs = [p for p in markdown.split("\n\n") if p.strip() and not p.lstrip().startswith("#")]
+    return paragraphs[0] if paragraphs else ""
+
+
+def _preview(src: Path, name: str, description: str, row) -> dict:
+    """A page's description and preview picture (copied into ``src/_previews``)."""
+    page = {"description": description}
+    if row is not None and row.picture and (ROOT / row.picture).is_file():
+        dest = src / "_previews" / f"{name}{Path(row.picture).suffix}"
+        dest.parent.mkdir(exist_ok=True)
+        shutil.copyfile(ROOT / row.picture, dest)
+        page.update(image=dest.relative_to(src).as_posix(), image_alt=row.alt)
+    return page
 
 
 def run_sphinx(src: Path, html: Path) -> None:

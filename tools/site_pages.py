@@ -13,6 +13,12 @@ A chapter's page is its executed solutions build, changed in four ways:
 Links in Markdown cells are rewritten for the site's flat layout: a link to a course notebook
 or to the glossary points at its page, an image in the repository is copied beside the pages,
 and any other repository file is linked on GitHub.
+
+Every figure a chapter shows gets the alt text its source declares on the cell's ``# %%``
+line (``tools/site_figures.py``): the page records it by the picture's SHA-256, and the site's
+Sphinx extension (``website/kvlab_site.py``) puts it on the ``<img>``. A cell whose count of
+figures differs from its count of alt texts stops the build. The home page is
+``tools/site_home.py``.
 """
 from __future__ import annotations
 
@@ -32,6 +38,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 import build_notebooks  # noqa: E402
+from site_figures import FigureError, declared_alt, figure_key, figure_outputs  # noqa: E402
+
 from kvlab.colab import REPO_URL, SETUP_CELL, colab_url  # noqa: E402
 
 NOTEBOOKS = ROOT / "notebooks"
@@ -85,6 +93,8 @@ def chapters() -> list[Chapter]:
 class CellRole:
     kind: str  # "plain" | "exercise" | "solution-only"
     starter: str = ""
+    alt: tuple[str, ...] = ()  # the alt text of each figure the cell shows, in order
+    where: str = ""  # "NN_name.py cell 7", for messages
 
 
 @dataclass(frozen=True)
@@ -103,12 +113,17 @@ def source_cells(source: Path) -> list[SourceCell]:
             continue
         where = f"{source.name} cell {i + 1}"
         answer = build_notebooks.split_regions(cell.source, "solutions", where)
+        try:
+            alt = declared_alt(cell.metadata.get("alt"), where)
+        except FigureError as e:
+            raise SiteError(str(e)) from None
         if "solution" in tags:
-            role = CellRole("solution-only")
+            role = CellRole("solution-only", alt=alt, where=where)
         elif build_notebooks.has_markers(cell.source):
-            role = CellRole("exercise", build_notebooks.split_regions(cell.source, "learner", where))
+            role = CellRole("exercise", build_notebooks.split_regions(cell.source, "learner", where),
+                            alt=alt, where=where)
         else:
-            role = CellRole("plain")
+            role = CellRole("plain", alt=alt, where=where)
         found.append(SourceCell(cell.cell_type, answer, role))
     return found
 
@@ -261,8 +276,11 @@ def chapter_page(chapter: Chapter, executed: nbformat.NotebookNode, downloads: d
     setup = nb.cells[1]
     _fold_code(setup, "hide-input", SETUP_PROMPTS)
     page, titled, previous = [], False, "plain"
+    figure_alt: dict[str, str] = {}
     for cell, role in zip(nb.cells[2:], roles):
         _static_outputs(cell)
+        if cell.cell_type == "code":
+            figure_alt.update(_figure_alt(chapter, cell, role))
         if cell.cell_type == "markdown":
             cell.source = rebaser.rewrite(cell.source, chapter.solutions.parent)
         if cell.cell_type == "markdown" and not titled:
@@ -294,7 +312,23 @@ def chapter_page(chapter: Chapter, executed: nbformat.NotebookNode, downloads: d
     for i, cell in enumerate(page):
         cell["id"] = f"site-{i:03d}"
     nb.cells = page
+    nb.metadata["kvlab"] = {"figure_alt": figure_alt}
     return nb
+
+
+def _figure_alt(chapter: Chapter, cell: nbformat.NotebookNode, role: CellRole) -> dict[str, str]:
+    """The alt text of each figure ``cell`` shows, by the figure's key (:func:`figure_key`)."""
+    figures = figure_outputs(cell)
+    # at least one alt text per figure: a widget's first picture is an output under nbval and
+    # none under nbclient, so a cell may declare one its executed copy does not show
+    if len(figures) > len(role.alt):
+        where = role.where or f"{chapter.source.name}, the cell starting " \
+                              f"{cell.source.strip().splitlines()[:1]}"
+        raise SiteError(
+            f"{where} shows {len(figures)} figure(s) but declares {len(role.alt)} alt text(s): "
+            "on its `# %%` line, write alt=\"<what the picture shows, in a sentence>\" "
+            "(alt=[\"...\", \"...\"] for several, in order)")
+    return {figure_key(kind, raw): text for (kind, raw), text in zip(figures, role.alt)}
 
 
 def chapter_title(nb: nbformat.NotebookNode) -> str:
@@ -302,19 +336,3 @@ def chapter_title(nb: nbformat.NotebookNode) -> str:
         if cell.cell_type == "markdown" and cell.source.startswith("# "):
             return cell.source.partition("\n")[0][2:].strip()
     raise SiteError("a chapter without a '# ' title")
-
-
-def index_page(intro: str, rows: list[tuple[Chapter, str]], has_glossary: bool) -> str:
-    """The home page: the intro, a table of the chapters (found by globbing), the toctree."""
-    lines = [intro.rstrip(), "", "## The chapters", "",
-             "| | chapter | run it |", "|---|---|---|"]
-    for chapter, title in rows:
-        number, _, name = title.partition(" · ")
-        badge = f"[![Open in Colab]({BADGE_IMAGE})]({chapter.colab})"
-        lines.append(f"| {number} | [{name or title}]({chapter.name}.ipynb) | {badge} |")
-    if has_glossary:
-        lines += ["", "The [glossary](glossary.md) explains every term the course uses."]
-    toc = ["[0-9][0-9]_*"] + (["glossary"] if has_glossary else [])
-    lines += ["", "```{toctree}", ":hidden:", ":glob:", ":caption: The course", "",
-              *toc, "```", ""]
-    return "\n".join(lines)

@@ -41,6 +41,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from notebook_kernel import copy_for_this_kernel  # noqa: E402
+
 COURSE = ROOT / "notebooks"
 RECORD = ".course-copies.json"
 FIRST_CHAPTER = "00_tour.ipynb"
@@ -116,7 +119,8 @@ def _unused(path: Path, stamp: str) -> Path:
 
 def _copy(src: Path, dest: Path, record: dict[str, str], name: str) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(src, dest)
+    # with this environment's kernel metadata: JupyterLab then opens the copy unmodified
+    copy_for_this_kernel(src, dest)
     record[name] = _digest(src)
 
 

@@ -132,9 +132,10 @@ def _target() -> tuple:
 
 
 class _Child:
-    """A Python compiling kernels for ``_target()`` (see :mod:`kvlab.check.compile_child`)."""
+    """A Python compiling kernels for ``target`` (``(backend, arch, warp size)``; by default
+    ``_target()``, see :mod:`kvlab.check.compile_child`)."""
 
-    def __init__(self):
+    def __init__(self, target: tuple | None = None):
         self.workdir = Path(tempfile.mkdtemp(prefix="kvlab-compile-"))
         to_r, self.to_child = os.pipe()
         self.from_child, from_w = os.pipe()
@@ -142,7 +143,7 @@ class _Child:
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).with_name("compile_child.py")), str(to_r),
-             str(from_w), str(self.workdir), ",".join(map(str, _target()))],
+             str(from_w), str(self.workdir), ",".join(map(str, target or _target()))],
             pass_fds=(to_r, from_w), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL, env=env)
         os.close(to_r)

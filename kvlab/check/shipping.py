@@ -87,12 +87,12 @@ def _importable(fn: Callable) -> bool:
             and getattr(mod, getattr(fn, "__qualname__", "").split(".")[0], None) is not None)
 
 
-def _ref(name: str, value: Any, seen: dict) -> tuple:
+def _ref(name: str, value: Any, seen: dict, own_by_source: bool) -> tuple:
     if isinstance(value, types.ModuleType):
         return ("module", value.__name__)
     parts = _kernel_parts(value)
     if parts is not None or (isinstance(value, types.FunctionType) and not _importable(value)):
-        return ("function", ship(value, seen))
+        return ("function", ship(value, seen, own_by_source=own_by_source))
     try:
         return ("value", pickle.dumps(value))
     except Exception as e:  # noqa: BLE001 - anything can be in a notebook's globals
@@ -100,15 +100,17 @@ def _ref(name: str, value: Any, seen: dict) -> tuple:
                          f"{e}") from None
 
 
-def ship(obj, seen: dict | None = None) -> Shipped:
-    """``obj`` (a function or a Triton kernel) by value: see the module docstring."""
+def ship(obj, seen: dict | None = None, *, own_by_source: bool = False) -> Shipped:
+    """``obj`` (a function or a Triton kernel) by value: see the module docstring. kvlab's own
+    code travels by reference (the child imports it), or with ``own_by_source`` by its source
+    too, for a child that must not import kvlab (:mod:`kvlab.check.gpu_targets`)."""
     seen = {} if seen is None else seen
     if id(obj) in seen:
         return seen[id(obj)]
     parts = _kernel_parts(obj)
     fn, is_jit, options = parts if parts is not None else (obj, False, {})
     module = sys.modules.get(getattr(fn, "__module__", "") or "")
-    if (module is not None and module.__name__.startswith("kvlab.")
+    if (not own_by_source and module is not None and module.__name__.startswith("kvlab.")
             and getattr(module, getattr(fn, "__qualname__", ""), None) is obj):
         # kvlab's own code (a reference solution): the child imports it, relative imports and all
         shipped = Shipped(fn.__name__, "", fn.__code__.co_filename, is_jit,
@@ -141,7 +143,7 @@ def ship(obj, seen: dict | None = None) -> Shipped:
                        and value.__name__ in ("triton", "triton.language")})
     for name, value in values.items():
         if value is not obj:
-            shipped.refs[name] = _ref(name, value, seen)
+            shipped.refs[name] = _ref(name, value, seen, own_by_source)
     return shipped
 
 

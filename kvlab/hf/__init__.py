@@ -14,7 +14,8 @@ transformers, model checks), :mod:`~kvlab.hf.step` (one step as the attention ca
 without overlap scheduling), :mod:`~kvlab.hf.overlap` (where a step's device work runs: a CUDA
 stream, or a worker thread on a CPU), :mod:`~kvlab.hf.models` (small random models saved and
 loaded like real ones); chapter 12's :mod:`~kvlab.hf.room` and :mod:`~kvlab.hf.swap`.
-transformers itself is optional: ``pip install 'kvlab[hf]'``.
+transformers itself is optional: ``pip install 'transformers>=4.56'`` (in a checkout, the ``hf``
+extra: ``pip install -e '.[hf]'``).
 """
 from __future__ import annotations
 

@@ -54,16 +54,18 @@ _NEUTRAL_GENERATION = {
 
 
 def require_transformers():
-    """Import transformers, or say how to install it (``kvlab[hf]``) and which version."""
+    """Import transformers, or say how to install it (the ``hf`` extra) and which version."""
     try:
         import transformers
     except ImportError as e:
         raise ImportError("kvlab.hf serves Hugging Face models and needs transformers >= "
-                          f"{'.'.join(map(str, MIN_TRANSFORMERS))}: pip install 'kvlab[hf]'") from e
+                          f"{'.'.join(map(str, MIN_TRANSFORMERS))}: pip install "
+                          f"'transformers>={'.'.join(map(str, MIN_TRANSFORMERS))}'") from e
     version = tuple(int(p) for p in transformers.__version__.split(".")[:2] if p.isdigit())
     if version < MIN_TRANSFORMERS:
         raise ImportError(f"kvlab.hf needs transformers >= {'.'.join(map(str, MIN_TRANSFORMERS))}, "
-                          f"found {transformers.__version__}: pip install -U 'kvlab[hf]'")
+                          f"found {transformers.__version__}: pip install -U "
+                          f"'transformers>={'.'.join(map(str, MIN_TRANSFORMERS))}'")
     return transformers
 
 

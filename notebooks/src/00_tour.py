@@ -137,7 +137,7 @@ print(f"  time on this machine:     without cache {1e3 * t_without:6.1f} ms, wit
 # (the attention itself, one query against `t` keys, is the same in both). The timing depends on
 # your machine; the count of projected rows does not. Per step:
 
-# %%
+# %% alt="A line chart of the key/value rows a model projects at each generation step: without a cache the count grows with the step (t rows at step t), with a cache it stays at one row per step."
 steps = torch.arange(1, n_tokens + 1)
 fig, ax = plt.subplots(figsize=(7, 2.6))
 ax.plot(steps, steps, label="without a cache: t rows at step t")
@@ -197,7 +197,7 @@ assert bytes_per_token == 128 * 1024, f"{bytes_per_token} bytes per token, expec
 # Each step may put at most 8 prompt tokens through the model. `A` arrives first, `B` at step 2,
 # `C` at step 3 with an 11-token prompt.
 
-# %%
+# %% alt="A scheduler's timeline for requests A, B and C over seven steps: each cell shows a request's KV tokens before and after the step, coloured by prefill, prefill chunk or decode, with hatched cells where a request waits outside the batch."
 timeline = scheduler_timeline(THREE_REQUESTS, prefill_budget=8)
 for r in THREE_REQUESTS:
     print(r)
@@ -248,7 +248,7 @@ print("KV tokens at the end:", final)
 # small table per request saying which page holds which of its tokens. A request now wastes at
 # most `page_size - 1` slots, in its last page, and any free page serves anyone.
 
-# %%
+# %% alt="Four requests of 11, 3, 7 and 14 tokens stored two ways: contiguous reservations of 16 slots each leave 29 of 64 slots unused, while pages of 4 slots scattered through the pool leave only 5 slots unused and 6 pages free."
 fig = fragmentation_figure(lengths=(11, 3, 7, 14), max_seq_len=16, page_size=4)
 plt.show()
 
@@ -280,7 +280,7 @@ assert all(p * page_size - n < page_size for p, n in zip(pages_each, lengths)), 
 # (chapter 02 says why). The heatmap colours each mapped cell by its **physical page**
 # (`slot // page_size`): a run of one colour is one page; blank cells are unmapped.
 
-# %%
+# %% alt="A heatmap of a first page table: one row per request slot, one column per logical position, each mapped cell coloured by its physical page, and white where a request's tokens end."
 table, lengths = first_page_table(n_requests=5, max_seq_len=32, page_size=4, seed=0)
 print("page table shape:", tuple(table.shape), "(rows = 5 request slots + 1 spare)")
 print("request lengths:", lengths)
@@ -312,7 +312,7 @@ print("every row maps exactly its length; each logical page sits in one physical
 # requests 0, 1 and 2 share their first two pages (same slots, same colours); request 3 has
 # a different prompt. Chapter 05 builds the [radix tree](glossary.md#radix-tree) that finds such shared prefixes.
 
-# %%
+# %% alt="A page table of four requests with the slot number in every cell: requests 0, 1 and 2 hold the same two pages (slots 28-31 and 12-15) in their first eight positions, request 3 has pages of its own."
 shared, P = sharing_table(page_size=4, seed=0)
 ax = page_table_heatmap(shared, P, rows=slice(0, 4), title="requests 0-2 share their first two pages")
 plt.show()
@@ -328,7 +328,7 @@ assert not torch.equal(shared[3, :8], shared[0, :8]), (
 # pixels. `page_table_heatmap` then shows one cell per page (or per block of pages) and says so
 # in its title. The long white tails are positions no request has reached yet.
 
-# %%
+# %% alt="A downsampled heatmap of a 64-request by 4096-position page table, one cell per 16 positions: rows of scattered page colours, each ending in a long white tail where the request has not reached yet."
 rows, cols, P = 64, 4096, 16
 big, big_lengths = first_page_table(n_requests=rows - 1, max_seq_len=cols, page_size=P, seed=1)
 ax = page_table_heatmap(big, P, max_cells=512, title=f"{rows} request slots x {cols} positions")

@@ -39,7 +39,7 @@ print("device:", device)
 # Their page starts are `[16, 4, 24]`. The answer lists page 4's slots, then page 1's, then
 # page 6's: **order matters**, because the i-th slot of the answer goes to the i-th new token.
 
-# %%
+# %% alt="Top: a KV pool of 8 pages of 4 slots with pages 4, 1 and 6 coloured; bottom: page_to_token's output, slots 16-19, then 4-7, then 24-27, in the order the pages were given."
 fig = pages_to_slots_figure(page_ids=(4, 1, 6), page_size=4, num_pages=8)
 plt.show()
 
@@ -333,7 +333,7 @@ except ValueError as err:
 #
 # Six random pages out of a pool of sixteen, and the slots they become:
 
-# %%
+# %% alt="Top: a pool of 16 pages of 4 slots with six random pages coloured; bottom: page_to_token's output lists their slots page after page, in the order the pages were picked."
 picked = random.Random(1).sample(range(16), 6)
 fig = pages_to_slots_figure(page_ids=picked, page_size=4, num_pages=16)
 plt.show()
@@ -347,7 +347,7 @@ assert got.tolist() == page_to_token_ref([p * 4 for p in picked], 4), f"slots {g
 # wrong axis (a row of starts plus a column of offsets), which interleaves the pages. The
 # checker names the case, the page and the first wrong slot, and draws expected against got:
 
-# %%
+# %% alt="The checker's picture of the wrong answer: the expected slots 4 to 11 above the slots the transposed version returned, with the 6 wrong positions outlined in red."
 def transposed(page_starts, page_size):
     offsets = torch.arange(page_size, dtype=page_starts.dtype, device=page_starts.device)
     return (page_starts.unsqueeze(0) + offsets.unsqueeze(1)).flatten()

@@ -222,7 +222,7 @@ print("cols:", cols_host.tolist())
 # Before and after, with the cells this batch wrote outlined. The old entries are untouched;
 # row 2 did not change; the dummy row stays empty.
 
-# %%
+# %% alt="A page table before and after one write_page_table call: the 24 entries written into rows 0, 1 and 3 are outlined in red, while row 2 and the spare last row stay as they were."
 fig = before_after_figure(before, after_host, P, title=f"allocation_info = {allocation_info}")
 plt.show()
 expected = write_page_table_ref(before.tolist(), allocated.tolist(), allocation_info, P)
@@ -429,7 +429,7 @@ print("yours == notebook's == kvlab.write_page_table == kvlab.write_page_table_t
 # What does the checker say about a wrong answer? The classic slip is to forget to advance
 # through `allocated`, so that every request gets the first request's slots:
 
-# %%
+# %% alt="The checker's picture of the wrong answer: the expected and the returned page tables side by side, with the one wrong cell (row 0, column 0) outlined in red."
 def no_offset(page_table, allocated, allocation_info, page_size):
     for table_idx, first_page, last_page in allocation_info:
         length = (last_page - first_page) * page_size
@@ -445,7 +445,7 @@ except kvlab.check.CheckFailed as err:
 # %% [markdown]
 # The whole table at once, after many batches, to end with (one cell per page when it is wide):
 
-# %%
+# %% alt="A heatmap of a page table after four batches of growth: each request's row is filled from column 0 up to its length with pages scattered through the pool, and the rest of the row is white."
 rows, width, P = kvlab.runtime.pick(cpu=(16, 512, 16), gpu=(64, 4096, 16))
 big = kvlab.new_page_table(rows - 1, width, P)
 rng = random.Random(3)

@@ -67,7 +67,7 @@ print("device:", device)
 # - **part 2** (green) takes whole new pages;
 # - **part 3** (red) takes one more new page and fills only its beginning.
 
-# %%
+# %% alt="Two views of one alloc_extend for three requests on pages of 4 slots: the logical view gives each token position its physical slot, the physical view shows the same slots in the pool, coloured by prefix, part 1 (rest of the old page), part 2 (whole new pages) and part 3 (a new last page)."
 pic = small_example()
 fig = two_views_figure(pic, 12, ["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"], ["r0", "r1", "r2"],
                        annotate=True)
@@ -372,7 +372,7 @@ print("free_pages:", alloc.free_pages.tolist(), f"  available_size() = {alloc.av
 # `pre .. seq - 1`. Before (only the prefixes mapped) and after this batch, with the cells the
 # batch wrote outlined; colour is the physical page:
 
-# %%
+# %% alt="A page table before and after alloc_extend's out_indices are written into it: the prefixes of rows 0 and 1 stay where they were, and the 16 new entries of rows 0, 1 and 2 are outlined in red."
 pre_b, seq_b = [3, 4, 0], [9, 12, 2]
 table = kvlab.new_page_table(3, 12, 4)  # 3 request rows (+ the spare row), 12 positions
 at = 0
@@ -405,7 +405,7 @@ print("each row maps exactly its seq_len positions; position t sits at offset t 
 # Page boundaries are the vertical lines. Part 1 continues the old page, parts 2 and 3 start new
 # pages at offset 0, anywhere in the pool.
 
-# %%
+# %% alt="The worked example on pages of 64 slots, request A growing from 70 to 190 tokens and B from 128 to 260, in the logical and the physical view: part 1 continues A's old page, parts 2 and 3 take new pages anywhere in the pool."
 pic = worked_example()
 fig = two_views_figure(pic, 10, ["A: 70 -> 190", "B: 128 -> 260"], ["A", "B"],
                        logical_title="logical view: row = request, column = token position (page_size 64)",
@@ -415,7 +415,7 @@ plt.show()
 # %% [markdown]
 # And a random batch on pages of 16 (seeded), in the logical view (column = token position):
 
-# %%
+# %% alt="A random batch of five requests on pages of 16 slots in the logical view: each row shows the request's cached prefix, then its new tokens coloured by part 1, part 2 and part 3."
 rng = random.Random(3)
 pre_r = [rng.choice([0, 5, 16, 21]) for _ in range(5)]
 seq_r = [p + rng.randint(0, 40) for p in pre_r]
@@ -444,7 +444,7 @@ assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
 #
 # Which positions would the programs read? The reference knows without running anything:
 
-# %%
+# %% alt="The positions of free_pages that each request's program reads when there are too few pages: r2's program reads two positions past the end of the five-entry free_pages, hatched in red."
 short_pre, short_seq = [3, 4, 0], [9, 12, 10]
 short_free = [7, 3, 10, 1, 8]
 reads = kernel_page_reads_extend(short_pre, short_seq, 4)
@@ -686,7 +686,7 @@ print("notebook kernel == kvlab.kernels.alloc_extend_kernel; notebook allocator 
 # **last** new page and uses its first one instead. For B in the worked example that page is
 # already part 2's, so B's last 4 slots collide with its first 4:
 
-# %%
+# %% alt="The checker's picture of the wrong part-3 kernel on the worked example: the expected slots above the slots the kernel returned, with the wrong positions outlined in red."
 @triton.jit
 def wrong_part3_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
                        ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,

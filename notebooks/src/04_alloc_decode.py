@@ -41,7 +41,7 @@ print("device:", device)
 # after the previous one (`last_loc + 1`, same page). Green: the previous token was the last of
 # its page, so this one takes the first slot of a fresh page from the front of `free_pages`.
 
-# %%
+# %% alt="Five decode steps of three requests on pages of 4 slots, one panel per step: each request gets one new slot, orange where it is last_loc + 1 on the same page and green where it is the first slot of a new page taken from free_pages."
 history = example_history()
 fig, axes = plt.subplots(len(history), 1, figsize=(8.0, 1.5 * len(history) + 0.6), sharex=True)
 draw_decode_steps(history, 4, axes)
@@ -213,7 +213,7 @@ print(f"{n_steps} decode steps for {bs} requests: allocator == reference at ever
 # decode steps wrote are outlined, colour is the physical page. Each row continues its prompt's
 # last page, then moves to a new page (a new colour) exactly at the page boundaries:
 
-# %%
+# %% alt="A page table heatmap after a prefill and 20 decode steps on pages of 16 slots: the positions written by the decode steps are outlined in red, continuing each request's row after its prompt."
 width = kvlab.div_ceil(max(len(s) for s in owned), P) * P
 table = kvlab.new_page_table(bs, width, P)
 decoded = torch.zeros(table.shape, dtype=torch.bool)
@@ -237,7 +237,7 @@ for r, row_slots in enumerate(owned):  # position t at offset t % P; one physica
 # Four requests on pages of 4, eight steps (seeded). Scan down the strip: a green cell appears in
 # a row exactly when that row's previous token filled a page.
 
-# %%
+# %% alt="Eight decode steps of four requests on pages of 4 slots, one panel per step: each step gives every request one slot, orange on its current page and green when it crosses into a new page."
 hist = decode_steps([2, 4, 7, 1], 8, 4, random.Random(5).sample(range(24), 24))
 fig, axes = plt.subplots(len(hist), 1, figsize=(8.0, 1.3 * len(hist) + 0.6), sharex=True)
 draw_decode_steps(hist, 4, axes)
@@ -251,7 +251,7 @@ for step in hist:
 # Running the notebook live? Scrub through the same steps with a slider (the strip above already shows
 # every step; the slider shows one at a time):
 
-# %%
+# %% alt="One decode step of the four requests on pages of 4 slots, the step the slider picks: each request gets one new slot, orange on its current page and green where it crosses into a new page."
 import ipywidgets as widgets
 
 
@@ -389,7 +389,7 @@ print("notebook kernel == kvlab.kernels.alloc_decode_kernel; notebook decode ste
 # (the token *after* this one would start a page) instead of `(seq - 1) % page_size == 0`. The
 # checker's edge cases catch it at once:
 
-# %%
+# %% alt="The checker's picture of the off-by-one kernel on a request crossing into a new page: expected slot 4, got slot 16, outlined in red."
 @triton.jit
 def off_by_one_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices, ret_values,
                       bs_upper: tl.constexpr, page_size: tl.constexpr):

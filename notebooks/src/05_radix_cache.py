@@ -39,7 +39,7 @@ random.seed(0)
 # heatmap below, colour is the physical page: the first three pages of both rows are one and
 # the same.
 
-# %%
+# %% alt="A page table of two requests with one system prompt: both rows hold the same three pages (slots 0-11) for the shared prompt, then pages of their own."
 shared_prefix_figure()
 plt.show()
 
@@ -126,7 +126,7 @@ assert page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P) == 6, (
 # as we will see). `insert_prefix(ids, slots)` returns the length that was already cached and
 # a handle for the inserted prefix:
 
-# %%
+# %% alt="A radix tree on pages of 2 tokens: under the root, the shared node [1 2|3 4] on pages 3 and 4 branches into the leaves [5 6] and [8 9]; no node is locked and all 8 tokens are evictable."
 cache = RadixPrefixCache(page_size=2, device="cpu")
 r = cache.insert_prefix([1, 2, 3, 4, 5, 6, 7], torch.arange(6, 13, dtype=torch.int32))
 print("already cached:", r.cached_len, "| the handle covers", r.handle.cached_len, "tokens:",
@@ -279,7 +279,7 @@ assert cm.match_req(Req([1, 2, 3, 4, 5, 6], 0)).cached_len == 4, (
 # matched (touching A's branch, so it becomes *recently used*); memory runs short (`evict`);
 # B finishes (unlock) and memory runs short again. `fresh_slots` plays the page allocator.
 
-# %%
+# %% alt="Eight snapshots of a radix tree, one per step of the story: inserting A and D, inserting B (which splits a node), locking B, matching C, evicting the least recently used leaf, unlocking B and evicting again, with new nodes outlined in green, locked nodes in orange and evicted ones greyed."
 story = RadixPrefixCache(page_size=2, device="cpu")
 A, B, C, D = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6, 12, 13], [20, 21, 22, 23, 24]
 next_page = 3
@@ -451,7 +451,7 @@ for page_size in (1, 2, 4):
 # Later arrivals map the earlier ones' pages. Colour = physical page; equal colours in
 # different rows are shared pages.
 
-# %%
+# %% alt="A page table of four requests on pages of 4 slots in which rows 0 and 2 share their first two pages and rows 1 and 3 share theirs, each then continuing on pages of its own."
 P4 = 4
 cm = CacheManager(num_pages=24, page_size=P4,
                   page_table=kvlab.paging.new_page_table(4, 24, P4))

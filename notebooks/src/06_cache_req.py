@@ -68,7 +68,7 @@ random.seed(0)
 # Here are the four cache_req calls this chapter walks through, drawn as region bars (numbers:
 # the [slot](glossary.md#token-slot) each position mapped before the call; hatched: returned to the free list).
 
-# %%
+# %% alt="Four scenarios of cache_req drawn as bars over a request's token positions: each bar is cut into the regions hit (cached before), newly inserted, duplicate (freed, hatched) and tail (a partial page), with the slot mapped at each position."
 region_bars(scenarios(), title="cache_req: the four regions of [0, req.cached_len)")
 plt.show()
 
@@ -168,7 +168,7 @@ assert (old_len, already, new_handle.cached_len) == (0, 0, 8) and duplicate_page
 # | `freed_pages` | the page starts the call gave back to the free list |
 # | `remapped` | whether the duplicate part of the row now points at the cache's slots |
 
-# %%
+# %% alt="The page pool after cache_req of request A: pages 0 and 1 are cached and locked by A, page 2 is A's own tail page, and pages 3 to 11 are free."
 regions_a = cm.cache_req(a, finished=False)
 print(regions_a)
 cm.check_integrity()
@@ -328,7 +328,7 @@ else:
 # rewrites `row[old.cached_len : cached_len]` to `new_handle.get_matched_indices()` over the
 # same range, so the row reads the cached copy, which is locked and safe:
 
-# %%
+# %% alt="Two page tables after two requests prefilled the same prompt: in the source design 8 positions of row 1 still point at pages that were freed (outlined in red), while kvlab remapped row 1 to the cached pages so that none does."
 print("kvlab (remap_duplicates=True):")
 cm_fix, kv_fix, prompt = stale_row_story(remap_duplicates=True)
 assert not wrong_reads(cm_fix, kv_fix, prompt, row=1).any(), (
@@ -352,7 +352,7 @@ plt.show()
 # every own page past it, and forgets B; the cache keeps B's pages unlocked (evictable) for
 # future requests. A, still running, keeps its tail.
 
-# %%
+# %% alt="The regions of request B when it finishes after two decode steps: positions 0 to 7 are a hit, 8 to 11 newly inserted, and the partial last page, position 12, is a tail returned to the free list."
 for token in (9, 10):
     b.append_token(token)
     cm.allocate_paged([b])  # maps a new page only when device_len crosses a page boundary
@@ -396,7 +396,7 @@ else:
 # kvlab compares the need with `free + evictable` first and raises `OutOfPages`, a named
 # error, with every piece of state unchanged, asserts or not.
 
-# %%
+# %% alt="The page pool after a refused allocation, unchanged: cached and locked pages, each row's own pages, one evictable page and the free pages, each in its own colour, none lost or owned twice."
 big = Req(list(range(300, 330)), table_idx=1)  # B's row is free again; 30 tokens = 8 pages
 cm.admit(big)
 print(f"free pages {cm.num_free_pages}, evictable pages {cm.prefix_cache.size_info.evictable_size // P}")
@@ -568,7 +568,7 @@ kvlab.check.hint("cache_req_regions", 1);
 # region by region. This is what it says about the source design's behaviour, which frees
 # the duplicate pages and leaves the row as it was:
 
-# %%
+# %% alt="The checker's picture of the wrong answer: the expected and the returned page-table row of a request whose prompt was prefilled twice, with the 8 wrong duplicate positions outlined in red."
 def free_without_remap(row_slots, cached_slots, old_cached_len, already_cached_len, page_size):
     return {"free": list(row_slots[old_cached_len:already_cached_len:page_size]), "row": list(row_slots)}
 

@@ -56,7 +56,7 @@ random.seed(0)
 # page is always in exactly one of four places: free (grey), cached and [evictable](glossary.md#evictable) (blue),
 # cached and [locked](glossary.md#lock) by a running request (orange), or private to one running request (purple).
 
-# %%
+# %% alt="Three panels over the steps of a serving run under memory pressure: pages by owner (private, cached and locked, cached and evictable, free), prompt tokens computed or hit in the prefix cache with the cumulative hit rate, and the tokens evicted at each step with preemptions marked."
 fig = timeline_dashboard(pressured_run())
 plt.show()
 
@@ -387,7 +387,7 @@ except SimIntegrityError as err:
 # pages waste the unused end of every request's last page and hit less. (Real servers still
 # like big pages: fewer page-table entries and larger contiguous reads — chapter 09.)
 
-# %%
+# %% alt="The same workload with pages of 1, 16 and 64 slots: memory by owner over the steps for each page size, then bars of the prompt tokens hit (73%, 58% and 0%) against the slots reserved but empty, which grow with the page size."
 runs = page_size_runs()
 compare_page_sizes(runs)
 plt.show()
@@ -410,13 +410,13 @@ assert runs[1].summary().mean_wasted_slots == 0 < runs[16].summary().mean_wasted
 # the latest `cache_req`. Without a widget front end (a notebook viewer, CI) you see a picture
 # of the current view instead.
 
-# %%
+# %% alt="The timeline explorer's page-table view at step 12: two running requests' rows mapped to scattered pages, two free rows, and a line counting the pages free, cached and private."
 explorer = kvlab.widgets.explore(timeline, "page table", step=12)
 
 # %% [markdown]
 # The same four views of one busy step, side by side:
 
-# %%
+# %% alt="Four views of the serving loop at one step: the page table coloured by page, every page of the pool by owner, the prefix cache's radix tree with its locked nodes, and the regions of one cache_req call."
 step_views_figure()
 plt.show()
 

@@ -49,7 +49,7 @@ N_RANDOM = kvlab.runtime.pick(cpu=4, gpu=40)
 # the allocator found free [pages](glossary.md#page), and the request's **page-table row** says where: position
 # `t` lives at slot `page_table[row, t]`. Attention "gathers" K and V through the row.
 
-# %%
+# %% alt="Top: a page table of requests A and B on pages of 4 slots; bottom: one layer's K pool of 8 pages, where A's and B's K vectors lie scattered in whole pages that attention gathers through each request's row."
 gather_figure()
 plt.show()
 
@@ -411,7 +411,7 @@ assert engine.manager.running == [], f"still running: {engine.manager.running}"
 # first batch left in the cache — and each request's own question and answer follow on pages
 # of its own.
 
-# %%
+# %% alt="Left: batch 2's page table after prefill, three rows sharing their first three pages before pages of their own; right: bars of the prompt tokens computed in each batch, equal in batch 1 and far fewer with the prefix cache in batch 2, with the same generated tokens."
 fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1]))
 cols = max(len(p) for p in second) + NEW_TOKENS
 cols = -(-cols // 4) * 4
@@ -446,6 +446,39 @@ for i in range(N_RANDOM):
                                atol=1e-5, rtol=1e-5, msg=lambda m: f"layout {i}, torch versions: {m}")
 print(f"✓ the notebook's kernel == kvlab's kernel, the torch version == kvlab's reference, "
       f"on {N_RANDOM} random layouts")
+
+# %% [markdown]
+# ## K/V in 16 bits, as servers keep them
+#
+# A float32 pool spends 4 bytes on every number. Servers keep K and V in 16 bits, half the
+# memory, so twice the tokens fit in the same pool. The kernel needs no change: it converts
+# each K/V row to float32 as it loads it (`.to(tl.float32)`) and does the dot products and the
+# softmax in float32, so the pool's rounding is the only difference.
+#
+# Which 16-bit type depends on the GPU. [bfloat16](glossary.md#bfloat16) keeps float32's
+# range and is what servers use, but GPUs compute in it only from
+# [compute capability](glossary.md#compute-capability) 8.0 (sm_80, Ampere) on: Colab's free
+# T4 is sm_75, where torch supports bfloat16 only by emulation
+# (`torch.cuda.is_bf16_supported(including_emulation=False)` is False below 8.0). There the
+# chapter keeps its pool in float16, as small and with more mantissa bits but a narrower range
+# (K and V stay far inside it). `kvlab.runtime.half_dtype()` makes the choice (bfloat16 in the
+# interpreter and from sm_80 on, float16 before), and the cell says which it took:
+
+# %%
+HALF = kvlab.runtime.half_dtype()
+print("16-bit K/V here:", kvlab.runtime.half_note(HALF))
+q_f, k_f, v_f, table_f, rows_f, lens_f = random_layout(7, 4, [9, 14, 3])
+k_h, v_h = k_f.to(HALF), v_f.to(HALF)
+out_h = paged_decode_attention(q_f, k_h, v_h, table_f, rows_f, lens_f)
+# the kernel read the 16-bit numbers exactly: the reference on the same numbers agrees closely
+torch.testing.assert_close(out_h, paged_decode_attention_reference(
+    q_f, k_h.float(), v_h.float(), table_f, rows_f, lens_f), atol=1e-5, rtol=1e-5)
+# and the pool's rounding moves the output a little from the float32 pool's
+gap = (out_h - paged_decode_attention_reference(q_f, k_f, v_f, table_f, rows_f, lens_f)).abs().max().item()
+assert out_h.dtype == torch.float32 and gap < 5e-2, f"the 16-bit pool moved the output by {gap}"
+print(f"✓ {k_h.element_size()} bytes per number instead of {k_f.element_size()}: "
+      f"{k_h.nbytes + v_h.nbytes} bytes of K/V instead of {k_f.nbytes + v_f.nbytes}; "
+      f"the output moves by at most {gap:.1e}")
 
 # %% [markdown]
 # ## Summary

@@ -75,7 +75,7 @@ print(f"saved benchmark: {meta['device']}, torch {meta['torch']}, triton {meta['
 # chapter, light green the fast path when it has to read the page count back from the GPU
 # (one sync), blue the same allocation written with vectorised torch operations.
 
-# %%
+# %% alt="Bar charts, one per page size (1, 16 and 64), of microseconds per alloc_extend call on a log scale for several batch shapes, comparing the teaching kernel, the fast kernels with and without a sync, and vectorised torch, measured on the GPU the title names."
 fig = bench_plots.plot_extend(bench)
 plt.show()
 
@@ -118,7 +118,7 @@ print("a few of them (bs_upper, page_size, lanes):", sorted(keys)[:4], "...")
 # path (it compiles); green, the fast path after its kernels were compiled once, for any shape.
 # The dashed line is the 20 ms target.
 
-# %%
+# %% alt="A log-scale bar chart of the first call's time on each new batch shape: the teaching kernel compiles again for every power of two and lands far above the 20 ms target line, the fast kernel compiles once per page size and stays below it."
 fig = bench_plots.plot_recompile(bench)
 plt.show()
 teach_ms = [r["teaching_first_call_ms"] for r in bench["cold"] if r["teaching_first_call_ms"]]
@@ -156,7 +156,7 @@ for bs in (1, 64, 1024, 16384):
 # becomes visible when the batch is large. The benchmark kept the total fixed at 16,384 tokens
 # and grew the batch (fewer tokens per request):
 
-# %%
+# %% alt="A log-scale line chart of microseconds per call against batch size at a fixed total of tokens: the teaching kernel, where every program re-sums the prefix, climbs steeply at large batches, while the fast kernel's single scan stays low."
 fig = bench_plots.plot_scaling(bench)
 plt.show()
 
@@ -240,7 +240,7 @@ print("A:", slots[:3].tolist(), "...", slots[57:60].tolist(), "... | B:", slots[
 # land at its own offset within a page (`slot % P == position % P`): that is what makes the
 # row readable page by page.
 
-# %%
+# %% alt="The worked example written into a page table on pages of 64 slots: requests A and B, each row coloured by physical page, their prefix pages first, then the pages out_indices gave them."
 rows = torch.full((2, int(seq.max())), -1, dtype=torch.int64)
 rows[0, :70] = torch.cat([0 * P + torch.arange(64), 1 * P + torch.arange(6)])    # A's prefix: pages 0, 1
 rows[1, :128] = torch.cat([4 * P + torch.arange(64), 2 * P + torch.arange(64)])  # B's prefix: pages 4, 2
@@ -402,7 +402,7 @@ print(f"fast decode == reference on {n_trials} random steps")
 # uses 1024). Program boundaries ignore request boundaries: a program may serve parts of several
 # requests, and one long request may span many programs. Work is balanced whatever the lengths.
 
-# %%
+# %% alt="The fast fill kernel on pages of 4 slots with blocks of 8 positions: three programs each find, by binary search in token_start, which request owns each output position, and write its slot, hatched on the request's old page and solid on new pages."
 fig = fill_mapping_figure()
 plt.show()
 
@@ -600,7 +600,7 @@ print(f"batch 64, context 4096: K/V {b['kv'] / 1e6:.0f} MB; chapter 08's program
 # [splits](glossary.md#split) of whole blocks, one program each, so that even one request keeps
 # several programs busy. A split past a request's end has nothing to read and exits at once.
 
-# %%
+# %% alt="Which program reads which pages for three requests of 21, 9 and 3 tokens on pages of 3: chapter 08's kernel runs one program per query head, so each of request A's 4 heads reads every page, while chapter 09's runs one program per K/V head and split, reading each page once for all 4 heads, with splits past a request's end reading nothing."
 from kvlab.scenes.ch09_making_it_fast import split_reads_figure
 
 split_reads_figure()
@@ -929,7 +929,7 @@ print("start-up:", ", ".join(f"{n} {s:.1f} s" for n, s in st["startup_s"].items(
 # only slow a chapter down (`compile_decode=` overrides it either way). The targets of the
 # saved run, and the whole picture:
 
-# %%
+# %% alt="Left: decode attention time over the memory floor on a log scale for batches of 1 to 256 and contexts of 512 to 32768 tokens, chapter 08's kernel far above, chapter 09's kernel and transformers' SDPA near the floor; right: the whole decode step's replay time over the floor with the fast kernels, with torch.compile, and with chapter 08's kernel, measured on the GPU the title names."
 for t in att["targets"]:
     verdict = "n/a" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
     print(f"[{verdict}] {t['name']}: {t['measured']} ({t['rule']})")
@@ -969,7 +969,7 @@ plt.show()
 # The saved H200 run times each public call side by side with the [seed wrapper](glossary.md#seed-wrapper) (the source
 # design's host code: one launch, `ret_values.item()`, the slice) and with the floor:
 
-# %%
+# %% alt="Log-scale bars of where the time of a public alloc_extend call (top) and alloc_decode call (bottom) goes for several batch sizes, comparing the fast allocator with and without a sync, the teaching allocator and the source's wrapper, against the cost of one launch and of a launch with a sync."
 from kvlab.scenes.ch09_making_it_fast import public_call_rows
 
 floor = bench["floor"]["paths"]

@@ -41,8 +41,8 @@ from kvlab.scenes.ch10_serve import (conversation_bars, conversation_rows, conve
 
 try:
     import transformers
-except ImportError as e:  # the course's dev install has it; elsewhere: pip install 'kvlab[hf]'
-    raise ImportError("chapter 10 needs transformers: pip install 'kvlab[hf]'") from e
+except ImportError as e:  # the course's dev install has it; elsewhere: pip install 'transformers>=4.56'
+    raise ImportError("chapter 10 needs transformers: pip install 'transformers>=4.56'") from e
 
 USE_SMOLLM2 = False            # True: HuggingFaceTB/SmolLM2-135M and real text (GPU + internet)
 DEVICE = kvlab.DEVICE
@@ -91,7 +91,7 @@ print(f"{type(model).__name__} from {model.name_or_path}: {c.num_hidden_layers} 
 # as the model's authors wrote it. Ours stores this step's `k`, `v` in the pool at the [slots](glossary.md#token-slot)
 # the page table names, then reads every earlier token of the request back through its row.
 
-# %%
+# %% alt="The layers of a transformers model (embed, RMSNorm, projections, RoPE, attention, MLP, lm_head) with the attention box replaced by kvlab's, which stores each step's K and V through the page table into the K/V pool and attends over them."
 plug_in_figure()
 plt.show()
 
@@ -356,7 +356,7 @@ for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
 # coloured by the turn that computed its K/V: each turn maps the very slots earlier turns wrote
 # (the assert below compares the rows slot by slot) and adds pages of its own at the end.
 
-# %%
+# %% alt="Top: bars of the prompt tokens of each turn of a conversation, most of them served from the prefix cache and only the new ones computed; bottom: the conversation's page-table row after each turn, coloured by the turn that computed each position."
 fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8.4, 6.6), gridspec_kw=dict(height_ratios=[1, 1]))
 conversation_bars(turn_stats, ax1)
 conversation_rows(photos, [len(p) for p in turn_prompts], [s["prefill_cached"] for s in turn_stats],
@@ -544,7 +544,7 @@ for pages in (10, 256):
 # The simulator of chapter 07 has the same option (`chunked_prefill=True`). Three short
 # requests decode; at step 3 a 60-token prompt arrives; the budget is 16 tokens:
 
-# %%
+# %% alt="Bars of the prompt tokens computed at each step with whole prompts and with chunks of a 16-token budget: the whole-prompt run spikes far above the budget line, the chunked run never crosses it, and ticks mark the requests decoded in each step."
 from kvlab.scenes.ch10_serve import long_prompt_workload, prefill_per_step
 from kvlab.sim import simulate
 
@@ -599,7 +599,7 @@ print(f"✓ {chunky.stats['chunks']} chunks; the same tokens as generate()")
 # the interpreter runs the very same padded step without a graph (`"eager"`), so the tokens
 # are the same everywhere. A step of 5 running requests, padded to the captured size 8:
 
-# %%
+# %% alt="A page table on pages of 4 slots with the cell each batch entry of a decode step writes outlined, and the dummy row that maps page 40 only; below, five running requests padded to the captured batch size of 8, the three padding entries pointing at the dummy row's slot."
 from kvlab.hf import graph_batch_sizes
 from kvlab.scenes.ch10_serve import padded_step, padded_step_figure
 
@@ -774,7 +774,7 @@ plt.show()
 # overlap a gap after every step (the host recording and planning while the GPU waits), with
 # overlap none.
 
-# %%
+# %% alt="Left: new tokens per second of 64 requests served five ways on the GPU the title names, from transformers' generate and generate_batch to kvlab's PagedGenerator with and without chunking and graphs; right: the wall time of each step of kvlab's run, prompt steps apart from decode-only steps."
 from kvlab.bench.serve_report import plot_serve
 from kvlab.scenes.ch09_making_it_fast import load_bench
 

@@ -60,7 +60,7 @@ random.seed(0)
 # page) and the **hash chain** behind it: every full page is known by a hash of the previous
 # page's hash and its own tokens; a partial last page has no hash.
 
-# %%
+# %% alt="Top: a page table where requests A and B map the same three pages for a system prompt; bottom: their hash chains, each full page hashed from the previous page's hash and its own tokens, the shared pages in orange and the partial last pages without a hash."
 hash_chain_figure()
 plt.show()
 
@@ -191,7 +191,7 @@ cache.check_integrity()
 # so that a call that fails half-way can put it back in its place. Three steps, page size 4,
 # eight pages:
 
-# %%
+# %% alt="Three snapshots of the free queue as LRU order: the pages A and B leave queue up last page first and keep their hashes, C takes five pages from the head and one loses its hash, then D's 12-token hit takes three cached pages out of the queue."
 free_queue_figure()
 plt.show()
 
@@ -312,7 +312,7 @@ for page_size in (1, 2, 4):
 # so the manager's own [free list](glossary.md#free-list) stays empty. Chapter 05's four
 # requests from two conversations, the same calls: equal colours are shared pages.
 
-# %%
+# %% alt="A page table of four requests served by the hash cache on pages of 4 slots, in which rows 0 and 2 share their first two pages and rows 1 and 3 share theirs."
 P4 = 4
 cm = CacheManager(num_pages=24, page_size=P4, page_table=new_page_table(4, 24, P4), prefix_cache="hash",
                   page_table_writer="host")
@@ -362,7 +362,7 @@ assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (  # system_b + 
 # columns for every workload and pool: the hit rate, and the evicted tokens with the part no
 # allocation asked for hatched.
 
-# %%
+# %% alt="Bars of the prefix-hit rate (top) and the evicted tokens (bottom) of the radix cache and the hash cache, on the same five seeded workloads with tight, half and ample pools of pages of 4 slots."
 rows = measured_rows()
 print(comparison_table(rows))
 draw_cache_comparison(rows)
@@ -484,7 +484,7 @@ assert half["hash"].hit_tokens < half["radix"].hit_tokens == half["hash_uncached
 # up; the radix tree compares tokens as it walks. Timed side by side in one run, in turns, on the
 # same fully cached prompts (page size 16), as a ratio:
 
-# %%
+# %% alt="A log-log line chart of the host microseconds one match_prefix takes against the number of cached prompt tokens, for the radix tree and for the hash chain."
 costs = lookup_cost([64, 256, 1024, 4096], page_size=16, repeats=100)
 for c in costs:
     print(f"{c.prompt_len:5d} tokens: radix {c.radix_us:7.1f} us, hash {c.hash_us:7.1f} us -> hash/radix {c.ratio:.2f}")

@@ -57,7 +57,7 @@ random.seed(0)
 # 4 slots, 15% of what every answer at its cap would take at once) twice. Top: every admitted request is **promised** its whole answer (hatched: pages
 # set aside that no row maps yet). Bottom: admission counts only what the coming step needs.
 
-# %%
+# %% alt="Pages over time for the same EOS-heavy traffic in tight memory, twice: top, reserving whole answers, with a wide hatched band of promised but unmapped pages above the pages in use; bottom, admitting on the coming step, with more pages in use, no promises, and a few requests stopped."
 promised_pages_figure()
 plt.show()
 
@@ -157,7 +157,7 @@ assert all(not set(st.admitted) & set(st.preempted) for st in recompute.steps), 
 # that run (top), and the same traffic with the swap policy of build-up 5 (bottom): a `v` is a
 # request stopped, a `^` its comeback, red its wait in the queue, green its wait in host memory.
 
-# %%
+# %% alt="One lane per request over the steps of a tight run with a shared system prompt: top with recompute, where stopped requests wait in the queue again before they come back; bottom with swap, where most stopped requests wait in host memory instead."
 leave_and_return_figure()
 plt.show()
 
@@ -186,7 +186,7 @@ plt.show()
 # 600 decode steps is long next to our runs of a few dozen steps, so below the same traffic
 # also runs with a ratio that decays in 20 steps:
 
-# %%
+# %% alt="SGLang's new_token_ratio per step of the burst workload: with 600 decay steps it barely falls from 0.7; with 20 it falls to its minimum of 0.098 and jumps back up after a retraction."
 burst = {label: policy_run(policy, "long_prompt_burst", "medium")
          for label, policy in (("SGLang's 600 decay steps", "retract"),
                                ("20 decay steps", RetractDecode(decay_steps=20)))}
@@ -420,7 +420,7 @@ kvlab.check.swap_out(my_swap_out);
 # again, positions copied to host memory, and time to first token and per output token, in steps
 # ([TTFT and TPOT](glossary.md#ttft-and-tpot); p50 / p99 over the requests).
 
-# %%
+# %% alt="Bars of new tokens per step (top) and requests running at once (bottom) for the four policies on three workloads in ample, medium and tight pools: equal with ample memory, recompute and swap ahead of reserve and retract in tight memory."
 rows = compared_rows()
 print(policy_table(rows))
 policy_compare_figure(rows)

@@ -365,7 +365,12 @@ class NotebookPage:
         deadline = time.monotonic() + timeout_s
         in_a_row = 0
         while time.monotonic() < deadline:
-            states = self.server.kernel_states()
+            try:
+                states = self.server.kernel_states()
+            except urllib.error.HTTPError as exc:  # jupyter_server answers 500 while a kernel
+                if exc.code < 500:                 # starts (its last_activity still None)
+                    raise
+                states = []
             in_a_row = in_a_row + 1 if states and all(s == "idle" for s in states) else 0
             if in_a_row >= polls:
                 return

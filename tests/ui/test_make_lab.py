@@ -3,7 +3,8 @@
 The test runs the real target (its set-up step, the workspace copies, JupyterLab) with a
 throwaway workspace and Jupyter folders, a free port, and a "browser" that only records the
 page JupyterLab asks it to open. It then opens that page in headless Chromium: chapter 00 must
-be the notebook on screen, and no news or update pop-up may cover it. CI runs as root, where
+be the notebook on screen, unmodified once its kernel has started, and no news or update
+pop-up may cover it. CI runs as root, where
 JupyterLab refuses to start without ``--allow-root``: the target must pass it.
 """
 from __future__ import annotations
@@ -111,5 +112,12 @@ def test_make_lab_starts_jupyterlab_on_chapter_00_without_a_popup(make_lab, brow
         page.screenshot(path=str(ui_output / "make-lab-chapter-00.png"))
         toasts = page.locator(".Toastify__toast").all_inner_texts()
         assert not [t for t in toasts if NEWS_OR_UPDATE.search(t)], f"a pop-up covers it: {toasts}"
+        # by now the kernel has started and JupyterLab has written its kernelspec and
+        # language_info: an untouched notebook whose metadata differed would show as modified
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']",
+                               timeout=120_000)
+        page.wait_for_timeout(2000)
+        assert "jp-mod-dirty" not in (title.get_attribute("class") or ""), \
+            "chapter 00 shows as modified the moment JupyterLab opens it"
     finally:
         context.close()
