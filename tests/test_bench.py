@@ -253,7 +253,7 @@ def test_serve_smoke_adds_its_section_to_an_existing_result(tmp_path):
             r = s["busy"]["paths"][f"{mode}_{n}"]
             assert 0 < r["busy"] <= 1 and r["steps"] > 0
     assert s["timeline"] and all(w and "device" in w[0] for w in s["timeline"].values())
-    assert all(t["passed"] is None for t in s["targets"]) and len(s["targets"]) == 4
+    assert all(t["passed"] is None for t in s["targets"]) and len(s["targets"]) == 5
     md = (tmp_path / "bench.md").read_text()
     assert "Serving a real model" in md and "Smoke run" in md and "PASS" not in md
     assert (tmp_path / "10_bench_serve.png").stat().st_size > 0
@@ -297,18 +297,20 @@ def test_latency_percentiles_and_busy_shares_are_computed_as_stated():
 def test_serve_targets_pass_and_fail_on_the_numbers():
     from kvlab.bench.serve import targets
 
-    def fake(busy64, busy256, on, off, subset, batch):
+    def fake(busy64, busy256, on, off, subset, batch, padded=500):
         return {"smoke": False,
                 "busy": {"paths": {"overlap_64": {"busy": busy64}, "overlap_256": {"busy": busy256}}},
                 "offline": {"paths": {"kvlab": {"tokens_per_s": on}, "kvlab_no_overlap": {"tokens_per_s": off},
                                       "kvlab_subset": {"tokens_per_s": subset},
-                                      "generate_batch": {"tokens_per_s": batch}}}}
+                                      "generate_batch": {"tokens_per_s": batch},
+                                      "generate": {"tokens_per_s": padded}}}}
 
-    assert [t["passed"] for t in targets(fake(0.95, 0.91, 1200, 1000, 900, 300))] == [True] * 4
-    assert [t["passed"] for t in targets(fake(0.89, 0.95, 1100, 1000, 800, 300))] == [False, True, False, False]
-    assert [t["measured"] for t in targets(fake(0.95, 0.91, 1500, 1000, 900, 300))][2:] == [1.5, 3.0]
-    missing = fake(None, 0.95, 1200, 1000, 900, None)
+    assert [t["passed"] for t in targets(fake(0.95, 0.91, 1200, 1000, 900, 300))] == [True] * 5
+    assert [t["passed"] for t in targets(fake(0.89, 0.95, 1100, 1000, 800, 300, 801))] == [False, True, False, False, False]
+    assert [t["measured"] for t in targets(fake(0.95, 0.91, 1500, 1000, 900, 300))][2:] == [1.5, 3.0, 1.8]
+    missing = fake(None, 0.95, 1200, 1000, 900, None, None)
     assert targets(missing)[0]["passed"] is False and targets(missing)[3]["measured"] is None
+    assert targets(missing)[4]["passed"] is False
 
 
 # --- the decode-attention benchmark of chapter 09 (python -m kvlab.bench --attention) -----------

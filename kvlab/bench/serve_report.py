@@ -51,8 +51,8 @@ def serve_section(s: dict) -> list[str]:
               "whole call, as both projects compute it. kvlab: a cold prefix cache, one run each. "
               f"**transformers' two paths ran only the first {n} requests, answers cut to at most {cap} "
               f"tokens ({w['baseline_tokens']} output tokens)**: their loops would take minutes for the whole "
-              f"workload. kvlab ran those same {n} requests too, and the generate_batch target compares the "
-              "two on them. `generate` takes one `max_new_tokens` per call: its batch runs to the longest "
+              f"workload. kvlab ran those same {n} requests too, and the generate and generate_batch targets compare "
+              "kvlab with each on them. `generate` takes one `max_new_tokens` per call: its batch runs to the longest "
               "answer, and only each request's own tokens count.", "",
               "| path | requests | tokens | seconds | tokens/s | steps | most running |", "|---|---|---|---|---|---|---|"]
     for name, e in off["paths"].items():
