@@ -63,6 +63,13 @@ def check_int(argument: str, value, *, minimum: int | None = None) -> int:
     return value
 
 
+def check_bool(argument: str, value) -> bool:
+    """A plain ``True`` or ``False`` (not a tensor, whose truth may be ambiguous, nor 0/1)."""
+    if not isinstance(value, bool):
+        raise InvalidArgument(argument, "True or False", f"got {value!r:.60}")
+    return value
+
+
 def check_real(argument: str, value, *, minimum: float = 0.0, below: float = float("inf")):
     """A finite real number (an int or a float, not a bool) with ``minimum <= value < below``;
     NaN and infinities are refused."""

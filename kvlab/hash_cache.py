@@ -51,7 +51,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .args import check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
+from .args import check_bool, check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
 from .errors import CacheMisuse, InvalidArgument, OutOfPages
 from .hash_cache_undo import HashCacheUndo, whole
 from .hash_chain import (DIGEST_SIZE, Allocation, FreeQueue, HashCacheHandle, PageHash, TakenPage, _chain,
@@ -320,6 +320,7 @@ class HashPrefixCache(HashCacheUndo):
         reference passes to the cache, so the pages are evictable until someone locks the
         handle (the radix cache's new node is unlocked too). ``check_pages`` is the radix
         cache's word; this cache reads the pages' ids anyway, so it always checks them."""
+        check_bool("check_pages", check_pages)
         ids = check_hashable_ids("input_ids", input_ids)
         indices = check_slots("indices", indices)
         if indices.numel() != len(ids):

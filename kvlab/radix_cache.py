@@ -33,7 +33,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from .args import check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
+from .args import check_bool, check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
 from .errors import CacheMisuse, IntegrityError, InvalidArgument
 from .radix_node import (InsertResult, MatchResult, NodeInfo, RadixCacheHandle, RadixNode, SizeInfo,
                          TreeSnapshot)
@@ -209,6 +209,7 @@ class RadixPrefixCache:
         caller vouches that each page of slots is one whole physical page (the cache
         manager's rows are), so the slots' values are not read back (a wait for the GPU).
         """
+        check_bool("check_pages", check_pages)
         ids = check_token_ids("input_ids", input_ids)
         indices = self._check_indices(indices)
         if indices.numel() != len(ids):

@@ -146,17 +146,17 @@ def run_memory(smoke: bool = False, log=print, budget_s: float | None = None) ->
     res = dict(smoke=smoke, page_size=P, pools=dict(pools), rows=[], errors=[],
                model=dict({"tiny": True} if smoke else MODEL, dtype=str(model.dtype).replace("torch.", "")),
                workloads={})
-    sizes = [1, 2, 4, 8, 16, 32, 48]
+    graph_sizes = [1, 2, 4, 8, 16, 32, 48]
     for name in (SMOKE_WORKLOADS if smoke else WORKLOADS):
         workload, prompts, ends, max_new = memory_workload(name, smoke, vocab)
         # the generator is told one max_new_tokens: every request's cap is the workload's largest
         workload = type(workload)(workload.name, "", tuple(
             type(r)(r.rid, r.prompt, r.output, 0, max_new_tokens=max_new) for r in workload.requests))
-        sizes = memory_pools(workload, P, pools)
+        pool_pages = memory_pools(workload, P, pools)
         res["workloads"][name] = dict(requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
                                       new_tokens=sum(ends), max_new_tokens=max_new,
                                       args=(SMOKE_WORKLOADS if smoke else WORKLOADS)[name])
-        for pool, pages in sizes.items():
+        for pool, pages in pool_pages.items():
             for policy in POLICY_NAMES:
                 row = dict(workload=name, pool=pool, pages=pages, policy=policy)
                 if budget is not None and time.perf_counter() - start > budget:
@@ -167,7 +167,7 @@ def run_memory(smoke: bool = False, log=print, budget_s: float | None = None) ->
                 try:
                     gen = PagedGenerator(model, page_size=P, num_pages=pages, max_running=48,
                                          prefill_budget=2048, policy=policy, compile_decode=False,
-                                         graph_sizes=None if smoke else sizes)
+                                         graph_sizes=None if smoke else graph_sizes)
                     gen.generate(prompts[:2], max_new_tokens=2)          # warm up this generator
                     row.update(_timed_run(gen, prompts, ends, max_new, device))
                 except Exception as e:  # noqa: BLE001 - a failed run is reported, the others go on

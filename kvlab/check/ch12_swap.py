@@ -177,7 +177,7 @@ def _swap_scene(P: int, prompt: int, decoded: int, seed: int):
     for t in range(decoded):
         cm.complete_step(cm.decode_step(reqs), [3 + t, 4 + t])
     gen = torch.Generator().manual_seed(seed)
-    pool = KVPool(pages * P, 2, 2, 3, device="cpu")
+    pool = KVPool(pages * P, 2, 2, 3, device=cm.page_table.device)   # the host pool: CPU (pinned on a GPU)
     pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
     pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
     host = HostKV(pool, P, -(-(prompt + decoded) // P) + 3)
@@ -223,7 +223,7 @@ def swap_out(fn, *, seed: int = 0, n_random: int = 5) -> int:
         ref_m, ref_req, ref_pool, ref_host = _swap_scene(P, a["prompt"], a["decoded"], a["seed"])
         got_m, got_req, pool, host = _swap_scene(P, a["prompt"], a["decoded"], a["seed"])
         n, row = got_req.cached_len, got_m.page_table[got_req.table_idx, : got_req.cached_len].long()
-        want_k, want_v = pool.k[:, row].clone(), pool.v[:, row].clone()
+        want_k, want_v = pool.k[:, row].cpu(), pool.v[:, row].cpu()   # host pages live on the CPU
         before_free = set(host.free_pages)
         swap_out_solution(ref_m, ref_req, ref_pool, ref_host)
         release, calls = got_m.release_req, []
@@ -231,7 +231,7 @@ def swap_out(fn, *, seed: int = 0, n_random: int = 5) -> int:
         def release_and_reuse(req):               # the freed pages go to someone else at once
             freed = release(req)
             calls.append(1)
-            slots = (freed.long()[:, None] + torch.arange(P)).flatten()
+            slots = (freed.long()[:, None] + torch.arange(P, device=freed.device)).flatten()
             pool.k[:, slots], pool.v[:, slots] = -99.0, -99.0
             return freed
 

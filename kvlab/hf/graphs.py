@@ -39,6 +39,7 @@ before its capture, compiling per batch size (``patch_model`` in
 from __future__ import annotations
 
 import gc
+from contextlib import nullcontext
 from typing import Callable, Sequence
 
 import torch
@@ -46,6 +47,7 @@ import torch
 from ..args import check_int
 from ..errors import InvalidArgument
 from .attention import warm_up_fast_kernels
+from .fuse import fuse_projections, fused_forwards
 from .step import StepBatch, to_device
 
 __all__ = ["graph_batch_sizes", "graph_size", "check_pad_inputs", "pad_decode_batch", "DecodeGraphs",
@@ -135,11 +137,13 @@ class DecodeGraphs:
     ``impl``; the fast ones are compiled for both of their variants here, at start-up).
     ``compile``: ``torch.compile`` the step's forward pass first (:meth:`_compile`, chapter 09);
     ``graphs_at_start`` then counts the graphs it built, for a check that none follow.
+    ``fuse``: each layer's q/k/v and gate/up projections computed as one product each in the
+    step (:mod:`kvlab.hf.fuse`; the model's weights become views of the fused ones, in place).
     """
 
     def __init__(self, model, pool, page_table: torch.Tensor, dummy_row: int,
                  sizes: Sequence[int], *, capture: bool, decode_step: Callable | None = None,
-                 attention: str = "fast", compile: bool = False):
+                 attention: str = "fast", compile: bool = False, fuse: bool = True):
         if not sizes:
             raise InvalidArgument("sizes", "at least one batch size", "got none")
         if capture and page_table.device.type != "cuda":
@@ -164,6 +168,9 @@ class DecodeGraphs:
                                     attention=attention)
                       for bs in self.sizes}
         self.compiled = compile
+        self.fuse = fuse
+        #: projection groups computed as one product in the step (see :mod:`kvlab.hf.fuse`)
+        self.fused_groups = fuse_projections(model) if fuse else 0
         self._model_forward = model.forward
         if compile:
             self._compile()
@@ -202,8 +209,9 @@ class DecodeGraphs:
         # what every layer's attention reads, computed once per step (a graph records it once)
         step.single_slots = self.page_table[self.rows[:bs], positions].long()
         step.single_seq_lens = positions + 1
-        logits = self._model_forward(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                                     logits_to_keep=0, kvlab_step=step).logits[0]
+        with fused_forwards(self.model) if self.fuse else nullcontext():
+            logits = self._model_forward(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                                         logits_to_keep=0, kvlab_step=step).logits[0]
         self.logits[:bs].copy_(logits)
         torch.argmax(logits, dim=-1, out=self.tokens[:bs])
 
