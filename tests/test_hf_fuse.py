@@ -126,14 +126,16 @@ def test_nested_contexts_and_inference_mode_leave_the_model_usable():
 
 
 def test_the_generators_decode_step_runs_fused():
+    from kvlab import runtime
     from kvlab.hf import PagedGenerator
 
-    model = _model("qwen3")
+    model = _model("qwen3").to(runtime.DEVICE)       # compiled Triton wants the model on the GPU
     gen = PagedGenerator(model, page_size=4, num_pages=64, decode_graphs="eager")
     assert gen.graphs.fused_groups == 2 * model.config.num_hidden_layers
     prompts = [[5, 6, 7, 8, 9], [1, 2, 3]]
     got = gen.generate(prompts, max_new_tokens=6)
     with torch.no_grad():
         for p, g in zip(prompts, got):
-            want = model.generate(torch.tensor([p]), max_new_tokens=6, do_sample=False)[0, len(p):].tolist()
+            want = model.generate(torch.tensor([p], device=model.device), max_new_tokens=6,
+                                  do_sample=False)[0, len(p):].tolist()
             assert g == want

@@ -9,7 +9,8 @@ Modules: :mod:`~kvlab.hf.attention` (grouped-query paged attention in torch and 
 no transformers), :mod:`~kvlab.hf.plugin` (the attention function registered with
 transformers, model checks), :mod:`~kvlab.hf.step` (one step as the attention calls read it),
 :mod:`~kvlab.hf.prefill` (admission by memory, chunked prefill), :mod:`~kvlab.hf.graphs`
-(decode steps replayed from CUDA graphs, padded with the dummy row),
+(decode steps replayed from CUDA graphs, padded with the dummy row; :mod:`~kvlab.hf.fuse`
+computes their q/k/v and gate/up projections as one product each),
 :mod:`~kvlab.hf.generator` (the generator), :mod:`~kvlab.hf.loop` (its serving loop, with or
 without overlap scheduling), :mod:`~kvlab.hf.overlap` (where a step's device work runs: a CUDA
 stream, or a worker thread on a CPU), :mod:`~kvlab.hf.models` (small random models saved and

@@ -906,6 +906,16 @@ print("your two kernels == kvlab's fast_paged_decode_attention == the oracle")
 # * the batch size is a symbolic size (`dynamic=True`): every captured size uses the same
 #   compiled code, instead of one compilation per size.
 #
+# Compiling fuses the small operations; it leaves the matrix products as they are, one library
+# call each. At 64 running requests those are small too: each reads a few megabytes of weights
+# and costs a few microseconds however little it reads, and a Llama, Qwen2 or Qwen3 layer does
+# seven of them, three (q, k, v) and two (gate, up) of the same input. Serving engines load
+# each group's weights side by side and compute it in one product (vLLM's `QKVParallelLinear`
+# and `MergedColumnParallelLinear`): the same bytes, two launches instead of five.
+# `kvlab.hf.fuse` does the same to the model `PagedGenerator` serves, in place and without a
+# copy (each projection's weight becomes a view of the group's rows), and `DecodeGraphs` runs
+# its decode step that way; outside the step the model runs transformers' own code.
+#
 # Whether anything compiled after start-up is counted, not assumed:
 # `kvlab.hf.graphs.dynamo_graphs()` is the number of graphs `torch.compile` has built in the
 # process, taken at the end of start-up and again after serving. The saved run measured the
