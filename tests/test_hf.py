@@ -251,7 +251,10 @@ def test_the_chosen_decode_kernels_are_the_ones_that_run(models, attention, monk
 
 def _inductor_runs() -> str | None:
     """Why torch.compile's inductor cannot compile here (None: it can): on a CPU it needs a
-    C++ compiler."""
+    C++ compiler. On a GPU it generates Triton kernels, which every GPU run has: there it is
+    never skipped (a failure to compile is the test's failure)."""
+    if kvlab.runtime.DEVICE.type == "cuda":
+        return None
     try:
         fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, dynamic=False)
         torch.testing.assert_close(fn(torch.ones(3)), torch.sin(torch.ones(3)) * 2 + 1)
