@@ -846,7 +846,9 @@ else:
 #
 # * transformers finds attention **by name** (`AttentionInterface`, `attn_implementation`);
 #   keyword arguments of `model(...)` reach it. kvlab registers one function and the model
-#   keeps computing norms, RoPE and MLPs itself: no copy of its code.
+#   keeps computing norms, RoPE and MLPs itself: no copy of its code (one exception, in the
+#   captured decode step only: `kvlab.hf.fuse` restates an attention layer's few lines to get
+#   q, k and v from one matrix product, chapter 09).
 # * Grouped-query attention stores `kv_heads` heads per token; query head `h` reads K/V head
 #   `h // group`. The Triton kernel of chapter 08 needed one more constant, `KV_GROUP`.
 # * `PagedGenerator` is continuous batching on kvlab's memory manager: admit while pages
