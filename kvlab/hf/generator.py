@@ -58,7 +58,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from ..args import check_int, check_page_size, check_token_ids, div_ceil
+from ..args import check_bool, check_int, check_page_size, check_token_ids, div_ceil
 from ..errors import InvalidArgument, OutOfPages
 from .attention import check_impl, check_rows_mapped
 from .graphs import COMPILE_BY_DEFAULT, DecodeGraphs, graph_batch_sizes
@@ -162,7 +162,7 @@ class PagedGenerator:
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
         self.max_running = check_int("max_running", max_running, minimum=1)
         self.prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
-        self.chunked_prefill = _check_bool("chunked_prefill", chunked_prefill)
+        self.chunked_prefill = check_bool("chunked_prefill", chunked_prefill)
         self.policy = make_policy(policy)
         if host_pages is not None:
             host_pages = check_int("host_pages", host_pages, minimum=0)
@@ -182,13 +182,13 @@ class PagedGenerator:
         self.decode_step = decode_step
         self.attention = check_impl(attention, "attention")
         if compile_decode is not None:
-            _check_bool("compile_decode", compile_decode)
+            check_bool("compile_decode", compile_decode)
         heads = c.num_attention_heads
         kv_heads = getattr(c, "num_key_value_heads", None) or heads
         self.group = heads // kv_heads
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
         device = model.device
-        self.check_steps = device.type != "cuda" if check_steps is None else _check_bool(
+        self.check_steps = device.type != "cuda" if check_steps is None else check_bool(
             "check_steps", check_steps)
         self.overlap = device.type == "cuda" if overlap is None else overlap
         self._queues: dict[bool, DeviceQueue] = {}
@@ -220,7 +220,7 @@ class PagedGenerator:
 
     @overlap.setter
     def overlap(self, value: bool) -> None:
-        self._overlap = _check_bool("overlap", value)
+        self._overlap = check_bool("overlap", value)
 
     def _decode_graphs(self, mode: str, sizes: Sequence[int] | None,
                        compile_decode: bool | None) -> DecodeGraphs | None:
@@ -296,8 +296,8 @@ class PagedGenerator:
         """
         seqs = self._check(prompts, max_new_tokens, arrivals)
         ends = self._check_end_after(end_after, seqs)
-        _check_bool("output_logits", output_logits)
-        _check_bool("timeline", timeline)
+        check_bool("output_logits", output_logits)
+        check_bool("timeline", timeline)
         if on_step is not None and not callable(on_step):
             raise InvalidArgument("on_step", "a function of one StepInfo, or None",
                                   f"got {type(on_step).__name__}")
@@ -436,9 +436,3 @@ def _per_prompt(name: str, value, n: int, *, scalar: bool = True) -> list[tuple[
     if len(value) != n:
         raise InvalidArgument(name, f"one per prompt ({n})", f"got {len(value)}")
     return [(f"{name}[{i}]", v) for i, v in enumerate(value)]
-
-
-def _check_bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise InvalidArgument(name, "True or False", f"got {value!r}")
-    return value
