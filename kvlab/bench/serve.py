@@ -201,7 +201,7 @@ def targets(res: dict) -> list[dict]:
         return off.get(name, {}).get("tokens_per_s")
 
     def ratio(a, b):
-        return round(a / b, 2) if a and b else None
+        return a / b if a and b else None
 
     out = []
     for running in (BUSY if not smoke else SMOKE_BUSY)["running"]:
@@ -217,7 +217,8 @@ def targets(res: dict) -> list[dict]:
              tps("kvlab_subset"), tps("generate_batch"), 3.0),
             ("offline tokens/s: kvlab vs transformers generate (the baselines' requests)",
              tps("kvlab_subset"), tps("generate"), 1.0)):
-        r = ratio(a, b)
-        out.append(dict(name=name, rule=f"ratio >= {limit}", limit=limit, measured=r,
+        r = ratio(a, b)                  # judged unrounded: 0.998 is not >= 1.0
+        out.append(dict(name=name, rule=f"ratio >= {limit}", limit=limit,
+                        measured=None if r is None else round(r, 2),
                         passed=None if smoke else r is not None and r >= limit))
     return out

@@ -121,7 +121,7 @@ def plot_serve(res: dict):
         if ok:
             axes[1, 1].plot([r for r, _ in ok], [v["requests_per_s"] for _, v in ok], "o-", **style)
     rates = sorted({float(r) for v in online.values() for r in v}) or [1.0]
-    axes[1, 1].plot(rates, rates, ":", color="black", lw=0.8, label="= the arrival rate")
+    same = axes[1, 1].plot(rates, rates, ":", color="black", lw=0.8, label="= the arrival rate")
     for ax, ylabel, title in ((axes[1, 0], "TTFT p50, ms", "online: time to first token"),
                               (axes[1, 1], "served, requests/s", "online: where it saturates")):
         ax.set_xscale("log", base=2)
@@ -129,10 +129,14 @@ def plot_serve(res: dict):
         ax.set_xlabel("arrival rate, requests/s", fontsize=8)
         ax.set_ylabel(ylabel, fontsize=8)
         ax.set_title(title, fontsize=8)
-        ax.legend(fontsize=7, loc="upper left")
+    # the online paths' names once, under both panels; the right one names its dotted line
+    handles, labels = axes[1, 0].get_legend_handles_labels()
+    axes[1, 1].legend(handles=same, fontsize=7, loc="upper left")
     for ax in axes.flat:
-        ax.tick_params(labelsize=7)
-    fig.tight_layout()
+        ax.tick_params(which="both", labelsize=7)
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=len(handles), fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.05 if handles else 0, 1, 1))
     return fig
 
 

@@ -754,7 +754,7 @@ print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' i
 # two tracks of a timeline, the host's and the device's. Here the decode step is a plain-torch one (`reference_decode_step`): in the
 # interpreter a Triton kernel takes so long that the host's share would not show.
 
-# %%
+# %% alt="Two timelines of this run's steps, without and with overlap scheduling, each with a host track (scheduling, launching, waiting for tokens, recording) and a device track (the forward passes): with overlap the host plans the next step while the device still runs the current one."
 from kvlab.scenes.ch10_serve import overlap_runs, overlap_timeline_figure, recorded_timelines
 
 runs = overlap_runs(model, max_new_tokens=NEW_TOKENS)
