@@ -77,6 +77,10 @@ def test_the_claims_are_judged_from_the_measured_rows():
     failed = [r for r in good if (r["workload"], r["pool"], r["policy"]) != ("eos_long_tail", "tight", "reserve")]
     assert mem.claims(dict(smoke=False, rows=failed))[0]["passed"] is None
     assert all(c["passed"] is None for c in mem.claims(dict(smoke=True, rows=good)))
+    # judged on the unrounded ratio: 0.8996 of reserve's tokens/s is more than 10% slower
+    close = _rows({("eos_long_tail", "ample", "swap"): dict(tokens_per_s=89.96)})
+    ample = mem.claims(dict(smoke=False, rows=close))[-1]
+    assert ample["measured"] == 0.9 and ample["passed"] is False
 
 
 def test_pools_run_from_every_whole_answer_down_to_the_longest_alone():
