@@ -190,3 +190,19 @@ def test_chapter_11s_lift_takes_pages_as_a_tuple_and_a_match_as_a_list(capsys):
     chapter = Chapter("11", "page_hashes", needs=())
     chapter.lift_with("allocate_pages", "my_allocate_pages", allocate_pages_as_a_tuple, capsys)
     chapter.lift_with("hash_match", "my_hash_match", hash_match_as_a_list, capsys)
+
+
+def victim_order_as_a_tuple(policy, running):
+    return tuple(_solution("victim_order")(policy, running))
+
+
+def resume_plan_as_lists(how, saved, hit, input_len, host_pages, row, page_size):
+    copies, compute = _solution("resume_plan")(how, saved, hit, input_len, host_pages, row, page_size)
+    return [list(c) for c in copies], list(compute)
+
+
+@pytest.mark.slow
+def test_chapter_12s_lift_takes_an_order_as_a_tuple_and_a_plan_as_lists(capsys):
+    chapter = Chapter("12", "victim_order", needs=())
+    chapter.lift_with("victim_order", "my_victim_order", victim_order_as_a_tuple, capsys)
+    chapter.lift_with("resume_plan", "my_resume", resume_plan_as_lists, capsys)
