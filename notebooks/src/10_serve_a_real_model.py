@@ -774,7 +774,7 @@ plt.show()
 # overlap a gap after every step (the host recording and planning while the GPU waits), with
 # overlap none.
 
-# %% alt="Left: new tokens per second of 64 requests served five ways on the GPU the title names, from transformers' generate and generate_batch to kvlab's PagedGenerator with and without chunking and graphs; right: the wall time of each step of kvlab's run, prompt steps apart from decode-only steps."
+# %% alt="The same two-track timeline for decode steps at 64 running requests recorded on the GPU the title names: without overlap the device waits after every step while the host records and plans; with overlap the device's steps follow each other without a gap."
 from kvlab.bench.serve_report import plot_serve
 from kvlab.scenes.ch09_making_it_fast import load_bench
 
@@ -807,7 +807,7 @@ else:
 # The saved result (`figures/bench.json`; `figures/bench.md` has every number and says which
 # parts did not fit the run's time):
 
-# %%
+# %% alt="Four panels of the saved serving benchmark: offline output tokens per second of kvlab with and without overlap and of transformers' generate and generate_batch; the GPU's busy share of a decode step at 64 and 256 running requests with and without overlap; online time to first token and requests served per second against the arrival rate."
 saved = bench["serve"]
 if "offline" in saved:
     plot_serve({"serve": saved})
