@@ -80,9 +80,7 @@ def serve_main(out: str, smoke: bool) -> dict:
     import json
     import time
 
-    from .report import load
     from .serve import run_serve
-    from .suite import _meta
 
     t0 = time.perf_counter()
     os.makedirs(out, exist_ok=True)
@@ -93,15 +91,7 @@ def serve_main(out: str, smoke: bool) -> dict:
             json.dump(serve, f, indent=1, default=str)
 
     serve = run_serve(smoke=smoke, checkpoint=checkpoint)
-    meta = _meta(smoke)
-    import transformers
-    serve["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
-                         transformers=transformers.__version__, date=meta["date"],
-                         command=meta["command"], seconds=round(time.perf_counter() - t0, 1))
-    path = os.path.join(out, "bench.json")
-    res = load(path) if os.path.exists(path) else {}
-    res["serve"] = serve
-    write_outputs(res, out, plots=["10_bench_serve.png"])
+    res = _add_part(out, "serve", serve, smoke, "10_bench_serve.png", started=t0)
     os.remove(partial)
     return res
 
@@ -111,42 +101,41 @@ def memory_main(out: str, smoke: bool) -> dict:
     import time
 
     from .memory import run_memory
-    from .report import load
-    from .suite import _meta
 
     t0 = time.perf_counter()
-    memory = run_memory(smoke=smoke)
-    meta = _meta(smoke)
-    import transformers
-    memory["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
-                          transformers=transformers.__version__, date=meta["date"],
-                          command=meta["command"], seconds=round(time.perf_counter() - t0, 1))
-    path = os.path.join(out, "bench.json")
-    res = load(path) if os.path.exists(path) else {}
-    res["memory"] = memory
-    write_outputs(res, out, plots=["12_bench_memory.png"])
-    return res
+    return _add_part(out, "memory", run_memory(smoke=smoke), smoke, "12_bench_memory.png", started=t0)
 
 
 def attention_main(out: str, smoke: bool) -> dict:
     """Run the decode-attention benchmark; keep whatever else ``out/bench.json`` holds."""
     from .attention import run_attention
+
+    return _add_part(out, "attention", run_attention(smoke=smoke), smoke, "09_bench_attention.png")
+
+
+def _add_part(out: str, key: str, part: dict, smoke: bool, plot: str, started: float | None = None) -> dict:
+    """Stamp ``part`` with where and how it ran (and its seconds since ``started``), store it
+    under ``key`` of ``out/bench.json`` beside whatever else that file holds, and write the
+    outputs again with its ``plot``."""
+    import time
+
     from .report import load
     from .suite import _meta
 
-    attention = run_attention(smoke=smoke)
     meta = _meta(smoke)
     try:
         import transformers
         version = transformers.__version__
     except ImportError:
         version = None
-    attention["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
-                             transformers=version, date=meta["date"], command=meta["command"])
+    part["meta"] = dict(device=meta["device"], torch=meta["torch"], triton=meta["triton"],
+                        transformers=version, date=meta["date"], command=meta["command"])
+    if started is not None:
+        part["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     path = os.path.join(out, "bench.json")
     res = load(path) if os.path.exists(path) else {}
-    res["attention"] = attention
-    write_outputs(res, out, plots=["09_bench_attention.png"])
+    res[key] = part
+    write_outputs(res, out, plots=[plot])
     return res
 
 

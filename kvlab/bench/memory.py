@@ -61,19 +61,14 @@ def memory_model(device, smoke: bool):
     """The model (seeded random weights, no end-of-text token)."""
     from ..hf.models import tiny_model
     from ..hf.plugin import require_transformers
+    from .serve import random_bf16_model, without_end_of_text
 
     if smoke:
-        model = tiny_model("llama", seed=0, device=device, max_positions=4096)
-    else:
-        transformers = require_transformers()
-        config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None,
-                                          pad_token_id=None, tie_word_embeddings=False)
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+        return without_end_of_text(tiny_model("llama", seed=0, device=device, max_positions=4096))
+    transformers = require_transformers()
+    config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None,
+                                      pad_token_id=None, tie_word_embeddings=False)
+    return without_end_of_text(random_bf16_model(transformers.LlamaForCausalLM, config, device))
 
 
 def memory_workload(name: str, smoke: bool, vocab: int, seed: int = 0):

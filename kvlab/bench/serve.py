@@ -57,14 +57,22 @@ def serve_model(device, smoke: bool):
     from ..hf.plugin import require_transformers
 
     if smoke:
-        model = tiny_model("qwen3", seed=0, device=device, vocab_size=128, head_dim=32)
-    else:
-        transformers = require_transformers()
-        config = transformers.Qwen3Config(**QWEN3_06B, bos_token_id=None, eos_token_id=None,
-                                          pad_token_id=None)
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16).eval()
+        return without_end_of_text(tiny_model("qwen3", seed=0, device=device, vocab_size=128, head_dim=32))
+    transformers = require_transformers()
+    config = transformers.Qwen3Config(**QWEN3_06B, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    return without_end_of_text(random_bf16_model(transformers.Qwen3ForCausalLM, config, device))
+
+
+def random_bf16_model(model_cls, config, device):
+    """``model_cls(config)`` with seeded random weights (``torch.manual_seed(0)``), built on
+    ``device`` in bfloat16, in eval mode."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        return model_cls(config).to(torch.bfloat16).eval()
+
+
+def without_end_of_text(model):
+    """No end-of-text token: every request runs its whole answer (pad id 0 for ``generate``)."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model

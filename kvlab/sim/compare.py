@@ -62,6 +62,13 @@ class CacheRun(NamedTuple):
 POOLS = ("tight", "half", "ample")
 
 
+def _check_workloads(workloads) -> None:
+    """A list of :class:`Workload` (not one workload by itself)."""
+    if isinstance(workloads, Workload) or not isinstance(workloads, Sequence) or not all(
+            isinstance(w, Workload) for w in workloads):
+        raise InvalidArgument("workloads", "a list of kvlab.sim.Workload", f"got {workloads!r}"[:120])
+
+
 def _names(argument: str, values, allowed: Sequence[str]) -> tuple[str, ...]:
     if isinstance(values, str) or not isinstance(values, Sequence) or not values:
         raise InvalidArgument(argument, f"a non-empty list of names from {tuple(allowed)}", f"got {values!r}")
@@ -98,9 +105,7 @@ def compare_caches(workloads: Sequence[Workload], config: SimConfig = SimConfig(
     """Run every workload with every cache and pool size (``config`` sets the rest)."""
     check_config(config)
     caches, pools = _names("caches", caches, PREFIX_CACHES), _names("pools", pools, POOLS)
-    if isinstance(workloads, Workload) or not isinstance(workloads, Sequence) or not all(
-            isinstance(w, Workload) for w in workloads):
-        raise InvalidArgument("workloads", "a list of kvlab.sim.Workload", f"got {workloads!r}"[:120])
+    _check_workloads(workloads)
     rows = []
     for workload in workloads:
         sizes = pool_sizes(workload, config.page_size)
@@ -208,9 +213,7 @@ def compare_policies(workloads: Sequence[Workload], config: SimConfig = SimConfi
     check_config(config)
     pools = _names("pools", pools, tuple(MEMORY_POOLS))
     policies = [make_policy(p, "policies") for p in policies]
-    if isinstance(workloads, Workload) or not isinstance(workloads, Sequence) or not all(
-            isinstance(w, Workload) for w in workloads):
-        raise InvalidArgument("workloads", "a list of kvlab.sim.Workload", f"got {workloads!r}"[:120])
+    _check_workloads(workloads)
     rows = []
     for workload in workloads:
         sizes = memory_pools(workload, config.page_size)
