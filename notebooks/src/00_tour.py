@@ -385,6 +385,7 @@ kvlab.check.hint("pages_needed", 1);
 # | 10 | [serve a real model](10_serve_a_real_model.ipynb) | `kvlab.hf.PagedGenerator`: a transformers model through `CacheManager` |
 # | 11 | [the hash-chained prefix cache](11_hash_prefix_cache.ipynb) | `HashPrefixCache` (vLLM's and nano-vllm's prefix cache), measured beside the radix tree |
 # | 12 | [when KV memory runs out](12_when_memory_runs_out.ipynb) | `kvlab.pressure`: reserve, recompute, retract, swap; measured side by side |
+# | 13 | [a KV hierarchy](13_kv_hierarchy.ipynb) | device, host memory and disk tiers of the prefix cache, loaded back on a hit; measured against GPU-only |
 #
 # Both source designs, mini-sglang's `CacheManager` and SGLang's `PagedTokenToKVPoolAllocator`,
 # are rebuilt, tested against plain-Python references, and cleared of the hazards they carry.
