@@ -66,6 +66,8 @@ from .loop import ServingLoop, StepInfo
 from .overlap import DeviceQueue, StepTimes, device_queue, to_host
 from .plugin import (check_generation_config, check_model, eos_token_ids, paged_attention_active,
                      register_attention)
+from ..load_back import admit_with_load_back
+from .hierarchy import build_hierarchy, check_tiers, tiered_cache
 from .prefill import Seq
 from .step import build_step
 
@@ -141,7 +143,11 @@ class PagedGenerator:
     * ``policy``: what to do when KV memory runs out (chapter 12, :mod:`kvlab.pressure`):
       ``"reserve"`` (each answer's whole length at admission: no step runs short),
       ``"recompute"``, ``"retract"``, ``"swap"`` (``host_pages``: its host pool, in pages;
-      default as many as the device pool), or a :class:`kvlab.pressure.Policy`.
+      default as many as the device pool), or a :class:`kvlab.pressure.Policy`;
+    * ``host_cache``, ``disk_cache``: tiers under the prefix cache (chapter 13,
+      :mod:`kvlab.serving.hf.hierarchy`): a :class:`HostCache` (or a number of host pages) and
+      a :class:`DiskCache` (or a directory). Admission then loads back what they hold of a
+      prompt; ``persist_prefix_cache()`` writes every cached page the disk lacks.
     """
 
     def __init__(self, model, page_size: int = 16, num_pages: int = 256, *, max_running: int = 256,
@@ -150,13 +156,14 @@ class PagedGenerator:
                  graph_sizes: Sequence[int] | None = None, decode_step: Callable | None = None,
                  check_steps: bool | None = None, attention: str = "fast",
                  compile_decode: bool | None = None, overlap: bool | None = None, policy="reserve",
-                 host_pages: int | None = None):
+                 host_pages: int | None = None, host_cache=None, disk_cache=None):
         from ..kvcache import KVPool
         from ..paging import new_page_table
         from ..pressure import make_policy
         from .swap import HostKV
 
         check_model(model)
+        tiers = check_tiers(host_cache, disk_cache)      # chapter 13: checked before anything is built
         self.model = model
         self.page_size = check_page_size(page_size)
         self.num_pages = check_int("num_pages", num_pages, minimum=1)
@@ -205,6 +212,8 @@ class PagedGenerator:
         # the swap policy's host pool (pinned on CUDA): where stopped requests' K/V waits
         self.host = (HostKV(self.pool, self.page_size, self.num_pages if host_pages is None else host_pages)
                      if self.policy.on_preempt == "swap" else None)
+        # chapter 13: the prefix cache's tiers under the device (host memory, disk), or None
+        self.hierarchy = build_hierarchy(self.pool, self.page_size, model, *tiers) if tiers[0] else None
         self.clear_prefix_cache()
         self.stats: dict[str, int] = {}
         self.requests: list[RequestStats] = []
@@ -268,8 +277,27 @@ class PagedGenerator:
         # one kernel at a time, and the forward pass may run on a worker thread meanwhile
         writer = "triton" if self.page_table.device.type == "cuda" else "host"
         self._settle()
-        self.manager = CacheManager(self.num_pages, self.page_size, self.page_table,
+        prefix_cache = "radix"
+        if getattr(self, "hierarchy", None) is not None:   # chapter 13: a fresh cache over the tiers
+            if getattr(self, "manager", None) is not None:
+                self.manager.prefix_cache.reset()             # (its host pages free again)
+            prefix_cache = tiered_cache(self.hierarchy, self.page_size, self.page_table.device)
+        self.manager = CacheManager(self.num_pages, self.page_size, self.page_table, prefix_cache,
                                     page_table_writer=writer)
+
+    def persist_prefix_cache(self) -> int:
+        """Write every cached page the disk tier lacks (chapter 13), so that a later process on the
+        same directory finds it; returns the pages written (0 without a disk tier)."""
+        if self.hierarchy is None or self.hierarchy.disk is None:
+            return 0
+        return self.manager.prefix_cache.persist()
+
+    def _admit(self, req, spare_pages: int):
+        """Admission (chapter 13: with a load-back from the tiers under the device)."""
+        if self.hierarchy is None:
+            self.manager.admit(req)
+            return None
+        return admit_with_load_back(self.manager, req, spare_pages=spare_pages)
 
     # --- the public call ------------------------------------------------------------------
 

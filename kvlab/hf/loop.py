@@ -108,7 +108,8 @@ class ServingLoop:
         self.timeline: list[StepTimes] = []
         self.stats = dict(requests=len(seqs), prefill_computed=0, prefill_cached=0, generated=0,
                           steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, chunks=0,
-                          decode_tokens=0, deferred=0, most_running=0)
+                          decode_tokens=0, deferred=0, most_running=0,
+                          prefill_loaded_host=0, prefill_loaded_disk=0)
         self.room = Room(gen, gen.policy.start(), self.stats)   # the memory policy (chapter 12)
         self.t0 = time.perf_counter()
 
@@ -157,7 +158,7 @@ class ServingLoop:
         room = self.room
         adder = PrefillAdder(self.manager, self.gen.prefill_budget, chunked=self.gen.chunked_prefill,
                              holding=self.running + self.chunked, policy=room.run, room=room,
-                             step_pages=room.step_pages(self.running))
+                             step_pages=room.step_pages(self.running), admit=self.gen._admit)
         new = self._admit(adder, admit_new)
         prefill = adder.added
         if not prefill and not self.running:
@@ -197,6 +198,9 @@ class ServingLoop:
                 if not seq.stops:              # a comeback's work is counted by kvlab.hf.room
                     self.stats["prefill_cached"] += seq.cached
                     self.stats["prefill_computed"] += len(seq.prompt) - seq.cached
+                    if seq.loaded is not None:   # chapter 13: of those cached, loaded back
+                        self.stats["prefill_loaded_host"] += seq.loaded.host - seq.loaded.disk
+                        self.stats["prefill_loaded_disk"] += seq.loaded.disk
         self.stats["deferred"] += adder.deferred
         return new
 

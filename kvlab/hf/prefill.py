@@ -63,6 +63,7 @@ class Seq:
     saved: int = 0                # positions it had computed when it last stopped
     recomputed: int = 0           # positions computed again after its comebacks
     host_pages: list[int] = field(default_factory=list)   # swapped out: where its K/V waits
+    loaded: object = None         # chapter 13: where its prompt came from (a LoadBack), or None
     token_steps: list[int] = field(default_factory=list)  # the step that produced each token
 
     @property
@@ -106,13 +107,14 @@ class PrefillAdder:
     pages the running requests' next tokens take in this step."""
 
     def __init__(self, manager, token_budget: int, *, chunked: bool, holding: Sequence[Seq],
-                 policy: PolicyRun | None = None, step_pages: int = 0, room=None):
+                 policy: PolicyRun | None = None, step_pages: int = 0, room=None, admit=None):
         self.manager = manager
         self.P = manager.page_size
         self.token_budget = token_budget
         self.chunked = chunked
         self.run = policy if policy is not None else ReserveWhole().start()
         self.room = room              # kvlab.hf.room.Room: told of each admission
+        self.admit = admit            # admit(req, spare_pages) (chapter 13: with a load-back)
         # pages the requests holding rows (``holding``), and those admitted now, may still take
         self.reserved = sum(self.run.promised_pages(self.view(s), self.P) for s in holding)
         self.step_used = step_pages   # pages this step maps so far (running requests first)
@@ -164,7 +166,10 @@ class PrefillAdder:
             self.deferred += 1
             return "wait"
         seq.req = req
-        self.manager.admit(req)           # match + lock the hit + map it into the row
+        if self.admit is None:
+            self.manager.admit(req)       # match + lock the hit + map it into the row
+        else:                             # the same, and what the tiers hold loaded back
+            seq.loaded = self.admit(req, self.reserved + self.step_used)
         chunk = self._chunk(seq)
         req.device_len = req.cached_len + max(chunk, 0)
         need = self.run.promised_pages(self.view(seq), self.P, new=True)
