@@ -1,5 +1,5 @@
 """``python -m kvlab.bench [--out DIR] [--smoke] [--no-trap] [--public-only] [--serve] [--attention]
-[--memory]`` (chapters 09, 10, 12).
+[--memory] [--hierarchy]`` (chapters 09, 10, 12, 13).
 
 On CUDA: the full suite, written to ``--out`` (default ``figures/``): ``bench.json``,
 ``bench.md`` (with the command that produced it) and the ``09_*.png`` plots. For honest
@@ -20,6 +20,10 @@ the same way (under ``"attention"``), with ``09_bench_attention.png``.
 ``--memory``: only the memory-policy benchmark of chapter 12 (:mod:`kvlab.bench.memory`), added
 the same way (under ``"memory"``), with ``12_bench_memory.png``; a ``PASS``/``FAIL`` line per
 claim of where each policy wins.
+
+``--hierarchy``: only the KV-hierarchy benchmark of chapter 13 (:mod:`kvlab.bench.hierarchy`:
+multi-turn chats, GPU only against host and disk tiers and a second process), added the same way
+(under ``"hierarchy"``), with ``13_bench_hierarchy.png``; a ``PASS``/``FAIL`` line per claim.
 """
 from __future__ import annotations
 
@@ -47,12 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention", action="store_true",
                     help="only the decode-attention benchmark (chapter 09: kernels and decode step vs the HBM floor)")
     ap.add_argument("--memory", action="store_true", help="only the memory-policy benchmark (chapter 12)")
+    ap.add_argument("--hierarchy", action="store_true", help="only the KV-hierarchy benchmark (chapter 13)")
     args = ap.parse_args(argv)
     smoke = args.smoke or runtime.INTERPRET
     out = args.out
     if out is None:
         out = os.path.join(tempfile.gettempdir(), "kvlab-bench-smoke") if smoke else "figures"
-    if args.memory:
+    if args.hierarchy:
+        res = hierarchy_main(out, smoke)
+        targets = res["hierarchy"]["claims"]
+    elif args.memory:
         res = memory_main(out, smoke)
         targets = res["memory"]["claims"]
     elif args.serve:
@@ -104,6 +112,16 @@ def memory_main(out: str, smoke: bool) -> dict:
 
     t0 = time.perf_counter()
     return _add_part(out, "memory", run_memory(smoke=smoke), smoke, "12_bench_memory.png", started=t0)
+
+
+def hierarchy_main(out: str, smoke: bool) -> dict:
+    """Run the KV-hierarchy benchmark; keep whatever else ``out/bench.json`` holds."""
+    import time
+
+    from .hierarchy import run_hierarchy
+
+    t0 = time.perf_counter()
+    return _add_part(out, "hierarchy", run_hierarchy(smoke=smoke), smoke, "13_bench_hierarchy.png", started=t0)
 
 
 def attention_main(out: str, smoke: bool) -> dict:

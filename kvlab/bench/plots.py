@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 from ..viz.legibility import MAX_WIDTH_IN
 from .attention_report import plot_attention
 from .memory_report import plot_memory
+from .hierarchy_report import plot_hierarchy
 from .serve_report import plot_serve
 
 COLORS = {"teaching": "#c0504d", "fast": "#2e7d32", "fast_host_lens": "#66bb6a",
@@ -202,4 +203,5 @@ PLOTS = {
     "10_bench_serve.png": plot_serve,
     "09_bench_attention.png": plot_attention,
     "12_bench_memory.png": plot_memory,
+    "13_bench_hierarchy.png": plot_hierarchy,
 }

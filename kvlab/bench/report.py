@@ -5,6 +5,7 @@ import json
 import os
 
 from .attention_report import attention_section
+from .hierarchy_report import hierarchy_section
 from .memory_report import memory_section
 from .serve_report import serve_section
 from .timing import round_ratios
@@ -45,6 +46,8 @@ def markdown(res: dict) -> str:
         extra += "\n".join(serve_section(res["serve"])) + "\n"
     if res.get("memory"):
         extra += "\n".join(memory_section(res["memory"])) + "\n"
+    if res.get("hierarchy"):
+        extra += "\n".join(hierarchy_section(res["hierarchy"])) + "\n"
     if "meta" not in res:            # a serving, attention or memory benchmark alone
         return "# kvlab.bench\n" + extra
     return _suite_markdown(res) + extra
@@ -228,6 +231,8 @@ def write_outputs(res: dict, out_dir: str, log=print, *, plots: list[str] | None
         if name == "10_bench_serve.png" and not res.get("serve"):
             continue
         if name == "12_bench_memory.png" and not res.get("memory"):
+            continue
+        if name == "13_bench_hierarchy.png" and not res.get("hierarchy"):
             continue
         if name == "09_bench_attention.png":
             if not res.get("attention"):
