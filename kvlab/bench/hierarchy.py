@@ -225,7 +225,8 @@ def second_process(directory: str, prompts, smoke: bool, device_pages: int) -> d
                        env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
     os.remove(f.name)
     if r.returncode != 0:
-        return dict(error=(r.stderr or r.stdout)[-300:])
+        lines = (r.stderr or r.stdout or "no output").strip().splitlines()
+        return dict(error=f"the second process failed: {lines[-1]}"[:300])
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 

@@ -41,7 +41,7 @@ def hierarchy_section(h: dict) -> list[str]:
             continue
         hit = (f"{r['hit']:.1%} ({r['device_hit']:.1%} / {r['host_hit']:.1%} / {r['disk_hit']:.1%})"
                if "hit" in r else f"disk {r['disk_hit']:.1%}")
-        lines.append(head + f" {hit} | {r['computed']} | {r['h2d_bytes'] / 2**20:.0f} / {r['d2h_bytes'] / 2**20:.0f} | "
+        lines.append(head + f" {hit} | {r['computed']} | {r['h2d_bytes'] / 2**20:.1f} / {r['d2h_bytes'] / 2**20:.1f} | "
                      f"{_f(r.get('load_gbps'), '{:.1f}')} | {ms(r.get('ttft_p50'))} / {ms(r.get('ttft_p99'))} | "
                      f"{ms(r.get('tpot_p50'))} / {ms(r.get('tpot_p99'))} | {_f(r.get('tokens_per_s'))} |")
     d = h.get("decode") or {}
