@@ -202,7 +202,7 @@ plt.show()
 # %%
 manager = make_cache("write_through")
 first = serve(manager, chat)
-for ids in ([1] * 13, [2] * 13, [3] * 13):     # three others push the chat off the device
+for ids in ([1] * 17, [2] * 17, [3] * 17):     # three others push the chat off the device
     serve(manager, ids)
 again = serve(manager, chat + [42, 43])
 print("first time: ", first)
