@@ -67,11 +67,11 @@ random.seed(0)
 #
 # Three chats, three turns each, served one after the other by a cache manager of 9
 # device pages over 14 host pages. Each node of chapter 05's tree now says where its KV
-# lives. Blue nodes are on the device **and** have a host copy (*clean*: evicting them
-# from the device costs nothing, the host copy stays). Orange ones are on the device only
-# (*dirty*: evicting them loses their KV unless it is copied first). Green ones are in
-# host memory only: the device evicted them, and a request that reaches them loads them
-# back.
+# lives. Blue nodes are on the device **and** have a host copy
+# (*[clean](glossary.md#clean-and-dirty)*: evicting them from the device costs nothing,
+# the host copy stays). Orange ones are on the device only (*dirty*: evicting them loses
+# their KV unless it is copied first). Green ones are in host memory only: the device
+# evicted them, and a request that reaches them loads them back.
 
 # %% alt="A radix tree of three chats' histories: the first two chats' first nodes are on the device with host copies, the second chat's newest nodes on the device only, and the third chat's whole history in host memory only."
 tier_tree_figure()
@@ -99,14 +99,16 @@ P = 4
 layout = KVLayout(num_layers=2, num_heads=2, head_dim=4, dtype=torch.float32)
 pool = KVPool(13 * P, 2, 2, 4, device="cpu")
 host = HostTier(16, P, layout)
-print("one host page:", tuple(host.kv.shape[1:]), "= [layers, K/V, positions, heads, dim]")
+print("one host page:", tuple(host.kv.shape[1:]),
+      "= [layers, K/V, positions, heads, dim]")
 print(f"{host.page_bytes} bytes a page, {host.num_pages} pages")
 
 
 def make_cache(policy, host_pages=16):
     """A manager of 12 device pages over a tiered cache with a host tier of its own."""
     host = HostTier(host_pages, P, layout)
-    cache = TieredRadixCache(P, "cpu", host=host, policy=policy, copies=KVCopies(pool, host))
+    cache = TieredRadixCache(P, "cpu", host=host, policy=policy,
+                             copies=KVCopies(pool, host))
     table = new_page_table(2, 64, P, device="cpu")
     return CacheManager(12, P, table, prefix_cache=cache, page_table_writer="host")
 
@@ -171,7 +173,8 @@ for policy in ("write_through", "write_through_selective", "write_back"):
 # leaves least recently used first; a clean one is dropped from the device (its host copy
 # stays: `_evict_backuped`), a dirty one is written back first under `write_back` and
 # forgotten otherwise (`_evict_regular`). The copies need host pages: host memory makes
-# room by spilling its oldest host-only leaves (to disk, when there is one), as
+# room by [spilling](glossary.md#spill) its oldest host-only leaves (to disk, when there is
+# one), as
 # `evict_host` does -- never one whose host pages a load-back is still reading (SGLang
 # skips nodes with `host_ref_counter > 0`; vLLM's `LRUOffloadingManager` skips blocks
 # with `ref_cnt > 0`, set by `prepare_load` until `complete_load`).
@@ -202,13 +205,13 @@ plt.show()
 # %%
 manager = make_cache("write_through")
 first = serve(manager, chat)
-for ids in ([1] * 17, [2] * 17, [3] * 17):     # three others push the chat off the device
+for ids in ([1] * 17, [2] * 17, [3] * 17):     # three others push it off the device
     serve(manager, ids)
 again = serve(manager, chat + [42, 43])
 print("first time: ", first)
 print("coming back:", again, "-> computed",
       len(chat) + 2 - again.cached, "of", len(chat) + 2, "prompt tokens")
-assert again.host > 0 and again.device < again.host, "the chat came back from host memory"
+assert again.host > 0 and again.device < again.host, "it came back from host memory"
 manager.check_integrity()
 
 # %% [markdown]
@@ -241,7 +244,8 @@ plt.show()
 # ## Build-up 5: the disk, and when a stored page may be trusted
 #
 # Host memory ends with the process. The disk tier keeps pages across processes: one file
-# per page, named by `kvlab.prefix.disk_store.disk_key` -- the page's chained hash (every
+# per page, named by its [disk key](glossary.md#disk-key) (`kvlab.prefix.disk_store.disk_key`)
+# -- the page's chained hash (every
 # token from the start of the prompt to the end of the page) and the **model's identity**
 # hashed together, because the same tokens give other KV in another model. SGLang's file
 # backend names a page `<sha256 chain hash>_<model>_<tp_rank>_<tp_size>.bin`; LMCache keys a
@@ -274,8 +278,8 @@ path = store.path(page_hash)
 data = bytearray(open(path, "rb").read())
 data[-1] ^= 0x10                                 # one bit of the payload flips
 open(path, "wb").write(bytes(data))
-print("after one flipped bit:", store.read(page_hash, out), "-> ignored, the file removed:",
-      not os.path.exists(path))
+print("after one flipped bit:", store.read(page_hash, out),
+      "-> ignored, the file removed:", not os.path.exists(path))
 
 # %% [markdown]
 # ## Validate: a real model, every tier, the tokens of `generate`
@@ -301,8 +305,9 @@ def run_chats(gen, chats, rounds=2):
             chats[c] = chats[c] + [rng.randrange(128) for _ in range(3)]
         answers = gen.generate([list(h) for h in chats], max_new_tokens=4)
         for c, (h, a) in enumerate(zip(list(chats), answers)):
-            want = model.generate(torch.tensor([h], device=model.device), max_new_tokens=4,
-                                  do_sample=False)[0, len(h):].tolist()
+            ids = torch.tensor([h], device=model.device)
+            out = model.generate(ids, max_new_tokens=4, do_sample=False)
+            want = out[0, len(h):].tolist()
             assert a == want, f"chat {c}: {a} != generate's {want}"
             chats[c] = h + a
     return gen.stats
@@ -318,8 +323,8 @@ print(f"identical to generate; loaded from host: {st['prefill_loaded_host']} tok
 print("pages written to disk for the next process:", gen.persist_prefix_cache())
 warm = PagedGenerator(model, page_size=4, num_pages=8, max_running=4, **tiers)
 st = run_chats(warm, [list(h) for h in chats], rounds=1)
-print(f"a fresh generator on the same disk: {st['prefill_loaded_disk']} prompt tokens read "
-      f"from disk, {st['prefill_computed']} computed")
+print(f"a fresh generator on the same disk: {st['prefill_loaded_disk']} prompt tokens "
+      f"read from disk, {st['prefill_computed']} computed")
 assert st["prefill_loaded_disk"] > 0, "the first generator's pages were on disk"
 
 # %% [markdown]
@@ -337,7 +342,8 @@ rows = hit_rate_rows()
 hit_rate_figure(rows)
 plt.show()
 by = {(r["config"], r["share"]): r for r in rows}
-small = {name: by[(name, 0.25)]["hit"] for name in ("GPU only", "+ host", "+ host + disk")}
+names = ("GPU only", "+ host", "+ host + disk")
+small = {name: by[(name, 0.25)]["hit"] for name in names}
 print({k: f"{v:.0%}" for k, v in small.items()}, "at a quarter of the working set")
 assert small["GPU only"] < small["+ host"] <= small["+ host + disk"]
 
@@ -395,7 +401,8 @@ def my_eviction(nodes, need_pages, host_free, policy):
     while freed < need_pages:
         cands = [n for n in nodes if n.uid in dev and n.uid not in chosen
                  and n.ref_count == 0
-                 and all(c.uid not in dev or c.uid in chosen for c in kids.get(n.uid, []))]
+                 and all(c.uid not in dev or c.uid in chosen
+                         for c in kids.get(n.uid, []))]
         if not cands:
             break
         v = min(cands, key=lambda n: (n.last_access, n.uid))
@@ -463,7 +470,7 @@ def my_load_plan(path, free_slots, page_size):
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: load_back_plan
-    raise NotImplementedError("host pages of the host-only nodes -> pages from free_slots")
+    raise NotImplementedError("host pages of host-only nodes -> pages from free_slots")
     ### END STARTER
 
 
@@ -493,8 +500,10 @@ def my_trusted(identity, parent, tokens, header, payload):
               "checksum")
     if any(f not in header for f in fields):
         return False
-    same = (header["model"], header["dtype"], list(header["shape"]), header["page_size"])
-    if same != (identity.model, identity.dtype, list(identity.shape), identity.page_size):
+    stored = (header["model"], header["dtype"], list(header["shape"]),
+              header["page_size"])
+    wanted = (identity.model, identity.dtype, list(identity.shape), identity.page_size)
+    if stored != wanted:
         return False
     if header["page_hash"] != chain_hash(parent, tokens).hex():
         return False
@@ -525,7 +534,8 @@ kvlab.check.trusted_page(my_trusted);
 # %%
 bench = bench_rows()
 if bench is None:
-    print("figures/bench.json holds no GPU run of `python -m kvlab.bench --hierarchy` yet.")
+    print("figures/bench.json holds no GPU run of"
+          " `python -m kvlab.bench --hierarchy` yet.")
 else:
     print(f"{bench['meta']['device']}, {bench['meta']['date']}")
     for c in bench["claims"]:
@@ -544,13 +554,14 @@ else:
 # says so):
 
 # %%
-from kvlab.course.exercises.ch13_eviction import _tree  # noqa: E402  (the checker's trees)
+from kvlab.course.exercises.ch13_eviction import _tree  # noqa: E402  (its trees)
 
 evict_fn = kvlab.check.choose("write_back_eviction", my_eviction,
                               kvlab.solutions.get("write_back_eviction"))
 plan_fn = kvlab.check.choose("load_back_plan", my_load_plan,
                              kvlab.solutions.get("load_back_plan"))
-trust_fn = kvlab.check.choose("trusted_page", my_trusted, kvlab.solutions.get("trusted_page"))
+trust_fn = kvlab.check.choose("trusted_page", my_trusted,
+                              kvlab.solutions.get("trusted_page"))
 
 rng = random.Random(13)
 for _ in range(100):
@@ -560,7 +571,7 @@ for _ in range(100):
         victims, spills = evict_fn(nodes, need, free, policy)
         want = eviction_plan(nodes, need, free, policy)
         got = (tuple(map(tuple, victims)), tuple(spills))
-        assert got == (want.victims, want.spills), f"{policy}: yours {got}, kvlab's {want}"
+        assert got == (want.victims, want.spills), f"{policy}: {got} vs kvlab's {want}"
     by = {n.uid: n for n in nodes}
     path, at = [], rng.choice(nodes)                 # a match: a node and its ancestors
     while at is not None:
@@ -570,7 +581,8 @@ for _ in range(100):
     got = [[tuple(c) if isinstance(c, (list, tuple)) else c for c in part]
            for part in plan_fn(path, free_slots, P)]
     want = load_back_plan(path, free_slots, P)
-    assert got == [list(want.device_pages), list(want.copies), list(want.slots)], (got, want)
+    want = [list(want.device_pages), list(want.copies), list(want.slots)]
+    assert got == want, f"yours {got}, kvlab's {want}"
     ident = KVIdentity.of(rng.choice(["a", "b"]), layout, P)
     parent, toks = chain_hash(None, [1, 2, 3, 4]), [rng.randrange(9) for _ in range(P)]
     stored = KVIdentity.of(rng.choice(["a", "b"]), layout, P)
@@ -580,7 +592,7 @@ for _ in range(100):
     if rng.random() < 0.3:
         payload = payload[:-1] + bytes([payload[-1] ^ 1])
     assert trust_fn(ident, parent, toks, header, payload) == (
-        trust_reason(ident, parent, toks, header, payload) == ""), (ident.model, stored.model)
+        trust_reason(ident, parent, toks, header, payload) == ""), stored.model
 print("write_back_eviction, load_back_plan and trusted_page agree with kvlab.prefix")
 
 # %% [markdown]
@@ -640,4 +652,5 @@ pages = working_set(turns) // SWEEP_PAGE // 4
 for ratio in (1, 2, 4):
     config = HierarchyConfig(pages, H200_HOST._replace(pages=ratio * pages),
                              write_policy="write_through", page_size=SWEEP_PAGE)
-    print(f"host = {ratio} x device: hit {summary(simulate_hierarchy(turns, config))['hit']:.0%}")
+    hit = summary(simulate_hierarchy(turns, config))["hit"]
+    print(f"host = {ratio} x device: hit {hit:.0%}")
