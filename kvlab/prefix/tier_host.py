@@ -254,7 +254,7 @@ class TierHost:
         """Copy the host pages of ``chain`` (host-only nodes, in position order) into the device
         ``slots`` (one per position); their host pages stay pinned until the copy is done."""
         pages = [p for n in chain for p in n.host]
-        self.host.wait_written(pages)
+        # (a copy still filling one of them is waited for on the device, by the copies)
         pending = self.copies.load(pages, slots) if self.copies is not None else None
         if pending is not None:
             self.host.pin(pages, pending)
