@@ -124,10 +124,11 @@ def replay(gen, turns, *, concurrency: int = CONCURRENCY, histories=None, vocab:
 def _copies(gen) -> dict:
     tiers = getattr(gen, "hierarchy", None)
     if tiers is None:
-        return dict(h2d_bytes=0, d2h_bytes=0, load_gbps=None)
+        return dict(h2d_bytes=0, d2h_bytes=0, load_gbps=None, save_gbps=None)
     st = tiers.copies.collect()
     gbps = st["h2d_timed_bytes"] / st["h2d_seconds"] / 1e9 if st["h2d_seconds"] else None
-    out = dict(h2d_bytes=st["h2d_bytes"], d2h_bytes=st["d2h_bytes"], load_gbps=gbps)
+    save = st["d2h_timed_bytes"] / st["d2h_seconds"] / 1e9 if st["d2h_seconds"] else None
+    out = dict(h2d_bytes=st["h2d_bytes"], d2h_bytes=st["d2h_bytes"], load_gbps=gbps, save_gbps=save)
     if tiers.disk is not None:
         out["disk"] = dict(tiers.disk.stats, rejected_by_reason=dict(tiers.disk.rejected))
     return out

@@ -32,7 +32,7 @@ def hierarchy_section(h: dict) -> list[str]:
                                                         ("PASS" if c["passed"] else "FAIL"))
         lines.append(f"| {c['name']} | {c['rule']} | {c['measured']} | **{verdict}** |")
     lines += ["", "| configuration | hit (device / host / disk) | computed | MiB to device / to host | "
-              "load GB/s | TTFT ms p50 / p99 | TPOT ms p50 / p99 | tokens/s |", "|---|---|---|---|---|---|---|---|"]
+              "GB/s to device / to host | TTFT ms p50 / p99 | TPOT ms p50 / p99 | tokens/s |", "|---|---|---|---|---|---|---|---|"]
     ms = lambda x: _f(None if x is None else x * 1e3, "{:.1f}")  # noqa: E731
     for r in h["rows"]:
         head = f"| {r['config']} |"
@@ -42,7 +42,7 @@ def hierarchy_section(h: dict) -> list[str]:
         hit = (f"{r['hit']:.1%} ({r['device_hit']:.1%} / {r['host_hit']:.1%} / {r['disk_hit']:.1%})"
                if "hit" in r else f"disk {r['disk_hit']:.1%}")
         lines.append(head + f" {hit} | {r['computed']} | {r['h2d_bytes'] / 2**20:.1f} / {r['d2h_bytes'] / 2**20:.1f} | "
-                     f"{_f(r.get('load_gbps'), '{:.1f}')} | {ms(r.get('ttft_p50'))} / {ms(r.get('ttft_p99'))} | "
+                     f"{_f(r.get('load_gbps'), '{:.1f}')} / {_f(r.get('save_gbps'), '{:.1f}')} | {ms(r.get('ttft_p50'))} / {ms(r.get('ttft_p99'))} | "
                      f"{ms(r.get('tpot_p50'))} / {ms(r.get('tpot_p99'))} | {_f(r.get('tokens_per_s'))} |")
     d = h.get("decode") or {}
     if d.get("ratio") is not None:
