@@ -2,7 +2,9 @@
 (chapter 13).
 
 A host page holds the K and V of ``page_size`` positions of every layer, one contiguous block
-(SGLang's ``page_first`` layout; ``layer_first`` keeps a layer's pages together instead)::
+(SGLang's ``page_first`` layout; its ``layer_first`` keeps a layer's pages together instead:
+``HiCacheController.move_indices``, ``python/sglang/srt/managers/cache_controller.py``,
+sgl-project/sglang ``350cb879``)::
 
     kv[host_page]   [layers, 2 (K, V), page_size, kv_heads, head_dim]    pinned on CUDA,
                                                                          a second CPU tensor
