@@ -259,6 +259,14 @@ other = KVIdentity.of("another-model", layout, P)
 print("the same tokens, another model:", disk_key(other.model, page_hash))
 
 # %% [markdown]
+# Reading from disk is slow next to host memory. SGLang *prefetches* a request's storage hits
+# into host memory on a background thread while the request waits, and its
+# `hicache_storage_prefetch_policy` says when the request may go (`can_terminate_prefetch` in
+# `hiradix_cache.py`): `best_effort` (with whatever has arrived), `wait_complete` (when all
+# has), or `timeout` (all, or a deadline that grows with the pages). kvlab reads the pages at
+# admission, on the scheduler's thread, before the load-back: `wait_complete`, without the
+# thread.
+#
 # A file on disk can be cut short by a crash, changed by a bad disk or a careless hand,
 # or written by another model. SGLang's file backend stores the raw tensor without a
 # header and raises only on a short read. kvlab's file starts with a header (model, dtype,
