@@ -185,8 +185,10 @@ def run_hierarchy(smoke: bool = False, log=print, budget_s: float | None = None)
         else:
             try:
                 gen = make_generator(model, cfg.pop("pages"), smoke, **cfg)
-                stats, _, last = replay(gen, turns, vocab=model.config.vocab_size)
+                stats, histories, last = replay(gen, turns, vocab=model.config.vocab_size)
                 row.update(stats)
+                if name == "+ host write_through" and not smoke:
+                    res["timeline"] = recorded_timeline(gen, histories, model.config.vocab_size)
                 if "disk_cache" in cfg:
                     row["persisted_pages"] = gen.persist_prefix_cache()
                     last_prompts = last
@@ -207,6 +209,30 @@ def run_hierarchy(smoke: bool = False, log=print, budget_s: float | None = None)
     res["decode"] = decode_slowdown(model, smoke, make_generator, log=log)
     res["claims"] = claims(res)
     return res
+
+
+def recorded_timeline(gen, histories: dict, vocab: int, n: int = 4, gap_s: float = 0.03) -> dict:
+    """One call recorded on the GPU: ``n`` conversations come back ``gap_s`` apart, each loading
+    its history back while the earlier ones decode. The steps (device spans, as
+    :class:`~kvlab.serving.hf.StepTimes`) and every transfer of the copies, in seconds since the
+    call began."""
+    import random
+
+    rng = random.Random(1)
+    convs = sorted(histories)[:n]
+    prompts = [histories[c] + [rng.randrange(vocab) for _ in range(64)] for c in convs]
+    copies = gen.hierarchy.copies
+    copies.record = []
+    gen.generate(prompts, max_new_tokens=32, arrivals=[i * gap_s for i in range(n)], timeline=True)
+    sync(gen)
+    queue = gen._queue(gen.overlap)
+    to_call = lambda ev: queue._origin_host + queue._origin.elapsed_time(ev) / 1e3 - gen.timeline_origin  # noqa: E731
+    transfers = [dict(direction=d, start=to_call(a), end=to_call(b), bytes=nb) for d, a, b, nb in copies.record]
+    copies.record = None
+    steps = [dict(index=s.index, requests=s.requests, tokens=s.tokens, decode_only=s.decode_only,
+                  device=list(s.device)) for s in gen.timeline]
+    return dict(steps=steps, transfers=transfers, arrivals=[i * gap_s for i in range(n)],
+                loaded=[r.cached for r in gen.requests])
 
 
 def _free(device) -> None:

@@ -345,6 +345,7 @@ class PagedGenerator:
         loop.stats["generated"] = sum(len(s.tokens) for s in seqs)
         self.stats = loop.stats
         self.timeline = loop.timeline
+        self.timeline_origin = loop.t0             # (perf_counter seconds: the timeline's zero)
         self.requests = [RequestStats(len(s.prompt), s.cached, len(s.prompt) - s.cached,
                                       len(s.tokens), s.finished_by, s.stops, s.recomputed,
                                       tuple(s.token_steps), s.arrival, tuple(s.times)) for s in seqs]

@@ -84,6 +84,7 @@ class KVCopies:
         self.stats = dict(h2d_bytes=0, d2h_bytes=0, loads=0, saves=0, h2d_seconds=0.0, h2d_timed_bytes=0,
                           d2h_seconds=0.0, d2h_timed_bytes=0)
         self._timed: list = []       # (direction, start event, end event, bytes) not read yet
+        self.record: list | None = None   # a list: every transfer's events are kept there too
 
     # --- device -> host ------------------------------------------------------------------------
 
@@ -175,6 +176,8 @@ class KVCopies:
     def _finish(self, direction: str, start, end, nbytes: int):
         end.record()
         self._timed.append((direction, start, end, nbytes))
+        if self.record is not None:
+            self.record.append((direction, start, end, nbytes))
         return end
 
     def collect(self) -> dict:

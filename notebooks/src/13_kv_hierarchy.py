@@ -555,6 +555,22 @@ else:
                   f"  TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms")
 
 # %% [markdown]
+# The same run recorded one call on the GPU: four conversations coming back 30 ms apart, each
+# loading its history while the ones before it decode (the first 60 ms; a dark bar is a step
+# with a prefill in it, a green one a load-back crossing the link, a red one a write-through):
+
+# %% alt="A recorded GPU timeline of about 60 ms: decode steps on the compute stream, load-backs of returning conversations on the host-to-device copy stream overlapping them, write-through copies on the device-to-host stream after each prefill; or a line saying no GPU run is recorded yet."
+from kvlab.course.scenes.ch13_hierarchy import recorded_spans  # noqa: E402
+from kvlab.course.viz.tiers import draw_copy_timeline  # noqa: E402
+
+if bench is None or not bench.get("timeline"):
+    print("no recorded GPU timeline in figures/bench.json yet")
+else:
+    draw_copy_timeline(recorded_spans(bench["timeline"]),
+                       title=f"recorded on {bench['meta']['device']}")
+    plt.show()
+
+# %% [markdown]
 # ## Lift: your functions vs kvlab
 #
 # Your three answers against the ones [lifted](glossary.md#lift) into `kvlab.prefix`

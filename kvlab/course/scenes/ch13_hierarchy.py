@@ -121,6 +121,23 @@ def copy_timeline_figure():
     return ax.figure
 
 
+def recorded_spans(timeline: dict, window_ms: float = 60.0) -> list[tuple[str, str, float, float]]:
+    """The spans of a timeline recorded by ``python -m kvlab.bench --hierarchy`` (its first
+    ``window_ms``), in ms: the steps on the compute lane (a prefill darker), every transfer on its
+    copy lane (labelled with its size when it is wide enough to hold it)."""
+    out = []
+    for s in timeline["steps"]:
+        a, b = (1e3 * t for t in s["device"])
+        if a < window_ms:
+            out.append(("compute", "" if s["decode_only"] else "prefill", a, min(b, window_ms)))
+    for t in timeline["transfers"]:
+        a, b = 1e3 * t["start"], 1e3 * t["end"]
+        if a < window_ms:
+            label = f"{t['bytes'] / 2**20:.0f} MiB" if b - a > window_ms / 12 else ""
+            out.append(("h2d" if t["direction"] == "h2d" else "d2h", label, a, min(b, window_ms)))
+    return out
+
+
 def bench_rows(path: str | None = None):
     """The real model's rows from ``figures/bench.json`` (``None`` when it holds no GPU run)."""
     path = path or os.path.join(os.path.dirname(__file__), "..", "..", "..", "figures", "bench.json")
