@@ -206,3 +206,20 @@ def test_chapter_12s_lift_takes_an_order_as_a_tuple_and_a_plan_as_lists(capsys):
     chapter = Chapter("12", "victim_order", needs=())
     chapter.lift_with("victim_order", "my_victim_order", victim_order_as_a_tuple, capsys)
     chapter.lift_with("resume_plan", "my_resume", resume_plan_as_lists, capsys)
+
+
+def eviction_as_lists(nodes, need_pages, host_free, policy):
+    victims, spills = _solution("write_back_eviction")(nodes, need_pages, host_free, policy)
+    return [list(v) for v in victims], tuple(spills)
+
+
+def load_plan_as_tuples(path, free_slots, page_size):
+    pages, copies, slots = _solution("load_back_plan")(path, free_slots, page_size)
+    return tuple(pages), [list(c) for c in copies], tuple(slots)
+
+
+@pytest.mark.slow
+def test_chapter_13s_lift_takes_victims_as_lists_and_a_plan_as_tuples(capsys):
+    chapter = Chapter("13", "write_back_eviction", needs=("layout = KVLayout",))
+    chapter.lift_with("write_back_eviction", "my_eviction", eviction_as_lists, capsys)
+    chapter.lift_with("load_back_plan", "my_load_plan", load_plan_as_tuples, capsys)

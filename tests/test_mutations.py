@@ -32,6 +32,7 @@ from kvlab.check import CheckFailed
 from mutant_kinds import KINDS, Mutant, Rewrite, WrongAnswer
 from mutants_ch10_11 import (MUTANTS_CH10_11, OTHER_SHAPES_CH10_11, REWRITES_CH10_11,
                              WRONG_ANSWERS_CH10_11, mutant_globals)
+from mutants_ch13 import APPLIES_CH13, MUTANTS_CH13, REWRITES_CH13
 
 _counter = itertools.count()
 
@@ -942,7 +943,7 @@ CH12 = [
 
 
 MUTANTS = (CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
-           + CH09_ATTENTION + CH11 + CH12 + BLIND_SPOTS + MUTANTS_CH10_11)
+           + CH09_ATTENTION + CH11 + CH12 + BLIND_SPOTS + MUTANTS_CH10_11 + MUTANTS_CH13)
 #: every wrong answer: the planted slips and the answers written out whole
 WRONG = list(MUTANTS) + WRONG_ANSWERS_CH10_11
 
@@ -1000,10 +1001,11 @@ APPLIES["free_pages"] = APPLIES["free_pages"] | {"unseen"}
 APPLIES["page_hashes"] |= {"blame"}
 APPLIES["hash_match"] |= {"blame"}
 APPLIES["pad_decode_batch"] |= {"blame"}
+APPLIES.update(APPLIES_CH13)  # chapter 13
 
 
 def test_every_class_of_slip_has_a_mutant_on_every_exercise_it_applies_to():
-    assert set(APPLIES) == set(COURSE_EXERCISES) and len(APPLIES) == 28
+    assert set(APPLIES) == set(COURSE_EXERCISES) and len(APPLIES) == 31
     missing = [(name, kind) for name, kinds in APPLIES.items() for kind in sorted(kinds)
                if not any(m.exercise == name and m.kind == kind for m in WRONG)]
     assert not missing
@@ -1015,7 +1017,8 @@ COURSE_EXERCISES = ["pages_needed", "page_to_token", "write_page_table", "alloc_
                     "paged_attention", "paged_attention_kernel", "extend_scan", "split_attention", "merge_splits",
                     "paged_attention_step",
                     "pad_decode_batch", "page_hashes", "hash_match", "allocate_pages", "free_pages",
-                    "victim_order", "next_token_ratio", "resume_plan", "swap_out"]
+                    "victim_order", "next_token_ratio", "resume_plan", "swap_out",
+                    "write_back_eviction", "load_back_plan", "trusted_page"]
 
 
 # --- correct answers written differently must pass -----------------------------------------------
@@ -1168,7 +1171,7 @@ def assert_passes(exercise: str, answer, **kwargs) -> None:
     assert kvlab.check.status(exercise) == "passed"
 
 
-@pytest.mark.parametrize("rewrite", REWRITES + REWRITES_CH10_11, ids=lambda r: f"{r.exercise}: {r.why}")
+@pytest.mark.parametrize("rewrite", REWRITES + REWRITES_CH10_11 + REWRITES_CH13, ids=lambda r: f"{r.exercise}: {r.why}")
 def test_a_correct_rewrite_passes(rewrite, mutant_dir, capsys):
     good = build_mutant(rewrite.exercise, rewrite.old, rewrite.new, mutant_dir)
     assert_passes(rewrite.exercise, good)
