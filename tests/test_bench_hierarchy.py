@@ -1,4 +1,4 @@
-"""Chapter 13's measurements: the tier simulator (``kvlab.serving.sim.hierarchy``) and its
+"""Chapter 13's measurements: the tier simulator (``kvlab.serving.sim.tier_sim``) and its
 conversations, and ``python -m kvlab.bench --hierarchy`` (a smoke run of the real code path on
 the CPU, its claims judged from rows)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from kvlab.base.errors import InvalidArgument
 from kvlab.bench import hierarchy as hb
 from kvlab.bench.hierarchy_claims import claims
 from kvlab.serving.sim.conversations import ChatPlan, chat_turns, working_set
-from kvlab.serving.sim.hierarchy import (H200_HOST, NVME_DISK, HierarchyConfig, TierModel,
+from kvlab.serving.sim.tier_sim import (H200_HOST, NVME_DISK, HierarchyConfig, TierModel,
                                          simulate_hierarchy, summary)
 
 PLAN = ChatPlan(conversations=6, turns=4, first=(40, 120), question=(8, 30), answer=(4, 10), history_cap=400)

@@ -338,7 +338,7 @@ assert st["prefill_loaded_disk"] > 0, "the first generator's pages were on disk"
 # %% [markdown]
 # ## Hit rate against the size of the cache
 #
-# The tier simulator (`kvlab.serving.sim.hierarchy`) runs the same cache code on page
+# The tier simulator (`kvlab.serving.sim.tier_sim`) runs the same cache code on page
 # numbers only, so a host tier of a million pages costs a few megabytes: it can show a
 # hierarchy larger than any laptop. Sixteen chats of up to 3,000 tokens, six turns each,
 # every chat coming back after the fifteen others; pools from an eighth of the working set
@@ -639,7 +639,7 @@ print("write_back_eviction, load_back_plan and trusted_page agree with kvlab.pre
 #   the ceiling. On a GPU, `python -m kvlab.bench --hierarchy` measures what that buys.
 # * In `kvlab.prefix` (`tiered_cache`, `host_tier`, `disk_store`, `tier_plans`,
 #   `write_policy`), `kvlab.serving` (`kv_copies`, `load_back`, `hf.PagedGenerator`'s
-#   `host_cache` and `disk_cache`, `sim.hierarchy`) and `python -m kvlab.bench --hierarchy`.
+#   `host_cache` and `disk_cache`, `sim.tier_sim`) and `python -m kvlab.bench --hierarchy`.
 #
 # ## Questions
 #
@@ -668,7 +668,7 @@ print("write_back_eviction, load_back_plan and trusted_page agree with kvlab.pre
 # %% tags=["solution"]
 from kvlab.course.scenes.ch13_hierarchy import SWEEP_PAGE, SWEEP_PLAN  # noqa: E402
 from kvlab.serving.sim.conversations import chat_turns, working_set  # noqa: E402
-from kvlab.serving.sim.hierarchy import (H200_HOST, HierarchyConfig,  # noqa: E402
+from kvlab.serving.sim.tier_sim import (H200_HOST, HierarchyConfig,  # noqa: E402
                                          simulate_hierarchy, summary)
 
 turns = chat_turns(SWEEP_PLAN)

@@ -4,14 +4,14 @@ of ``python -m kvlab.bench --hierarchy`` when ``figures/bench.json`` holds them.
 
 The conversations are :mod:`kvlab.serving.sim.conversations`' with the plans below (seeded); the
 caches are the real :class:`~kvlab.prefix.tiered_cache.TieredRadixCache` on page numbers only
-(:mod:`kvlab.serving.sim.hierarchy`). Every scene takes well under a few seconds on a CPU."""
+(:mod:`kvlab.serving.sim.tier_sim`). Every scene takes well under a few seconds on a CPU."""
 from __future__ import annotations
 
 import json
 import os
 
 from ...serving.sim.conversations import ChatPlan, chat_turns, working_set
-from ...serving.sim.hierarchy import H200_HOST, NVME_DISK, HierarchyConfig, simulate_hierarchy, summary
+from ...serving.sim.tier_sim import H200_HOST, NVME_DISK, HierarchyConfig, simulate_hierarchy, summary
 from .figure_registry import figure
 
 P = 4

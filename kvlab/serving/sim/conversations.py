@@ -11,7 +11,7 @@ hold to compute nothing twice::
                      [ first message | q1 | a1 | q2 ]  a2      (after conversations 1, 2, ... had a turn)
                      [ first message | q1 | a1 | q2 | a2 | q3 ]  a3
 
-The same plan feeds the tier simulator (:mod:`kvlab.serving.sim.hierarchy`), whose answers are
+The same plan feeds the tier simulator (:mod:`kvlab.serving.sim.tier_sim`), whose answers are
 seeded tokens, and ``python -m kvlab.bench --hierarchy``, whose answers are the model's own.
 """
 from __future__ import annotations
