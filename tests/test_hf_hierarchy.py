@@ -170,3 +170,11 @@ def test_bad_tiers_are_refused_by_name_before_anything_is_built(model, tmp_path)
             PagedGenerator(model, page_size=4, num_pages=8, host_cache=8, disk_cache=str(ro))
     written = sorted(p.name for p in tmp_path.iterdir())
     assert written == sorted(["a_file"] + (["ro"] if os.geteuid() else [])), "nothing was written"
+
+
+def test_a_models_identity_is_its_weights_not_where_it_was_loaded_from(model, tmp_path):
+    from kvlab.serving.hf import model_identity
+
+    again = tiny_model("llama", str(tmp_path / "elsewhere"), seed=0, device=kvlab.DEVICE)
+    other = tiny_model("llama", str(tmp_path / "other"), seed=1, device=kvlab.DEVICE)
+    assert model_identity(again) == model_identity(model) != model_identity(other)

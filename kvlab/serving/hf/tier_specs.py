@@ -92,11 +92,13 @@ def check_tiers(host_cache, disk_cache) -> tuple[HostCache | None, DiskCache | N
 
 
 def model_identity(model) -> str:
-    """``<model_type>-<16 hex digits>``: BLAKE2b of the model's config, dtype, parameter names
-    and shapes, and a strided sample (at most 4096 values) of every parameter."""
+    """``<model_type>-<16 hex digits>``: BLAKE2b of the model's config (without the path it was
+    loaded from), dtype, parameter names and shapes, and a strided sample (at most 4096 values)
+    of every parameter."""
     h = hashlib.blake2b(digest_size=8)
-    config = model.config.to_dict() if hasattr(model.config, "to_dict") else vars(model.config)
-    h.update(json.dumps(config, sort_keys=True, default=str).encode())
+    config = model.config.to_dict() if hasattr(model.config, "to_dict") else dict(vars(model.config))
+    config = {k: v for k, v in config.items() if not k.startswith("_") and "name_or_path" not in k}
+    h.update(json.dumps(config, sort_keys=True, default=str).encode())   # (not where it was loaded from)
     h.update(str(model.dtype).encode())
     with torch.no_grad():
         for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
