@@ -248,9 +248,13 @@ def second_process(directory: str, prompts, smoke: bool, device_pages: int) -> d
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(dict(directory=directory, prompts=prompts, smoke=smoke, pages=device_pages), f)
     cmd = [sys.executable, "-m", "kvlab.bench.hierarchy", f.name]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
-                       env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    os.remove(f.name)
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=150,
+                           env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    except subprocess.TimeoutExpired:
+        return dict(error="the second process took more than 150 s")
+    finally:
+        os.remove(f.name)
     if r.returncode != 0:
         lines = (r.stderr or r.stdout or "no output").strip().splitlines()
         return dict(error=f"the second process failed: {lines[-1]}"[:300])
