@@ -45,15 +45,16 @@ class Scene:
     given a ``directory``, a disk store (model ``model``) of ``disk_pages``."""
 
     def __init__(self, page_size=4, device_pages=10, host_pages=12, policy="write_back", *,
-                 directory=None, disk_pages=1000, model="scene", rows=2, max_len=128):
+                 directory=None, disk_pages=1000, model="scene", rows=2, max_len=128, device="cpu"):
         P = self.P = page_size
-        self.pool = KVPool((device_pages + 1) * P, LAYERS, HEADS, DIM, device="cpu")
-        self.host = HostTier(host_pages, P, layout())
+        device = torch.device(device)
+        self.pool = KVPool((device_pages + 1) * P, LAYERS, HEADS, DIM, device=device)
+        self.host = HostTier(host_pages, P, layout(), pin=device.type == "cuda")
         self.disk = (DiskStore(directory, KVIdentity.of(model, layout(), P), disk_pages)
                      if directory is not None else None)
-        self.cache = TieredRadixCache(P, "cpu", host=self.host, policy=policy, disk=self.disk,
+        self.cache = TieredRadixCache(P, device, host=self.host, policy=policy, disk=self.disk,
                                       copies=KVCopies(self.pool, self.host))
-        self.manager = CacheManager(device_pages, P, new_page_table(rows, max_len, P),
+        self.manager = CacheManager(device_pages, P, new_page_table(rows, max_len, P, device=device),
                                     prefix_cache=self.cache, page_table_writer="host")
         self.loads: list = []
 
@@ -63,8 +64,8 @@ class Scene:
         row = self.manager.page_table[req.table_idx]
         for pos in range(start, end):
             slot = int(row[pos])
-            self.pool.k[:, slot] = values[pos][0]
-            self.pool.v[:, slot] = values[pos][1]
+            self.pool.k[:, slot] = values[pos][0].to(self.pool.k.device)
+            self.pool.v[:, slot] = values[pos][1].to(self.pool.v.device)
 
     def check_row(self, req: Req, n: int) -> None:
         """Positions [0, n) of the request's row hold the right K/V."""
@@ -72,7 +73,7 @@ class Scene:
         row = self.manager.page_table[req.table_idx]
         for pos in range(n):
             slot = int(row[pos])
-            got = torch.stack([self.pool.k[:, slot], self.pool.v[:, slot]])
+            got = torch.stack([self.pool.k[:, slot], self.pool.v[:, slot]]).cpu()
             assert torch.equal(got, values[pos]), (f"position {pos} (slot {slot}) of row "
                                                    f"{req.table_idx} holds the wrong K/V")
 
@@ -95,6 +96,9 @@ class Scene:
 
     def check(self) -> None:
         """The manager's conservation law and the cache's tiers; every cached page right."""
+        if self.pool.k.is_cuda:
+            torch.cuda.synchronize()
+            self.cache.copies.drain()
         self.manager.check_integrity()
         self.cache.check_integrity()
         for node in self.cache.nodes():
@@ -103,7 +107,7 @@ class Scene:
             values = kv_values(ids)[len(ids) - node.length:]
             if node.on_device:
                 for i, slot in enumerate(node.value.tolist()):
-                    got = torch.stack([self.pool.k[:, slot], self.pool.v[:, slot]])
+                    got = torch.stack([self.pool.k[:, slot], self.pool.v[:, slot]]).cpu()
                     assert torch.equal(got, values[i]), f"node {node.uid}, its token {i}: wrong K/V on the device"
             for j, page in enumerate(node.host or ()):
                 for i in range(self.P):

@@ -40,6 +40,21 @@ def test_every_load_back_brings_the_right_kv(policy, page_size, tmp_path):
     assert loaded > 0, "the device pool was meant to be too small: some prefixes come back from the host"
 
 
+@pytest.mark.parametrize("policy", POLICIES)
+def test_copies_on_the_runtimes_device(policy, tmp_path):
+    """The same conversations with the pool on kvlab.DEVICE: on a GPU the host tier is pinned and
+    the transfers run on their own streams, and every loaded page is still right."""
+    import kvlab
+
+    scene = Scene(4, device_pages=12, host_pages=40, policy=policy, directory=tmp_path,
+                  device=kvlab.DEVICE, max_len=256)
+    for ids in conversations(random.Random(7)):
+        scene.serve(ids)
+        scene.check()
+    assert sum(lb.host for lb in scene.loads) > 0
+    assert scene.cache.persist() >= 0 and scene.cache.copies.collect()["h2d_bytes"] > 0
+
+
 def test_a_hierarchy_hits_more_than_the_device_alone():
     chats = list(conversations(random.Random(3), n=6, turns=5))
     hits = {}
