@@ -33,7 +33,7 @@ import torch
 from .. import runtime
 from . import compiled, findings, inputs, picture, sandbox
 from .audit import Order
-from .failures import Case, CheckFailed, Layout, Segment, fmt_values, label_at
+from .failures import CAUSE_NAMED, Case, CheckFailed, Layout, Segment, fmt_values, label_at
 from .guards import explain_value
 from .messages import learner_traceback
 from .slips import close
@@ -109,10 +109,6 @@ class _Attempt:
     pending: list[CheckFailed] = field(default_factory=list)
     programs: int = 0  # the most programs of one kernel launch in this case
 
-
-#: labels of a failure whose message names its cause: it comes before the safety net's findings
-#: (a checker that recognised the slip behind an access outside a tensor says "named cause")
-CAUSE_NAMED = ("part region", "named cause")
 
 _ATTEMPT: _Attempt | None = None  # the case running now (None: outside run_cases)
 _DEPTH = 0  # nested run_cases
@@ -222,13 +218,11 @@ def _merge_pending(pending: list[CheckFailed], err: CheckFailed, case: str) -> C
         return err
     body = err.message
     told = set(body.splitlines())  # e.g. the inputs line, when the comparison gives it too
-    head = "\n".join(line for p in pending for line in p.message.splitlines()
-                     if line not in told)
+    head = "\n".join(line for p in pending for line in p.message.splitlines() if line not in told
+                     and not (err.label == "named cause" and line.strip() == findings.ADVICE))
     if body.startswith(f"[{case}] "):
         body = body[len(case) + 3:]
-    if err.label in CAUSE_NAMED:  # the checker named the cause: it comes first
-        if err.label == "named cause":  # ... with its own advice instead of the safety net's
-            head = "\n".join(line for line in head.splitlines() if line.strip() != findings.ADVICE)
+    if err.label in CAUSE_NAMED:  # the checker named the cause: it comes first (with its own advice)
         err.args = (f"{body}\n  and so: {head}",) + tuple(err.args[1:])
     else:
         then = "and then: " if err.label in ("crash", "timeout") else "and so the answer is wrong: "
@@ -329,11 +323,9 @@ def pending_findings() -> list[CheckFailed]:
 
 @contextlib.contextmanager
 def second_look() -> Iterator[None]:
-    """Calls of the learner's code that only help tell a failure's cause (the same code on
-    other cases): what the safety net finds there is not filed with the case that failed."""
+    """Calls of learner code that only help tell a failure's cause: not filed with the case."""
     global _ATTEMPT
-    outer = _ATTEMPT
-    _ATTEMPT = _Attempt(outer.order if outer else Order(), outer.interpret if outer else False)
+    outer, _ATTEMPT = _ATTEMPT, _Attempt(_ATTEMPT.order if _ATTEMPT else Order(), bool(_ATTEMPT and _ATTEMPT.interpret))
     try:
         yield
     finally:

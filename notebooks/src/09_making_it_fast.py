@@ -892,8 +892,10 @@ print("your two kernels == kvlab's fast_paged_decode_attention == the oracle")
 # *host's* cost of launching them, not the GPU's cost of running them one after the other.
 # `torch.compile` removes that: it traces the layer and fuses each run of small operations into
 # one generated kernel. vLLM compiles its models by default; SGLang has `--enable-torch-compile`,
-# which compiles the decode forward with `torch.compile(..., dynamic=False)` for each batch size
-# it captures (`patch_model` in `python/sglang/srt/model_executor/cuda_graph_runner.py`).
+# which compiles the decode forward with `torch.compile(..., dynamic=False)` for the batch sizes
+# it captures up to `--torch-compile-max-bs` (32 by default), and replays the larger ones
+# uncompiled (`get_batch_sizes_to_capture` and `patch_model` in
+# `python/sglang/srt/model_executor/cuda_graph_runner.py`, sgl-project/sglang `0021673c`).
 #
 # `kvlab.hf.PagedGenerator(..., compile_decode=True)` does it for the padded decode step, at
 # start-up, before the graphs are captured (`kvlab.hf.graphs.DecodeGraphs`), in two ways that
