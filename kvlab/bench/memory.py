@@ -145,7 +145,7 @@ def run_memory(smoke: bool = False, log=print, budget_s: float | None = None) ->
     vocab = model.config.vocab_size
     pools = SMOKE_POOLS if smoke else POOLS
     P = SMOKE_PAGE_SIZE if smoke else PAGE_SIZE
-    res = dict(smoke=smoke, page_size=P, pools=dict(pools), rows=[], errors=[],
+    res = dict(smoke=smoke, page_size=P, pools=dict(pools), workload_pools=dict(WORKLOAD_POOLS), rows=[], errors=[],
                model=dict({"tiny": True} if smoke else MODEL, dtype=str(model.dtype).replace("torch.", "")),
                workloads={})
     graph_sizes = [1, 2, 4, 8, 16, 32, 48]

@@ -16,8 +16,13 @@ max grows. The learner writes that update.
 
 The checker builds the partials with :func:`kvlab.reference.split_partials_reference` from
 random layouts (scores small, rising from split to split, falling, or large enough that a plain
-``exp`` overflows), launches the kernel (``run_merge_kernel``), and compares with
+``exp`` overflows; lengths that end exactly on a split; head sizes below ``BLOCK_D`` with the
+last request filling every split, where a load of ``o`` without ``mask_d`` reads past its end),
+launches the kernel (``run_merge_kernel``), and compares with
 :func:`kvlab.reference.merge_splits_reference`; ``o``, ``lse`` and ``seq_lens`` are read-only.
+A wrong answer is told by the slip that gives it (:data:`SLIPS`; when several give the same
+NaN, the other cases decide, or all are named); a NaN no slip explains is told by what can make
+it: an overflow only if some ``lse`` can overflow ``exp``, else 0/0 or a split that holds nothing.
 """
 from __future__ import annotations
 

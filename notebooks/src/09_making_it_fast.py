@@ -710,8 +710,10 @@ for batch, context in [(1, 32768), (1, 4096), (1, 512), (16, 4096), (64, 4096), 
 #    `t * stride_kv_s + g * stride_kv_h`.
 #
 # `kvlab.check.split_attention` launches your kernel with blocks of 16 and 32 positions, pages of
-# 1 to 16 tokens on shuffled pages, grouped and plain multi-head attention and splits that hold
-# nothing, and compares every split's `o` and `lse` with `kvlab.reference.split_partials_reference`.
+# 1 to 16 tokens on shuffled pages, grouped and plain multi-head attention, splits that hold
+# nothing, and pools whose last slots are in use with a head size below `BLOCK_D` (where a load
+# that forgets `mask_d` reads past the end of the pool), and compares every split's `o` and
+# `lse` with `kvlab.reference.split_partials_reference`.
 # Only `o` and `lse` are written. Hints: `kvlab.check.hint("split_attention", 1)` (up to 3);
 # the reference: `kvlab.solutions.show("split_attention")`.
 
@@ -785,8 +787,9 @@ kvlab.check.hint("split_attention", 1);
 # `exp(lse - m)` and `acc` of `exp(lse - m) * o`. Write the update inside the loop: `m_new`,
 # `alpha` (what rescales everything summed under the old max), this split's weight `w`, then
 # `acc`, `total` and `m`. `kvlab.check.merge_splits` feeds it partial results of random layouts,
-# among them scores that rise from split to split, fall, and overflow `exp` without the max;
-# `o`, `lse` and `seq_lens` are read-only. Hints: `kvlab.check.hint("merge_splits", 1)` (up to
+# among them scores that rise from split to split, fall, and overflow `exp` without the max,
+# lengths that end exactly on a split, and head sizes below `BLOCK_D`; `o`, `lse` and `seq_lens`
+# are read-only. Hints: `kvlab.check.hint("merge_splits", 1)` (up to
 # 3); the reference: `kvlab.solutions.show("merge_splits")`.
 
 # %%
