@@ -23,7 +23,7 @@ step. A policy answers two questions: **how much may still be promised at admiss
 Where each rule comes from (the code, not the papers):
 
 * **reserve**: mini-sglang ``python/minisgl/scheduler/prefill.py`` (``PrefillAdder``,
-  sgl-project/mini-sglang ``02b130b8``): a request waits while ``estimated_len + reserved_size >
+  sgl-project/mini-sglang ``20fcd7f`` on main): a request waits while ``estimated_len + reserved_size >
   available_size``, where ``estimated_len`` is its uncached prompt plus its whole ``output_len``
   and ``reserved_size`` starts at what the running requests may still decode.
 * **recompute**: vLLM ``vllm/v1/core/sched/scheduler.py`` (vllm-project/vllm ``00024d31``):
