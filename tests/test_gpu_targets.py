@@ -194,6 +194,17 @@ def test_the_recorder_sees_the_allocators_direct_launches(monkeypatch):
         allocate("fast")
 
 
+@pytest.mark.gpu
+def test_gpu_the_recorder_sees_a_warmed_up_allocators_launches():
+    """The real direct path: once an allocator's kernels are compiled in this process (an
+    earlier test's, here the line below), a new allocator launches them through C entries."""
+    allocate("fast")
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert fast_kernels.direct_kernels(4, device) is not None
+    names = {launch.name.rsplit(".", 1)[1] for launch in record(lambda: allocate("fast"), "warm")}
+    assert {"extend_fused_kernel", "decode_fast_kernel"} <= names, names
+
+
 FP8 = '''\
 import triton
 import triton.language as tl
