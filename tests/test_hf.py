@@ -362,7 +362,8 @@ def test_bad_serving_options_are_refused(models, kw, argument):
     assert err.value.argument == argument
 
 
-@pytest.mark.skipif(kvlab.DEVICE.type == "cuda", reason="checks the refusal without CUDA")
+@pytest.mark.skipif(kvlab.DEVICE.type == "cuda", reason="needs a machine without CUDA (make test): "
+                    "the refusal for a model on the CPU")
 def test_capturing_graphs_without_cuda_is_refused(models):
     with pytest.raises(InvalidArgument, match="CUDA") as err:
         PagedGenerator(models["llama"], page_size=4, num_pages=16, decode_graphs="capture")
