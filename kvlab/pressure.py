@@ -184,8 +184,8 @@ class RetractDecode(Policy):
         if self.init_ratio > 1 or self.min_ratio_factor > 1:
             raise InvalidArgument("policy.init_ratio", "init_ratio and min_ratio_factor <= 1",
                                   f"got {self.init_ratio}, {self.min_ratio_factor}")
-        check_int("policy.retract_decode_steps", self.retract_decode_steps, minimum=0)
-        check_int("policy.clip_max_new", self.clip_max_new, minimum=1)
+        for field, least in (("retract_decode_steps", 0), ("clip_max_new", 1)):   # ints from here on
+            object.__setattr__(self, field, check_int(f"policy.{field}", getattr(self, field), minimum=least))
 
     @property
     def min_ratio(self) -> float:
@@ -218,8 +218,8 @@ class SwapToHost(Policy):
     requeue: ClassVar[str] = "swapped"
 
     def __post_init__(self):
-        if self.host_pages is not None:
-            check_int("policy.host_pages", self.host_pages, minimum=0)
+        if self.host_pages is not None:   # (an int from here on, whatever integer it was given as)
+            object.__setattr__(self, "host_pages", check_int("policy.host_pages", self.host_pages, minimum=0))
 
     def promised_positions(self, view, ratio, *, new):
         return view.positions
@@ -365,9 +365,9 @@ class PolicyRun:
 
     def victim(self, views: Sequence[RequestView]) -> RequestView:
         """The request to stop first (largest key; the later of equal keys, as :func:`victim_order`)."""
+        views = _check_views("views", views)
         if not views:
             raise InvalidArgument("views", "at least one request to choose from", "got none")
-        views = _check_views("views", views)
         best = max(range(len(views)), key=lambda i: (self.policy.victim_key(views[i]), i))
         return views[best]
 

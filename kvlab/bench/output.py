@@ -35,7 +35,8 @@ def checked_out(out, *, adds_to_existing: bool) -> str:
     run that ``adds_to_existing`` ``bench.json``, one whose ``bench.json`` (if any) reads as a
     JSON object. :class:`BadOut` otherwise, before anything is measured."""
     if not isinstance(out, str) or not out.strip():
-        raise BadOut(f"--out: a folder to write the results in (got {out!r})")
+        raise BadOut("--out: a folder to write the results in (got "
+                     + (f"{out!r})" if isinstance(out, str) else f"a {type(out).__name__})"))
     if os.path.exists(out) and not os.path.isdir(out):
         raise BadOut(f"--out {out}: a folder to write the results in, not a file")
     try:

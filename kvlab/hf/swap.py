@@ -20,6 +20,7 @@ way; vLLM v0 kept ``num_cpu_blocks`` of them (``vllm/core/scheduler.py``, ``swap
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
@@ -30,11 +31,23 @@ from ..errors import InvalidArgument, OutOfPages
 __all__ = ["HostKV", "host_pool_pages"]
 
 
+def _host_memory() -> int | None:
+    """Bytes of physical memory on this machine (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 def host_pool_pages(policy, host_pages, num_pages: int) -> int | None:
     """The host pool of a generator with ``policy`` (a :class:`~kvlab.pressure.Policy`), in pages:
     ``host_pages`` or the policy's own ``host_pages`` (they must agree when both are given), else
     ``num_pages`` (as large as the device pool); None for a policy that never swaps, which takes
     no ``host_pages``. The simulator sizes its host pool the same way (:mod:`kvlab.sim.room`)."""
+    from ..pressure import make_policy
+
+    policy = make_policy(policy)
+    num_pages = check_int("num_pages", num_pages, minimum=0)
     if host_pages is not None:
         host_pages = check_int("host_pages", host_pages, minimum=0)
     if policy.on_preempt != "swap":
@@ -64,14 +77,25 @@ class HostKV:
     """
 
     def __init__(self, pool, page_size: int, num_pages: int):
+        k, v = getattr(pool, "k", None), getattr(pool, "v", None)
+        if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor) and k.dim() == 4
+                and v.shape == k.shape and v.dtype == k.dtype):
+            raise InvalidArgument("pool", "a KVPool (k and v of [layers, slots, heads, head_dim])",
+                                  f"got {type(pool).__name__}")
         self.page_size = check_int("page_size", page_size, minimum=1)
         self.num_pages = check_int("host_pages", num_pages, minimum=0)
-        self.device = pool.device
-        pinned = pool.device.type == "cuda"
-        shape = (self.num_pages, pool.num_layers, self.page_size, pool.num_heads, pool.head_dim)
-        self.k = torch.zeros(shape, dtype=pool.k.dtype, pin_memory=pinned)
-        self.v = torch.zeros(shape, dtype=pool.v.dtype, pin_memory=pinned)
-        self.bytes_per_token = 2 * pool.num_layers * pool.num_heads * pool.head_dim * pool.k.element_size()
+        layers, _, heads, head_dim = k.shape
+        self.bytes_per_token = 2 * layers * heads * head_dim * k.element_size()
+        size, memory = self.num_pages * self.page_size * self.bytes_per_token, _host_memory()
+        if memory is not None and size > memory:
+            raise InvalidArgument("host_pages", f"a host pool within this machine's memory ({memory / 2**30:.1f} "
+                                  "GiB)", f"got {self.num_pages} pages of {self.page_size} positions: "
+                                  f"{size / 2**30:.3g} GiB")
+        self.device = k.device
+        pinned = k.device.type == "cuda"
+        shape = (self.num_pages, layers, self.page_size, heads, head_dim)
+        self.k = torch.zeros(shape, dtype=k.dtype, pin_memory=pinned)
+        self.v = torch.zeros(shape, dtype=v.dtype, pin_memory=pinned)
         self.free_pages: list[int] = list(range(self.num_pages))
         self._saved: dict[int, int] = {}   # host page -> positions save() wrote into it (from its start)
 
