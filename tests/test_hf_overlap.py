@@ -6,7 +6,12 @@ prompts into chunks, and reuses page-table rows (few rows, more prompts). Beside
 who is scheduled when (a request that reached max_new_tokens never again; one that produced
 EOS rides exactly one more step, with overlap), each request released exactly once, and -- with
 a device that runs a step only when the host waits for it, so the host is always a step
-ahead -- no step ever touches a page or a row of a request released before it ran.
+ahead -- no step ever touches a page or a row of a request released before it ran. The
+doubles are honest about the device: on a GPU the work goes to a real CUDA stream and the host
+waits for each step's event before it reads the tokens (their copy back is asynchronous); on a
+CPU a stand-in lands the copies only at that wait, so a double that forgot it fails here too.
+A late device (a slow worker thread; on a GPU, a stream that sleeps before each step) races the
+real loop, and a GPU test shows the late stream catches a host that reads before the copy lands.
 """
 from __future__ import annotations
 
