@@ -121,7 +121,8 @@ class DeviceQueue:
 
 class ThreadQueue(DeviceQueue):
     """One worker thread runs the work in order, like a stream on a CPU. Its work runs in
-    ``torch.inference_mode()`` (a per-thread mode) like the caller's."""
+    ``torch.inference_mode()`` (a per-thread mode) like the caller's. CPU work only: a GPU's
+    work would return before its copies to the host land (:class:`CudaQueue` waits for them)."""
 
     asynchronous = True
 
