@@ -11,11 +11,12 @@ launch it. Every launch path is seen: Triton's ``run`` (compiled and interpreted
 :class:`kvlab.kernels.launch.Launcher` that keeps its compiled kernel, and the allocator's C
 entries (:class:`kvlab.kernels.fast_alloc.DirectKernels`, on a GPU), which are sent through
 their Launcher while recording. A launch a checker makes through
-:func:`kvlab.check.core.call_learner` is kept and not run (the checkers' own helpers give the exercises' launches). :func:`compile_for` sends each
-launch, by its source (:func:`kvlab.check.shipping.ship`), to the compile check's child Python
+:func:`kvlab.check.core.call_learner` is kept and not run (the checkers' own helpers give the
+exercises' launches). :func:`compile_for` sends each launch, by its source
+(:func:`kvlab.check.shipping.ship`), to the compile check's child Python
 (:mod:`kvlab.check.compile_child`), which compiles it with Triton's compiler for
-``GPUTarget("cuda", arch, 32)``: no GPU needed, ptxas included. :func:`jit_functions` finds every
-``@triton.jit`` function of the package by importing all of it; :func:`reached` names the
+``GPUTarget("cuda", arch, 32)``: no GPU needed, ptxas included. :func:`jit_functions` finds
+every ``@triton.jit`` function of the package by importing all of it; :func:`reached` names the
 launched kernels and every ``@triton.jit`` helper they call, so a kernel that no launch reaches
 is seen.
 """
