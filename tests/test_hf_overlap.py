@@ -174,9 +174,15 @@ class LazyQueue(DeviceQueue):
         self.handed.clear()
 
 
+class StepRefused(Exception):
+    """The page guard found a step about to read what it must not: the step is not run (on a
+    GPU its kernels could read out of bounds, and the process's CUDA context would not recover)."""
+
+
 class PageGuard:
     """Wraps each step's device work with a check, made when the work runs: every request of
-    the step still holds its row, and every page it reads is neither free nor someone else's."""
+    the step still holds its row, and every page it reads is neither free nor someone else's.
+    A step that fails the check is not run (:class:`StepRefused`)."""
 
     def __init__(self, gen, monkeypatch):
         self.gen, self.checked, self.violations = gen, 0, []
@@ -196,6 +202,7 @@ class PageGuard:
 
     def check(self, step) -> None:
         m, P = self.gen.manager, self.gen.page_size
+        before = len(self.violations)
         free = set(m.free_slots.tolist())
         for req, row, end in zip(step.reqs, step.table_idx, step.end):
             slots = self.gen.page_table[row, :end]
@@ -204,6 +211,8 @@ class PageGuard:
             elif bool((slots < 0).any()) or set((slots // P * P).tolist()) & free:
                 self.violations.append(f"row {row}: reads a free or unmapped page")
         self.checked += 1
+        if len(self.violations) > before:
+            raise StepRefused(self.violations[-1])
 
 
 def race_workload(model):
