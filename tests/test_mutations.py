@@ -1410,7 +1410,9 @@ def test_the_remap_checker_expects_the_row_the_cache_manager_leaves():
 
 @pytest.mark.parametrize("why", ["part 2's page load unmasked (the store still masked): a read that "
                                  "never reaches an output", "every decode program stores ret_values: a race",
-                                 "keeps walking after the prompt left a node part-way"])
+                                 "keeps walking after the prompt left a node part-way",
+                                 # a GPU's checks run here: its torch errors get the same advice
+                                 "pads positions with a tensor on another device than the inputs'"])
 def test_a_spawned_child_gives_the_same_findings(why, mutant_dir, monkeypatch):
     # KVLAB_SANDBOX=spawn: the kernel travels to a new Python by its source; the audit, the
     # program orders and the lines quoted work there as in a fork

@@ -35,9 +35,8 @@ from . import compiled, findings, inputs, picture, sandbox
 from .audit import Order
 from .failures import CAUSE_NAMED, Case, CheckFailed, Layout, Segment, fmt_values, label_at
 from .guards import explain_value
-from .messages import learner_traceback
-from .slips import close
-from .slips import recognised as slips_recognised
+from .messages import learner_traceback, torch_error_hint
+from .slips import close, recognised as slips_recognised
 from .registry import EXERCISES, exercise  # noqa: F401  (kvlab.course.checking.core.EXERCISES, as before)
 
 __all__ = ["Case", "CheckFailed", "Layout", "Segment", "call_learner", "compare_flat",
@@ -204,7 +203,8 @@ def _attempt(case: Case, run_one, order: Order,
     except Exception as e:  # the learner's code raised: say which case, what, and where
         where = learner_traceback(e)
         err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}"
-                          + (f"\n{where}" if where else ""), case=case.name)
+                          + (f"\n{where}" if where else "")
+                          + torch_error_hint(f"{type(e).__name__}: {e}"), case=case.name)
         err.__cause__ = e
         return _merge_pending(attempt.pending, err, case.name), attempt
     if attempt.pending:  # the answer was right, but the code touched memory outside a tensor
