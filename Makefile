@@ -103,15 +103,17 @@ figures: setup  ## render figures/ from the chapters' scenes
 # this checkout through PYTHONPATH (nothing installed); the notebooks' kernel inherits it.
 # Offline box without Jupyter: make gpu-check GPU_WHEELS=<dir with nbval, ipykernel... wheels>
 # (one or more folders; unpacked into GPU_SITE). Dry run without CUDA: GPU_REQUIRE=0.
-# Without make: sh tools/gpu_check.sh (same settings, from the environment).
+# Without make: sh tools/gpu_check.sh (same settings, from the environment). A run on a GPU
+# writes its record to GPU_RECORD (date, commit, GPU, counts): commit it (CONTRIBUTING.md).
 GPU_WHEELS    ?=
 GPU_SITE      ?= /tmp/kvlab-site
 GPU_REQUIRE   ?= 1
 GPU_TESTS     ?= tests/
 GPU_NOTEBOOKS ?= notebooks/
-gpu-check:  ## on a GPU machine: unit tests and every notebook with compiled Triton
+GPU_RECORD    ?= figures/gpu-check.md
+gpu-check:  ## on a GPU machine: unit tests and every notebook with compiled Triton; records the run
 	PYTHON="$(PYTHON)" GPU_WHEELS="$(GPU_WHEELS)" GPU_SITE="$(GPU_SITE)" GPU_REQUIRE="$(GPU_REQUIRE)" \
-	  GPU_TESTS="$(GPU_TESTS)" GPU_NOTEBOOKS="$(GPU_NOTEBOOKS)" sh tools/gpu_check.sh
+	  GPU_TESTS="$(GPU_TESTS)" GPU_NOTEBOOKS="$(GPU_NOTEBOOKS)" GPU_RECORD="$(GPU_RECORD)" sh tools/gpu_check.sh
 
 bench: setup  ## the benchmarks of chapter 09 (on a GPU; a smoke run without one)
 	$(BIN)/python -m kvlab.bench

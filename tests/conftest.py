@@ -38,7 +38,7 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     if runtime.INTERPRET:
-        skip = pytest.mark.skip(reason="needs CUDA (compiled Triton)")
+        skip = pytest.mark.skip(reason="needs CUDA (compiled Triton): make gpu-check runs it on a GPU")
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)

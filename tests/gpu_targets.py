@@ -7,12 +7,16 @@
 :func:`record` runs a call (in the interpreter, or on a GPU) and keeps every kernel launch it
 makes: the kernel and Triton's signature of that launch (argument types and constexpr values,
 :func:`kvlab.course.checking.compiled.signature`), so each kernel is compiled exactly as the chapters
-launch it. A launch a checker makes through :func:`kvlab.course.checking.core.call_learner` is kept and
-not run (the checkers' own helpers give the exercises' launches). :func:`compile_for` sends each
-launch, by its source (:func:`kvlab.course.checking.shipping.ship`), to the compile check's child Python
+launch it. Every launch path is seen: Triton's ``run`` (compiled and interpreted), a
+:class:`kvlab.base.launch.Launcher` that keeps its compiled kernel, and the allocator's C
+entries (:class:`kvlab.alloc.fast_alloc_kernels.DirectKernels`, on a GPU), which are sent through
+their Launcher while recording. A launch a checker makes through
+:func:`kvlab.course.checking.core.call_learner` is kept and not run (the checkers' own helpers give the
+exercises' launches). :func:`compile_for` sends each launch, by its source
+(:func:`kvlab.course.checking.shipping.ship`), to the compile check's child Python
 (:mod:`kvlab.course.checking.compile_child`), which compiles it with Triton's compiler for
-``GPUTarget("cuda", arch, 32)``: no GPU needed, ptxas included. :func:`jit_functions` finds every
-``@triton.jit`` function of the package by importing all of it; :func:`reached` names the
+``GPUTarget("cuda", arch, 32)``: no GPU needed, ptxas included. :func:`jit_functions` finds
+every ``@triton.jit`` function of the package by importing all of it; :func:`reached` names the
 launched kernels and every ``@triton.jit`` helper they call, so a kernel that no launch reaches
 is seen.
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import pkgutil
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
@@ -90,16 +95,38 @@ def _recording(into: list[Launch], what: str):
         into.append(_launch(self.kernel, args, {}, what))
         return launcher_call(self, grid, args, key)
 
+    # a warmed-up allocator on a GPU calls its kernels' C entries with addresses (DirectKernels),
+    # past both of the above, and only where its launch gate, launch_ready, gives a stream: the
+    # gate is closed meanwhile, so those launches take their Launcher (same kernel, same key)
+    gates = _launch_gates()
+
     problem = compiled.problem
     for cls in originals:
         cls.run = recorder(cls)
     compiled.problem, Launcher.__call__ = kept, launcher
+    for module in gates:
+        module.launch_ready = _closed_gate
     try:
         yield
     finally:
         for cls, run in originals.items():
             cls.run = run
         compiled.problem, Launcher.__call__ = problem, launcher_call
+        for module, gate in gates.items():
+            module.launch_ready = gate
+
+
+def _closed_gate(device: int) -> None:
+    """:func:`kvlab.base.launch.launch_ready` while recording: never ready."""
+    return None
+
+
+def _launch_gates() -> dict:
+    """Every loaded kvlab module that holds a ``launch_ready`` (the gate in front of each direct
+    launch), with the one it holds."""
+    return {module: module.launch_ready for name, module in list(sys.modules.items())
+            if (name == "kvlab" or name.startswith("kvlab.")) and module is not None
+            and callable(getattr(module, "launch_ready", None))}
 
 
 def record(call: Callable[[], object], what: str) -> list[Launch]:

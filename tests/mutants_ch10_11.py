@@ -15,6 +15,7 @@ import itertools
 
 import torch
 
+from kvlab.course.checking.messages import NEW_ENTRIES_ADVICE
 from mutant_kinds import Mutant, Rewrite, WrongAnswer
 
 _PAGE = "        parent = chain_hash(parent, input_ids[start:start + page_size])\n"
@@ -53,10 +54,18 @@ MUTANTS_CH10_11 = [
     Mutant("allocate_pages", "            cached_len += P\n", "            cached_len += P / 1\n",
            ("[hits on pages in use] cached_len should be an int, got a float: 4.0",),
            "counts cached_len with a true division (a float)", "type"),
+    # one slip, two symptoms: float32 on the CPU, so a CPU's check meets the float index
+    # (IndexError), a GPU's the mix of devices (RuntimeError); the advice is the same
     Mutant("pad_decode_batch", "positions.new_zeros(size - n)", "torch.zeros(size - n)",
-           ("[5 running requests, captured sizes 1 2 4 8] your code raised IndexError",),
-           "pads positions with torch.zeros (float: the cat turns them all float, and they index "
-           "nothing)"),
+           ("[5 running requests, captured sizes 1 2 4 8] your code raised ", NEW_ENTRIES_ADVICE),
+           "pads positions with torch.zeros (float32 on the CPU: the cat turns them all float, and "
+           "they index nothing; beside a GPU's inputs the devices differ)"),
+    # the mix of devices on any machine (the meta device is nobody's): the GPU's symptom, here too
+    Mutant("pad_decode_batch", "positions.new_zeros(size - n)",
+           'torch.zeros(size - n, dtype=torch.int64, device="meta")',
+           ("[5 running requests, captured sizes 1 2 4 8] your code raised RuntimeError",
+            "not on the inputs' device", NEW_ENTRIES_ADVICE),
+           "pads positions with a tensor on another device than the inputs'"),
     Mutant("pad_decode_batch", "    positions = torch.cat([positions, positions.new_zeros(size - n)])\n"
            "    return rows, positions, page_table[rows, positions]\n",
            "    padded = torch.zeros(size)  # (then filled)\n    padded[:n] = positions\n"

@@ -458,3 +458,31 @@ def test_a_read_only_hash_cache_that_changed_is_named_with_its_argument():
     text = str(info.value)
     assert "your code changed `cache`" in text and "page 0: its reference count ref_count was 1, now 2" in text
     assert "Only read the cache" in text
+
+
+# --- advice for torch's errors: one slip, the same advice on a CPU and on a GPU ---------------
+
+#: what torch 2.11 said on an H200 when a learner's torch.zeros(n) met a GPU's inputs
+_H200_DEVICE_MIX = ("RuntimeError: Expected all tensors to be on the same device, but got tensors is on "
+                    "cpu, different from other tensors on cuda:0 (when checking argument in method "
+                    "wrapper_CUDA_cat)")
+
+
+def _torch_error(call) -> str:
+    try:
+        call()
+    except Exception as e:  # noqa: BLE001 - the error torch raises is the point
+        return f"{type(e).__name__}: {e}"
+    raise AssertionError("torch raised nothing")
+
+
+def test_torch_zeros_among_int64_indices_gets_the_same_advice_on_a_cpu_and_a_gpu():
+    from kvlab.course.checking.messages import NEW_ENTRIES_ADVICE, torch_error_hint
+
+    positions, table = torch.arange(3), torch.zeros(4, 4)
+    cpu = _torch_error(lambda: table[positions, torch.cat([positions, torch.zeros(1)])])
+    meta = _torch_error(lambda: torch.cat([positions, torch.zeros(1, dtype=torch.int64, device="meta")]))
+    for summary in (cpu, meta, _H200_DEVICE_MIX):
+        assert torch_error_hint(summary).endswith(NEW_ENTRIES_ADVICE), summary
+    assert "float" in torch_error_hint(cpu) and "device" in torch_error_hint(_H200_DEVICE_MIX)
+    assert torch_error_hint("ValueError: something else") == ""

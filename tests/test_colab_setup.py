@@ -92,7 +92,7 @@ def test_the_setup_cell_installs_kvlab_alone_offline(tmp_path):
     if any(_key(d) == "kvlab" for d in _closure(COLAB_HAS)):
         pytest.skip("kvlab is a dependency of the preinstalled set here")
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True).returncode:
-        pytest.skip("not a git checkout: the setup cell clones the course with git")
+        pytest.skip("needs a git checkout (make test runs in one): the setup cell clones the course with git")
     clone = tmp_path / "origin"
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     # what this checkout's working tree declares (it may not be committed yet)

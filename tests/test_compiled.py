@@ -78,7 +78,8 @@ def test_an_error_the_interpreter_raises_too_is_told_as_before(tmp_path):
     assert (info.value.label != "compile") == runtime.INTERPRET  # on a GPU: refused before launch
 
 
-@pytest.mark.skipif(not runtime.INTERPRET, reason="on a GPU the launch compiles the kernel itself")
+@pytest.mark.skipif(not runtime.INTERPRET, reason="needs the Triton interpreter (make test, no CUDA): on a GPU "
+                    "the launch compiles the kernel itself")
 def test_a_compiler_that_cannot_run_never_blames_the_learner(tmp_path, monkeypatch):
     bad = _kernel(tmp_path, "0", "no_compiler")
     monkeypatch.setattr(compiled, "_VERDICTS", {})

@@ -468,7 +468,7 @@ def test_host_lengths_refuse_what_is_not_ints(bad, rule):
 
 def test_host_lengths_on_a_device_are_refused():
     if runtime.DEVICE.type == "cpu":
-        pytest.skip("needs a device other than the host")
+        pytest.skip("needs a device other than the host: make gpu-check runs it on a GPU")
     with pytest.raises(InvalidArgument, match="on the host"):
         decode_needs_from_host(_t([1, 2]), 4)
 

@@ -169,6 +169,42 @@ def test_every_launch_compiles_for_sm75_sm80_and_sm90(launches, tmp_path, monkey
     print(f"compiled {count} launches for {', '.join(f'sm_{a}' for a in launches)} in {seconds:.0f} s")
 
 
+class _DirectLaunch(Exception):
+    """A C entry of the allocator was called (the simulated GPU path below)."""
+
+
+def test_the_recorder_sees_the_allocators_direct_launches(monkeypatch):
+    """On a GPU a warmed-up allocator launches its two hot kernels through their C entries
+    (DirectKernels, with addresses): past Triton's run and past the Launcher. Simulated here --
+    entries that refuse to run, and a launch gate that says the device is ready -- the recorder
+    still sees both kernels (it closes the gate, so they take their Launcher)."""
+    from kvlab.alloc import token_allocator
+
+    def entry(programs, stream, args):
+        raise _DirectLaunch
+
+    monkeypatch.setattr(fast_kernels, "direct_kernels",
+                        lambda page_size, device: fast_kernels.DirectKernels(0, entry, entry))
+    monkeypatch.setattr(token_allocator, "launch_ready", lambda device: 0)
+    with pytest.raises(_DirectLaunch):   # the simulation does take the direct path
+        allocate("fast")
+    names = {launch.name.rsplit(".", 1)[1] for launch in record(lambda: allocate("fast"), "direct")}
+    assert {"extend_fused_kernel", "decode_fast_kernel"} <= names, names
+    with pytest.raises(_DirectLaunch):   # and the gate is open again after recording
+        allocate("fast")
+
+
+@pytest.mark.gpu
+def test_gpu_the_recorder_sees_a_warmed_up_allocators_launches():
+    """The real direct path: once an allocator's kernels are compiled in this process (an
+    earlier test's, here the line below), a new allocator launches them through C entries."""
+    allocate("fast")
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert fast_kernels.direct_kernels(4, device) is not None
+    names = {launch.name.rsplit(".", 1)[1] for launch in record(lambda: allocate("fast"), "warm")}
+    assert {"extend_fused_kernel", "decode_fast_kernel"} <= names, names
+
+
 FP8 = '''\
 import triton
 import triton.language as tl

@@ -60,7 +60,8 @@ def test_the_runtime_line_warns_on_a_gpu_older_than_every_ci_target(fake_gpu):
     assert "KVLAB_INTERPRET=1" in text
 
 
-@pytest.mark.skipif(not runtime.INTERPRET, reason="on a GPU the GPU decides")
+@pytest.mark.skipif(not runtime.INTERPRET,
+                    reason="needs the Triton interpreter (make test, no CUDA): on a GPU the GPU decides")
 def test_the_interpreter_keeps_16_bit_kv_in_bfloat16():
     assert runtime.half_dtype() == torch.bfloat16
     assert runtime.half_note(torch.bfloat16) == "bfloat16 (Triton's interpreter, on the CPU)"

@@ -229,8 +229,8 @@ def test_a_decode_step_of_your_own_serves_the_model(models):
 def test_the_chosen_decode_kernels_are_the_ones_that_run(models, attention, monkeypatch):
     """attention="fast" decodes through chapter 09's kernels, "teaching" through chapter 08's,
     in padded graph steps and packed steps alike; the other one is never launched."""
-    from kvlab.attention import decode_kernels as teaching_kernels
-    from kvlab.attention import split_kernels as fast_attention
+    from kvlab.attention.paged_attention import decode_kernels as teaching_kernels
+    from kvlab.attention.paged_attention import split_kernels as fast_attention
 
     launched = {"fast": 0, "teaching": 0}
     for name, kernel in (("fast", fast_attention.split_decode_kernel),
@@ -362,7 +362,8 @@ def test_bad_serving_options_are_refused(models, kw, argument):
     assert err.value.argument == argument
 
 
-@pytest.mark.skipif(kvlab.DEVICE.type == "cuda", reason="checks the refusal without CUDA")
+@pytest.mark.skipif(kvlab.DEVICE.type == "cuda", reason="needs a machine without CUDA (make test): "
+                    "the refusal for a model on the CPU")
 def test_capturing_graphs_without_cuda_is_refused(models):
     with pytest.raises(InvalidArgument, match="CUDA") as err:
         PagedGenerator(models["llama"], page_size=4, num_pages=16, decode_graphs="capture")

@@ -6,7 +6,12 @@ prompts into chunks, and reuses page-table rows (few rows, more prompts). Beside
 who is scheduled when (a request that reached max_new_tokens never again; one that produced
 EOS rides exactly one more step, with overlap), each request released exactly once, and -- with
 a device that runs a step only when the host waits for it, so the host is always a step
-ahead -- no step ever touches a page or a row of a request released before it ran.
+ahead -- no step ever touches a page or a row of a request released before it ran. The
+doubles are honest about the device: on a GPU the work goes to a real CUDA stream and the host
+waits for each step's event before it reads the tokens (their copy back is asynchronous); on a
+CPU a stand-in lands the copies only at that wait, so a double that forgot it fails here too.
+A late device (a slow worker thread; on a GPU, a stream that sleeps before each step) races the
+real loop, and a GPU test shows the late stream catches a host that reads before the copy lands.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import kvlab  # noqa: E402
 from hf_helpers import VOCAB, assert_identical, pages_accounted_for, reference  # noqa: E402
 from kvlab.serving.hf import PagedGenerator, tiny_model  # noqa: E402
 from kvlab.serving.hf.loop import ServingLoop  # noqa: E402
-from kvlab.serving.hf.overlap import DeviceQueue, ThreadQueue, Ticket  # noqa: E402
+from kvlab.serving.hf.overlap import CudaQueue, DeviceQueue, ThreadQueue, Ticket  # noqa: E402
 
 ARCHS = ["llama", "qwen3"]
 
@@ -107,45 +112,77 @@ def test_every_finished_request_is_released_exactly_once(models, monkeypatch):
 
 # --- a device that runs each step only when the host waits for it -------------------------
 
+class CopiesLand(DeviceQueue):
+    """A CPU stand-in for a CUDA stream's copies to the host: the tokens and logits a step's
+    work hands back hold junk (zeros, as fresh pinned memory) until :meth:`result` -- the wait
+    for the step's event -- lands them. A caller that reads them without waiting reads junk,
+    as it would on a GPU."""
+
+    def submit(self, work):
+        ticket = super().submit(work)
+        ticket.event = tuple(None if t is None else t.clone() for t in ticket.value)  # in flight
+        for t in ticket.value:
+            if t is not None:
+                t.zero_()
+        return ticket
+
+    def result(self, ticket):
+        for buffer, landed in zip(ticket.value, ticket.event):
+            if buffer is not None:
+                buffer.copy_(landed)
+        return ticket.value
+
+
 class LazyQueue(DeviceQueue):
-    """A device as late as it can be: a step's work runs when the host waits for its tokens,
-    after the host has scheduled (and mapped the pages of) the next step."""
+    """A device as late as it can be: a step's work is handed to the device only when the host
+    waits for its tokens, after the host has scheduled (and mapped the pages of) the next step.
+    The device is a stream: on a GPU a CUDA stream (:class:`CudaQueue`), on a CPU
+    :class:`CopiesLand`; its result waits for the step's event, as the generator's does (the
+    tokens' copy to the host is asynchronous: read before the event, they are junk)."""
 
     asynchronous = True
 
     def __init__(self):
+        self.device = CudaQueue() if kvlab.DEVICE.type == "cuda" else CopiesLand()
         self.pending: deque = deque()
+        self.handed: dict = {}           # ticket -> the device's ticket (or the work's error)
 
     def submit(self, work):
         ticket = Ticket()
-        ticket.value = ticket          # not run yet
-        self.pending.append((ticket, work))
+        self.pending.append((ticket, work))   # not handed to the device yet
         return ticket
 
-    def _run_next(self):
+    def _hand_next(self):
         ticket, work = self.pending.popleft()
-        start = time.perf_counter()
         try:
-            ticket.value = work()
+            self.handed[ticket] = self.device.submit(work)
         except BaseException as e:
-            ticket.value = e
-        ticket.span = (start, time.perf_counter())
+            self.handed[ticket] = e
 
     def result(self, ticket):
-        while ticket.value is ticket:
-            self._run_next()
-        if isinstance(ticket.value, BaseException):
-            raise ticket.value
-        return ticket.value
+        while ticket not in self.handed:
+            self._hand_next()
+        handed = self.handed.pop(ticket)
+        if isinstance(handed, BaseException):
+            raise handed
+        return self.device.result(handed)
 
     def drain(self):
         while self.pending:
-            self._run_next()
+            self._hand_next()
+        self.device.drain()
+        self.handed.clear()
+
+
+class StepRefused(Exception):
+    """The page guard found a step about to read what it must not: the step is not run (on a
+    GPU its kernels could read out of bounds, and the process's CUDA context would not recover)."""
 
 
 class PageGuard:
     """Wraps each step's device work with a check, made when the work runs: every request of
-    the step still holds its row, and every page it reads is neither free nor someone else's."""
+    the step still holds its row, and every page it reads is neither free nor someone else's.
+    A step that fails the check is not run (:class:`StepRefused`)."""
 
     def __init__(self, gen, monkeypatch):
         self.gen, self.checked, self.violations = gen, 0, []
@@ -165,6 +202,7 @@ class PageGuard:
 
     def check(self, step) -> None:
         m, P = self.gen.manager, self.gen.page_size
+        before = len(self.violations)
         free = set(m.free_slots.tolist())
         for req, row, end in zip(step.reqs, step.table_idx, step.end):
             slots = self.gen.page_table[row, :end]
@@ -173,6 +211,8 @@ class PageGuard:
             elif bool((slots < 0).any()) or set((slots // P * P).tolist()) & free:
                 self.violations.append(f"row {row}: reads a free or unmapped page")
         self.checked += 1
+        if len(self.violations) > before:
+            raise StepRefused(self.violations[-1])
 
 
 def race_workload(model):
@@ -226,17 +266,59 @@ class SlowThreadQueue(ThreadQueue):
         return super().submit(lambda: (time.sleep(0.01), work())[1])
 
 
-def test_a_slow_worker_thread_gives_the_same_tokens(models, monkeypatch):
-    model = models["qwen3"]
+#: GPU clock cycles of the sleep in front of each step of :class:`SlowStream` (~10 ms on an H200)
+SLEEP_CYCLES = 20_000_000
+
+
+class SlowStream(CudaQueue):
+    """A late GPU: each step's work waits on the stream behind a ~10 ms sleep, so the host
+    schedules, maps the pages of and launches the next step long before this one runs, and
+    every token the host reads was copied back only just before."""
+
+    def submit(self, work):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return super().submit(work)
+
+
+def slow_device() -> DeviceQueue:
+    """A device well behind the host: a slow worker thread on a CPU, a sleeping stream on a GPU."""
+    return SlowStream() if kvlab.DEVICE.type == "cuda" else SlowThreadQueue()
+
+
+def serve_late(model, queue, monkeypatch):
+    """The race workload through ``queue`` (page guard on): the generator, its tokens, the guard."""
     prompts, eos = race_workload(model)
     monkeypatch.setattr(model.generation_config, "eos_token_id", eos)
-    gen = PagedGenerator(model, page_size=2, num_pages=64, max_running=3, prefill_budget=9, overlap=True)
-    gen._queues[True] = SlowThreadQueue()
+    gen = PagedGenerator(model, page_size=2, num_pages=64, max_running=3, prefill_budget=9, overlap=True,
+                         compile_decode=False)
+    gen._queues[True] = queue
     guard = PageGuard(gen, monkeypatch)
-    got = gen.generate(prompts, max_new_tokens=6, output_logits=True)
+    return prompts, gen, gen.generate(prompts, max_new_tokens=6, output_logits=True), guard
+
+
+def test_a_slow_device_gives_the_same_tokens(models, monkeypatch):
+    prompts, gen, got, guard = serve_late(models["qwen3"], slow_device(), monkeypatch)
     assert not guard.violations
-    assert_identical(model, gen, prompts, got, 6)
+    assert_identical(models["qwen3"], gen, prompts, got, 6)
     pages_accounted_for(gen)
+
+
+@pytest.mark.gpu
+def test_gpu_the_slow_stream_catches_a_host_that_reads_tokens_before_they_land(models, monkeypatch):
+    """A real race on a GPU, which the test above must catch: the host reads a step's tokens
+    without waiting for its event (their copy is still queued behind the sleep). The tokens are
+    not generate's -- so the test above, which waits, can fail."""
+
+    class NoWait(SlowStream):
+        def result(self, ticket):
+            return ticket.value
+
+    model = models["qwen3"]
+    try:
+        prompts, gen, got, _ = serve_late(model, NoWait(), monkeypatch)
+    except Exception:  # noqa: BLE001 - a step may also fail outright on what the host misread
+        return
+    assert any(got[i] != reference(model, p, 6)[0] for i, p in enumerate(prompts)), got
 
 
 # --- memory pressure (chapter 12's policies) with overlap ------------------------------------
@@ -283,6 +365,41 @@ def test_the_timeline_shows_the_order_of_host_and_device_work(models, overlap):
         else:                                            # n processed before n+1 is scheduled
             assert a.process[1] <= b.schedule[0]
     assert [s.decode_only for s in tl] == [s.index > 0 for s in tl]
+
+
+class FakeEvent:
+    """A CUDA timing event that the GPU reached at ``at`` (seconds, on the host's clock)."""
+
+    def __init__(self, at: float):
+        self.at = at
+
+    def elapsed_time(self, other: "FakeEvent") -> float:
+        return (other.at - self.at) * 1e3    # milliseconds, as torch.cuda.Event says
+
+
+@pytest.mark.parametrize("origin_late_us", [0, 300])
+def test_a_gpus_step_times_are_put_on_the_host_clock_inside_what_the_host_saw(origin_late_us):
+    """CudaQueue's clock offset, its events faked: whether the GPU reaches the origin event at
+    once or 300 us late (on an H200 one reading put a step's start 93 us before its launch),
+    every step starts after the host queued it, ends before the host saw its tokens, and the
+    steps keep their order."""
+    queue = CudaQueue()
+    queue._origin_host = 10.0
+    queue._origin = FakeEvent(10.0 + origin_late_us * 1e-6)
+    tickets, seen, gpu_free = [], [], queue._origin.at
+    for queued, work in [(10.001, 0.002), (10.0015, 0.0005), (10.004, 0.001), (10.0042, 0.003)]:
+        start = max(queued + 20e-6, gpu_free)          # the GPU runs it once queued, in order
+        gpu_free = start + work
+        ticket = Ticket()
+        ticket.events, ticket.span = (FakeEvent(start), FakeEvent(gpu_free)), (queued, queued + 5e-6)
+        tickets.append(ticket)
+        seen.append(gpu_free + 30e-6)                   # when the host's wait for it returned
+    spans = queue.device_spans(tickets)
+    for (a, b), ticket, saw in zip(spans, tickets, seen):
+        assert ticket.span[0] <= a <= b <= saw, (a, b, ticket.span, saw)
+        assert b - a == pytest.approx(ticket.events[1].at - ticket.events[0].at)
+    assert all(x[1] <= y[0] for x, y in zip(spans, spans[1:]))
+    assert spans[1][0] == pytest.approx(spans[0][1])   # queued behind step 0: started as it ended
 
 
 @pytest.mark.parametrize("overlap", [False, True])

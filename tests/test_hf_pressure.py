@@ -154,9 +154,32 @@ def test_end_after_ends_requests_the_scheduler_did_not_foresee(model, prompts, e
             gen.generate(prompts, max_new_tokens=MAX_NEW, end_after=bad)
 
 
+def test_the_swap_policys_own_host_pool_size_is_obeyed(model, prompts, expected):
+    """SwapToHost(host_pages=0): no host memory, so every victim is recomputed instead (as the
+    simulator does with that policy), and the tokens are still generate's; the generator's own
+    host_pages says the same, and two different sizes are refused."""
+    from kvlab.serving.pressure import SwapToHost
+
+    gen = PagedGenerator(model, page_size=1, num_pages=50, max_running=6, prefill_budget=7,
+                         policy=SwapToHost(host_pages=0))
+    assert gen.host.num_pages == 0
+    got = gen.generate(prompts, max_new_tokens=MAX_NEW)
+    assert got == [t for t, _ in expected]
+    assert gen.stats["swaps_out"] == 0 and gen.stats["preemptions"] > 0
+    assert_all_back(gen)
+    assert PagedGenerator(model, page_size=4, num_pages=8, policy=SwapToHost(host_pages=3)).host.num_pages == 3
+    assert PagedGenerator(model, page_size=4, num_pages=8, policy=SwapToHost(host_pages=3),
+                          host_pages=3).host.num_pages == 3
+    assert PagedGenerator(model, page_size=4, num_pages=8, policy="swap").host.num_pages == 8
+    with pytest.raises(InvalidArgument, match="not two sizes"):
+        PagedGenerator(model, page_size=4, num_pages=8, policy=SwapToHost(host_pages=3), host_pages=5)
+
+
 @pytest.mark.parametrize("kw, argument", [(dict(policy="lifo"), "policy"), (dict(policy=3), "policy"),
                                           (dict(policy="swap", host_pages=-1), "host_pages"),
-                                          (dict(policy="swap", host_pages=1.5), "host_pages")])
+                                          (dict(policy="swap", host_pages=1.5), "host_pages"),
+                                          (dict(policy="recompute", host_pages=4), "host_pages"),
+                                          (dict(host_pages=4), "host_pages")])
 def test_bad_policy_options_are_refused(model, kw, argument):
     with pytest.raises(InvalidArgument, match=argument):
         PagedGenerator(model, page_size=4, num_pages=8, **kw)

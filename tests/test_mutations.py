@@ -30,6 +30,7 @@ import kvlab.check
 import kvlab.solutions
 from kvlab.check import CheckFailed
 from mutant_kinds import KINDS, Mutant, Rewrite, WrongAnswer
+from mutants_ch09_12 import MUTANTS_CH09_12, REWRITES_CH09_12, WRONG_ANSWERS_CH09_12
 from mutants_ch10_11 import (MUTANTS_CH10_11, OTHER_SHAPES_CH10_11, REWRITES_CH10_11,
                              WRONG_ANSWERS_CH10_11, mutant_globals)
 from mutants_ch13 import APPLIES_CH13, MUTANTS_CH13, REWRITES_CH13
@@ -953,9 +954,10 @@ CH12 = [
 
 
 MUTANTS = (CH00 + CH01 + CH02 + CH03 + CH04 + CH05 + CH06 + CH05_06_REQ + CH07_09 + CH08_KERNEL
-           + CH09_ATTENTION + CH11 + CH12 + BLIND_SPOTS + MUTANTS_CH10_11 + MUTANTS_CH13)
+           + CH09_ATTENTION + CH11 + CH12 + BLIND_SPOTS + MUTANTS_CH10_11 + MUTANTS_CH09_12
+           + MUTANTS_CH13)
 #: every wrong answer: the planted slips and the answers written out whole
-WRONG = list(MUTANTS) + WRONG_ANSWERS_CH10_11
+WRONG = list(MUTANTS) + WRONG_ANSWERS_CH10_11 + WRONG_ANSWERS_CH09_12
 
 
 @pytest.mark.parametrize("mutant", WRONG, ids=lambda m: f"{m.exercise}: {m.why}")
@@ -977,6 +979,24 @@ def test_the_fourth_pass_adds_thirty_wrong_answers_and_ten_rewrites_over_chapter
     assert len(wrong) >= 30 and len(right) >= 10
     assert {chapter[m.exercise] for m in wrong} == {chapter[r[0]] for r in right} == {"10", "11"}
     assert {m.kind for m in wrong} >= {"type", "unseen", "blame"}
+
+
+def test_the_fifth_pass_covers_every_class_of_slip_over_chapters_09_and_12():
+    chapter = {name: kvlab.check.EXERCISES[name].chapter for name in kvlab.check.exercises()}
+    wrong = MUTANTS_CH09_12 + WRONG_ANSWERS_CH09_12
+    counts = {kind: sum(m.kind == kind for m in wrong) for kind in ("bounds", "memo", "aside", "alike", "blame")}
+    assert all(counts.values()) and len(wrong) >= 20 and len(REWRITES_CH09_12) >= 5, counts
+    assert {chapter[m.exercise] for m in wrong} == {"08", "09", "12"}
+
+
+@pytest.mark.parametrize("why", ["reads page-table row b, the request's number, not its row",
+                                 "weighs a split from the old max (inf at the first split): no overflow of a large lse"])
+def test_no_interpreter_warning_comes_before_a_checkers_message(why, mutant_dir, capfd):
+    # a kernel that computes NaN makes the interpreter's numpy warn line after line; the
+    # checker's message is what the learner reads, and nothing comes before it
+    _reject(next(m for m in MUTANTS_CH09_12 if m.why == why), mutant_dir)
+    out, err = capfd.readouterr()
+    assert "Warning" not in out + err and "interpreter.py" not in out + err, out + err
 
 
 _FAULTS = {"input", "param"}  # every exercise has inputs and a parameter (a page size, a scale)
@@ -1011,6 +1031,13 @@ APPLIES["free_pages"] = APPLIES["free_pages"] | {"unseen"}
 APPLIES["page_hashes"] |= {"blame"}
 APPLIES["hash_match"] |= {"blame"}
 APPLIES["pad_decode_batch"] |= {"blame"}
+# chapters 09 and 12 (the fifth pass): reads past the end only a full pool provokes, state kept
+# between calls, effects on what must be left alone, orders the cases could not tell apart
+for _name, _kinds in {"paged_attention_kernel": {"bounds"}, "split_attention": {"bounds", "blame"},
+                      "merge_splits": {"bounds", "blame"}, "victim_order": {"memo", "alike", "blame"},
+                      "next_token_ratio": {"memo"}, "resume_plan": {"memo", "blame"},
+                      "swap_out": {"aside", "blame"}}.items():
+    APPLIES[_name] = APPLIES[_name] | _kinds  # a new set: some exercises share one (_FAULTS)
 APPLIES.update(APPLIES_CH13)  # chapter 13
 
 
@@ -1181,7 +1208,8 @@ def assert_passes(exercise: str, answer, **kwargs) -> None:
     assert kvlab.check.status(exercise) == "passed"
 
 
-@pytest.mark.parametrize("rewrite", REWRITES + REWRITES_CH10_11 + REWRITES_CH13, ids=lambda r: f"{r.exercise}: {r.why}")
+@pytest.mark.parametrize("rewrite", REWRITES + REWRITES_CH10_11 + REWRITES_CH09_12 + REWRITES_CH13,
+                         ids=lambda r: f"{r.exercise}: {r.why}")
 def test_a_correct_rewrite_passes(rewrite, mutant_dir, capsys):
     good = build_mutant(rewrite.exercise, rewrite.old, rewrite.new, mutant_dir)
     assert_passes(rewrite.exercise, good)
@@ -1386,7 +1414,9 @@ def test_the_remap_checker_expects_the_row_the_cache_manager_leaves():
 
 @pytest.mark.parametrize("why", ["part 2's page load unmasked (the store still masked): a read that "
                                  "never reaches an output", "every decode program stores ret_values: a race",
-                                 "keeps walking after the prompt left a node part-way"])
+                                 "keeps walking after the prompt left a node part-way",
+                                 # a GPU's checks run here: its torch errors get the same advice
+                                 "pads positions with a tensor on another device than the inputs'"])
 def test_a_spawned_child_gives_the_same_findings(why, mutant_dir, monkeypatch):
     # KVLAB_SANDBOX=spawn: the kernel travels to a new Python by its source; the audit, the
     # program orders and the lines quoted work there as in a fork

@@ -413,7 +413,7 @@ SITE_EXTRA = ["sphinx", "myst_nb", "sphinx_book_theme", "sphinx_design", "sphinx
 @pytest.mark.slow
 def test_a_small_site_builds_with_its_glossary(demo, tmp_path, monkeypatch):
     for module in SITE_EXTRA:  # the `site` extra (pip install -e '.[site]')
-        pytest.importorskip(module, reason="the site extra is not installed")
+        pytest.importorskip(module, reason="needs the site extra (make test installs it)")
     chapter, executed = demo
     notebooks = tmp_path / "notebooks"
     notebooks.mkdir()

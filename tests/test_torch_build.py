@@ -2,7 +2,9 @@
 CPU-only build from PyTorch's CPU index where no NVIDIA GPU is found, PyPI's CUDA build where
 one is, ``TORCH_BUILD`` deciding instead; an unreachable CPU index falls back to pip's own,
 and says so. The machines are faked: a ``nvidia-smi`` on ``PATH`` (or none), a driver folder,
-and a ``python`` that records what pip was asked."""
+and a ``python`` that records what pip was asked. A set-up run sees only the faked machine: its
+``PATH`` is the fake folder alone and ``KVLAB_NVIDIA_PROC`` an empty place, so a real GPU of the
+machine running the tests (``/usr/bin/nvidia-smi``, ``/proc/driver/nvidia``) never leaks in."""
 from __future__ import annotations
 
 import functools
@@ -31,7 +33,7 @@ def _bin(tmp_path: Path, smi_output: str | None = None, smi_rc: int = 0) -> Path
     folder.mkdir(exist_ok=True)
     if smi_output is not None:
         smi = folder / "nvidia-smi"
-        smi.write_text(f"#!/bin/sh\ncat <<'EOF'\n{smi_output}\nEOF\nexit {smi_rc}\n")
+        smi.write_text(f"#!/bin/sh\n/bin/cat <<'EOF'\n{smi_output}\nEOF\nexit {smi_rc}\n")
         smi.chmod(0o755)
     return folder
 
@@ -116,9 +118,17 @@ def _fake_python(tmp_path: Path, fail_with_index: bool = False, build: str = "2.
     return script
 
 
-def _install(tmp_path: Path, python: Path, path_dir: Path, **env) -> subprocess.CompletedProcess:
+def _faked_env(path_dir: Path, **env) -> dict:
+    """The environment of a set-up run on the faked machine alone: no system folder on PATH (a
+    GPU machine's nvidia-smi is in /usr/bin) and no driver listing (not the real
+    /proc/driver/nvidia/gpus)."""
     environ = {k: v for k, v in os.environ.items() if k != "TORCH_BUILD"}
-    environ.update(PATH=f"{path_dir}:/usr/bin:/bin", **env)
+    environ.update(PATH=str(path_dir), KVLAB_NVIDIA_PROC=str(path_dir / "no-driver"), **env)
+    return environ
+
+
+def _install(tmp_path: Path, python: Path, path_dir: Path, **env) -> subprocess.CompletedProcess:
+    environ = _faked_env(path_dir, **env)
     return subprocess.run([sys.executable, str(ROOT / "tools" / "torch_build.py"), "install",
                            "--python", str(python), "--spec", "torch==2.13.0"],
                           capture_output=True, text=True, env=environ, timeout=60)
@@ -141,6 +151,25 @@ def test_set_up_on_a_gpu_machine_installs_the_cuda_build(tmp_path, cpu_index):
     assert "the CUDA build, from pip's own index: an NVIDIA GPU is here (nvidia-smi: GPU 0: " \
         "NVIDIA H200" in run.stdout
     assert "installed torch 2.13.0, CUDA 12.8 build" in run.stdout
+
+
+def test_a_laptop_set_up_on_a_machine_that_has_a_gpu_still_sees_only_the_laptop(tmp_path, cpu_index,
+                                                                                monkeypatch):
+    """The machine running the tests has a GPU (faked here: an nvidia-smi listing an H200 on
+    its PATH, a driver listing one): the faked laptop still gets the CPU build."""
+    real = tmp_path / "real"
+    real.mkdir()
+    _bin(real, H200)
+    (real / "gpus" / "0000:3b:00.0").mkdir(parents=True)
+    monkeypatch.setenv("PATH", f"{real / 'bin'}:{os.environ['PATH']}")
+    monkeypatch.setenv("KVLAB_NVIDIA_PROC", str(real / "gpus"))
+    assert torch_build.nvidia_gpu() is not None   # the "real" machine shows its GPU
+    fake = _bin(tmp_path)
+    assert _faked_env(fake)["PATH"] == str(fake)  # no folder of the real machine's
+    assert not Path(_faked_env(fake)["KVLAB_NVIDIA_PROC"]).exists()
+    run = _install(tmp_path, _fake_python(tmp_path), fake, KVLAB_TORCH_CPU_INDEX=cpu_index)
+    assert run.returncode == 0, run.stderr
+    assert "the CPU-only build" in run.stdout and "no NVIDIA GPU here" in run.stdout, run.stdout
 
 
 def test_an_unreachable_cpu_index_falls_back_to_pips_own_and_says_so(tmp_path):

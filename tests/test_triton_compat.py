@@ -40,7 +40,7 @@ def test_report_names_triton_and_numpy_versions(capsys):
 
 def test_the_fix_is_applied_exactly_when_the_installed_pair_needs_it():
     if not runtime.INTERPRET:
-        pytest.skip("the interpreter fixes apply only in the interpreter")
+        pytest.skip("needs the Triton interpreter (make test, no CUDA): its fixes apply only there")
     affected = INT_OF_ARRAY.affects(*triton_compat.versions())
     assert ("interpreter-int-of-array" in triton_compat.applied_fixes()) is affected
     assert triton_compat.problems(True) == []  # nothing left to warn about

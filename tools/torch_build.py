@@ -32,7 +32,9 @@ from pathlib import Path
 
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 BUILDS = ("auto", "cpu", "cuda")
-NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
+#: where a loaded NVIDIA driver lists its GPUs (``KVLAB_NVIDIA_PROC`` points elsewhere: the tests,
+#: which fake the machine, on a machine that has one)
+NVIDIA_PROC = Path(os.environ.get("KVLAB_NVIDIA_PROC") or "/proc/driver/nvidia/gpus")
 PROBE_TIMEOUT_S = 10.0
 
 

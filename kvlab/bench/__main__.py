@@ -24,6 +24,10 @@ claim of where each policy wins.
 ``--hierarchy``: only the KV-hierarchy benchmark of chapter 13 (:mod:`kvlab.bench.hierarchy`:
 multi-turn chats, GPU only against host and disk tiers and a second process), added the same way
 (under ``"hierarchy"``), with ``13_bench_hierarchy.png``; a ``PASS``/``FAIL`` line per claim.
+
+The output folder is checked before anything is measured (kvlab.bench.output): a bad --out
+ends the command at once with one line and exit status 2; a finished run that cannot be written
+there is kept in a file of the temporary folder, named in one line (exit status 1).
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import tempfile
 os.environ.setdefault("MPLBACKEND", "Agg")
 
 from ..base import runtime  # noqa: E402
+from .output import BadOut, NotWritten, checked_out, keep_elsewhere  # noqa: E402
 from .report import write_outputs  # noqa: E402
 from .suite import run  # noqa: E402
 
@@ -57,22 +62,34 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out
     if out is None:
         out = os.path.join(tempfile.gettempdir(), "kvlab-bench-smoke") if smoke else "figures"
-    if args.hierarchy:
-        res = hierarchy_main(out, smoke)
-        targets = res["hierarchy"]["claims"]
-    elif args.memory:
-        res = memory_main(out, smoke)
-        targets = res["memory"]["claims"]
-    elif args.serve:
-        res = serve_main(out, smoke)
-        targets = res["serve"]["targets"]
-    elif args.attention:
-        res = attention_main(out, smoke)
-        targets = res["attention"]["targets"]
-    else:
-        res = run(smoke=smoke, trap=not args.no_trap, public_only=args.public_only)
-        write_outputs(res, out)
-        targets = res["targets"]
+    try:  # before measuring: a run that cannot be written is refused in one line
+        out = checked_out(out, adds_to_existing=args.memory or args.serve or args.attention or args.hierarchy)
+    except BadOut as e:
+        print(f"python -m kvlab.bench: {e}", file=sys.stderr)
+        return 2
+    try:
+        if args.hierarchy:
+            res = hierarchy_main(out, smoke)
+            targets = res["hierarchy"]["claims"]
+        elif args.memory:
+            res = memory_main(out, smoke)
+            targets = res["memory"]["claims"]
+        elif args.serve:
+            res = serve_main(out, smoke)
+            targets = res["serve"]["targets"]
+        elif args.attention:
+            res = attention_main(out, smoke)
+            targets = res["attention"]["targets"]
+        else:
+            res = run(smoke=smoke, trap=not args.no_trap, public_only=args.public_only)
+            try:
+                write_outputs(res, out)
+            except Exception as e:  # noqa: BLE001 - the run is finished: keep it elsewhere
+                raise NotWritten(out, e, keep_elsewhere(res)) from e
+            targets = res["targets"]
+    except NotWritten as e:
+        print(f"python -m kvlab.bench: {e}", file=sys.stderr)
+        return 1
     print()
     for t in targets:
         verdict = "n/a (smoke)" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
@@ -151,9 +168,12 @@ def _add_part(out: str, key: str, part: dict, smoke: bool, plot: str, started: f
     if started is not None:
         part["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     path = os.path.join(out, "bench.json")
-    res = load(path) if os.path.exists(path) else {}
-    res[key] = part
-    write_outputs(res, out, plots=[plot])
+    try:
+        res = load(path) if os.path.exists(path) else {}
+        res[key] = part
+        write_outputs(res, out, plots=[plot])
+    except Exception as e:  # noqa: BLE001 - the run is finished: whatever the folder does, keep it
+        raise NotWritten(out, e, keep_elsewhere({key: part})) from e
     return res
 
 

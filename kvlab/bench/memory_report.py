@@ -25,6 +25,8 @@ def memory_section(m: dict) -> list[str]:
               "served offline (every request arrives at once); each answer ends where the workload's does "
               "(the scheduler knows only `max_new_tokens`). Pools per workload, as a share of every whole "
               "answer at once: " + ", ".join(f"{k} {v:.0%}" for k, v in m["pools"].items())
+              + "".join(f"; {w} only in {' and '.join(ps)} memory (with ample memory it stops nobody)"
+                        for w, ps in m.get("workload_pools", {}).items() if w in m["workloads"])
               + ". One timed run per row after a warm-up (a row started past the time budget says it was "
               "skipped); tokens/s = new tokens / wall time of the call. "
               "TTFT and TPOT in ms (p50 / p99 over the requests); unused = pages promised but not mapped, "

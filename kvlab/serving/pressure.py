@@ -66,12 +66,12 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple, Sequence
 
-from ..base.args import check_int, div_ceil
+from ..base.args import check_bool, check_int, check_real, div_ceil
 from ..base.errors import InvalidArgument
 
 __all__ = ["RequestView", "Policy", "ReserveWhole", "RecomputeOnPreempt", "RetractDecode",
            "SwapToHost", "PolicyRun", "POLICIES", "CHAPTER_07", "make_policy", "victim_order",
-           "next_token_ratio", "ResumePlan", "resume_plan", "stop_request", "restore_request"]
+           "next_token_ratio", "ResumePlan", "resume_plan", "RESUME_HOWS", "stop_request", "restore_request"]
 
 
 class RequestView(NamedTuple):
@@ -184,8 +184,8 @@ class RetractDecode(Policy):
         if self.init_ratio > 1 or self.min_ratio_factor > 1:
             raise InvalidArgument("policy.init_ratio", "init_ratio and min_ratio_factor <= 1",
                                   f"got {self.init_ratio}, {self.min_ratio_factor}")
-        check_int("policy.retract_decode_steps", self.retract_decode_steps, minimum=0)
-        check_int("policy.clip_max_new", self.clip_max_new, minimum=1)
+        for field, least in (("retract_decode_steps", 0), ("clip_max_new", 1)):   # ints from here on
+            object.__setattr__(self, field, check_int(f"policy.{field}", getattr(self, field), minimum=least))
 
     @property
     def min_ratio(self) -> float:
@@ -218,8 +218,8 @@ class SwapToHost(Policy):
     requeue: ClassVar[str] = "swapped"
 
     def __post_init__(self):
-        if self.host_pages is not None:
-            check_int("policy.host_pages", self.host_pages, minimum=0)
+        if self.host_pages is not None:   # (an int from here on, whatever integer it was given as)
+            object.__setattr__(self, "host_pages", check_int("policy.host_pages", self.host_pages, minimum=0))
 
     def promised_positions(self, view, ratio, *, new):
         return view.positions
@@ -249,10 +249,26 @@ def make_policy(policy, argument: str = "policy") -> Policy:
 # ==== the rules as plain functions (the chapter's exercises re-derive these) ================
 
 
+def _check_views(argument: str, views) -> Sequence[RequestView]:
+    """``views`` is a list (or tuple) of :class:`RequestView`, each number in it an int."""
+    if isinstance(views, (str, bytes)) or not isinstance(views, (list, tuple)):
+        raise InvalidArgument(argument, "a list of kvlab.serving.pressure.RequestView", f"got {type(views).__name__}")
+    for i, view in enumerate(views):
+        if not isinstance(view, RequestView):
+            raise InvalidArgument(f"{argument}[{i}]", "a kvlab.serving.pressure.RequestView (what a policy reads "
+                                  "of a request)", f"got {type(view).__name__} {view!r:.60}")
+        for field in RequestView._fields[1:]:
+            value = getattr(view, field)
+            if type(value) is not int:
+                check_int(f"{argument}[{i}].{field}", value, minimum=0)
+    return views
+
+
 def victim_order(policy: Policy | str, views: Sequence[RequestView]) -> list:
     """The keys of ``views`` in the order ``policy`` stops them (first = first to go). Of two
     that tie, the later in ``views`` goes first: SGLang pops from the end of its sorted batch."""
     policy = make_policy(policy)
+    views = _check_views("views", views)
     ranked = sorted(range(len(views)), key=lambda i: (policy.victim_key(views[i]), i), reverse=True)
     return [views[i].key for i in ranked]
 
@@ -261,7 +277,18 @@ def next_token_ratio(policy: RetractDecode, ratio: float, *, retracted: bool,
                      remaining: Sequence[RequestView] = ()) -> float:
     """SGLang's ratio after one decode step: decayed towards the minimum when the step fit;
     after a retraction, ``min(1, (decoded + retract_decode_steps * n) / sum(max_new))`` over the
-    ``n`` requests that still run (back to the initial ratio if none is left)."""
+    ``n`` requests that still run (back to the initial ratio if none is left). ``policy``: a
+    :class:`RetractDecode` or its name, ``"retract"`` (the ratio is that policy's alone)."""
+    policy = make_policy(policy)
+    if not isinstance(policy, RetractDecode):
+        raise InvalidArgument("policy", 'the retract policy ("retract" or a RetractDecode): the ratio is '
+                              "its alone", f"got the {policy.name!r} policy")
+    ratio = check_real("ratio", ratio, minimum=0.0)
+    if ratio > 1:
+        raise InvalidArgument("ratio", "a finite number in [0, 1] (a share of what may still be "
+                              "generated)", f"got {ratio!r}")
+    check_bool("retracted", retracted)
+    remaining = _check_views("remaining", remaining)
     if not retracted:
         return max(ratio - policy.decay, policy.min_ratio)
     total = sum(v.max_new for v in remaining)
@@ -285,11 +312,20 @@ class ResumePlan(NamedTuple):
         return max(0, min(self.compute[1], self.saved) - self.compute[0])
 
 
+#: how a stopped request comes back: its policy's name, or what the policy did to its pages
+RESUME_HOWS = ("swap", "recompute", "retract", "keep", "release")
+
+
 def resume_plan(how: str, *, saved: int, hit: int, input_len: int) -> ResumePlan:
     """Plan the comeback of a request that had ``saved`` positions computed, whose
     ``input_len``-token input (prompt and answer so far) now hits ``hit`` tokens in the cache.
-    ``how="swap"`` copies ``[hit, saved)`` back and computes the rest; any other ``how`` computes
+    ``how="swap"`` copies ``[hit, saved)`` back and computes the rest; any other ``how`` (a
+    preempting policy's name or what it does to the victim's pages, :data:`RESUME_HOWS`) computes
     ``[hit, input_len)``. Nothing the cache holds is copied or computed again."""
+    if how not in RESUME_HOWS:
+        raise InvalidArgument("how", f"one of {RESUME_HOWS}", f"got {how!r}")
+    saved, hit = check_int("saved", saved), check_int("hit", hit)
+    input_len = check_int("input_len", input_len)
     if not 0 <= saved < input_len or not 0 <= hit < input_len:
         raise InvalidArgument("saved, hit", "0 <= saved, hit < input_len",
                               f"got saved={saved}, hit={hit}, input_len={input_len}")
@@ -329,6 +365,7 @@ class PolicyRun:
 
     def victim(self, views: Sequence[RequestView]) -> RequestView:
         """The request to stop first (largest key; the later of equal keys, as :func:`victim_order`)."""
+        views = _check_views("views", views)
         if not views:
             raise InvalidArgument("views", "at least one request to choose from", "got none")
         best = max(range(len(views)), key=lambda i: (self.policy.victim_key(views[i]), i))

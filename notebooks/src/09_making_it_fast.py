@@ -710,8 +710,10 @@ for batch, context in [(1, 32768), (1, 4096), (1, 512), (16, 4096), (64, 4096), 
 #    `t * stride_kv_s + g * stride_kv_h`.
 #
 # `kvlab.check.split_attention` launches your kernel with blocks of 16 and 32 positions, pages of
-# 1 to 16 tokens on shuffled pages, grouped and plain multi-head attention and splits that hold
-# nothing, and compares every split's `o` and `lse` with `kvlab.course.reference.split_partials_reference`.
+# 1 to 16 tokens on shuffled pages, grouped and plain multi-head attention, splits that hold
+# nothing, and pools whose last slots are in use with a head size below `BLOCK_D` (where a load
+# that forgets `mask_d` reads past the end of the pool), and compares every split's `o` and
+# `lse` with `kvlab.course.reference.split_partials_reference`.
 # Only `o` and `lse` are written. Hints: `kvlab.check.hint("split_attention", 1)` (up to 3);
 # the reference: `kvlab.solutions.show("split_attention")`.
 
@@ -785,8 +787,9 @@ kvlab.check.hint("split_attention", 1);
 # `exp(lse - m)` and `acc` of `exp(lse - m) * o`. Write the update inside the loop: `m_new`,
 # `alpha` (what rescales everything summed under the old max), this split's weight `w`, then
 # `acc`, `total` and `m`. `kvlab.check.merge_splits` feeds it partial results of random layouts,
-# among them scores that rise from split to split, fall, and overflow `exp` without the max;
-# `o`, `lse` and `seq_lens` are read-only. Hints: `kvlab.check.hint("merge_splits", 1)` (up to
+# among them scores that rise from split to split, fall, and overflow `exp` without the max,
+# lengths that end exactly on a split, and head sizes below `BLOCK_D`; `o`, `lse` and `seq_lens`
+# are read-only. Hints: `kvlab.check.hint("merge_splits", 1)` (up to
 # 3); the reference: `kvlab.solutions.show("merge_splits")`.
 
 # %%
@@ -892,8 +895,10 @@ print("your two kernels == kvlab's fast_paged_decode_attention == the oracle")
 # *host's* cost of launching them, not the GPU's cost of running them one after the other.
 # `torch.compile` removes that: it traces the layer and fuses each run of small operations into
 # one generated kernel. vLLM compiles its models by default; SGLang has `--enable-torch-compile`,
-# which compiles the decode forward with `torch.compile(..., dynamic=False)` for each batch size
-# it captures (`patch_model` in `python/sglang/srt/model_executor/cuda_graph_runner.py`).
+# which compiles the decode forward with `torch.compile(..., dynamic=False)` for the batch sizes
+# it captures up to `--torch-compile-max-bs` (32 by default), and replays the larger ones
+# uncompiled (`get_batch_sizes_to_capture` and `patch_model` in
+# `python/sglang/srt/model_executor/cuda_graph_runner.py`, sgl-project/sglang `0021673c`).
 #
 # `kvlab.serving.hf.PagedGenerator(..., compile_decode=True)` does it for the padded decode step, at
 # start-up, before the graphs are captured (`kvlab.serving.hf.graphs.DecodeGraphs`), in two ways that

@@ -24,19 +24,19 @@ Imports go one way: ``core`` uses the sandbox, the sandbox never uses ``core``.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from ...base import runtime
 from . import compiled, findings, inputs, picture, sandbox
 from .audit import Order
-from .failures import Case, CheckFailed, Layout, Segment, fmt_values, label_at
+from .failures import CAUSE_NAMED, Case, CheckFailed, Layout, Segment, fmt_values, label_at
 from .guards import explain_value
-from .messages import learner_traceback
-from .slips import close
-from .slips import recognised as slips_recognised
+from .messages import learner_traceback, torch_error_hint
+from .slips import close, recognised as slips_recognised
 from .registry import EXERCISES, exercise  # noqa: F401  (kvlab.course.checking.core.EXERCISES, as before)
 
 __all__ = ["Case", "CheckFailed", "Layout", "Segment", "call_learner", "compare_flat",
@@ -167,7 +167,7 @@ def _run_case(case: Case, run_one, order: Order) -> CheckFailed | None:
     if audited is None:
         return err  # right in the interpreter: a wrong answer here is the GPU's own
     if err is None or err.accesses or err.label == "crash" or audited.accesses or (
-            audited.label in ("program order", "part region")):
+            audited.label in ("program order",) + CAUSE_NAMED):
         return audited.extend("\n  (found by running your kernel again in Triton's "
                               "interpreter, which checks every load and store and runs the "
                               "programs in a changed order)")
@@ -203,7 +203,8 @@ def _attempt(case: Case, run_one, order: Order,
     except Exception as e:  # the learner's code raised: say which case, what, and where
         where = learner_traceback(e)
         err = CheckFailed(f"[{case.name}] your code raised {type(e).__name__}: {e}"
-                          + (f"\n{where}" if where else ""), case=case.name)
+                          + (f"\n{where}" if where else "")
+                          + torch_error_hint(f"{type(e).__name__}: {e}"), case=case.name)
         err.__cause__ = e
         return _merge_pending(attempt.pending, err, case.name), attempt
     if attempt.pending:  # the answer was right, but the code touched memory outside a tensor
@@ -217,11 +218,11 @@ def _merge_pending(pending: list[CheckFailed], err: CheckFailed, case: str) -> C
         return err
     body = err.message
     told = set(body.splitlines())  # e.g. the inputs line, when the comparison gives it too
-    head = "\n".join(line for p in pending for line in p.message.splitlines()
-                     if line not in told)
+    head = "\n".join(line for p in pending for line in p.message.splitlines() if line not in told
+                     and not (err.label == "named cause" and line.strip() == findings.ADVICE))
     if body.startswith(f"[{case}] "):
         body = body[len(case) + 3:]
-    if err.label == "part region":  # the checker named the cause: it comes first
+    if err.label in CAUSE_NAMED:  # the checker named the cause: it comes first (with its own advice)
         err.args = (f"{body}\n  and so: {head}",) + tuple(err.args[1:])
     else:
         then = "and then: " if err.label in ("crash", "timeout") else "and so the answer is wrong: "
@@ -318,6 +319,17 @@ def call_learner(fn: Callable[..., Any], *args, grid=None, layout: Layout | None
 def pending_findings() -> list[CheckFailed]:
     """What the safety net filed in the case running now (empty outside :func:`run_cases`)."""
     return list(_ATTEMPT.pending) if _ATTEMPT is not None else []
+
+
+@contextlib.contextmanager
+def second_look() -> Iterator[None]:
+    """Calls of learner code that only help tell a failure's cause: not filed with the case."""
+    global _ATTEMPT
+    outer, _ATTEMPT = _ATTEMPT, _Attempt(_ATTEMPT.order if _ATTEMPT else Order(), bool(_ATTEMPT and _ATTEMPT.interpret))
+    try:
+        yield
+    finally:
+        _ATTEMPT = outer
 
 
 def last_stores() -> tuple:

@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 
+#: labels of a failure whose message names its cause: it comes before the safety net's findings
+#: (a checker that recognised the slip behind an access outside a tensor says "named cause")
+CAUSE_NAMED = ("part region", "named cause")
+
+
 class CheckFailed(AssertionError):
     """The learner's answer differs from the reference. The message says where and how."""
 

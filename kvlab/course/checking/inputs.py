@@ -21,7 +21,7 @@ reference's (chapter 07's decode step).
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple, Sequence
 
 import torch
 
@@ -188,8 +188,13 @@ def _plain_change(name: str, old: Any, new: Any) -> str | None:
             gone = [x for x in old if x not in new][:3]
             return (f"`{name}` had {len(old)} item{'s' * (len(old) != 1)}, now {len(new)}"
                     + (f": {gone} {'is' if len(gone) == 1 else 'are'} gone" if gone else ""))
+        fields = getattr(type(old), "_fields", None)   # a NamedTuple: its fields by name
+        if fields is None and _reordered(old, new):
+            i = next(j for j, (a, b) in enumerate(zip(old, new)) if _differs(a, b))
+            return (f"`{name}` holds the same items in another order (sorted or reversed in place?): "
+                    f"`{name}[{i}]` was {_short(old[i])}, now {_short(new[i])}")
         for i, (a, b) in enumerate(zip(old, new)):
-            why = _plain_change(f"{name}[{i}]", a, b)
+            why = _plain_change(f"{name}.{fields[i]}" if fields else f"{name}[{i}]", a, b)
             if why:
                 return why
     if isinstance(old, dict) and isinstance(new, dict):
@@ -211,6 +216,21 @@ def _plain_change(name: str, old: Any, new: Any) -> str | None:
     except Exception:  # noqa: BLE001
         pass
     return f"`{name}` was {_short(old)}, now {_short(new)}"
+
+
+def _differs(a: Any, b: Any) -> bool:
+    try:
+        return not (a == b and type(a) is type(b))
+    except Exception:  # noqa: BLE001 - e.g. tensors inside: count it as changed
+        return True
+
+
+def _reordered(old: Sequence, new: Sequence) -> bool:
+    """The same items (by their repr), not in the same order."""
+    try:
+        return sorted(map(repr, old)) == sorted(map(repr, new)) and any(map(_differs, old, new))
+    except Exception:  # noqa: BLE001
+        return False
 
 
 def _short(x: Any, limit: int = 60) -> str:

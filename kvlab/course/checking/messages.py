@@ -40,6 +40,33 @@ def learner_traceback(e: BaseException) -> str:
     return "\n".join(out)
 
 
+#: what torch says when tensors of two devices meet (torch 2.x, CUDA and CPU wordings)
+_DEVICE_MIX = re.compile(r"same device|not on the expected device|different from other tensors on")
+#: ... and when a float tensor is used as an index
+_FLOAT_INDEX = re.compile(r"tensors used as indices must be long")
+#: the advice both end with: the same slip (a tensor made without dtype= and device=) shows as
+#: the one or the other, by the device the check runs on
+NEW_ENTRIES_ADVICE = ("make new entries from an input tensor x -- x.new_zeros(n), "
+                      "x.new_full((n,), value) -- which keep its dtype and device")
+
+
+def torch_error_hint(summary: str) -> str:
+    """A line of advice for a torch error (``"RuntimeError: ..."``) a common slip causes, or "".
+
+    ``torch.zeros(n)`` (or ``ones``, ``full``, ``empty``) without ``dtype=`` and ``device=``
+    makes a float32 tensor on the CPU: beside a GPU's inputs torch refuses the mix of devices
+    first, beside a CPU's it refuses the float index -- one slip, one piece of advice."""
+    if _DEVICE_MIX.search(summary):
+        why = ("a tensor your code made is not on the inputs' device (torch.zeros(n), torch.ones(n), "
+               "torch.full(...) make CPU tensors unless told device=)")
+    elif _FLOAT_INDEX.search(summary):
+        why = ("an index tensor is float (torch.zeros(n), torch.ones(n), torch.full(...) make float32 "
+               "unless told dtype=, and torch.cat of int64 and float32 is float32)")
+    else:
+        return ""
+    return f"\n  hint: {why}: {NEW_ENTRIES_ADVICE}"
+
+
 def is_cuda_error(e: BaseException) -> bool:
     """An error that leaves the process's CUDA context unusable (illegal address, device assert)."""
     text = f"{type(e).__name__}: {e}"

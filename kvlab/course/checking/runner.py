@@ -22,6 +22,7 @@ import io
 import pickle
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,12 @@ def invoke(fn, call: dict, accesses: list):
     cuda = [b.device for b in call["buffers"] if b.device.type == "cuda"]
     try:
         with audited(audit) if audit is not None else contextlib.nullcontext(), (
-                torch.cuda.device(cuda[0]) if cuda else contextlib.nullcontext()):
+                torch.cuda.device(cuda[0]) if cuda else contextlib.nullcontext()), (
+                warnings.catch_warnings() if grid is not None else contextlib.nullcontext()):
             if grid is not None:
+                # NaN or inf in a kernel makes the interpreter's numpy warn, line after line,
+                # before the checker's message; that message says what went wrong instead
+                warnings.simplefilter("ignore", RuntimeWarning)
                 fn[grid](*args, **kwargs)
                 ret = None  # a launch returns no result (compiled Triton hands back its kernel handle)
             else:

@@ -53,7 +53,7 @@ from .failures import CheckFailed, LearnerRaised
 from .findings import Access, merge
 from .guards import (BandWrite, Sentinel, band_accesses, band_writes, copy_back, guard_tensors,
                      sentinel_reads)
-from .messages import cuda_error_message
+from .messages import cuda_error_message, torch_error_hint
 from .runner import apply_containers, invoke
 from .shipping import CannotShip, ship
 from .walk import from_refs, is_plain_data, replace_tensors, tensors_in
@@ -239,7 +239,8 @@ def _answer(answer: dict, call: dict, guards, accesses: list) -> Any:
         if answer.get("fatal"):
             raise CheckFailed(cuda_error_message(answer["summary"], answer["traceback"]),
                               label="crash")
-        raise LearnerRaised(f"your code raised {answer['summary']}\n{answer['traceback']}",
+        raise LearnerRaised(f"your code raised {answer['summary']}\n{answer['traceback']}"
+                            + torch_error_hint(answer["summary"]),
                             original=answer.get("exception"), traceback_text=answer["traceback"])
     for g, contents in zip(guards.storages, answer["buffers"]):
         g.buffer.copy_(contents)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 from ...base import runtime  # noqa: F401  (decides compiled vs interpreter before @triton.jit)
 from .ch08_paged_attention import ATOL, attention_layout
-from ..checking.core import Case, CheckFailed, call_learner, exercise, run_cases
+from ..checking.core import Case, CheckFailed, call_learner, exercise, pending_findings, run_cases
 
 
 @triton.jit
@@ -225,7 +225,10 @@ def paged_attention_kernel(kernel, *, seed: int = 0, n_random: int = 4) -> int:
             if torch.allclose(wrong, got, atol=ATOL, equal_nan=True):
                 why = "\n  looks like " + message
                 break
-        if not why and not bool(finite[b, h].all()):
+        if not why and not bool(finite[b, h].all()) and pending_findings():
+            why = ("\n  your output holds NaN there: a read outside the tensors (above) brought in a "
+                   "guard value, which is NaN, and NaN spreads through every sum it enters")
+        elif not why and not bool(finite[b, h].all()):
             why = ("\n  your output holds inf/NaN there: an exp overflowed float32 (exp of a large "
                    "score, or of scores - m_i while m_i is still -inf). Subtract the new running "
                    "max, p = exp(scores - m_new), and rescale with alpha = exp(m_i - m_new), which "

@@ -16,8 +16,12 @@ reads::
 The checker launches it (``run_split_kernel``) with blocks of 16 and 32 positions (the
 smallest ``tl.dot``), page sizes 1 to 16 on shuffled pages (a block that assumes its slots are
 consecutive reads other requests' rows), grouped and plain multi-head attention, splits that
-hold nothing, a model's own ``scale``; and compares every live split of every query head with
-:func:`kvlab.course.reference.split_partials_reference`. Every argument but ``o`` and ``lse`` is
+hold nothing, a model's own ``scale``, and pools whose last slots (and page tables whose last
+row) are in use with a head size below ``BLOCK_D``, where an unmasked load reads past the end;
+and compares every live split of every query head with
+:func:`kvlab.course.reference.split_partials_reference`. A wrong answer that a known slip gives
+(:mod:`kvlab.course.exercises.ch09_split_slips`) is told by that slip, before any read outside the pool
+it made. Every argument but ``o`` and ``lse`` is
 read-only; the kernel is also compiled for a GPU (:mod:`kvlab.course.checking.compiled`).
 """
 from __future__ import annotations
@@ -31,7 +35,8 @@ import triton.language as tl
 
 from ...base import runtime
 from ..reference.attention_ref import split_partials_reference, split_ranges_reference
-from ..checking.core import Case, CheckFailed, call_learner, exercise, run_cases
+from .ch09_split_slips import SLIPS, emulated_partials, spare_layout  # noqa: F401  (spare_layout: merge_splits)
+from ..checking.core import Case, CheckFailed, call_learner, exercise, pending_findings, run_cases
 
 ATOL = 1e-4
 
@@ -112,81 +117,16 @@ def run_split_kernel(kernel, q, k_pool, v_pool, page_table, table_idx, seq_lens,
     return o.cpu(), lse.cpu()
 
 
-#: mistakes in the block's loads the checker recognises (its emulation gives the learner's numbers)
-SLIPS = {
-    "first_query_head": "program (b, g, s) reads K/V head g * GROUP, the number of its first query "
-    "head: the GROUP query heads g*GROUP .. g*GROUP+GROUP-1 share K/V head g (the program's own "
-    "tl.program_id(1)), so the K/V address is slots * stride_kv_s + g * stride_kv_h",
-    "head_zero": "every program reads K/V head 0: the group's K/V head is g = tl.program_id(1), at "
-    "g * stride_kv_h within a slot's row",
-    "consecutive": "the block reads consecutive slots from its first position's slot (page_table[row, n0] "
-    "+ 0, 1, 2, ...): a block that crosses a page boundary then reads the slots after the page, "
-    "not the next page of the row. Load one slot per position: page_table[row, offs_n]",
-}
-
-
-def emulated_partials(q, k_pool, v_pool, page_table, table_idx, seq_lens, num_splits, block_n, scale, slip):
-    """The partial results a first pass with ``slip`` (a key of SLIPS) computes; NaN where the
-    slip would read outside the pool (the memory audit tells those)."""
-    batch, heads, head_dim = q.shape
-    kv_heads = k_pool.shape[1]
-    group = heads // kv_heads
-    o = torch.full((batch, heads, num_splits, head_dim), float("nan"))
-    lse = torch.full((batch, heads, num_splits), float("nan"))
-    for b in range(batch):
-        row, n = int(table_idx[b]), int(seq_lens[b])
-        for s, (start, end) in enumerate(split_ranges_reference(n, num_splits, block_n)):
-            if slip == "consecutive":
-                slots = [int(page_table[row, n0]) + i for n0 in range(start, end, block_n)
-                         for i in range(min(block_n, end - n0))]
-            else:
-                slots = [int(page_table[row, t]) for t in range(start, end)]
-            for h in range(heads):
-                g = h // group
-                kvh = {"first_query_head": g * group, "head_zero": 0}.get(slip, g)
-                if kvh >= kv_heads or max(slots) >= k_pool.shape[0]:
-                    continue
-                scores = (k_pool[slots, kvh].float() @ q[b, h].float()) * scale
-                o[b, h, s] = torch.softmax(scores, 0) @ v_pool[slots, kvh].float()
-                lse[b, h, s] = torch.logsumexp(scores, 0)
-    return o, lse
-
-
-def spare_layout(seed: int, page_size: int, lens: list[int], heads: int, kv_heads: int, head_dim: int,
-                 spare: int):
-    """Random K/V; each request's tokens on shuffled pages among the first ones of the pool, then
-    ``spare`` pages nobody owns (so that a block reading past its page stays inside the pool and
-    reads someone else's rows); rows shuffled. ``(q, k_pool, v_pool, page_table, rows, seq_lens)``."""
-    rng = random.Random(seed)
-    need = [-(-n // page_size) for n in lens]
-    pages = list(range(sum(need)))
-    rng.shuffle(pages)
-    rows = list(range(len(lens) + 1))
-    rng.shuffle(rows)
-    table = torch.full((len(lens) + 1, max(need) * page_size), -1, dtype=torch.int32)
-    at = 0
-    for b, n in enumerate(lens):
-        mine = pages[at:at + need[b]]
-        at += need[b]
-        table[rows[b], :n] = torch.tensor([p * page_size + i for p in mine for i in range(page_size)][:n])
-    gen = torch.Generator().manual_seed(seed)
-    slots = (sum(need) + spare) * page_size
-    k = torch.randn(slots, kv_heads, head_dim, generator=gen)
-    v = torch.randn(slots, kv_heads, head_dim, generator=gen)
-    q = torch.randn(len(lens), heads, head_dim, generator=gen)
-    return q, k, v, table, torch.tensor(rows[:len(lens)]), torch.tensor(lens)
-
-
 def _layout(a: dict):
     return spare_layout(a["seed"], a["P"], a["lens"], a["heads"], a["kv_heads"], a["head_dim"],
-                        spare=a["block_n"] // a["P"] + 2)
+                        spare=a["block_n"] // a["P"] + 2, last_in_use=a.get("last", False))
 
 
 def _cases(seed: int, n_random: int) -> list[Case]:
     def case(name, P, lens, splits, block_n=16, heads=8, kv_heads=2, head_dim=16, scale=1.0, kind="edge",
-             seed=0):
+             seed=0, last=False):
         return Case(name, dict(P=P, lens=lens, splits=splits, block_n=block_n, heads=heads, kv_heads=kv_heads,
-                               head_dim=head_dim, scale=scale / math.sqrt(head_dim), seed=seed), kind)
+                               head_dim=head_dim, scale=scale / math.sqrt(head_dim), seed=seed, last=last), kind)
 
     cases = [
         case("one request, one token, four K/V heads", 4, [1], 1, kv_heads=4),
@@ -201,6 +141,11 @@ def _cases(seed: int, n_random: int) -> list[Case]:
         case("BLOCK_N 32, four splits of 40 positions: one block each", 4, [40], 4, block_n=32),
         case("scale 0.3 (a model's own), four K/V heads", 4, [37], 3, heads=8, kv_heads=4,
              scale=0.3 * math.sqrt(16)),
+        # a load that reaches past a K/V row or the page-table row stays inside the tensors above
+        # (spare pages at the end, head_dim == BLOCK_D); here it reads past their ends
+        case("the pool's last slots in use, head_dim 12 (BLOCK_D 16)", 4, [24, 9], 2, head_dim=12, last=True),
+        case("the pool's last slots and the table's last row in use, head_dim 20 (BLOCK_D 32), BLOCK_N 32",
+             8, [40, 17], 3, block_n=32, heads=4, kv_heads=2, head_dim=20, last=True),
     ]
     rng = random.Random(seed * 1000 + 91)
     for i in range(n_random):
@@ -210,6 +155,22 @@ def _cases(seed: int, n_random: int) -> list[Case]:
                           rng.randint(1, 5), rng.choice([16, 32]), kv * rng.choice([1, 2, 4]), kv, kind="random",
                           seed=rng.randrange(1000), scale=rng.choice([1.0, 0.5, 2.0])))
     return cases
+
+
+def _same(a: torch.Tensor, b: torch.Tensor, live: torch.Tensor) -> bool:
+    return torch.allclose(a[live], b[live], atol=ATOL, equal_nan=True)
+
+
+def _slip_named(a: dict, args, o, lse, o_want, lse_want, live) -> str | None:
+    """The key of the SLIPS entry whose emulation gives the learner's numbers (NaN included),
+    among those that change this case's answer; ``None`` when none does."""
+    for slip in SLIPS:
+        wrong = emulated_partials(*args, a["splits"], a["block_n"], a["scale"], slip)
+        if wrong is None or (_same(wrong[0], o_want, live) and _same(wrong[1], lse_want, live)):
+            continue
+        if _same(wrong[0], o, live) and _same(wrong[1], lse, live):
+            return slip
+    return None
 
 
 def _compare(case: Case, args, got, want) -> None:
@@ -223,23 +184,20 @@ def _compare(case: Case, args, got, want) -> None:
         return
     b, h, s = (int(x) for x in bad.nonzero()[0])
     group = a["heads"] // a["kv_heads"]
-    why = ""
-    for slip, message in SLIPS.items():
-        wrong_o, wrong_lse = emulated_partials(*args, a["splits"], a["block_n"], a["scale"], slip)
-        known = live & ~torch.isnan(wrong_lse)            # where the slip reads inside the pool
-        if bool(known[b, h, s]) and torch.allclose(wrong_o[known], o[known], atol=ATOL) and \
-                torch.allclose(wrong_lse[known], lse[known], atol=ATOL):
-            why = "\n  looks like " + message
-            break
+    slip = _slip_named(a, args, o, lse, o_want, lse_want, live)
+    why = "" if slip is None else "\n  looks like " + SLIPS[slip]
     spans = split_ranges_reference(int(args[5][b]), a["splits"], a["block_n"])
+    row = int(args[4][b])
+    # a slip recognised behind reads outside the pool is the cause: told before those reads
+    label = "named cause" if slip is not None and pending_findings() else f"request {b}, query head {h}, split {s}"
     raise CheckFailed(
-        f"[{case.name}] request {b}, query head {h} (K/V head {h // group}), split {s} (positions "
-        f"{spans[s][0]}..{spans[s][1] - 1}): o off by {float(err[b, h, s]):.3g}, lse off by "
+        f"[{case.name}] request {b} (page-table row {row}), query head {h} (K/V head {h // group}), split {s} "
+        f"(positions {spans[s][0]}..{spans[s][1] - 1}): o off by {float(err[b, h, s]):.3g}, lse off by "
         f"{float(err_l[b, h, s]):.3g} (tolerance {ATOL})\n  expected o {o_want[b, h, s, :3].tolist()} ..., "
         f"lse {float(lse_want[b, h, s]):.4f}\n  got      o {o[b, h, s, :3].tolist()} ..., lse "
-        f"{float(lse[b, h, s]):.4f}{why}\n  page_size {a['P']}, seq_lens {a['lens']}, num_splits {a['splits']}, "
-        f"BLOCK_N {a['block_n']}, {a['heads']} query heads on {a['kv_heads']} K/V heads (GROUP {group}), "
-        f"scale {a['scale']:.4g}", case=case.name, label=f"request {b}, query head {h}, split {s}")
+        f"{float(lse[b, h, s]):.4f}{why}\n  page_size {a['P']}, seq_lens {a['lens']}, rows {args[4].tolist()}, "
+        f"num_splits {a['splits']}, BLOCK_N {a['block_n']}, head_dim {a['head_dim']}, {a['heads']} query heads "
+        f"on {a['kv_heads']} K/V heads (GROUP {group}), scale {a['scale']:.4g}", case=case.name, label=label)
 
 
 @exercise(

@@ -6,13 +6,18 @@
 latest arrival first (vLLM v0 pops its FCFS-sorted running queue); ``"retract"`` the fewest
 generated tokens first, among those the longest prompt, and of two that tie exactly the later
 one in ``running`` (SGLang sorts ``(len(output_ids), -len(origin_input_ids))`` in reverse and
-pops from the end). ``running`` is never in admission order, so its order proves nothing.
+pops from the end). ``running`` is never in admission order, so its order proves nothing; the
+caps (``max_new``) differ, so ranking by progress (``generated / max_new``) or by what is left
+is not ranking by outputs; and every case is called twice, the second time with the same
+numbers under other keys (another batch of requests), so an answer kept from call to call shows.
 
 ``next_token_ratio``: ``fn(policy, ratio, retracted, remaining) -> float``, SGLang's ratio after
 one decode step: ``max(ratio - policy.decay, policy.min_ratio)`` when nothing was retracted,
 else ``min(1, (sum of generated + policy.retract_decode_steps * n) / sum of max_new)`` over the
 ``n`` requests still running (``policy.init_ratio`` when none is left). The checker runs
-scripts of steps with SGLang's constants and with others, and compares every step.
+scripts of steps with SGLang's constants and with others, and compares every step; in one case
+two runs of one policy take turns, so a ratio kept between calls instead of read from ``ratio``
+shows.
 
 Expected answers come from :mod:`kvlab.serving.pressure`.
 """
@@ -41,9 +46,24 @@ def victim_order_solution(policy, running):
     return [r.key for r in order]
 
 
+#: caps the views take in turn: no two neighbours share one, so ranking by progress
+#: (generated / max_new) or by what is left (max_new - generated) is not ranking by outputs
+CAPS = (64, 16, 256, 8, 32, 128)
+
+
 def _views(rows) -> list[RequestView]:
-    """``(key, prompt_len, generated, admitted, arrived)`` -> views (positions from the lengths)."""
-    return [RequestView(k, n, g, 64, n + g, (n + g + 3) // 4, a, t) for k, n, g, a, t in rows]
+    """``(key, prompt_len, generated, admitted, arrived[, max_new])`` -> views (positions from
+    the lengths; the cap from :data:`CAPS` when not given, never below what was generated)."""
+    out = []
+    for i, (k, n, g, a, t, *cap) in enumerate(rows):
+        max_new = cap[0] if cap else max(CAPS[i % len(CAPS)], g + 1)
+        out.append(RequestView(k, n, g, max_new, n + g, (n + g + 3) // 4, a, t))
+    return out
+
+
+def _renamed(views: list[RequestView], offset: int = 1000) -> list[RequestView]:
+    """The same requests, numbers and order under other keys (another batch of requests)."""
+    return [v._replace(key=v.key + offset) for v in views]
 
 
 def _order_cases(seed: int, n_random: int) -> list[Case]:
@@ -64,21 +84,58 @@ def _order_cases(seed: int, n_random: int) -> list[Case]:
              [(4, 8, 3, 2, 0), (9, 8, 3, 0, 1), (2, 16, 1, 1, 2)]),
         case("retract: not the longest output, not the shortest prompt", "retract",
              [(0, 40, 9, 0, 0), (1, 3, 0, 1, 1), (2, 25, 0, 2, 2), (3, 3, 9, 3, 3)]),
+        # the caps differ: by outputs is neither by progress (generated / max_new) nor by what is left
+        case("retract: by outputs, not by progress or by what is left to generate", "retract",
+             [(3, 10, 6, 0, 0, 128), (5, 10, 2, 1, 1, 4), (7, 10, 4, 2, 2, 512), (1, 10, 1, 3, 3, 2)]),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
         n = rng.randint(1, 8)
         admitted, arrived = rng.sample(range(20), n), rng.sample(range(20), n)
         keys = rng.sample(range(100), n)
-        rows = [(keys[j], rng.randint(1, 12), rng.randint(0, 6), admitted[j], arrived[j]) for j in range(n)]
+        rows = [(keys[j], rng.randint(1, 12), rng.randint(0, 6), admitted[j], arrived[j], rng.choice(CAPS))
+                for j in range(n)]
         policy = ("recompute", "retract", "swap")[i % 3]
         cases.append(case(f"random {i + 1} ({policy}, {n} requests)", policy, rows, "random"))
     return cases
 
 
 def _describe(r: RequestView) -> str:
-    return (f"request {r.key} (admitted {r.admitted}, arrived {r.arrived}, generated {r.generated}, "
-            f"prompt {r.prompt_len})")
+    return (f"request {r.key} (admitted {r.admitted}, arrived {r.arrived}, generated {r.generated} "
+            f"of at most {r.max_new}, prompt {r.prompt_len})")
+
+
+def _order_why(policy: str, running: list[RequestView], got: list) -> str:
+    """What order ``got`` follows, when it is one the rule is often taken for."""
+    by = {r.key: r for r in running}
+    if policy != "retract" or not all(k in by for k in got):
+        return ""
+    mistaken = {"progress, the smallest share generated / max_new first":
+                lambda r: (r.generated / r.max_new, -r.prompt_len),
+                "the most tokens still to generate (max_new - generated) first":
+                lambda r: (r.generated - r.max_new, -r.prompt_len)}
+    for what, key in mistaken.items():
+        if got == [r.key for r in sorted(running, key=key)]:
+            return (f" (your order ranks by {what}: SGLang's retract_decode sorts by len(output_ids), "
+                    "the tokens generated, whatever the cap)")
+    return ""
+
+
+def _second_call(fn, case: Case, policy: str, running: list[RequestView], first: list) -> None:
+    """The same numbers under other keys (another batch): the answer must follow the keys."""
+    others = _renamed(running)
+    expected = pressure_order(policy, others)
+    got = call_learner(fn, policy, list(others), read_only=(1,))
+    if isinstance(got, (list, tuple)) and list(got) == expected:
+        return
+    same = isinstance(got, (list, tuple)) and list(got) == first
+    why = (" -- it returned the keys of the call before: an answer kept from call to call (a cache "
+           "keyed on the numbers, a global) answers for requests that are gone. Rank this call's "
+           "`running` and return its keys" if same else "")
+    raise CheckFailed(
+        f"[{case.name}] called again with the same numbers under other keys (each key + 1000: another "
+        f"batch of requests), policy {policy!r}: the order should be {expected}, got {got!r}{why}",
+        case=case.name, expected=expected, got=got, label="second call")
 
 
 @exercise(
@@ -108,10 +165,11 @@ def victim_order(fn, *, seed: int = 0, n_random: int = 9) -> int:
                               f"(keys {sorted(r.key for r in running)}); got {got!r}{where}", case=case.name)
         got = list(got)
         if got == expected:
+            _second_call(fn, case, policy, running, got)
             return
         i = next(j for j, (e, g) in enumerate(zip(expected, got)) if e != g)
         by = {r.key: r for r in running}
-        why = ""
+        why = _order_why(policy, running, got)
         if got == expected[::-1]:
             why = " (the whole order is reversed: the FIRST key is the first request to stop)"
         raise CheckFailed(
@@ -149,8 +207,8 @@ def _script(rng, steps: int, every: int):
 def _ratio_cases(seed: int, n_random: int) -> list[Case]:
     rng = random.Random(seed)
 
-    def case(name, policy, script, kind="edge"):
-        return Case(name, {"policy": policy, "script": script}, kind)
+    def case(name, policy, script, kind="edge", *more):
+        return Case(name, {"policy": policy, "scripts": [script, *more]}, kind)
 
     sglang = RetractDecode()
     short = [RequestView(0, 10, 3, 16, 13, 4)]
@@ -164,6 +222,10 @@ def _ratio_cases(seed: int, n_random: int) -> list[Case]:
         case("other constants (init 0.5, factor 0.2, 10 decay steps, 5 retract steps)",
              RetractDecode(init_ratio=0.5, min_ratio_factor=0.2, decay_steps=10, retract_decode_steps=5),
              _script(rng, 40, 9)),
+        # two runs in turns with one policy: each call's ratio is its own run's (an answer that
+        # keeps the ratio between calls follows the other run)
+        case("two runs in turns, one policy: each call gets its own run's ratio", sglang,
+             [(False, [])] * 12, "edge", _script(random.Random(seed + 7), 12, 3)),
     ]
     for i in range(n_random):
         policy = RetractDecode(init_ratio=rng.choice([0.3, 0.7, 1.0]), min_ratio_factor=rng.choice([0.1, 0.14, 0.5]),
@@ -190,31 +252,46 @@ def next_token_ratio(fn, *, seed: int = 0, n_random: int = 6) -> int:
     """Check ``fn(policy, ratio, retracted, remaining) -> float`` over scripts of decode steps."""
 
     def run_one(case: Case) -> None:
-        policy, script = case.args["policy"], case.args["script"]
-        want = got = policy.init_ratio
-        for k, (retracted, remaining) in enumerate(script):
-            before = got
-            want = pressure_ratio(policy, want, retracted=retracted, remaining=remaining)
-            got = call_learner(fn, policy, got, retracted, list(remaining), read_only=(3,))
-            if isinstance(got, bool) or not isinstance(got, (int, float)):
-                raise CheckFailed(f"[{case.name}] step {k}: return a number, got {got!r}", case=case.name)
-            if abs(got - want) <= 1e-9:
-                continue
-            what = "a retraction" if retracted else "a step that fit"
-            why = ""
-            if retracted and abs(got - max(before - policy.decay, policy.min_ratio)) <= 1e-9:
-                why = (" -- it kept decaying after a retraction: a ratio that never recovers keeps "
-                       "admitting on estimates that just ran out. After a retraction SGLang starts again "
-                       "from what the running requests generated (retract_decode)")
-            elif not retracted and got < policy.min_ratio - 1e-12:
-                why = f" -- below the minimum policy.min_ratio={policy.min_ratio:.4f}"
-            elif retracted and got > 1:
-                why = " -- above 1: the estimate is capped at the whole answer, min(1, ...)"
-            left = ", ".join(f"(generated {r.generated}, max_new {r.max_new})" for r in remaining) or "none"
-            raise CheckFailed(
-                f"[{case.name}] step {k} ({what}; running after it: {left}): the ratio should go from "
-                f"{before:.6f} to {want:.6f}, got {got:.6f}{why}\n  policy: init {policy.init_ratio}, "
-                f"min {policy.min_ratio:.4f}, decay {policy.decay:.6f}, retract_decode_steps "
-                f"{policy.retract_decode_steps}", case=case.name, expected=want, got=got, label=f"step {k}")
+        policy, scripts = case.args["policy"], case.args["scripts"]
+        ratios = [[policy.init_ratio, policy.init_ratio] for _ in scripts]   # per run: [want, got]
+        turns = len(scripts) > 1
+        for k in range(max(map(len, scripts))):
+            for run, script in enumerate(scripts):
+                if k < len(script):
+                    where = f"run {run + 1}, step {k}" if turns else f"step {k}"
+                    _one_step(fn, case, policy, script[k], ratios[run], where, turns)
 
     return run_cases("next_token_ratio", _ratio_cases(seed, n_random), run_one)
+
+
+def _one_step(fn, case: Case, policy, step, ratio: list, where: str, turns: bool) -> None:
+    """One call: ``ratio`` is ``[want, got]`` of its run before the step, updated in place."""
+    retracted, remaining = step
+    before = ratio[1]
+    want = ratio[0] = pressure_ratio(policy, ratio[0], retracted=retracted, remaining=remaining)
+    got = ratio[1] = call_learner(fn, policy, before, retracted, list(remaining), read_only=(3,))
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        raise CheckFailed(f"[{case.name}] {where}: return a number, got {got!r}", case=case.name)
+    if abs(got - want) <= 1e-9:
+        return
+    what = "a retraction" if retracted else "a step that fit"
+    why = ""
+    if retracted and abs(got - max(before - policy.decay, policy.min_ratio)) <= 1e-9:
+        why = (" -- it kept decaying after a retraction: a ratio that never recovers keeps "
+               "admitting on estimates that just ran out. After a retraction SGLang starts again "
+               "from what the running requests generated (retract_decode)")
+    elif not retracted and got < policy.min_ratio - 1e-12:
+        why = f" -- below the minimum policy.min_ratio={policy.min_ratio:.4f}"
+    elif retracted and got > 1:
+        why = " -- above 1: the estimate is capped at the whole answer, min(1, ...)"
+    elif turns:
+        why = (" -- two runs take turns here, and each call gets its own run's ratio as `ratio`: an "
+               "answer that keeps the ratio between calls (a global, an attribute, a cache) goes on "
+               "from the other run's. Compute from the arguments alone")
+    left = ", ".join(f"(generated {r.generated}, max_new {r.max_new})" for r in remaining) or "none"
+    raise CheckFailed(
+        f"[{case.name}] {where} ({what}; running after it: {left}): the ratio should go from "
+        f"{before:.6f} to {want:.6f}, got {got:.6f}{why}\n  policy: init {policy.init_ratio}, "
+        f"min {policy.min_ratio:.4f}, decay {policy.decay:.6f}, retract_decode_steps "
+        f"{policy.retract_decode_steps}", case=case.name, expected=want, got=got, label=where)
+

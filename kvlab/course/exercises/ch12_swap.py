@@ -4,19 +4,23 @@
 for a request coming back after a stop: it had positions ``[0, saved)`` computed; its input is
 ``input_len`` tokens; the prefix cache now holds its first ``hit`` (whole pages, already in
 ``row``, the new page-table row: one device slot per position); ``host_pages[i]`` holds its
-positions ``[i*P, (i+1)*P)`` (swap only). ``copies``: ``(host slot, device slot)`` per position
-copied back, in position order (``how="swap"``: ``[hit, saved)``; otherwise none); ``compute``:
+positions ``[i*P, (i+1)*P)`` (swap only), and host page ``h`` is host slots ``[h*P, (h+1)*P)``, as a
+device page is device slots. ``copies``: ``(host slot, device slot)`` per position copied back,
+in position order (``how="swap"``: ``[hit, saved)``; otherwise none); ``compute``:
 ``(start, end)``, the positions a prefill computes (swap: from ``max(saved, hit)``; otherwise
 from ``hit``; always to ``input_len``). Nothing the cache holds is copied or computed again.
-Every argument is read-only.
+Every argument is read-only. Each case is called twice: the second time with the same numbers
+and other pages (another request coming back), so an answer kept from call to call shows.
 
 ``swap_out``: ``fn(manager, req, pool, host) -> pages``: copy the K/V of ``req``'s row, positions
 ``[0, req.cached_len)`` of every layer, into host pages from ``host.take(n)`` (page ``i`` holds
 positions ``[i*P, (i+1)*P)``: ``host.k[page, :, i]`` is ``pool.k[:, slot]``, likewise ``v``), then
 give its device pages back with ``manager.release_req(req)``, once; return the pages. The
-checker hands the freed pages to someone else at once (their K/V is overwritten), compares the
-host copies position by position, the host pages taken, the free list (a page in it twice was
-freed twice), the row, the prefix cache, and runs ``check_integrity()``.
+checker hands the freed pages to someone else at once (their K/V is overwritten); its host pages
+hold what an earlier swap-out left there (host pages are reused uncleared); it compares the host
+copies position by position, the host pages taken, the device pool (a swap-out only reads it:
+the cached prefix is shared with another running request), the free list (a page in it twice
+was freed twice), the row, the prefix cache, and runs ``check_integrity()``.
 
 Page sizes run from 1 to 16; device and host pages are shuffled, so no slot is its position and
 no host page its page number by accident. Expected answers come from :mod:`kvlab.serving.pressure`.
@@ -46,15 +50,20 @@ def resume_plan_solution(how, saved, hit, input_len, host_pages, row, page_size)
     return copies, (start, input_len)
 
 
+def _pages(rng: random.Random, input_len: int, saved: int, P: int) -> tuple[list[int], list[int]]:
+    """``(row, host_pages)``: a row on shuffled device pages (never page 0 first), shuffled host pages."""
+    device = rng.sample(range(3, 60), -(-input_len // P))
+    return [device[p // P] * P + p % P for p in range(input_len)], rng.sample(range(1, 40), -(-saved // P))
+
+
 def _plan_cases(seed: int, n_random: int) -> list[Case]:
     rng = random.Random(seed)
 
     def case(name, how, saved, hit, input_len, P, kind="edge"):
-        device = rng.sample(range(3, 60), -(-input_len // P))       # shuffled, never page 0 first
-        row = [device[p // P] * P + p % P for p in range(input_len)]
-        host = rng.sample(range(1, 40), -(-saved // P))
+        row, host = _pages(rng, input_len, saved, P)
+        again = _pages(rng, input_len, saved, P)       # the second call's: the same numbers, other pages
         return Case(name, dict(how=how, saved=saved, hit=hit, input_len=input_len, host_pages=host,
-                               row=row, P=P), kind)
+                               row=row, P=P, again=again), kind)
 
     cases = [
         case("swap: copy back what the cache lost", "swap", 15, 8, 16, 4),
@@ -95,51 +104,66 @@ def resume_plan(fn, *, seed: int = 0, n_random: int = 10) -> int:
     """Check ``fn(how, saved, hit, input_len, host_pages, row, page_size) -> (copies, compute)``."""
 
     def run_one(case: Case) -> None:
-        a = case.args
-        P, hit, saved, row, host = a["P"], a["hit"], a["saved"], a["row"], a["host_pages"]
-        plan = pressure_plan(a["how"], saved=saved, hit=hit, input_len=a["input_len"])
-        want_copies = [(host[p // P] * P + p % P, row[p]) for p in range(*plan.copy)]
-        got = call_learner(fn, a["how"], saved, hit, a["input_len"], list(host), list(row), P,
-                           read_only=(4, 5))
-        where = (f"\n  how={a['how']!r}, saved={saved}, hit={hit}, input_len={a['input_len']}, page_size {P}, "
-                 f"host_pages={host}")
-        try:
-            copies, compute = got
-            copies, compute = [tuple(c) for c in copies], tuple(compute)
-        except (TypeError, ValueError):
-            raise CheckFailed(f"[{case.name}] return (copies, compute): a list of (host slot, device slot) "
-                              f"pairs and a (start, end) pair; got {got!r}"[:300] + where, case=case.name) from None
-        if compute != plan.compute:
-            why = ""
-            if compute[0] < hit:
-                why = (f" -- it computes positions [{compute[0]}, {hit}) again, which the prefix cache still "
-                       "holds (they are already in the row)")
-            elif a["how"] == "swap" and compute[0] == hit < saved:
-                why = f" -- positions [{hit}, {saved}) come back from host memory: computing them is the recompute the swap avoids"
-            raise CheckFailed(f"[{case.name}] compute should be {plan.compute}, got {compute}{why}{where}",
-                              case=case.name, label="compute")
-        if copies == want_copies:
-            return
-        if len(copies) != len(want_copies):
-            why = ""
-            if a["how"] != "swap":
-                why = " -- only a swapped request has anything in host memory"
-            elif len(copies) > len(want_copies) and hit > 0:
-                why = (f" -- positions [0, {hit}) are in the prefix cache: copying them back is work thrown "
-                       "away (and the row already points at the cached pages)")
-            raise CheckFailed(f"[{case.name}] {len(want_copies)} position(s) to copy back ([{plan.copy[0]}, "
-                              f"{plan.copy[1]})), got {len(copies)}{why}{where}", case=case.name, label="copies")
-        k = next(i for i, (w, g) in enumerate(zip(want_copies, copies)) if w != g)
-        pos = plan.copy[0] + k
-        (h, d), (gh, gd) = want_copies[k], copies[k]
-        part = "host slot" if h != gh else "device slot"
-        rule = (f"host_pages[{pos} // {P}] * {P} + {pos} % {P} = {h}" if part == "host slot"
-                else f"row[{pos}] = {d}")
-        raise CheckFailed(f"[{case.name}] position {pos} is restored to the wrong slot: its {part} should be "
-                          f"{rule}, got {gh if part == 'host slot' else gd}{where}", case=case.name,
-                          expected=want_copies, got=copies, label=f"position {pos}")
+        first = _one_plan(fn, case, case.args["row"], case.args["host_pages"])
+        _one_plan(fn, case, *case.args["again"], first=first)
 
     return run_cases("resume_plan", _plan_cases(seed, n_random), run_one)
+
+
+def _one_plan(fn, case: Case, row: list[int], host: list[int], first: list | None = None) -> list:
+    """One call with ``row`` and ``host`` (pages), checked; returns its copies. ``first``: the
+    copies of the case's first call, when this is the second (the same numbers, other pages)."""
+    a = case.args
+    P, hit, saved = a["P"], a["hit"], a["saved"]
+    plan = pressure_plan(a["how"], saved=saved, hit=hit, input_len=a["input_len"])
+    want_copies = [(host[p // P] * P + p % P, row[p]) for p in range(*plan.copy)]
+    got = call_learner(fn, a["how"], saved, hit, a["input_len"], list(host), list(row), P, read_only=(4, 5))
+    where = (f"\n  how={a['how']!r}, saved={saved}, hit={hit}, input_len={a['input_len']}, page_size {P}, "
+             f"host_pages={host}")
+    if first is not None:
+        where = ("\n  (called a second time with the same numbers and other pages: another request coming "
+                 "back)" + where)
+    try:
+        copies, compute = got
+        copies, compute = [tuple(c) for c in copies], tuple(compute)
+    except (TypeError, ValueError):
+        raise CheckFailed(f"[{case.name}] return (copies, compute): a list of (host slot, device slot) "
+                          f"pairs and a (start, end) pair; got {got!r}"[:300] + where, case=case.name) from None
+    if compute != plan.compute:
+        why = ""
+        if compute[0] < hit:
+            why = (f" -- it computes positions [{compute[0]}, {hit}) again, which the prefix cache still "
+                   "holds (they are already in the row)")
+        elif a["how"] == "swap" and compute[0] == hit < saved:
+            why = f" -- positions [{hit}, {saved}) come back from host memory: computing them is the recompute the swap avoids"
+        raise CheckFailed(f"[{case.name}] compute should be {plan.compute}, got {compute}{why}{where}",
+                          case=case.name, label="compute")
+    if copies == want_copies:
+        return copies
+    if first is not None and copies == first:
+        raise CheckFailed(f"[{case.name}] the second call returned the first call's copies {copies[:4]}...: an "
+                          "answer kept from call to call (a cache keyed on the numbers, a global) restores "
+                          "into another request's slots. The slots come from this call's host_pages and row: "
+                          f"host page h is host slots [h*P, (h+1)*P){where}", case=case.name,
+                          expected=want_copies, got=copies, label="second call")
+    if len(copies) != len(want_copies):
+        why = ""
+        if a["how"] != "swap":
+            why = " -- only a swapped request has anything in host memory"
+        elif len(copies) > len(want_copies) and hit > 0:
+            why = (f" -- positions [0, {hit}) are in the prefix cache: copying them back is work thrown "
+                   "away (and the row already points at the cached pages)")
+        raise CheckFailed(f"[{case.name}] {len(want_copies)} position(s) to copy back ([{plan.copy[0]}, "
+                          f"{plan.copy[1]})), got {len(copies)}{why}{where}", case=case.name, label="copies")
+    k = next(i for i, (w, g) in enumerate(zip(want_copies, copies)) if w != g)
+    pos = plan.copy[0] + k
+    (h, d), (gh, gd) = want_copies[k], copies[k]
+    part = "host slot" if h != gh else "device slot"
+    rule = (f"host_pages[{pos} // {P}] * {P} + {pos} % {P} = {h} (host page {host[pos // P]} is host slots "
+            f"[{host[pos // P] * P}, {host[pos // P] * P + P}))" if part == "host slot" else f"row[{pos}] = {d}")
+    raise CheckFailed(f"[{case.name}] position {pos} is restored to the wrong slot: its {part} should be "
+                      f"{rule}, got {gh if part == 'host slot' else gd}{where}", case=case.name,
+                      expected=want_copies, got=copies, label=f"position {pos}")
 
 
 # --- swap_out -------------------------------------------------------------------------------
@@ -182,6 +206,8 @@ def _swap_scene(P: int, prompt: int, decoded: int, seed: int):
     pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
     host = HostKV(pool, P, -(-(prompt + decoded) // P) + 3)
     host.free_pages = random.Random(seed + 1).sample(host.free_pages, len(host.free_pages))
+    for t in (host.k, host.v):         # host pages are reused uncleared: an earlier swap's K/V
+        t.copy_(torch.randn(t.shape, generator=gen) + 5.0)
     return cm, reqs[1], pool, host
 
 
@@ -198,6 +224,32 @@ def _swap_cases(seed: int, n_random: int) -> list[Case]:
         cases.append(case(f"random {i + 1} (page_size {P})", P, rng.randint(2, 30), rng.randint(0, 9),
                           rng.randrange(1000), "random"))
     return cases
+
+
+def _device_unchanged(case: Case, manager, req, pool, device: dict, row: list[int], where: str) -> None:
+    """The device pool as the call found it (the freed pages as their new owner wrote them).
+    ``row``: the request's slots before the call."""
+    others = {int(x) for r in range(manager.page_table.shape[0]) if r != req.table_idx
+              for x in manager.page_table[r].tolist() if x >= 0}
+    for name in ("k", "v"):
+        now, want = getattr(pool, name), device[name]
+        changed = (now != want).any(-1).any(-1).any(0).nonzero().flatten().tolist()   # slots
+        if not changed:
+            continue
+        slot = min(changed, key=lambda x: (x not in others, x))      # a shared slot first
+        if slot in others:
+            whose = "another running request's row maps it: they share the cached prefix, and it still reads it"
+        elif bool((want[:, slot] == -99.0).all()):
+            whose = "release_req had already handed its page to someone else"
+        elif slot in row:
+            whose = ("it is in the prefix cache, which keeps the request's whole prompt pages after "
+                     "release_req: the next request that starts the same way reads them")
+        else:
+            whose = "it is not even in the request's row"
+        raise CheckFailed(f"[{case.name}] pool.{name}[:, {slot}] changed during your swap-out ({len(changed)} "
+                          f"slot(s) changed; {whose}): a swap-out only reads the device pool. Copy the "
+                          f"K/V out and leave it: release_req gives the pages back{where}", case=case.name,
+                          label="device pool")
 
 
 @exercise(
@@ -225,14 +277,17 @@ def swap_out(fn, *, seed: int = 0, n_random: int = 5) -> int:
         n, row = got_req.cached_len, got_m.page_table[got_req.table_idx, : got_req.cached_len].long()
         want_k, want_v = pool.k[:, row].cpu(), pool.v[:, row].cpu()   # host pages live on the CPU
         before_free = set(host.free_pages)
+        dirty_k, dirty_v = host.k.clone(), host.v.clone()
         swap_out_solution(ref_m, ref_req, ref_pool, ref_host)
         release, calls = got_m.release_req, []
+        device = {"k": pool.k.clone(), "v": pool.v.clone()}   # what the pool must hold after the call
 
         def release_and_reuse(req):               # the freed pages go to someone else at once
             freed = release(req)
             calls.append(1)
             slots = (freed.long()[:, None] + torch.arange(P, device=freed.device)).flatten()
             pool.k[:, slots], pool.v[:, slots] = -99.0, -99.0
+            device["k"][:, slots], device["v"][:, slots] = -99.0, -99.0
             return freed
 
         got_m.release_req = release_and_reuse
@@ -240,8 +295,15 @@ def swap_out(fn, *, seed: int = 0, n_random: int = 5) -> int:
         pages = call_learner(fn, got_m, got_req, pool, host)
         del got_m.release_req
         taken = sorted(before_free - set(host.free_pages))
-        if not isinstance(pages, (list, tuple)) or sorted(pages) != taken or len(pages) != -(-n // P):
-            raise CheckFailed(f"[{case.name}] return the {-(-n // P)} host page(s) from host.take (in position "
+        need = -(-n // P)
+        if len(taken) != need:
+            why = (f" (n // P = {n // P} leaves out the last, partly filled page)" if len(taken) == n // P
+                   else "")
+            raise CheckFailed(f"[{case.name}] {len(taken)} host page(s) taken for {n} positions: host page i holds "
+                              f"positions [i*P, (i+1)*P), so {n} positions need ceil({n} / {P}) = {need} "
+                              f"page(s){why}{where}", case=case.name, label="host pages")
+        if not isinstance(pages, (list, tuple)) or sorted(pages) != taken:
+            raise CheckFailed(f"[{case.name}] return the {need} host page(s) host.take gave you (in position "
                               f"order); host pages taken: {taken}, returned {pages!r}{where}", case=case.name)
         free = got_m.free_slots.tolist()
         strange = [s for s in free if s < 0 or s % P or s // P >= got_m.num_pages]
@@ -262,11 +324,17 @@ def swap_out(fn, *, seed: int = 0, n_random: int = 5) -> int:
             for name, host_t, want in (("k", host.k, want_k), ("v", host.v, want_v)):
                 got = host_t[page, :, off]
                 if not torch.equal(got, want[:, pos]):
+                    dirty = (dirty_k if name == "k" else dirty_v)[page, :, off]
                     why = (" -- you copied after release_req: those pages were already someone else's"
-                           if bool((got == -99.0).all()) else "")
+                           if bool((got == -99.0).all()) else
+                           " -- it holds what the host page held before plus the copy: host pages are reused "
+                           "without being cleared (an earlier swap-out's K/V is still in them), so add nothing "
+                           f"to them: assign, host.{name}[page, :, :m] = pool.{name}[:, ...]"
+                           if torch.allclose(got, dirty + want[:, pos]) else "")
                     raise CheckFailed(f"[{case.name}] position {pos}: host.{name}[{page}, :, {off}] should hold "
                                       f"pool.{name}[:, {int(row[pos])}] (its slot in the row){why}{where}",
                                       case=case.name, label=f"position {pos}")
+        _device_unchanged(case, got_m, got_req, pool, device, row.tolist(), where)
         owner = lambda who: getattr(who, "table_idx", who)  # noqa: E731 - a lock's owner, by its row
         why = tree_difference(tree_state(ref_m.prefix_cache, owner), tree_state(got_m.prefix_cache, owner),
                               old="should be", new="is")

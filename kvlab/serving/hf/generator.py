@@ -142,7 +142,8 @@ class PagedGenerator(TieredGenerator):
     * ``policy``: what to do when KV memory runs out (chapter 12, :mod:`kvlab.serving.pressure`):
       ``"reserve"`` (each answer's whole length at admission: no step runs short),
       ``"recompute"``, ``"retract"``, ``"swap"`` (``host_pages``: its host pool, in pages;
-      default as many as the device pool), or a :class:`kvlab.serving.pressure.Policy`;
+      default the policy's ``host_pages``, else as many as the device pool), or a
+      :class:`kvlab.serving.pressure.Policy`;
     * ``host_cache``, ``disk_cache``: tiers under the prefix cache (chapter 13,
       :mod:`kvlab.serving.hf.tier_specs`): a :class:`HostCache` (or a number of host pages) and
       a :class:`DiskCache` (or a directory); admission loads back what they hold of a prompt.
@@ -158,7 +159,7 @@ class PagedGenerator(TieredGenerator):
         from ...attention.kv_pool import KVPool
         from ...alloc.paging import new_page_table
         from ..pressure import make_policy
-        from .swap import HostKV
+        from .swap import HostKV, host_pool_pages
 
         check_model(model)
         tiers = check_tiers(host_cache, disk_cache)      # chapter 13: checked before anything is built
@@ -169,8 +170,7 @@ class PagedGenerator(TieredGenerator):
         self.prefill_budget = check_int("prefill_budget", prefill_budget, minimum=1)
         self.chunked_prefill = check_bool("chunked_prefill", chunked_prefill)
         self.policy = make_policy(policy)
-        if host_pages is not None:
-            host_pages = check_int("host_pages", host_pages, minimum=0)
+        host_pages = host_pool_pages(self.policy, host_pages, self.num_pages)   # None: no swapping
         c = model.config
         self._row_limit = "max_seq_len"
         if max_seq_len is None:
@@ -208,8 +208,7 @@ class PagedGenerator(TieredGenerator):
                            head_dim, dtype=model.dtype, device=device)
         self._map_dummy_row()
         # the swap policy's host pool (pinned on CUDA): where stopped requests' K/V waits
-        self.host = (HostKV(self.pool, self.page_size, self.num_pages if host_pages is None else host_pages)
-                     if self.policy.on_preempt == "swap" else None)
+        self.host = HostKV(self.pool, self.page_size, host_pages) if host_pages is not None else None
         # chapter 13: the prefix cache's tiers under the device (host memory, disk), or None
         self.hierarchy = build_hierarchy(self.pool, self.page_size, model, *tiers) if tiers[0] else None
         self.clear_prefix_cache()

@@ -106,6 +106,7 @@ class ServingLoop:
         self.free_rows = list(range(gen.max_running))
         self.steps = 0
         self.timeline: list[StepTimes] = []
+        self._timed: list = []           # each timeline entry's ticket (its device times come last)
         self.stats = dict(requests=len(seqs), prefill_computed=0, prefill_cached=0, generated=0,
                           steps=0, prefill_steps=0, decode_steps=0, graph_steps=0, chunks=0,
                           decode_tokens=0, deferred=0, most_running=0,
@@ -142,6 +143,10 @@ class ServingLoop:
                     self.process(step, in_flight=None)
             elif not processed:
                 self.idle()
+        if self._timed:   # the device's times, all at once (kvlab.serving.hf.overlap: one clock offset)
+            spans = self.queue.device_spans(self._timed)
+            self.timeline = [s._replace(device=(a - self.t0, b - self.t0))
+                             for s, (a, b) in zip(self.timeline, spans)]
 
     def idle(self) -> None:
         """Nothing runs and nothing can be admitted: wait for the next arrival."""
@@ -281,11 +286,11 @@ class ServingLoop:
 
     def _record(self, step: Launched, t0: float) -> None:
         if self.queue.timeline:
-            start, end = self.queue.device_span(step.ticket)
+            self._timed.append(step.ticket)
             self.timeline.append(StepTimes(
                 step.index, len(step.batch), step.batch.num_tokens, not step.prefill,
                 (step.times[0], step.times[1]), (step.times[1], step.times[2]), (t0, self.now()),
-                (start - self.t0, end - self.t0), step.times[3]))
+                (0.0, 0.0), step.times[3]))
         if self.on_step is not None:
             self.on_step(StepInfo(step.index, [s.index for s in step.new],
                                   [s.index for s in step.decode], step.batch.num_tokens,

@@ -25,7 +25,12 @@ A :class:`DeviceQueue` is the device's queue of work, in submission order:
 * :class:`DeviceQueue` itself runs the work inside ``submit`` (tests build on it).
 
 Each submitted piece of work returns ``(tokens, logits)`` on the host; the queue notes when it
-ran on the device clock (:class:`StepTimes` of the timeline, seconds since the call began).
+ran (:class:`StepTimes` of the timeline, seconds since the call began). A CUDA step's times are
+events on the GPU's clock, put on the host's clock once the call is over
+(:meth:`CudaQueue.device_spans`): the GPU cannot run work before the host has queued it, so the
+offset between the clocks is the least that keeps every event after its ``record()`` call. (One
+event recorded with a known host time is not enough: when the GPU reaches it varies by a
+hundred microseconds, and a step would seem to start before it was launched.)
 """
 from __future__ import annotations
 
@@ -101,9 +106,10 @@ class DeviceQueue:
         """Wait for ``ticket``'s work; its value (its exception, if it failed)."""
         return ticket.value
 
-    def device_span(self, ticket: Ticket) -> tuple[float, float]:
-        """When the work ran (host clock, perf_counter seconds); after :meth:`result`."""
-        return ticket.span
+    def device_spans(self, tickets: list[Ticket]) -> list[tuple[float, float]]:
+        """When each piece of work ran (host clock, perf_counter seconds); after :meth:`result`
+        of every one of them (all of a call's at once: see :meth:`CudaQueue.device_spans`)."""
+        return [ticket.span for ticket in tickets]
 
     def drain(self) -> None:
         """Wait for every piece of work submitted so far (their errors are not raised here:
@@ -115,7 +121,8 @@ class DeviceQueue:
 
 class ThreadQueue(DeviceQueue):
     """One worker thread runs the work in order, like a stream on a CPU. Its work runs in
-    ``torch.inference_mode()`` (a per-thread mode) like the caller's."""
+    ``torch.inference_mode()`` (a per-thread mode) like the caller's. CPU work only: a GPU's
+    work would return before its copies to the host land (:class:`CudaQueue` waits for them)."""
 
     asynchronous = True
 
@@ -165,20 +172,21 @@ class CudaQueue(DeviceQueue):
 
     def begin(self, timeline: bool) -> None:
         super().begin(timeline)
-        if timeline:   # a reference event with a known host time: device times on the host's clock
-            self.drain()
+        if timeline:   # the events' times are measured from this one
             self._origin = torch.cuda.Event(enable_timing=True)
-            self._origin.record()
             self._origin_host = time.perf_counter()
+            self._origin.record()
 
     def submit(self, work: Callable[[], tuple]) -> Ticket:
         ticket = Ticket()
         start = end = None
-        if self.timeline:
+        if self.timeline:   # each event, and the host's time just before it was queued
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            queued = time.perf_counter()
             start.record()
         ticket.value = work()
         if end is not None:
+            ticket.span = (queued, time.perf_counter())
             end.record()
             ticket.events = (start, end)
         ticket.event = torch.cuda.Event()
@@ -189,11 +197,16 @@ class CudaQueue(DeviceQueue):
         ticket.event.synchronize()
         return ticket.value
 
-    def device_span(self, ticket: Ticket) -> tuple[float, float]:
-        if ticket.events is None:
-            return (0.0, 0.0)
-        start, end = ticket.events
-        return tuple(self._origin_host + self._origin.elapsed_time(e) / 1e3 for e in (start, end))
+    def device_spans(self, tickets: list[Ticket]) -> list[tuple[float, float]]:
+        """The events' times on the host's clock: ``offset + (event - origin)``, the offset the
+        least that puts no event before the host queued it (see the module docstring). Every
+        time is then at most the true one, so a step never seems to end after the host saw its
+        tokens either."""
+        timed = [t for t in tickets if t.events is not None]
+        since = {id(t): tuple(self._origin.elapsed_time(e) / 1e3 for e in t.events) for t in timed}
+        offset = max([self._origin_host] + [h - d for t in timed for h, d in zip(t.span, since[id(t)])])
+        return [tuple(offset + d for d in since[id(t)]) if id(t) in since else (0.0, 0.0)
+                for t in tickets]
 
     def drain(self) -> None:
         torch.cuda.current_stream().synchronize()

@@ -91,7 +91,8 @@ class Room:
         how, req = self.run.policy.on_preempt, seq.req
         host = self.gen.host
         if how == "swap" and host is not None and host.fits(req.cached_len):
-            seq.host_pages = host.save(self.gen.pool, self.gen.page_table[req.table_idx, : req.cached_len])
+            seq.host_pages = host.save(self.gen.pool, self.gen.page_table[req.table_idx, : req.cached_len],
+                                       check=False)   # (its row's slots: no wait for the GPU)
             seq.saved = stop_request(self.manager, req, keep=False)
             self.swapped.append(seq)
             self.swapped.sort(key=lambda s: s.index)
@@ -123,7 +124,7 @@ class Room:
                 break
 
             def copy_back(start, end, slots, seq=seq):
-                host.load(pool, seq.host_pages, start, end, slots)
+                host.load(pool, seq.host_pages, start, end, slots, check=False)
 
             seq.req = req
             back = restore_request(self.manager, req, seq.saved, copy_back)

@@ -33,8 +33,8 @@ from .scheduler import SimConfig, simulate
 from .timeline import Timeline
 from .workloads import Workload
 
-__all__ = ["CacheRun", "POOLS", "pool_sizes", "MEMORY_POOLS", "memory_pools", "compare_policies", "policy_table", "compare_caches", "first_divergence", "comparison_table",
-           "LookupCost", "lookup_cost"]
+__all__ = ["CacheRun", "POOLS", "pool_sizes", "MEMORY_POOLS", "memory_pools", "compare_policies", "policy_row",
+           "policy_table", "compare_caches", "first_divergence", "comparison_table", "LookupCost", "lookup_cost"]
 
 
 class CacheRun(NamedTuple):
@@ -217,29 +217,43 @@ def compare_policies(workloads: Sequence[Workload], config: SimConfig = SimConfi
     rows = []
     for workload in workloads:
         sizes = memory_pools(workload, config.page_size)
-        new_tokens = sum(len(r.output) for r in workload.requests)
         for pool in pools:
             for policy in policies:
                 tl = simulate(workload, replace(config, num_pages=sizes[pool], policy=policy))
-                s = tl.summary()
-                rows.append(dict(workload=workload.name, pool=pool, pages=sizes[pool], policy=policy.name,
-                                 steps=s.steps, tokens_per_step=new_tokens / s.steps,
-                                 mean_running=s.mean_running, unused_pages=s.mean_promised_pages,
-                                 stops=s.preemptions, recomputed_tokens=s.recomputed_tokens,
-                                 swapped_tokens=s.swapped_tokens, ttft_p50=s.ttft_p50, ttft_p99=s.ttft_p99,
-                                 tpot_p50=s.tpot_p50, tpot_p99=s.tpot_p99))
+                rows.append(policy_row(workload, pool, tl))
     return rows
 
 
+def policy_row(workload: Workload, pool: str, timeline: Timeline) -> dict:
+    """One row of :func:`compare_policies`: ``timeline``, a run of ``workload`` in ``pool``."""
+    s = timeline.summary()
+    new_tokens = sum(len(r.output) for r in workload.requests)
+    return dict(workload=workload.name, pool=pool, pages=timeline.num_pages, policy=timeline.policy,
+                steps=s.steps, tokens_per_step=new_tokens / s.steps, mean_running=s.mean_running,
+                unused_pages=s.mean_promised_pages, stops=s.preemptions, recomputed_tokens=s.recomputed_tokens,
+                swapped_tokens=s.swapped_tokens, ttft_p50=s.ttft_p50, ttft_p99=s.ttft_p99,
+                tpot_p50=s.tpot_p50, tpot_p99=s.tpot_p99)
+
+
 def policy_table(rows: Sequence[dict]) -> str:
-    """The rows of :func:`compare_policies` as a fixed-width table."""
-    head = (f"{'workload':20s} {'pool':>10s} {'policy':>9s} {'steps':>5s} {'tok/step':>8s} {'running':>7s} "
-            f"{'unused':>6s} {'stops':>5s} {'recomp':>6s} {'swapped':>7s} {'TTFT p50/p99':>12s} {'TPOT p50/p99':>12s}")
-    lines = [head, "-" * len(head)]
+    """The rows of :func:`compare_policies` as a fixed-width table, one block per workload, at
+    most 88 characters a line (a notebook's output width)."""
+    head = (f"{'pool':>10s} {'policy':>9s} {'steps':>5s} {'tok/step':>8s} {'running':>7s} {'unused':>6s} "
+            f"{'stops':>5s} {'recomp':>6s} {'swapped':>7s} {'TTFT':>7s} {'TPOT':>7s}")
+    lines = [head, f"{'':>10s} {'':>9s} {'':>5s} {'':>8s} {'':>7s} {'pages':>6s} {'':>5s} {'':>6s} {'':>7s} "
+                   f"{'p50/p99':>7s} {'p50/p99':>7s}"]
+    workload = None
     for r in rows:
-        lines.append(f"{r['workload']:20s} {r['pool'] + ' ' + str(r['pages']):>10s} {r['policy']:>9s} "
-                     f"{r['steps']:5d} {r['tokens_per_step']:8.2f} {r['mean_running']:7.1f} "
-                     f"{r['unused_pages']:6.1f} {r['stops']:5d} {r['recomputed_tokens']:6d} "
-                     f"{r['swapped_tokens']:7d} {r['ttft_p50']:5.0f} / {r['ttft_p99']:4.0f} "
-                     f"{r['tpot_p50']:5.2f} / {r['tpot_p99']:4.2f}")
+        if r["workload"] != workload:
+            workload = r["workload"]
+            lines.append(f"-- {workload} " + "-" * (len(head) - len(workload) - 4))
+        lines.append(f"{r['pool'] + ' ' + str(r['pages']):>10s} {r['policy']:>9s} {r['steps']:5d} "
+                     f"{r['tokens_per_step']:8.2f} {r['mean_running']:7.1f} {r['unused_pages']:6.1f} "
+                     f"{r['stops']:5d} {r['recomputed_tokens']:6d} {r['swapped_tokens']:7d} "
+                     f"{_pair(r['ttft_p50'], r['ttft_p99'], '{:.0f}'):>7s} "
+                     f"{_pair(r['tpot_p50'], r['tpot_p99'], '{:.1f}'):>7s}")
     return "\n".join(lines)
+
+
+def _pair(a, b, fmt: str) -> str:
+    return "/".join("-" if x is None else fmt.format(x) for x in (a, b))

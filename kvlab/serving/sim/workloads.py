@@ -12,6 +12,8 @@ when the request arrives, and optionally that the client gives up after some tok
     eos_long_tail          answers that mostly end early at EOS, a few run to max_new_tokens
                            (chapter 12: where reserving whole answers wastes most)
     long_prompt_burst      a few short requests decode, then a burst of long prompts arrives
+    long_answers           answers that run (nearly) to max_new_tokens: longer than SGLang's
+                           estimate expects (chapter 12: where retraction happens)
 
 Every generator takes a ``seed`` and returns the same workload for the same arguments; a bad
 count, length, gap or fraction raises :class:`~kvlab.base.errors.InvalidArgument` naming it.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 __all__ = ["RequestSpec", "Workload", "shared_system_prompt", "multi_turn_chat", "few_shot",
-           "random_prompts", "mixed", "eos_long_tail", "long_prompt_burst", "WORKLOADS",
+           "random_prompts", "mixed", "eos_long_tail", "long_prompt_burst", "long_answers", "WORKLOADS",
            "make_workload"]
 
 VOCAB = 100  # token ids are ints in [0, VOCAB); only equality matters to a prefix cache
@@ -98,11 +100,11 @@ def _check_counts(**kw) -> None:
             if not is_int(v):
                 raise InvalidArgument("seed", "an int", f"got {v!r}")
             continue
-        if name in ("mean_gap", "abort_fraction", "tail"):
+        if name in ("mean_gap", "abort_fraction", "tail", "at_least"):
             from ...base.args import check_real
 
-            check_real(name, v, below=1.0 + 1e-9 if name == "abort_fraction" else float("inf"),
-                       minimum=1e-6 if name == "tail" else 0.0)
+            check_real(name, v, below=1.0 + 1e-9 if name in ("abort_fraction", "at_least") else float("inf"),
+                       minimum=1e-6 if name in ("tail", "at_least") else 0.0)
             continue
         if isinstance(v, tuple):
             lo, hi = v
@@ -245,6 +247,24 @@ def long_prompt_burst(seed: int = 0, n_short: int = 4, n_long: int = 6,
     return Workload("long_prompt_burst", "short requests, then a burst of long prompts", tuple(reqs))
 
 
+def long_answers(seed: int = 0, n_requests: int = 24, prompt_len: tuple[int, int] = (4, 12),
+                 max_new_tokens: int = 32, at_least: float = 0.9, mean_gap: float = 0.25) -> Workload:
+    """Answers that run nearly to their cap: each ``at_least`` x ``max_new_tokens`` to
+    ``max_new_tokens`` tokens. SGLang's admission counts a running request as ``new_token_ratio``
+    (0.7 at first) x what it may still generate, too little for these: in tight memory the
+    running requests outgrow what was left for them and some are retracted."""
+    _check_counts(seed=seed, n_requests=n_requests, prompt_len=prompt_len,
+                  max_new_tokens=max_new_tokens, at_least=at_least, mean_gap=mean_gap)
+    rng = random.Random(seed)
+    shortest = max(1, -(-round(at_least * max_new_tokens * 1000) // 1000))
+    reqs = []
+    for i, t in enumerate(_arrivals(rng, n_requests, mean_gap)):
+        n = rng.randint(shortest, max_new_tokens)
+        reqs.append(RequestSpec(i, _tokens(rng, rng.randint(*prompt_len)), _tokens(rng, n), t,
+                                tag="length" if n == max_new_tokens else "eos", max_new_tokens=max_new_tokens))
+    return Workload("long_answers", "answers that run nearly to their cap, longer than the estimate", tuple(reqs))
+
+
 WORKLOADS = {
     "shared_system_prompt": shared_system_prompt,
     "multi_turn_chat": multi_turn_chat,
@@ -253,6 +273,7 @@ WORKLOADS = {
     "mixed": mixed,
     "eos_long_tail": eos_long_tail,
     "long_prompt_burst": long_prompt_burst,
+    "long_answers": long_answers,
 }
 
 
