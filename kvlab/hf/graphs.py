@@ -207,7 +207,8 @@ class DecodeGraphs:
         ids, positions = self.ids[:bs], self.positions[:bs]
         step = self.steps[bs]
         # what every layer's attention reads, computed once per step (a graph records it once)
-        step.single_slots = self.page_table[self.rows[:bs], positions].long()
+        if step.attention != "fast" or step.decode_step is not None:   # (the fast kernel finds the slot)
+            step.single_slots = self.page_table[self.rows[:bs], positions].long()
         step.single_seq_lens = positions + 1
         with fused_forwards(self.model) if self.fuse else nullcontext():
             logits = self._model_forward(input_ids=ids[None], position_ids=positions[None], use_cache=False,
