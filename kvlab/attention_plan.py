@@ -61,6 +61,23 @@ class FastConfig(NamedTuple):
     num_stages: int = 2
 
 
+#: bytes of one block's K rows the default block size aims for (``block_n * head_dim * elem``):
+#: 128 positions of 64 bfloat16 values, the shape FastConfig's defaults were measured on; a
+#: larger head gets fewer positions per block, so that the blocks a program keeps in flight
+#: (``num_stages`` of K and V) leave room for more than one program per multiprocessor
+DEFAULT_BLOCK_BYTES = 16384
+
+
+def default_config(head_dim: int, dtype: torch.dtype) -> FastConfig:
+    """:class:`FastConfig`'s defaults with the block size for this head size and pool dtype
+    (:data:`DEFAULT_BLOCK_BYTES`, between 16 and 128 positions)."""
+    per_row = max(1, head_dim * dtype.itemsize)
+    block_n = 16
+    while block_n < 128 and (2 * block_n) * per_row <= DEFAULT_BLOCK_BYTES:
+        block_n *= 2
+    return FastConfig(block_n=block_n)
+
+
 #: programs per streaming multiprocessor the split aims for (on an H200, 2 measured faster than
 #: 4 and 8 at batch 64, where fewer splits mean no merge to launch)
 PROGRAMS_PER_SM = 2
@@ -232,9 +249,9 @@ def _tensor(name: str, t) -> torch.Tensor:
     return t
 
 
-def _check_config(config) -> "FastConfig":
+def _check_config(config, head_dim: int, dtype: torch.dtype) -> FastConfig:
     if config is None:
-        return FastConfig()
+        return default_config(head_dim, dtype)
     if not isinstance(config, FastConfig):
         raise InvalidArgument("config", "None or a kvlab.attention.FastConfig", f"got {type(config).__name__}")
     block_n, use_dot, num_warps, num_stages = config
@@ -332,7 +349,7 @@ def make_plan(q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, 
     kv_heads = k_pool.shape[1]
     if new_k is not None:
         _check_new(new_k, new_v, batch, k_pool)
-    config = _check_config(config)
+    config = _check_config(config, head_dim, k_pool.dtype)
     scale = _check_scale(scale, head_dim)
     if not (isinstance(out_dtype, torch.dtype) and out_dtype in OUT_DTYPES):
         raise InvalidArgument("out_dtype", f"a torch.dtype, one of {[str(d) for d in OUT_DTYPES]}",

@@ -32,6 +32,7 @@ from types import SimpleNamespace
 import torch
 
 from .. import runtime
+from . import decode_call, startup, step_profile
 
 #: the serving model's attention shape (Llama 3.2 1B: 32 query heads on 8 K/V heads of 64)
 SHAPE = dict(heads=32, kv_heads=8, head_dim=64, page_size=16, dtype="bfloat16")
@@ -41,8 +42,10 @@ SMOKE_BATCHES, SMOKE_CONTEXTS = (1, 3), (8, 40)
 STEP_BATCHES, SMOKE_STEP_BATCHES = (64, 256), (2, 4)
 #: the decode step's contexts: like the serving workload's (prompts of 128-512, 64 new tokens)
 STEP_CONTEXTS, SMOKE_STEP_CONTEXTS = (128, 576), (4, 20)
-#: the issue's targets: kernel time / floor and step time / floor
-KERNEL_LIMIT, STEP_LIMIT = 2.0, 3.0
+#: the issue's targets: kernel time / floor, and step time / floor per running requests
+KERNEL_LIMIT = 2.0
+STEP_LIMITS = {64: 2.0, 256: 1.5}
+STEP_LIMIT = max(STEP_LIMITS.values())   # any other size (the smoke run's)
 KERNEL_TARGETS = [(64, 512), (64, 4096), (64, 32768), (256, 4096), (256, 32768)]
 TIME_BUDGET_S = 150.0
 COPY_BYTES, SMOKE_COPY_BYTES = 1 << 31, 1 << 20
@@ -179,10 +182,15 @@ def bench_kernels(batches, contexts, shape: dict, bw: float, smoke: bool, deadli
 
 def step_bytes(model, batch: int, contexts: list[int]) -> dict:
     """What one decode step must move: every weight but the embedding table (of which it reads
-    ``batch`` rows), every K/V row of the contexts, the new K/V, the logits it writes."""
+    ``batch`` rows), the output projection's weights even when they are the embedding table's
+    (tied: the logits read all of it), every K/V row of the contexts, the new K/V, the logits
+    it writes."""
     c = model.config
     elem = model.dtype.itemsize
     weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "embed_tokens" not in n)
+    head = model.get_output_embeddings().weight
+    if head is model.get_input_embeddings().weight:       # tied: counted once, as the logits' read
+        weights += head.numel() * head.element_size()
     weights += batch * c.hidden_size * elem
     kv_heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -258,6 +266,11 @@ def bench_step(batches, ctx_range, smoke: bool, bw: float, deadline: float, log)
             for name in gens:
                 replay, run = timed[f"{name}:replay"]["loop_us"], timed[f"{name}:run"]["loop_us"]
                 row["paths"][name] = dict(replay_us=replay, run_us=run, ratio_to_floor=replay / row["floor_us"])
+            best = "fast_compiled" if "fast_compiled" in gens else "fast"
+            if not smoke and best in gens:         # where the step's time goes, kernel by kernel
+                kernels = step_profile.profile_replay(gens[best].graphs.graphs[bs].replay)
+                row["profile"] = dict(path=best, kernels=kernels[:60], by_kind=step_profile.by_kind(
+                    kernels, step_profile.kind_bytes(model, bs, ctxs), bw))
             log(f"step batch {bs}: floor {row['floor_us']:.0f} us; " + ", ".join(
                 f"{n} {e['replay_us']:.0f} us ({e['ratio_to_floor']:.1f}x)" for n, e in row["paths"].items()))
             out["rows"].append(row)
@@ -284,9 +297,13 @@ def targets(res: dict) -> list[dict]:
                           passed=None if smoke else ratio is not None and ratio <= KERNEL_LIMIT))
     for r in res["step"].get("rows", []):
         best = min((e["ratio_to_floor"], n) for n, e in r["paths"].items() if n.startswith("fast"))
+        limit = STEP_LIMITS.get(r["batch"], STEP_LIMIT)
         found.append(dict(name=f"CUDA-graph decode step ({best[1]}), {r['batch']} running requests",
-                          rule=f"replay time / HBM floor <= {STEP_LIMIT}", limit=STEP_LIMIT,
-                          measured=round(best[0], 2), passed=None if smoke else best[0] <= STEP_LIMIT))
+                          rule=f"replay time / HBM floor <= {limit}", limit=limit,
+                          measured=round(best[0], 2), passed=None if smoke else best[0] <= limit))
+    found += decode_call.targets(res.get("public", []), smoke)
+    if "startup" in res:
+        found += startup.targets(res["startup"], smoke)
     if "graphs_built_while_serving" in res["step"]:
         n = res["step"]["graphs_built_while_serving"]
         found.append(dict(name="torch.compile recompiles after start-up", rule="== 0", limit=0,
@@ -294,7 +311,7 @@ def targets(res: dict) -> list[dict]:
     return found
 
 
-def run_attention(smoke: bool = False, log=print) -> dict:
+def run_attention(smoke: bool = False, log=print, startup_runs: bool = True) -> dict:
     """Measure everything above; returns the result (``res["attention"]`` of ``bench.json``)."""
     t0 = time.perf_counter()
     deadline = t0 + TIME_BUDGET_S
@@ -305,8 +322,13 @@ def run_attention(smoke: bool = False, log=print) -> dict:
     log(f"copy bandwidth: {bw:.0f} GB/s")
     res["kernel"] = bench_kernels(SMOKE_BATCHES if smoke else BATCHES, SMOKE_CONTEXTS if smoke else CONTEXTS,
                                   shape, bw, smoke, deadline, log)
+    res["public"] = decode_call.bench_public_attention(shape, smoke, log)
     res["step"] = bench_step(SMOKE_STEP_BATCHES if smoke else STEP_BATCHES,
                              SMOKE_STEP_CONTEXTS if smoke else STEP_CONTEXTS, smoke, bw, deadline, log)
+    if startup_runs:
+        res["startup"] = startup.run_cold_and_warm(smoke)
+        log("start-up of the serving generator: " + ", ".join(
+            f"{k} {v.get('seconds', float('nan')):.1f} s" for k, v in res["startup"].items() if isinstance(v, dict)))
     res["targets"] = targets(res)
     res["seconds"] = round(time.perf_counter() - t0, 1)
     return res

@@ -47,6 +47,7 @@ import torch
 from ..args import check_int
 from ..errors import InvalidArgument
 from .attention import warm_up_fast_kernels
+from .compile_cache import use_compile_cache
 from .fuse import fuse_projections, fused_forwards
 from .step import StepBatch, to_device
 
@@ -161,17 +162,19 @@ class DecodeGraphs:
         self.ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
         self.rows = torch.full((max_bs,), dummy_row, dtype=torch.int64, device=device)
-        self.logits = torch.zeros(max_bs, model.config.vocab_size, dtype=model.dtype, device=device)
-        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        #: each size's outputs, ``(tokens, logits)``: a captured graph writes the same tensors at
+        #: every replay (read them before the next replay), an eager step new ones
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.steps = {bs: StepBatch(pool=pool, page_table=page_table, single_rows=self.rows[:bs],
                                     single_positions=self.positions[:bs], decode_step=decode_step,
                                     attention=attention)
                       for bs in self.sizes}
         self.compiled = compile
+        self.compile_cache: str | None = None
         self.fuse = fuse
         #: projection groups computed as one product in the step (see :mod:`kvlab.hf.fuse`)
         self.fused_groups = fuse_projections(model) if fuse else 0
-        self._model_forward = model.forward
+        self._decode = self._logits_and_tokens
         if compile:
             self._compile()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -199,8 +202,17 @@ class DecodeGraphs:
         break), so the K/V store and the Triton kernels run as they are, and the compiler fuses what lies between two attention calls -- norms, RoPE,
         activations, residual adds -- into a few kernels. The batch size is a symbolic size
         (``dynamic=True``), so all sizes share the compiled code: one compilation (and one for
-        size 1) at start-up rather than one per size."""
-        self._model_forward = torch.compile(self.model.forward, dynamic=True)
+        size 1) at start-up rather than one per size. The greedy choice (the argmax over the
+        vocabulary) is compiled with the logits it reads."""
+        #: where the compiled kernels are kept for the next start (kvlab.hf.compile_cache)
+        self.compile_cache = use_compile_cache()
+        self._decode = torch.compile(self._logits_and_tokens, dynamic=True)
+
+    def _logits_and_tokens(self, ids: torch.Tensor, positions: torch.Tensor, step: StepBatch):
+        """The model's logits of one decode token per entry, and each entry's greedy token."""
+        logits = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                            logits_to_keep=0, kvlab_step=step).logits[0]
+        return torch.argmax(logits, dim=-1), logits
 
     def _forward(self, bs: int) -> None:
         """The step at size ``bs``: what a graph records and replays."""
@@ -211,10 +223,7 @@ class DecodeGraphs:
             step.single_slots = self.page_table[self.rows[:bs], positions].long()
         step.single_seq_lens = positions + 1
         with fused_forwards(self.model) if self.fuse else nullcontext():
-            logits = self._model_forward(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                                         logits_to_keep=0, kvlab_step=step).logits[0]
-        self.logits[:bs].copy_(logits)
-        torch.argmax(logits, dim=-1, out=self.tokens[:bs])
+            self.outputs[bs] = self._decode(ids, positions, step)
 
     def _capture(self) -> None:
         """Largest size first, one memory pool for all (mini-sglang's order); every entry the
@@ -260,6 +269,7 @@ class DecodeGraphs:
             self.graphs[bs].replay()
         else:
             self._forward(bs)
+        tokens, logits = self.outputs[bs]
         if last_tokens is not None:
-            last_tokens[entries[2]] = self.tokens[:n]
-        return self.tokens[:n], self.logits[:n]
+            last_tokens[entries[2]] = tokens[:n]
+        return tokens[:n], logits[:n]
