@@ -1,6 +1,6 @@
 """One GPU batch of measurements for the decode-step and public-call work (issue 42).
 
-    python tools/perf_probe.py OUT_DIR [--only sweep,public,step,generate,startup]
+    python tools/perf_probe.py OUT_DIR [--only=sweep,public,step,generate,static,startup]
 
 Writes ``OUT_DIR/probe.json`` after every section (a run cut short keeps what it measured) and
 logs to stdout. Sections, about four minutes in all on an H200:
@@ -15,6 +15,8 @@ logs to stdout. Sections, about four minutes in all on an H200:
 * ``generate`` transformers' padded ``generate`` on the serving benchmark's 16 requests, a few
                steps: ms per step on a fresh model and after kvlab served it, attention
                implementation, and a profile of its decode steps;
+* ``static``   transformers' static cache + torch.compile on those 16 requests (answers cut to 64):
+               compile time, then tokens/s beside plain ``generate``;
 * ``startup``  the serving generator built cold and warm in fresh processes (kvlab.bench.startup).
 """
 from __future__ import annotations
@@ -81,7 +83,7 @@ def sweep():
     heads, kv_heads, head_dim, P, dtype = 16, 8, 128, 16, torch.bfloat16
     dev = runtime.DEVICE
     out = {"default": default_config(head_dim, dtype)._asdict(), "rows": []}
-    configs = [FastConfig(b, True, w, s) for b in (32, 64, 128) for w in (4, 8) for s in (2, 3)]
+    configs = [FastConfig(b, True, w, s) for b in (32, 64, 128) for w, s in ((4, 2), (4, 3), (8, 2))]
     for bs, ctxs in contexts_for().items():
         pages_per = [-(-n // P) for n in ctxs]
         perm = torch.randperm(sum(pages_per), generator=torch.Generator().manual_seed(bs)).tolist()
@@ -228,6 +230,21 @@ def generate():
     a, b = per_step(2), per_step(34)
     out["after_kvlab_ms_per_step"] = (b - a) / 32 * 1e3
     print("after kvlab:", out["after_kvlab_ms_per_step"], out["attn_implementation_after_kvlab"], flush=True)
+    return out
+
+
+@section("static")
+def static():
+    from kvlab.bench.serve import BASELINE, serve_model
+    from kvlab.bench.serve_baselines import padded_generate, static_compiled_generate
+    from kvlab.bench.serve_workloads import OFFLINE, offline_workload
+
+    model = serve_model(runtime.DEVICE, False)
+    prompts, answers = offline_workload(**OFFLINE)
+    prompts, answers = prompts[:BASELINE["requests"]], [min(a, 64) for a in answers[:BASELINE["requests"]]]
+    out = {"answers": answers, "generate": padded_generate(model, prompts, answers)}
+    out["static_compiled"] = static_compiled_generate(model, prompts, answers)
+    print({k: v for k, v in out.items() if k != "answers"}, flush=True)
     return out
 
 
