@@ -31,8 +31,10 @@ import torch
 from typing import NamedTuple
 
 from .args import check_scale, div_ceil, is_int, next_pow2
-from .attention_plan import (MAX_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, FastConfig, attend,  # noqa: F401
-                             check_attention_errors, choose_num_splits, streaming_multiprocessors)
+from .attention_options import (MAX_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, FastConfig,  # noqa: F401
+                                choose_num_splits, streaming_multiprocessors)
+from .attention_plan import attend
+from .attention_rules import check_attention_errors
 from .errors import InvalidArgument
 from .runtime import pick
 

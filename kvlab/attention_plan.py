@@ -32,181 +32,19 @@ on), and a later call with an unaligned pointer takes Triton's own launch.
 """
 from __future__ import annotations
 
-import math
-from functools import lru_cache
-from typing import NamedTuple
-
 import torch
 
-from . import runtime
-from .args import check_int, div_ceil, next_pow2
+from .args import check_int, next_pow2
+from .attention_options import MAX_NUM_SPLITS, choose_num_splits, streaming_multiprocessors
+from .attention_rules import (OUT_DTYPES, check_config, check_kinds, check_new, check_scale_value, raise_pending,
+                              refusal, status_for)
 from .errors import InvalidArgument
 from .kernels.launch import Launcher, launch_ready
 
-__all__ = ["FastConfig", "choose_num_splits", "streaming_multiprocessors", "Plan", "plan_for",
-           "attend", "check_attention_errors", "MAX_NUM_SPLITS", "POOL_DTYPES", "OUT_DTYPES"]
+__all__ = ["Plan", "plan_key", "make_plan", "plan_for", "attend", "as_index_vector"]
 
-
-class FastConfig(NamedTuple):
-    """How :func:`kvlab.attention.fast_paged_decode_attention` launches its split kernel
-    (compile-time choices).
-
-    The default is the variant that measured fastest on an H200 at batch 64, where the floor
-    is tightest, among blocks of 32, 64 and 128 positions, 2-8 warps and 2-3 pipeline stages
-    (bfloat16, 32 query heads on 8 K/V heads of 64)."""
-
-    block_n: int = 128         # positions per block (a power of two >= 16)
-    use_dot: bool = True       # scores with tl.dot (the group's heads padded to 16 rows)
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-#: bytes of one block's K rows the default block size aims for (``block_n * head_dim * elem``):
-#: 128 positions of 64 bfloat16 values, the shape FastConfig's defaults were measured on; a
-#: larger head gets fewer positions per block, so that the blocks a program keeps in flight
-#: (``num_stages`` of K and V) leave room for more than one program per multiprocessor
-DEFAULT_BLOCK_BYTES = 16384
-
-
-def default_config(head_dim: int, dtype: torch.dtype) -> FastConfig:
-    """:class:`FastConfig`'s defaults with the block size for this head size and pool dtype
-    (:data:`DEFAULT_BLOCK_BYTES`, between 16 and 128 positions)."""
-    per_row = max(1, head_dim * dtype.itemsize)
-    block_n = 16
-    while block_n < 128 and (2 * block_n) * per_row <= DEFAULT_BLOCK_BYTES:
-        block_n *= 2
-    return FastConfig(block_n=block_n)
-
-
-#: programs per streaming multiprocessor the split aims for (on an H200, 2 measured faster than
-#: 4 and 8 at batch 64, where fewer splits mean no merge to launch)
-PROGRAMS_PER_SM = 2
-#: a split holds at least this many positions: shorter ones cost more to merge than they save
-MIN_SPLIT_TOKENS = 256
-#: at most this many splits chosen (the partial results grow with it)
-MAX_SPLITS = 64
-#: at most this many splits asked for (``num_splits=``): the partial results are
-#: ``batch x heads x splits x (head_dim + 1)`` floats
-MAX_NUM_SPLITS = 1024
-#: streaming multiprocessors assumed in the interpreter (few: every program runs on the CPU)
-INTERPRETER_SMS = 2
-#: what the pools may hold (``tl.dot`` takes these) and what the output may be
-POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 #: plans remembered (each a few hundred bytes); past it the oldest half is dropped
 MAX_PLANS = 1024
-
-
-@lru_cache(maxsize=None)
-def _sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def streaming_multiprocessors(device: torch.device) -> int:
-    """The device's multiprocessors (asked once per device), or :data:`INTERPRETER_SMS`."""
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return _sms(device)
-
-
-def choose_num_splits(batch: int, kv_heads: int, context: int, sms: int, block_n: int = 64) -> int:
-    """How many programs share one request's positions, per K/V head.
-
-    Enough ``batch * kv_heads * splits`` programs to keep ``PROGRAMS_PER_SM`` on each of the
-    ``sms`` multiprocessors, but no split shorter than ``MIN_SPLIT_TOKENS`` positions of the
-    longest ``context``, and at most ``MAX_SPLITS``. A batch that fills the GPU by itself
-    gets one split (no merge)::
-
-        batch 1,   8 K/V heads, context 32768, 132 SMs:  ceil(264 / 8) = 33 splits
-        batch 1,   8 K/V heads, context 512:             512 / 256 = 2 splits
-        batch 64,  8 K/V heads, context 4096:            ceil(264 / 512) = 1 split
-    """
-    programs = max(1, batch * kv_heads)
-    want = div_ceil(PROGRAMS_PER_SM * sms, programs)
-    by_context = div_ceil(max(1, context), max(MIN_SPLIT_TOKENS, block_n))
-    return int(max(1, min(want, by_context, MAX_SPLITS)))
-
-
-# --- the refusals the kernel records ------------------------------------------------------------
-
-
-class _Status(NamedTuple):
-    tensor: torch.Tensor   # int64 [1]: the kernel's word (see kernels.fast_attention.STATUS_BASE)
-    host: object           # the same word as the host reads it (a NumPy view of pinned memory), or None
-    address: int
-
-
-_STATUS: dict[torch.device, _Status] = {}
-
-
-def _status_for(device: torch.device) -> _Status:
-    status = _STATUS.get(device)
-    if status is None:
-        if device.type == "cuda":   # pinned host memory: the kernel writes it, the host reads it in place
-            tensor = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-            status = _Status(tensor, tensor.numpy(), tensor.data_ptr())
-        else:
-            tensor = torch.zeros(1, dtype=torch.int64, device=device)
-            status = _Status(tensor, None, tensor.data_ptr())
-        _STATUS[device] = status
-    return status
-
-
-def _refusal(word: int, tensors: tuple | None) -> InvalidArgument:
-    """The error of a status word; ``tensors`` (``table_idx, seq_lens, page_table, num_slots``)
-    name the values when the refused call itself raises it (None: an earlier call's refusal)."""
-    from .kernels.fast_attention import MAX_COLUMNS, REFUSED_LENGTH, REFUSED_ROW, STATUS_BASE
-
-    order = STATUS_BASE - word
-    kind, b, t = order >> 56, (order >> 28) % MAX_COLUMNS, order % MAX_COLUMNS
-    if tensors is None:
-        earlier = "found by the kernel of an earlier call, whose output for that request is NaN"
-        if kind == REFUSED_ROW:
-            return InvalidArgument(f"table_idx[{b}]", "0 <= row < the page table's rows", earlier)
-        if kind == REFUSED_LENGTH:
-            return InvalidArgument(f"seq_lens[{b}]", "1 <= seq_len <= the page table's columns", earlier)
-        return InvalidArgument(f"page_table[table_idx[{b}], {t}]",
-                               "a mapped slot in [0, num_slots) for every position < seq_len", earlier)
-    table_idx, seq_lens, page_table, num_slots = tensors
-    rows, cols = page_table.shape
-    if kind == REFUSED_ROW:
-        return InvalidArgument(f"table_idx[{b}]", f"0 <= row < {rows} (page_table rows)",
-                               f"got {int(table_idx[b])}")
-    if kind == REFUSED_LENGTH:
-        return InvalidArgument(f"seq_lens[{b}]", f"1 <= seq_len <= {cols} (page_table columns)",
-                               f"got {int(seq_lens[b])}")
-    row = int(table_idx[b])
-    return InvalidArgument(f"page_table[{row}, {t}]",
-                           f"a mapped slot in [0, {num_slots}) for every position < seq_len",
-                           f"request {b} has seq_len {int(seq_lens[b])} but position {t} holds "
-                           f"{int(page_table[row, t])}")
-
-
-def _raise_pending(status: _Status) -> None:
-    word = int(status.host[0])
-    if word:
-        status.tensor.zero_()
-        raise _refusal(word, None)
-
-
-def check_attention_errors(device=None) -> None:
-    """Wait for ``device``'s queued work (default: the runtime's), then raise the first refusal
-    the fast attention kernels recorded there since the last one was raised (if any)."""
-    device = runtime.default_device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    status = _STATUS.get(device)
-    if status is None:
-        return
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        _raise_pending(status)
-    else:
-        word = int(status.tensor[0])
-        if word:
-            status.tensor.zero_()
-            raise _refusal(word, None)
-
 
 # --- the plan: every host rule, judged once per key ------------------------------------------
 
@@ -243,94 +81,6 @@ def plan_key(q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, s
             out_dtype, type(max_context), max_context, type(check), check)
 
 
-def _tensor(name: str, t) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise InvalidArgument(name, "must be a torch.Tensor", f"got {type(t).__name__}")
-    return t
-
-
-def _check_config(config, head_dim: int, dtype: torch.dtype) -> FastConfig:
-    if config is None:
-        return default_config(head_dim, dtype)
-    if not isinstance(config, FastConfig):
-        raise InvalidArgument("config", "None or a kvlab.attention.FastConfig", f"got {type(config).__name__}")
-    block_n, use_dot, num_warps, num_stages = config
-    if type(block_n) is not int or block_n < 16 or block_n > 1024 or block_n & (block_n - 1):
-        raise InvalidArgument("config.block_n", "a power of two, 16 <= block_n <= 1024", f"got {block_n!r}")
-    if not isinstance(use_dot, bool):
-        raise InvalidArgument("config.use_dot", "True or False", f"got {use_dot!r}")
-    if type(num_warps) is not int or num_warps not in (1, 2, 4, 8, 16):
-        raise InvalidArgument("config.num_warps", "one of 1, 2, 4, 8, 16", f"got {num_warps!r}")
-    if type(num_stages) is not int or not 1 <= num_stages <= 8:
-        raise InvalidArgument("config.num_stages", "an int, 1 <= num_stages <= 8", f"got {num_stages!r}")
-    return config
-
-
-def _check_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
-        raise InvalidArgument("scale", "None or a finite number > 0 (an int or a float)",
-                              f"got {type(scale).__name__} {scale!r}")
-    return float(scale)
-
-
-def _check_kinds(q, k_pool, v_pool, page_table, table_idx, seq_lens) -> None:
-    """Chapter 08's shape rules (:func:`kvlab.attention.check_paged_attention_inputs`) and the
-    rules on dtypes, devices and layouts the fast kernels add; nothing here reads a value."""
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table),
-                    ("table_idx", table_idx), ("seq_lens", seq_lens)):
-        _tensor(name, t)
-    if q.dim() != 3 or not q.dtype.is_floating_point:
-        raise InvalidArgument("q", "a floating tensor [batch, heads, head_dim]", f"got {q.dtype} {list(q.shape)}")
-    batch, heads, head_dim = q.shape
-    if k_pool.dim() != 3 or k_pool.shape[2] != head_dim:
-        raise InvalidArgument("k_pool", f"shape [num_slots, kv_heads, {head_dim}] (head_dim of q)",
-                              f"got {list(k_pool.shape)}")
-    kv_heads = k_pool.shape[1]
-    if kv_heads == 0 or heads % kv_heads:
-        raise InvalidArgument("k_pool", f"kv_heads must divide the {heads} query heads "
-                              "(grouped-query attention)", f"got {kv_heads} K/V heads")
-    if v_pool.shape != k_pool.shape:
-        raise InvalidArgument("v_pool", "same shape as k_pool", f"{list(v_pool.shape)} vs {list(k_pool.shape)}")
-    for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
-        if t.dtype not in POOL_DTYPES or t.dtype != k_pool.dtype:
-            raise InvalidArgument(name, f"one dtype of {[str(d) for d in POOL_DTYPES]} for both pools",
-                                  f"got {k_pool.dtype} and {v_pool.dtype}")
-    if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
-        raise InvalidArgument("page_table", "a 2-D int32/int64 tensor [rows, cols]",
-                              f"got {page_table.dtype} {list(page_table.shape)}")
-    from .kernels.fast_attention import MAX_COLUMNS, MAX_REQUESTS
-
-    if page_table.shape[1] >= MAX_COLUMNS or batch >= MAX_REQUESTS:
-        raise InvalidArgument("page_table" if batch < MAX_REQUESTS else "q",
-                              f"fewer than {MAX_COLUMNS} columns and requests", f"got {list(page_table.shape)}, "
-                              f"batch {batch}")
-    for name, t in (("table_idx", table_idx), ("seq_lens", seq_lens)):
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise InvalidArgument(name, "integers", f"got {t.dtype}")
-        if t.numel() != batch:
-            raise InvalidArgument(name, f"one entry per query (batch {batch})", f"got {t.numel()}")
-    for name, t in (("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table),
-                    ("table_idx", table_idx), ("seq_lens", seq_lens)):
-        if t.device != q.device:
-            raise InvalidArgument(name, f"on q's device ({q.device})", f"got {t.device}")
-    if q.device.type != ("cpu" if runtime.INTERPRET else "cuda"):
-        raise InvalidArgument("q", f"on a {'CPU' if runtime.INTERPRET else 'CUDA'} device "
-                              f"({'the interpreter' if runtime.INTERPRET else 'compiled kernels'})",
-                              f"got {q.device}")
-
-
-def _check_new(new_k, new_v, batch: int, k_pool) -> None:
-    want = (batch, k_pool.shape[1], k_pool.shape[2])
-    for name, t in (("k", new_k), ("v", new_v)):
-        if not isinstance(t, torch.Tensor) or tuple(t.shape) != want or not t.dtype.is_floating_point \
-                or t.device != k_pool.device or t.stride(2) != 1:
-            got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise InvalidArgument(name, f"a floating tensor [batch, kv_heads, head_dim] = {list(want)} "
-                                  "on the pools' device, head_dim contiguous", f"got {got}")
-
-
 def _lse_offset(batch: int, heads: int, num_splits: int, head_dim: int) -> int:
     """Where the log-sum-exps start in the scratch, after the partial outputs: a multiple of
     four floats, so that both pointers are 16-byte aligned (what a kept kernel assumes)."""
@@ -344,13 +94,13 @@ def make_plan(q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, 
     if not isinstance(check, bool):
         raise InvalidArgument("check", "True or False", f"got {check!r}")
     if check:
-        _check_kinds(q, k_pool, v_pool, page_table, table_idx, seq_lens)
+        check_kinds(q, k_pool, v_pool, page_table, table_idx, seq_lens)
     batch, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
     if new_k is not None:
-        _check_new(new_k, new_v, batch, k_pool)
-    config = _check_config(config, head_dim, k_pool.dtype)
-    scale = _check_scale(scale, head_dim)
+        check_new(new_k, new_v, batch, k_pool)
+    config = check_config(config, head_dim, k_pool.dtype)
+    scale = check_scale_value(scale, head_dim)
     if not (isinstance(out_dtype, torch.dtype) and out_dtype in OUT_DTYPES):
         raise InvalidArgument("out_dtype", f"a torch.dtype, one of {[str(d) for d in OUT_DTYPES]}",
                               f"got {type(out_dtype).__name__} {out_dtype!r}")
@@ -390,7 +140,7 @@ def make_plan(q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, 
                 lse_offset=_lse_offset(batch, heads, num_splits, head_dim),
                 scratch_words=0 if direct else _lse_offset(batch, heads, num_splits, head_dim)
                 + batch * heads * num_splits,
-                status=_status_for(q.device), copy_q=q.stride(2) != 1,
+                status=status_for(q.device), copy_q=q.stride(2) != 1,
                 copy_pools=not (k_pool.stride(2) == 1 and v_pool.stride() == k_pool.stride()),
                 copy_table=page_table.stride(1) != 1)
 
@@ -463,7 +213,7 @@ def attend(q, k_pool, v_pool, page_table, table_idx, seq_lens, *, new_k=None, ne
                     config, out_dtype, max_context, check)
     status = plan.status
     if plan.check and status.host is not None and status.host[0]:
-        _raise_pending(status)       # an earlier call's refusal, found without waiting
+        raise_pending(status)       # an earlier call's refusal, found without waiting
     if table_idx.dim() != 1 or table_idx.stride(0) != 1:
         table_idx = table_idx.flatten().contiguous()
     if seq_lens.dim() != 1 or seq_lens.stride(0) != 1:
@@ -493,7 +243,7 @@ def attend(q, k_pool, v_pool, page_table, table_idx, seq_lens, *, new_k=None, ne
     if plan.check and status.host is None and int(status.tensor[0]):   # the interpreter: at once
         word = int(status.tensor[0])
         status.tensor.zero_()
-        raise _refusal(word, (table_idx, seq_lens, page_table, k_pool.shape[0]))
+        raise refusal(word, (table_idx, seq_lens, page_table, k_pool.shape[0]))
     return out
 
 

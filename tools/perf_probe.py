@@ -69,7 +69,7 @@ def contexts_for(batches=(64, 256)) -> dict:
     return {bs: [rng.randint(128, 576) for _ in range(bs)] for bs in batches}
 
 
-from kvlab.bench.attention import _bench_us, _graphed, copy_bandwidth  # noqa: E402
+from kvlab.bench.decode_shapes import bench_us, graphed, copy_bandwidth  # noqa: E402
 
 BW = copy_bandwidth(False)["gb_per_s"]
 RES["bandwidth_gb_s"] = BW
@@ -78,7 +78,8 @@ print("bandwidth", BW, flush=True)
 
 @section("sweep")
 def sweep():
-    from kvlab.attention_plan import FastConfig, attend, default_config
+    from kvlab.attention_options import FastConfig, default_config
+    from kvlab.attention_plan import attend
 
     heads, kv_heads, head_dim, P, dtype = 16, 8, 128, 16, torch.bfloat16
     dev = runtime.DEVICE
@@ -108,7 +109,7 @@ def sweep():
                 try:
                     fn = lambda: attend(q, k, v, table, rows, lens, new_k=nk, new_v=nv, config=cfg,  # noqa: E731
                                         num_splits=ns, out_dtype=dtype, check=False)
-                    us = _bench_us(_graphed(fn, False), False)
+                    us = bench_us(graphed(fn, False), False)
                 except Exception as e:  # noqa: BLE001
                     us = None
                     print("failed", cfg, ns, e, flush=True)

@@ -123,3 +123,51 @@ def plot_attention(res: dict):
     ax2.tick_params(labelsize=7)
     fig.tight_layout()
     return fig
+
+
+#: kinds of the step's kernels, as the picture names them (kvlab.bench.step_profile.ORDER)
+KIND_COLORS = {"attention": "#2e7d32", "K/V store": "#d9534f", "matrix products": "#5b7fbf",
+               "norms, rotary, activation": "#e0a030", "greedy choice": "#8e6c8a",
+               "copies and gathers": "#888888", "other": "#bbbbbb"}
+
+
+def plot_step_profile(runs: list[dict], batches=(64, 256)):
+    """The decode step at each of ``batches`` running requests (a panel each): kernel time by
+    kind against each kind's floor (its bytes over the measured bandwidth), a bar per recorded
+    run (the last one solid): where the time goes and how far each kind of work is from what its
+    bytes allow."""
+    import matplotlib.pyplot as plt
+
+    panels = []
+    for batch in batches:
+        rows = [(run, next((r for r in run["rows"] if r["batch"] == batch), None)) for run in runs]
+        panels.append((batch, [(run, r) for run, r in rows if r is not None]))
+    panels = [(b, rows) for b, rows in panels if rows]
+    kinds = [k for k in KIND_COLORS if any(x["kind"] == k for _, rows in panels for _, r in rows
+                                           for x in r["by_kind"])]
+    n_runs = max(len(rows) for _, rows in panels)
+    fig, axes = plt.subplots(len(panels), 1, squeeze=False,
+                             figsize=(8.4, len(panels) * (0.9 + 0.22 * len(kinds) * n_runs)))
+    height = 0.8 / n_runs
+    for ax, (batch, rows) in zip(axes[:, 0], panels):
+        for j, (run, r) in enumerate(rows):
+            by = {x["kind"]: x for x in r["by_kind"]}
+            for i, kind in enumerate(kinds):
+                x = by.get(kind, dict(us=0.0, floor_us=0.0, kernels=0))
+                y = i + (j - (len(rows) - 1) / 2) * height
+                ax.barh(y, x["us"], height * 0.9, color=KIND_COLORS[kind], alpha=1.0 if j == len(rows) - 1 else 0.4)
+                ax.plot([x["floor_us"]] * 2, [y - height * 0.45, y + height * 0.45], color="black", lw=1.5)
+                ax.text(x["us"], y, f" {x['us']:.0f} µs, {x['kernels']} kernels ({run['label'].split(':')[0]})",
+                        va="center", fontsize=7)
+        ax.set_yticks(range(len(kinds)))
+        ax.set_yticklabels(kinds, fontsize=7)
+        ax.invert_yaxis()
+        top = max((x["us"] for _, r in rows for x in r["by_kind"]), default=1.0)
+        ax.set_xlim(0, top * 1.6)
+        totals = "; ".join(f"{run['label'].split(':')[0]} {r['replay_us']:.0f} µs ({r['replay_us'] / r['floor_us']:.2f}x)"
+                           for run, r in rows)
+        ax.set_title(f"{batch} running requests, step floor {rows[-1][1]['floor_us']:.0f} µs: {totals}", fontsize=8)
+        ax.tick_params(labelsize=7)
+    axes[-1, 0].set_xlabel("µs per decode step; black line: the kind's floor (its bytes / bandwidth)", fontsize=8)
+    fig.tight_layout()
+    return fig

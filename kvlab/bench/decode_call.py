@@ -56,7 +56,7 @@ def host_block_us(fn, calls: int) -> float:
 
 def bench_public_attention(shape: dict, smoke: bool, log=print) -> list[dict]:
     from ..attention import fast_paged_decode_attention, paged_decode_attention
-    from .attention import _sdpa_call, paged_case
+    from .decode_shapes import paged_case, sdpa_call
     from .timing import count_syncs, interleaved_loop_us
 
     dtype = getattr(torch, shape["dtype"])
@@ -68,7 +68,7 @@ def bench_public_attention(shape: dict, smoke: bool, log=print) -> list[dict]:
         fns = {"fast": lambda: fast_paged_decode_attention(q, k, v, table, idx, lens),
                "fast_unchecked": lambda: fast_paged_decode_attention(q, k, v, table, idx, lens, check=False),
                "teaching": lambda: paged_decode_attention(q, k, v, table, idx, lens),
-               "sdpa": _sdpa_call(batch, ctx, heads, kv_heads, head_dim, dtype, scale)}
+               "sdpa": sdpa_call(batch, ctx, heads, kv_heads, head_dim, dtype, scale)}
         want = paged_decode_attention(q, k, v, table, idx, lens).float()
         agree = float((fast_paged_decode_attention(q, k, v, table, idx, lens).float() - want).abs().max())
         timed = interleaved_loop_us(fns, smoke, calls=1 if smoke else CALLS, rounds=3 if smoke else ROUNDS,

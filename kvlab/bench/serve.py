@@ -142,7 +142,7 @@ def run_serve(smoke: bool = False, log=print, checkpoint=None) -> dict:
     ``checkpoint(res)`` is called after each part (a run cut short keeps what it measured)."""
     from .. import runtime
     from . import serve_baselines as base
-    from .attention import copy_bandwidth
+    from .decode_shapes import copy_bandwidth
 
     device = runtime.DEVICE
     t_start = time.perf_counter()
