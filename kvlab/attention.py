@@ -206,8 +206,8 @@ def fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale
     """The launches of :func:`fast_paged_decode_attention` on prepared arguments (int64 rows and
     lengths on the device, ``out`` allocated, contiguous pools): the split kernel, then the
     merge unless there is one split. Kept apart so that a test can run them under the memory
-    audit. ``check``: the kernel's checks, recording into ``status`` (an int64 tensor of one
-    word); ``new_k``/``new_v``: the decode step's store first."""
+    audit. ``check``: the kernel's checks, recording into ``status`` (two int64 words: the first
+    refusal, and a flag that there is one); ``new_k``/``new_v``: the decode step's store first."""
     from .kernels.fast_attention import merge_splits_kernel, split_decode_kernel
 
     batch, heads, head_dim = q.shape
@@ -216,7 +216,7 @@ def fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale
     low = k_pool.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
     block_d = max(16, next_pow2(head_dim))
     direct = num_splits == 1
-    status = torch.zeros(1, dtype=torch.int64, device=q.device) if status is None else status
+    status = torch.zeros(2, dtype=torch.int64, device=q.device) if status is None else status
     store = new_k is not None
     new_k, new_v = (q, q) if new_k is None else (new_k, new_v)
     if direct:
@@ -228,7 +228,8 @@ def fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale
         so, sl = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
     rows, cols = page_table.shape
     launches = [Launch(split_decode_kernel, (batch, kv_heads, num_splits), (
-        q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, o, lse, status, scale, num_splits,
+        q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, o, lse, status[0:1], status[1:2], scale,
+        num_splits,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
         *((*new_k.stride()[:2], *new_v.stride()[:2]) if store else (0, 0, 0, 0)),
         *so, *sl, head_dim, rows, cols, k_pool.shape[0]), dict(

@@ -16,11 +16,11 @@ does (:mod:`kvlab.token_allocator`):
 * **rules on values only the device holds** (each row exists, ``1 <= seq_len <= columns``,
   every slot read is in the pool) run inside the split kernel
   (:mod:`kvlab.kernels.fast_attention`, ``CHECK``): a refused request reads nothing outside
-  the pool and its output is NaN; the first refusal is written to a status word. In the
-  interpreter (CPU tensors: reading them is free) the call raises it at once. On a GPU the
-  word lives in pinned host memory that the kernel writes directly, and the host reads it
-  without waiting: the refusal is raised by the next checked call on that device, or by
-  :func:`check_attention_errors` (which waits for the GPU);
+  the pool and its output is NaN; the first refusal is recorded (:mod:`kvlab.attention_rules`:
+  a word in device memory, and a flag in pinned host memory that the host reads where it
+  lies). In the interpreter (CPU tensors: reading them is free) the call raises it at once. On
+  a GPU the host never waits for it: the next checked call on that device sees the flag and
+  raises the refusal, or :func:`~kvlab.attention_rules.check_attention_errors` does (it waits);
 * **the split count** comes from the multiprocessor count, asked once per device;
 * **the launch**: after a plan's first call the compiled kernels are kept and launched through
   their C launchers with addresses (:mod:`kvlab.kernels.launch`), not through Triton's
@@ -37,7 +37,7 @@ import torch
 from .args import check_int, next_pow2
 from .attention_options import MAX_NUM_SPLITS, choose_num_splits, streaming_multiprocessors
 from .attention_rules import (OUT_DTYPES, check_config, check_kinds, check_new, check_scale_value, raise_pending,
-                              refusal, status_for)
+                              refusal, status_for, take_refusal)
 from .errors import InvalidArgument
 from .kernels.launch import Launcher, launch_ready
 
@@ -213,7 +213,7 @@ def attend(q, k_pool, v_pool, page_table, table_idx, seq_lens, *, new_k=None, ne
                     config, out_dtype, max_context, check)
     status = plan.status
     if plan.check and status.host is not None and status.host[0]:
-        raise_pending(status)       # an earlier call's refusal, found without waiting
+        raise_pending(status)       # an earlier call's refusal, its flag read without waiting
     if table_idx.dim() != 1 or table_idx.stride(0) != 1:
         table_idx = table_idx.flatten().contiguous()
     if seq_lens.dim() != 1 or seq_lens.stride(0) != 1:
@@ -240,10 +240,10 @@ def attend(q, k_pool, v_pool, page_table, table_idx, seq_lens, *, new_k=None, ne
     new_k = q if new_k is None else new_k
     new_v = q if new_v is None else new_v
     _launch(plan, q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, o, lse, out)
-    if plan.check and status.host is None and int(status.tensor[0]):   # the interpreter: at once
-        word = int(status.tensor[0])
-        status.tensor.zero_()
-        raise refusal(word, (table_idx, seq_lens, page_table, k_pool.shape[0]))
+    if plan.check and status.host is None:                 # the interpreter: at once
+        word = take_refusal(status)
+        if word:
+            raise refusal(word, (table_idx, seq_lens, page_table, k_pool.shape[0]))
     return out
 
 
@@ -258,7 +258,7 @@ def _launch(plan: Plan, q, k_pool, v_pool, page_table, table_idx, seq_lens, new_
         stream = launch_ready(plan.device.index) if aligned else None
         if stream is not None and (direct or merge_entry is not None):
             split_entry(plan.batch, plan.kv_heads, plan.num_splits, stream,
-                        (*ptrs, plan.status.address, plan.scale, plan.num_splits, *plan.split_ints,
+                        (*ptrs, *plan.status.addresses, plan.scale, plan.num_splits, *plan.split_ints,
                          *plan.split_consts))
             if not direct:
                 merge_entry(plan.batch, plan.heads, 1, stream,
@@ -269,8 +269,8 @@ def _launch(plan: Plan, q, k_pool, v_pool, page_table, table_idx, seq_lens, new_
     # it can), an unaligned pointer, a launch hook, or the interpreter
     split, merge = _launchers()
     options = dict(num_warps=plan.config.num_warps, num_stages=plan.config.num_stages)
-    split_args = (q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, o, lse, plan.status.tensor,
-                  plan.scale, plan.num_splits, *plan.split_ints, *plan.split_consts)
+    split_args = (q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, o, lse, plan.status.word,
+                  plan.status.flag, plan.scale, plan.num_splits, *plan.split_ints, *plan.split_consts)
     merge_args = (o, lse, table_idx, seq_lens, out, plan.num_splits, *plan.merge_ints, *plan.merge_consts)
     tensors = split_args[:10] + (out,)
     keep = (split.direct and plan.launch_key is not None and plan.split_entry is None

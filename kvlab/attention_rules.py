@@ -21,7 +21,7 @@ from .attention_options import FastConfig, default_config
 from .errors import InvalidArgument
 
 __all__ = ["POOL_DTYPES", "OUT_DTYPES", "check_kinds", "check_new", "check_config", "check_scale_value",
-           "Status", "status_for", "refusal", "raise_pending", "check_attention_errors"]
+           "Status", "status_for", "take_refusal", "refusal", "raise_pending", "check_attention_errors"]
 
 #: what the pools may hold (``tl.dot`` takes these) and what the output may be
 POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -119,9 +119,12 @@ def check_new(new_k, new_v, batch: int, k_pool) -> None:
 # --- the refusals the kernel records ------------------------------------------------------------
 
 class Status(NamedTuple):
-    tensor: torch.Tensor   # int64 [1]: the kernel's word (see kernels.fast_attention.STATUS_BASE)
-    host: object           # the same word as the host reads it (a NumPy view of pinned memory), or None
-    address: int
+    """Where the kernels of one device record refusals."""
+
+    word: torch.Tensor     # int64 [1] on the device: the first refusal (kernels.fast_attention.STATUS_BASE)
+    flag: torch.Tensor     # int64 [1]: 1 once a kernel refused; pinned host memory on a GPU
+    host: object           # the flag as the host reads it in place (a NumPy view), or None (a CPU)
+    addresses: tuple[int, int]   # (word, flag): what a direct launch passes
 
 
 _STATUS: dict[torch.device, Status] = {}
@@ -130,14 +133,26 @@ _STATUS: dict[torch.device, Status] = {}
 def status_for(device: torch.device) -> Status:
     status = _STATUS.get(device)
     if status is None:
-        if device.type == "cuda":   # pinned host memory: the kernel writes it, the host reads it in place
-            tensor = torch.zeros(1, dtype=torch.int64, pin_memory=True)
-            status = Status(tensor, tensor.numpy(), tensor.data_ptr())
+        word = torch.zeros(1, dtype=torch.int64, device=device)
+        if device.type == "cuda":   # pinned: the kernel stores into it, the host reads it where it lies
+            flag = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+            host = flag.numpy()
         else:
-            tensor = torch.zeros(1, dtype=torch.int64, device=device)
-            status = Status(tensor, None, tensor.data_ptr())
+            flag, host = torch.zeros(1, dtype=torch.int64, device=device), None
+        status = Status(word, flag, host, (word.data_ptr(), flag.data_ptr()))
         _STATUS[device] = status
     return status
+
+
+def take_refusal(status: Status) -> int:
+    """The recorded refusal's word (0: none), and the status cleared. Reads the device word:
+    on a GPU a sync, paid only when the flag said there is something to read."""
+    if not int(status.flag[0]):
+        return 0
+    word = int(status.word.item())
+    status.word.zero_()
+    status.flag.zero_()
+    return word
 
 
 def refusal(word: int, tensors: tuple | None) -> InvalidArgument:
@@ -171,10 +186,11 @@ def refusal(word: int, tensors: tuple | None) -> InvalidArgument:
 
 
 def raise_pending(status: Status) -> None:
-    word = int(status.host[0])
-    if word:
-        status.tensor.zero_()
-        raise refusal(word, None)
+    """Raise an earlier call's refusal, if the flag says there is one (read without waiting)."""
+    if status.host[0]:
+        word = take_refusal(status)
+        if word:
+            raise refusal(word, None)
 
 
 def check_attention_errors(device=None) -> None:
@@ -188,9 +204,6 @@ def check_attention_errors(device=None) -> None:
         return
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        raise_pending(status)
-    else:
-        word = int(status.tensor[0])
-        if word:
-            status.tensor.zero_()
-            raise refusal(word, None)
+    word = take_refusal(status)
+    if word:
+        raise refusal(word, None)

@@ -216,14 +216,14 @@ def test_a_refused_request_reads_nothing_outside_the_pool(splits):
     lens = lens.clone().long()
     lens[1] = table.shape[1] + 1                             # request 1: longer than the row
     out = torch.zeros(q.shape, device=DEVICE)
-    status = torch.zeros(1, dtype=torch.int64, device=DEVICE)
+    status = torch.zeros(2, dtype=torch.int64, device=DEVICE)          # the first refusal, the flag
     for launch in fast_launches(q, k, v, table, rows, lens, out, 0.25, splits, SMALL, check=True, status=status):
         found = sandbox.guarded_call(launch.kernel, launch.args, launch.kwargs, launch.grid)
         assert found.error is None and found.accesses == [], found.accesses
     assert torch.isnan(out[:3]).all() and torch.isfinite(out[3]).all()
     want = paged_attention_reference(q[3:], k, v, table, rows[3:], lens[3:], scale=0.25)
     torch.testing.assert_close(out[3:], want, atol=1e-5, rtol=1e-5)
-    assert status.item() != 0
+    assert status[0].item() != 0 and status[1].item() == 1
 
 
 def test_an_empty_batch_launches_nothing():

@@ -31,7 +31,7 @@ import time
 import torch
 
 from .. import runtime
-from . import decode_call, startup, step_profile
+from . import attention_report, decode_call, startup, step_profile
 from .decode_shapes import bench_us, graphed, sync_device, copy_bandwidth, paged_case, sdpa_call
 
 #: the serving model's attention shape (Llama 3.2 1B: 32 query heads on 8 K/V heads of 64)
@@ -44,7 +44,7 @@ STEP_BATCHES, SMOKE_STEP_BATCHES = (64, 256), (2, 4)
 STEP_CONTEXTS, SMOKE_STEP_CONTEXTS = (128, 576), (4, 20)
 #: the issue's targets: kernel time / floor, and step time / floor per running requests
 KERNEL_LIMIT = 2.0
-STEP_LIMITS = {64: 2.0, 256: 1.5}
+STEP_LIMITS = attention_report.STEP_LIMITS
 STEP_LIMIT = max(STEP_LIMITS.values())   # any other size (the smoke run's)
 KERNEL_TARGETS = [(64, 512), (64, 4096), (64, 32768), (256, 4096), (256, 32768)]
 TIME_BUDGET_S = 150.0

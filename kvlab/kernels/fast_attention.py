@@ -50,8 +50,9 @@ Every load is masked. The rules on values only the device holds are checked here
 host (a host check of a device tensor is a sync, chapter 09): with ``CHECK`` a program whose
 request has a row outside the page table or a length outside ``[1, columns]`` reads nothing, a
 block whose slots leave the pool reads none of them, the request's output is NaN, and the
-first such refusal (by kind, then request, then position) goes into ``status`` for the host
-(:mod:`kvlab.attention_plan` says when it is raised). The host checks everything else.
+first such refusal (by kind, then request, then position) goes into a status word in device
+memory, and a flag word the host can read without waiting says that there is one
+(:mod:`kvlab.attention_rules` says when it is raised). The host checks everything else.
 
 ``STORE`` (the decode step of a serving loop, chapter 10): the kernel also stores each
 request's new key and value at the slot of its last position, ``page_table[row, seq_len - 1]``
@@ -83,11 +84,14 @@ MAX_REQUESTS = MAX_COLUMNS = 1 << 28
 
 
 @triton.jit
-def _refuse(status_ptr, b, t, KIND: tl.constexpr):
-    """Record a refusal of request ``b`` at position ``t`` (the first one wins, see STATUS_BASE)."""
+def _refuse(status_ptr, flag_ptr, b, t, KIND: tl.constexpr):
+    """Record a refusal of request ``b`` at position ``t``: the first one wins the device word
+    (see STATUS_BASE; an atomic, in device memory), and the flag the host reads says there is one
+    (a plain store, the same value from every refusing program: pinned memory on a GPU)."""
     one = tl.full([], 1, tl.int64)
     order = (tl.full([], KIND, tl.int64) << 56) | (b.to(tl.int64) << 28) | t.to(tl.int64)
     tl.atomic_max(status_ptr, (one << 62) - order)
+    tl.store(flag_ptr, one)
 
 
 @triton.jit(**_OPTIONS)
@@ -102,7 +106,8 @@ def split_decode_kernel(
     new_v_ptr,        # STORE: ... and value
     out_ptr,          # DIRECT: [batch, heads, head_dim]; else o: [batch, heads, splits, head_dim] fp32
     lse_ptr,          # [batch, heads, splits] float32 (not read when DIRECT)
-    status_ptr,       # CHECK: int64 word, the first refusal (see STATUS_BASE)
+    status_ptr,       # CHECK: int64 word in device memory, the first refusal (see STATUS_BASE)
+    flag_ptr,         # CHECK: int64 word the host reads: 1 once anything was refused
     scale,            # the model's softmax scale
     num_splits,       # programs per (request, K/V head) along the sequence
     stride_q_b, stride_q_h,
@@ -141,9 +146,9 @@ def split_decode_kernel(
         len_ok = (seq_len >= 1) & (seq_len <= num_cols)
         if (g == 0) & (s == 0):
             if (row < 0) | (row >= num_rows):
-                _refuse(status_ptr, b, row * 0, _ROW)
+                _refuse(status_ptr, flag_ptr, b, row * 0, _ROW)
             elif (seq_len < 1) | (seq_len > num_cols):
-                _refuse(status_ptr, b, row * 0, _LENGTH)
+                _refuse(status_ptr, flag_ptr, b, row * 0, _LENGTH)
         clean = row_ok & len_ok
         seq_len = tl.where(clean, seq_len, 0)     # a refused request reads nothing
     seq_len = seq_len.to(tl.int32)
@@ -184,7 +189,7 @@ def split_decode_kernel(
                 n_bad = tl.max(bad.to(tl.int32), 0)
                 if n_bad > 0:
                     if g == 0:
-                        _refuse(status_ptr, b, tl.min(tl.where(bad, offs_n, end), 0), _SLOT)
+                        _refuse(status_ptr, flag_ptr, b, tl.min(tl.where(bad, offs_n, end), 0), _SLOT)
                 clean = clean & (n_bad == 0)
                 read = mask_n & (slots >= 0) & (slots < num_slots)    # never outside the pool
             if STORE:
