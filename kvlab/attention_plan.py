@@ -57,7 +57,7 @@ class Plan:
     __slots__ = ("batch", "heads", "kv_heads", "head_dim", "num_splits", "scale", "out_dtype",
                  "device", "check", "store", "config", "split_ints", "merge_ints", "split_consts",
                  "merge_consts", "scratch_words", "status", "copy_q", "copy_pools", "copy_table",
-                 "split_entry", "merge_entry", "launch_key", "low_precision", "lse_offset")
+                 "split_entry", "merge_entry", "launch_key", "low_precision", "lse_offset", "kept")
 
     def __init__(self, **fields):
         for name in self.__slots__:
@@ -273,7 +273,7 @@ def _launch(plan: Plan, q, k_pool, v_pool, page_table, table_idx, seq_lens, new_
                   plan.status.flag, plan.scale, plan.num_splits, *plan.split_ints, *plan.split_consts)
     merge_args = (o, lse, table_idx, seq_lens, out, plan.num_splits, *plan.merge_ints, *plan.merge_consts)
     tensors = split_args[:10] + (out,)
-    keep = (split.direct and plan.launch_key is not None and plan.split_entry is None
+    keep = (split.direct and plan.launch_key is not None and not plan.kept
             and not any(t.data_ptr() & 15 for t in tensors))
     grid = (plan.batch, plan.kv_heads, plan.num_splits)
     if keep:
@@ -283,6 +283,7 @@ def _launch(plan: Plan, q, k_pool, v_pool, page_table, table_idx, seq_lens, new_
         device = plan.device.index
         plan.merge_entry = None if direct else merge.grid_entry_for(device, plan.launch_key)
         plan.split_entry = split.grid_entry_for(device, plan.launch_key)
+        plan.kept = True          # (once: a kernel Triton cannot launch from its C entry stays on its path)
         return
     split.kernel[grid](*split_args, **options)
     if not direct:
