@@ -125,6 +125,43 @@ def test_the_kernels_never_touch_memory_outside_their_tensors(splits):
     torch.testing.assert_close(out, paged_attention_reference(*args, scale=0.25), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_storing_kernel_writes_only_the_new_slots_and_reads_them_from_registers(splits):
+    """The decode step's launch (STORE) under the memory audit: each request's new K/V lands in
+    the slot of its last position and nowhere else, padded entries of a graph batch (the same
+    dummy row at position 0) all write the dummy slot, and the output is attention over the
+    pool as it is after the store."""
+    from kvlab.check import sandbox
+
+    q, k, v, table, rows, lens = layout(9, 3, [7, 1, 12], 4, 2, 12)
+    dummy = int(torch.tensor([r for r in range(table.shape[0]) if r not in rows.tolist()])[0])
+    used = {int(table[int(r), t]) for r, n in zip(rows.tolist(), lens.tolist()) for t in range(n)}
+    spare = min(set(range(k.shape[0])) - used)               # a slot no request owns: the dummy page's
+    table = table.clone()
+    table[dummy, 0] = spare
+    rows = torch.cat([rows, torch.tensor([dummy, dummy], device=DEVICE)]).long()
+    lens = torch.cat([lens, torch.tensor([1, 1], device=DEVICE)]).long()
+    q = torch.cat([q, q[:2]])
+    g = torch.Generator().manual_seed(4)
+    new_k = torch.randn(5, 2, 12, generator=g).to(DEVICE)
+    new_v = torch.randn(5, 2, 12, generator=g).to(DEVICE)
+    want_k, want_v = k.clone(), v.clone()
+    for b in range(3):
+        slot = int(table[int(rows[b]), int(lens[b]) - 1])
+        want_k[slot], want_v[slot] = new_k[b], new_v[b]
+    kp, vp = k.clone(), v.clone()
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    for launch in fast_launches(q, kp, vp, table, rows, lens, out, 0.25, splits, SMALL, new_k=new_k, new_v=new_v):
+        found = sandbox.guarded_call(launch.kernel, launch.args, launch.kwargs, launch.grid)
+        assert found.error is None and found.accesses == [], found.accesses
+    keep = torch.ones(k.shape[0], dtype=torch.bool, device=DEVICE)
+    keep[spare] = False                                      # the dummy slot: whichever pad wrote last
+    assert torch.equal(kp[keep], want_k[keep]) and torch.equal(vp[keep], want_v[keep])
+    assert any(torch.equal(kp[spare], new_k[b]) for b in (3, 4))
+    want = paged_attention_reference(q[:3], want_k, want_v, table, rows[:3], lens[:3], scale=0.25)
+    torch.testing.assert_close(out[:3], want, atol=1e-5, rtol=1e-5)
+
+
 def test_choose_num_splits_fills_the_gpu_and_no_more():
     from kvlab.attention import MIN_SPLIT_TOKENS, PROGRAMS_PER_SM
 

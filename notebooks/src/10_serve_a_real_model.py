@@ -796,9 +796,15 @@ else:
 #
 # * **offline** -- nano-vllm's `bench.py` (mini-sglang's `benchmark/offline/bench.py` adapts
 #   it): 256 requests, seed 0, prompts and answers each 100-1024 tokens, no end of text;
-#   output tokens per second over the whole call. kvlab with and without overlap;
-#   transformers' `generate` and `generate_batch` only on a few of the requests, answers cut
-#   short (their loops would take minutes), with kvlab on the same requests beside them;
+#   output tokens per second over the whole call. kvlab with and without overlap, each
+#   against **the floor of the steps it took** (`kvlab.bench.serve_floor`): every step must
+#   read every weight once and the K/V of every position its decoding requests attend to, and
+#   do its prompt tokens' arithmetic, so its time is at least the larger of its bytes over the
+#   measured bandwidth and its FLOPs over the GPU's dense bfloat16 peak; the run's floor is the
+#   sum. transformers' `generate`, its fastest documented path (a static cache and
+#   `torch.compile`, as its optimisation guide recommends, compiled before the timed call) and
+#   `generate_batch` only on a few of the requests, answers cut short (their loops would take
+#   minutes), with kvlab on the same requests beside them;
 # * **online** -- requests arriving as a Poisson process at several rates: time to first token
 #   (TTFT), the time between two tokens of a request (ITL) and end-to-end latency, p50 / p99;
 # * **GPU busy** -- the share of each decode step's time the GPU works (CUDA events around
@@ -818,7 +824,8 @@ if "offline" in saved:
     off = saved["offline"]["paths"]
     for name, e in off.items():
         if "tokens_per_s" in e:
-            print(f"{name:24s} {e['requests']:3d} requests: {e['tokens_per_s']:7.0f} output tokens/s")
+            floor = f", {e['ratio_to_floor']:.2f}x the floor of its steps" if e.get("ratio_to_floor") else ""
+            print(f"{name:24s} {e['requests']:3d} requests: {e['tokens_per_s']:7.0f} output tokens/s{floor}")
     for name in ("64", "256"):
         on, no = saved["busy"]["paths"].get(f"overlap_{name}", {}), saved["busy"]["paths"].get(f"no_overlap_{name}", {})
         if on.get("busy") is not None and no.get("busy") is not None:
@@ -837,9 +844,13 @@ else:
 #   token pays a step (point 4 above), while the time between tokens gets shorter;
 # * **where it saturates**: past some arrival rate, the requests served per second stop
 #   following the rate and latencies climb -- the server is full;
+# * **the floor**: the whole-workload runs' ratio says how much of the time the GPU's bytes and
+#   arithmetic explain; the rest is what the loop adds (steps with few requests, whose weights
+#   are read for little work; the prompts' chunks, computed request by request; the host);
 # * **transformers' paths**: `generate` pads every prompt of its batch to the longest and runs
-#   every answer to the longest, launching every kernel from Python; `generate_batch` schedules
-#   requests itself but, in the transformers version the table names, is slower still.
+#   every answer to the longest, launching every kernel from Python; with a static cache and
+#   `torch.compile` the same batch replays a compiled, captured step instead; `generate_batch`
+#   schedules requests itself but, in the transformers version the table names, is slower still.
 
 # %% [markdown]
 # ## Summary
