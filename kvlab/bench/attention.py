@@ -253,6 +253,11 @@ def run_attention(smoke: bool = False, log=print, startup_runs: bool = True) -> 
     res["step"] = bench_step(SMOKE_STEP_BATCHES if smoke else STEP_BATCHES,
                              SMOKE_STEP_CONTEXTS if smoke else STEP_CONTEXTS, smoke, bw, deadline, log)
     if startup_runs:
+        import gc
+
+        gc.collect()                     # the step's generators: their pools and graphs go back
+        if not smoke:
+            torch.cuda.empty_cache()
         res["startup"] = startup.run_cold_and_warm(smoke)
         log("start-up of the serving generator: " + ", ".join(
             f"{k} {v.get('seconds', float('nan')):.1f} s" for k, v in res["startup"].items() if isinstance(v, dict)))

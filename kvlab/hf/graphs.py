@@ -159,9 +159,10 @@ class DecodeGraphs:
         device = page_table.device
         max_bs = self.sizes[-1]
         # the entries' token ids, positions and page-table rows: the graphs read these buffers
-        self.ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.rows = torch.full((max_bs,), dummy_row, dtype=torch.int64, device=device)
+        # (rows of one buffer: a step's padded entries arrive in one copy)
+        self.inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
+        self.ids, self.positions, self.rows = self.inputs[0], self.inputs[1], self.inputs[2]
+        self.rows.fill_(dummy_row)
         #: each size's outputs, ``(tokens, logits)``: a captured graph writes the same tensors at
         #: every replay (read them before the next replay), an eager step new ones
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -256,20 +257,18 @@ class DecodeGraphs:
         ``last_tokens`` (overlap scheduling): each entry's token id is ``last_tokens[row]`` on
         the device, not ``input_ids``, and the step's new tokens are written back there."""
         n = len(rows)
-        entries = to_device(torch.tensor([input_ids, positions, rows], dtype=torch.int64),
-                          self.page_table.device)
-        rows_p, positions_p, _ = pad_decode_batch(entries[2], entries[1], self.page_table, self.sizes,
-                                                  self.dummy_row, check=False)
-        bs = len(rows_p)
-        self.ids[n:bs].zero_()
-        self.ids[:n].copy_(entries[0] if last_tokens is None else last_tokens[entries[2]])
-        self.positions[:bs].copy_(positions_p)
-        self.rows[:bs].copy_(rows_p)
+        bs = self.padded_size(n)
+        pad = bs - n        # the dummy request at position 0 (pad_decode_batch), padded on the host
+        host = torch.tensor([[*input_ids, *[0] * pad], [*positions, *[0] * pad],
+                             [*rows, *[self.dummy_row] * pad]], dtype=torch.int64)
+        self.inputs[:, :bs].copy_(to_device(host, self.page_table.device))
+        if last_tokens is not None:
+            self.ids[:n].copy_(last_tokens[self.rows[:n]])
         if self.capture:
             self.graphs[bs].replay()
         else:
             self._forward(bs)
         tokens, logits = self.outputs[bs]
         if last_tokens is not None:
-            last_tokens[entries[2]] = tokens[:n]
+            last_tokens[self.rows[:n]] = tokens[:n]
         return tokens[:n], logits[:n]

@@ -657,7 +657,9 @@ kvlab.check.hint("pad_decode_batch", 1)
 # %% [markdown]
 # ## Lift: your padding against the generator's
 #
-# `kvlab.hf.pad_decode_batch` is what `PagedGenerator`'s graphs call before every replay. On
+# `kvlab.hf.pad_decode_batch` is the padding `PagedGenerator`'s graphs do before every replay
+# (they pad on the host, in the one copy of a step's inputs, and leave the slot lookup to the
+# attention kernel, which finds each slot in the page table itself; chapter 09). On
 # random steps (once yours passes the checker; until then the package's stands in) both must
 # give the same entries. `kvlab.kvcache.random_decode_step` draws such a step: requests on
 # shuffled pages in shuffled rows, and a dummy row that maps only the dummy page.
