@@ -162,6 +162,32 @@ def test_the_storing_kernel_writes_only_the_new_slots_and_reads_them_from_regist
     torch.testing.assert_close(out[:3], want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 2])
+def test_unmapped_slots_are_read_and_written_nowhere_even_unchecked(splits):
+    """check=False (the decode step's launch): an entry whose row holds -1 (a request that rode
+    a step after its pages went back) reads and writes nothing outside the pool; the others are
+    served as usual."""
+    from kvlab.check import sandbox
+
+    q, k, v, table, rows, lens = layout(10, 4, [9, 6], 4, 2, 12)
+    table = table.clone()
+    table[int(rows[1]), :6] = -1                            # request 1's row: released
+    g = torch.Generator().manual_seed(5)
+    new_k, new_v = torch.randn(2, 2, 12, generator=g).to(DEVICE), torch.randn(2, 2, 12, generator=g).to(DEVICE)
+    kp, vp = k.clone(), v.clone()
+    out = torch.zeros(q.shape, device=DEVICE)
+    for launch in fast_launches(q, kp, vp, table, rows.long(), lens.long(), out, 0.25, splits, SMALL,
+                                new_k=new_k, new_v=new_v):
+        found = sandbox.guarded_call(launch.kernel, launch.args, launch.kwargs, launch.grid)
+        assert found.error is None and found.accesses == [], found.accesses
+    slot = int(table[int(rows[0]), 8])
+    want_k, want_v = k.clone(), v.clone()
+    want_k[slot], want_v[slot] = new_k[0], new_v[0]
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)        # request 1 wrote nothing
+    torch.testing.assert_close(out[:1], paged_attention_reference(q[:1], want_k, want_v, table, rows[:1],
+                                                                  lens[:1], scale=0.25), atol=1e-5, rtol=1e-5)
+
+
 def test_choose_num_splits_fills_the_gpu_and_no_more():
     from kvlab.attention import MIN_SPLIT_TOKENS, PROGRAMS_PER_SM
 

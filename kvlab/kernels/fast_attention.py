@@ -46,7 +46,9 @@ compiles a new kernel; each request's split length is computed in the kernel fro
 length. With one split the program writes the final output itself (``DIRECT``) and the merge
 is not launched. Compiled variants: per pool dtype, ``group``, head size and ``DIRECT``.
 
-Every load is masked. The rules on values only the device holds are checked here, not by the
+Every load and store is masked, to positions below the request's length and to slots inside
+the pool (with the checks off too: an unmapped entry, ``-1``, is read and written nowhere).
+The rules on values only the device holds are checked here, not by the
 host (a host check of a device tensor is a sync, chapter 09): with ``CHECK`` a program whose
 request has a row outside the page table or a length outside ``[1, columns]`` reads nothing, a
 block whose slots leave the pool reads none of them, the request's output is NaN, and the
@@ -165,8 +167,10 @@ def split_decode_kernel(
         v_new = tl.load(new_v_ptr + nv, mask=mask_d, other=0.0).to(v_pool_ptr.dtype.element_ty)
         if (start <= last) & (last < end):        # this program's split holds it: store it
             slot = tl.load(page_table_ptr + row * stride_pt_row + last).to(tl.int64)
-            tl.store(k_pool_ptr + slot * stride_kv_s + kv_head + offs_d, k_new, mask=mask_d)
-            tl.store(v_pool_ptr + slot * stride_kv_s + kv_head + offs_d, v_new, mask=mask_d)
+            slot_d = slot + offs_d * 0                              # (as a vector: the mask's shape)
+            inside = mask_d & (slot_d >= 0) & (slot_d < num_slots)  # never outside the pool
+            tl.store(k_pool_ptr + slot * stride_kv_s + kv_head + offs_d, k_new, mask=inside)
+            tl.store(v_pool_ptr + slot * stride_kv_s + kv_head + offs_d, v_new, mask=inside)
     if start < end:
         q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
@@ -183,7 +187,7 @@ def split_decode_kernel(
             # one slot per position: a block may span pages, which need not be adjacent
             slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0)
             slots = slots.to(tl.int64)
-            read = mask_n
+            read = mask_n & (slots >= 0) & (slots < num_slots)        # never outside the pool
             if CHECK:
                 bad = mask_n & ((slots < 0) | (slots >= num_slots))
                 n_bad = tl.max(bad.to(tl.int32), 0)
@@ -191,7 +195,6 @@ def split_decode_kernel(
                     if g == 0:
                         _refuse(status_ptr, flag_ptr, b, tl.min(tl.where(bad, offs_n, end), 0), _SLOT)
                 clean = clean & (n_bad == 0)
-                read = mask_n & (slots >= 0) & (slots < num_slots)    # never outside the pool
             if STORE:
                 read = read & (offs_n != last)                        # the new row: from registers
             # K as [BLOCK_D, BLOCK_N] (ready for q @ K^T), V as [BLOCK_N, BLOCK_D]: read once

@@ -972,9 +972,9 @@ plt.show()
 # step: each of its few hundred kernels has bytes it must move, and so a floor of its own.
 # `kvlab.bench.step_profile` profiles the CUDA-graph replay with `torch.profiler`, sorts the
 # kernels into the kinds of work a layer does and puts each kind's time beside its floor. The
-# picture is drawn from profiles saved in `figures/09_step_profile.json` (and in the saved
-# benchmark run, when it has one): first the step as it was before this chapter's last changes,
-# then as it is.
+# picture is drawn from profiles saved in `figures/09_step_profile.json` and in the saved
+# benchmark run (when it has one): faded, the step before its attention kernel stored the new
+# K/V itself (the file names the commit), solid, the step the saved run measured.
 #
 # Read each bar against its black line:
 #
@@ -982,8 +982,8 @@ plt.show()
 #   near its floor: at 256 running requests the GPU is full of programs; at 64 it has fewer
 #   programs than it could run at once, and a program has few blocks to walk;
 # * the **K/V store** was two `index_put` kernels per layer, 56 per step, to write 15 MB: a
-#   few microseconds each, whatever they write (question 3 below asks whether the split kernel
-#   could store them itself: it now does, and the bar is gone);
+#   few microseconds each, whatever they write. Question 3 below asks whether the split kernel
+#   could store them itself: kvlab's now does, so a run recorded since has no such bar;
 # * **matrix products** read every weight once, 1.2 GB, the output projection's included; at 64
 #   running requests each is a few microseconds, well above what its bytes take;
 # * **norms, rotary, activation**: what `torch.compile` fused, several small kernels per layer,
@@ -1221,6 +1221,9 @@ else:
 # - **Host work is counted in calls, not elements.** A NumPy or Python-wrapper call costs about
 #   a microsecond whatever it does: count the batch in one C call, launch through the C
 #   launcher with addresses, and wait (when a call must) on pinned memory instead of `.item()`.
+# - **Checks on values only the device holds belong in the kernel.** The fast attention call
+#   judges shapes and options once per combination, and lets its kernel refuse a bad row,
+#   length or slot, reporting through pinned memory: every check kept, no wait.
 # - **Decode attention is bytes.** Measure it against the memory floor; read each K/V byte once
 #   (the query heads of a group in one program, `tl.dot` for their scores), cut long requests
 #   into splits so the GPU has programs to run, and merge the splits with the log-sum-exp,
