@@ -18,9 +18,9 @@ import torch
 from cache_state import hash_cache_state, manager_state
 
 from kvlab import CacheManager, HashPrefixCache, RadixPrefixCache, Req
-from kvlab.errors import KvlabError
-from kvlab.hash_chain import FreeQueue, chain_hash, page_hashes
-from kvlab.paging import new_page_table
+from kvlab.base.errors import KvlabError
+from kvlab.prefix.hash_chain import FreeQueue, chain_hash, page_hashes
+from kvlab.alloc.paging import new_page_table
 
 BAD = [None, True, 1.5, float("nan"), "x", b"1", -1, 2**63, 10**30, [], [None], [1.5], [-1], [2**64],
        [[1]], {}, object(), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.int64), torch.tensor(3)]
@@ -167,7 +167,7 @@ def test_constructors_and_free_functions_refuse_a_bad_argument_with_a_kvlab_erro
 
 
 def _attention_case():
-    from kvlab.kvcache import random_paged_layout
+    from kvlab.attention.kv_pool import random_paged_layout
 
     return random_paged_layout(3, 4, [6, 3], heads=4, kv_heads=2, head_dim=16, device=kvlab_device())
 
@@ -189,9 +189,9 @@ HOST_RULES = [("config", {"block_n": 16}), ("config", (16, True, 4, 2)), ("max_c
 
 @pytest.mark.parametrize("name, bad", HOST_RULES, ids=[f"{n}={b!r:.20}" for n, b in HOST_RULES])
 def test_the_fast_attention_call_refuses_a_bad_option_before_any_launch(name, bad, monkeypatch):
-    from kvlab.attention import fast_paged_decode_attention
-    from kvlab.errors import InvalidArgument
-    from kvlab.kernels import fast_attention
+    from kvlab.attention.paged_attention import fast_paged_decode_attention
+    from kvlab.base.errors import InvalidArgument
+    from kvlab.attention import split_kernels as fast_attention
 
     q, k, v, table, rows, lens = _attention_case()
     fast_paged_decode_attention(q, k, v, table, rows, lens)                 # a plan for good arguments
@@ -213,7 +213,7 @@ def test_the_fast_attention_call_takes_any_integer_kvlab_takes_for_num_splits():
     tensor, not a bool: each gives what the int gives."""
     import numpy as np
 
-    from kvlab.attention import fast_paged_decode_attention
+    from kvlab.attention.paged_attention import fast_paged_decode_attention
 
     args = _attention_case()
     want = fast_paged_decode_attention(*args, num_splits=2)
@@ -227,7 +227,7 @@ def test_the_fast_attention_call_takes_any_integer_kvlab_takes_for_num_splits():
 def test_every_argument_of_the_fast_attention_call_is_refused_with_a_kvlab_error(position):
     """Each positional argument in turn replaced by each value of the catalogue: accepted, or
     refused with a kvlab error, the pools unchanged; never a raw Python, torch or Triton error."""
-    from kvlab.attention import check_attention_errors, fast_paged_decode_attention
+    from kvlab.attention.paged_attention import check_attention_errors, fast_paged_decode_attention
 
     for bad in BAD:
         args = list(_attention_case())
@@ -246,7 +246,7 @@ def test_every_argument_of_the_fast_attention_call_is_refused_with_a_kvlab_error
 
 @pytest.mark.parametrize("name", ["scale", "num_splits", "config", "out_dtype", "max_context", "check"])
 def test_every_option_of_the_fast_attention_call_is_refused_with_a_kvlab_error(name):
-    from kvlab.attention import check_attention_errors, fast_paged_decode_attention
+    from kvlab.attention.paged_attention import check_attention_errors, fast_paged_decode_attention
 
     refused = 0
     for bad in BAD:

@@ -84,8 +84,8 @@ def test_the_claims_are_judged_from_the_measured_rows():
 
 
 def test_pools_run_from_every_whole_answer_down_to_the_longest_alone():
-    from kvlab.sim import RequestSpec, Workload
-    from kvlab.sim.compare import memory_pools
+    from kvlab.serving.sim import RequestSpec, Workload
+    from kvlab.serving.sim.compare import memory_pools
 
     w = Workload("w", "", tuple(RequestSpec(i, (1,) * n, (2,), 0, max_new_tokens=21)
                                 for i, n in enumerate((30, 10, 100))))

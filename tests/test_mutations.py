@@ -40,6 +40,16 @@ def _source(obj) -> str:
     return textwrap.dedent(inspect.getsource(getattr(obj, "fn", obj)))
 
 
+def _absolute_imports(src: str, module: str) -> str:
+    """``from ...serving.hf import x`` in ``module`` -> ``from kvlab.serving.hf import x``."""
+    package = module.split(".")[:-1]
+
+    def absolute(m: re.Match) -> str:
+        base = package[: len(package) - (len(m.group(1)) - 1)]
+        return "from " + ".".join(base + ([m.group(2)] if m.group(2) else [])) + " import"
+    return re.sub(r"from (\.+)([\w.]*) import", absolute, src)
+
+
 def build_mutant(exercise: str, old: str, new: str, tmp_dir):
     """The solution of ``exercise`` with ``old`` replaced by ``new``, loaded from a real file.
 
@@ -52,7 +62,7 @@ def build_mutant(exercise: str, old: str, new: str, tmp_dir):
     assert old in src, f"the mutation target {old!r} is not in the solution of {exercise}"
     mutated = src.replace(old, new)
     assert mutated != src
-    mutated = mutated.replace("from ..", "from kvlab.")  # a relative import, as a learner writes it
+    mutated = _absolute_imports(mutated, fn.__module__)  # a relative import, as a learner writes it
     path = tmp_dir / f"mutant_{next(_counter)}_{exercise}.py"
     path.write_text(mutated)
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -1214,7 +1224,7 @@ def decode_step_in_the_managers_words(manager, reqs, next_tokens, done):
 
 def match_req_by_a_walk_of_its_own(prefix_cache, input_ids):
     """The matched length (an int) by a walk that only reads the tree: no stamps, no split."""
-    from kvlab.check.ch05_radix import match_prefix_solution
+    from kvlab.course.exercises.ch05_match import match_prefix_solution
 
     return match_prefix_solution(prefix_cache, input_ids[:-1])
 
@@ -1227,7 +1237,7 @@ def hash_match_through_the_caches_match(cache, input_ids):
 
 def allocate_pages_hits_first(cache, input_ids):
     """Every hit first (one match, then take_cached), then the new pages from the queue."""
-    from kvlab.hash_chain import chain_hash
+    from kvlab.prefix.hash_chain import chain_hash
 
     P, hit = cache.page_size, cache.match(input_ids)
     for page in hit.pages:
@@ -1284,7 +1294,7 @@ def test_the_unmutated_solution_passes(exercise, mutant_dir, capsys):
 
 
 def test_out_of_bounds_store_in_an_exercise_kernel_is_reported(mutant_dir):
-    from kvlab.check.ch03_alloc_extend import extend_case_inputs, run_extend_kernel
+    from kvlab.course.exercises.ch03_extend_parts import extend_case_inputs, run_extend_kernel
 
     bad = build_mutant("alloc_extend_part1", "mask=offset_one_page < num_part1,", "", mutant_dir)
     pre, seq, P = [5], [7], 4  # part 1 only: 2 slots, but the unmasked store writes 4
@@ -1295,7 +1305,7 @@ def test_out_of_bounds_store_in_an_exercise_kernel_is_reported(mutant_dir):
 
 
 def test_a_wild_load_in_an_exercise_kernel_is_reported(mutant_dir):
-    from kvlab.check.ch03_alloc_extend import run_extend_kernel
+    from kvlab.course.exercises.ch03_extend_parts import run_extend_kernel
 
     # part 2 reads the page one further on: the last token reads past the free list
     bad = build_mutant("alloc_extend_part2", "new_page_start_loc + offset_many_page // page_size,",
@@ -1350,8 +1360,8 @@ def test_a_part_checker_shows_only_the_positions_its_part_owns(mutant_dir):
 def test_the_remap_checker_expects_the_row_the_cache_manager_leaves():
     # the checker's expected row is what kvlab.CacheManager.cache_req(finished=False) leaves
     from kvlab import CacheManager, Req
-    from kvlab.check.ch06_cache_req import cache_req_remap_solution
-    from kvlab.paging import new_page_table
+    from kvlab.course.exercises.ch06_regions import cache_req_remap_solution
+    from kvlab.alloc.paging import new_page_table
 
     for P in (1, 2, 4):
         cm = CacheManager(32, P, new_page_table(3, 32, P))

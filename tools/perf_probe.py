@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 
-from kvlab import runtime  # noqa: E402
+from kvlab.base import runtime  # noqa: E402
 
 OUT = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else os.environ.get("OUT", "/tmp")
 ONLY = next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--only=")), None)
@@ -65,7 +65,7 @@ def section(name: str):
 
 
 def contexts_for(batches=(64, 256)) -> dict:
-    rng = random.Random(1)                      # as kvlab.bench.attention.bench_step draws them
+    rng = random.Random(1)                      # as kvlab.bench.decode.bench_step draws them
     return {bs: [rng.randint(128, 576) for _ in range(bs)] for bs in batches}
 
 
@@ -78,8 +78,8 @@ print("bandwidth", BW, flush=True)
 
 @section("sweep")
 def sweep():
-    from kvlab.attention_options import FastConfig, default_config
-    from kvlab.attention_plan import attend
+    from kvlab.attention.attention_options import FastConfig, default_config
+    from kvlab.attention.attention_plan import attend
 
     heads, kv_heads, head_dim, P, dtype = 16, 8, 128, 16, torch.bfloat16
     dev = runtime.DEVICE
@@ -128,7 +128,7 @@ def sweep():
 
 @section("public")
 def public():
-    from kvlab.bench.attention import SHAPE
+    from kvlab.bench.decode import SHAPE
     from kvlab.bench.decode_call import bench_public_attention
 
     return bench_public_attention(SHAPE, False)
@@ -137,11 +137,11 @@ def public():
 @section("step")
 def step():
     from kvlab.bench import step_profile
-    from kvlab.bench.attention import _map_rows, step_bytes
+    from kvlab.bench.decode import _map_rows, step_bytes
     from kvlab.bench.serve import PAGE_SIZE, serve_model
-    from kvlab.hf import PagedGenerator
-    from kvlab.hf.graphs import dynamo_graphs
-    from kvlab.hf.plugin import paged_attention_active
+    from kvlab.serving.hf import PagedGenerator
+    from kvlab.serving.hf.graphs import dynamo_graphs
+    from kvlab.serving.hf.plugin import paged_attention_active
 
     model = serve_model(runtime.DEVICE, False)
     ctx = contexts_for()
@@ -221,7 +221,7 @@ def generate():
     out["profile_cpu"] = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=70)
     print(out["profile_cuda"], flush=True)
     # the same after a kvlab generator served the model (as in --serve)
-    from kvlab.hf import PagedGenerator
+    from kvlab.serving.hf import PagedGenerator
 
     gen = PagedGenerator(model, 16, 4096, max_running=32, compile_decode=False)
     gen.generate(prompts[:4], max_new_tokens=4)

@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .. import runtime
+from ..base import runtime
 
 CASES, SMOKE_CASES = [(1, 512), (64, 512)], [(1, 8), (3, 8)]
 #: the issue's target: the checked call's synced wall time / SDPA's
@@ -55,7 +55,7 @@ def host_block_us(fn, calls: int) -> float:
 
 
 def bench_public_attention(shape: dict, smoke: bool, log=print) -> list[dict]:
-    from ..attention import fast_paged_decode_attention, paged_decode_attention
+    from ..attention.paged_attention import fast_paged_decode_attention, paged_decode_attention
     from .decode_shapes import paged_case, sdpa_call
     from .timing import count_syncs, interleaved_loop_us
 

@@ -1,6 +1,6 @@
 """What the decode-attention benchmarks share (chapter 09): the bandwidth that sets a floor, a
 paged case of the serving model's attention shape, transformers' SDPA call beside it, and the
-clock (``do_bench`` of a CUDA-graph replay). Used by ``--attention`` (:mod:`kvlab.bench.attention`,
+clock (``do_bench`` of a CUDA-graph replay). Used by ``--attention`` (:mod:`kvlab.bench.decode`,
 :mod:`kvlab.bench.decode_call`) and ``--serve`` (:mod:`kvlab.bench.serve`)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .. import runtime
+from ..base import runtime
 
 COPY_BYTES, SMOKE_COPY_BYTES = 1 << 31, 1 << 20
 

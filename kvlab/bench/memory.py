@@ -1,8 +1,8 @@
 """When KV memory runs out, measured on a real model (chapter 12): ``python -m kvlab.bench --memory``.
 
-The four policies of :mod:`kvlab.pressure` serve the same seeded workloads with the same model
-through :class:`kvlab.hf.PagedGenerator`, in pools from ample to tight, one after another in
-one process. The workloads are the simulator's (:mod:`kvlab.sim.workloads`, the chapter runs
+The four policies of :mod:`kvlab.serving.pressure` serve the same seeded workloads with the same model
+through :class:`kvlab.serving.hf.PagedGenerator`, in pools from ample to tight, one after another in
+one process. The workloads are the simulator's (:mod:`kvlab.serving.sim.workloads`, the chapter runs
 them too), served offline (every request arrives at once):
 
     eos_long_tail        answers that mostly end early, a few run to max_new_tokens
@@ -38,9 +38,9 @@ MODEL = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
 PAGE_SIZE = 16
 POLICY_NAMES = ("reserve", "recompute", "retract", "swap")
 #: pool sizes as a share of "every whole answer at once" (never below the longest request):
-#: kvlab.sim.compare.MEMORY_POOLS, which the chapter's simulator runs use too
+#: kvlab.serving.sim.compare.MEMORY_POOLS, which the chapter's simulator runs use too
 POOLS = {"ample": 1.0, "medium": 0.4, "tight": 0.15}
-#: the workloads (arguments of kvlab.sim.make_workload) and max_new_tokens of each
+#: the workloads (arguments of kvlab.serving.sim.make_workload) and max_new_tokens of each
 WORKLOADS = {
     "eos_long_tail": dict(n_requests=64, prompt_len=(32, 128), max_new_tokens=256, tail=1.5, typical=16),
     "long_prompt_burst": dict(n_short=16, n_long=16, prompt_len=(384, 768), output_len=(32, 96)),
@@ -59,8 +59,8 @@ SMOKE_PAGE_SIZE = 4
 
 def memory_model(device, smoke: bool):
     """The model (seeded random weights, no end-of-text token)."""
-    from ..hf.models import tiny_model
-    from ..hf.plugin import require_transformers
+    from ..serving.hf.models import tiny_model
+    from ..serving.hf.plugin import require_transformers
     from .serve import random_bf16_model, without_end_of_text
 
     if smoke:
@@ -74,7 +74,7 @@ def memory_model(device, smoke: bool):
 def memory_workload(name: str, smoke: bool, vocab: int, seed: int = 0):
     """``(workload, prompts, end_after, max_new_tokens)`` of the simulator's workload ``name``
     (its token ids spread over the model's vocabulary; its answer lengths become ``end_after``)."""
-    from ..sim import make_workload
+    from ..serving.sim import make_workload
 
     w = make_workload(name, seed=seed, **(SMOKE_WORKLOADS if smoke else WORKLOADS)[name])
     spread = lambda ids: [(t * 7919 + 13) % vocab for t in ids]  # noqa: E731 - the same ids, anywhere
@@ -85,7 +85,7 @@ def memory_workload(name: str, smoke: bool, vocab: int, seed: int = 0):
 
 
 def percentile(values, q: float) -> float | None:
-    from ..sim.timeline import percentile as nearest_rank
+    from ..serving.sim.timeline import percentile as nearest_rank
 
     return nearest_rank(values, q) if values else None
 
@@ -127,9 +127,9 @@ def run_memory(smoke: bool = False, log=print, budget_s: float | None = None) ->
     """Every policy on every workload and pool; returns the rows and the claims' verdicts.
     Runs that would start after ``budget_s`` (default :data:`BUDGET_S` on a GPU, none in a
     smoke run) are skipped, each row saying so."""
-    from .. import runtime
-    from ..hf import PagedGenerator
-    from ..sim.compare import memory_pools
+    from ..base import runtime
+    from ..serving.hf import PagedGenerator
+    from ..serving.sim.compare import memory_pools
 
     device = runtime.DEVICE
     start = time.perf_counter()

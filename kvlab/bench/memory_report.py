@@ -53,7 +53,7 @@ def plot_memory(res: dict):
     """Tokens/s and requests running at once, per policy, workload and pool."""
     import matplotlib.pyplot as plt
 
-    from ..viz.pressure import policy_bars
+    from ..course.viz.policies import policy_bars
 
     m = res.get("memory")
     if not m:  # figures/bench.json without a --memory run: say so rather than draw nothing

@@ -10,7 +10,7 @@ So each step has a floor, the larger of
                                               + the prompts' attention (2 x L x q_dim x p^2)
 
 and the run's floor is their sum over the steps the run took (:class:`FloorTracker` follows
-them through :meth:`kvlab.hf.PagedGenerator.generate`'s ``on_step``). A request in a decode step
+them through :meth:`kvlab.serving.hf.PagedGenerator.generate`'s ``on_step``). A request in a decode step
 reads its prompt and every token it produced so far, the new one included.
 """
 from __future__ import annotations
@@ -30,7 +30,7 @@ def dense_peak(device_name: str) -> float | None:
 
 
 class FloorTracker:
-    """``on_step`` for :meth:`~kvlab.hf.PagedGenerator.generate`: each step's bytes and FLOPs.
+    """``on_step`` for :meth:`~kvlab.serving.hf.PagedGenerator.generate`: each step's bytes and FLOPs.
 
     ``prompt_lens[i]``: the tokens of prompt ``i``. Counts per step; :meth:`floor` sums them."""
 

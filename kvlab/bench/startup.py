@@ -7,7 +7,7 @@ twice, with the same new, empty cache folders (``KVLAB_CACHE_DIR``, ``TRITON_CAC
 * **cold** -- nothing compiled: torch.compile traces, generates and compiles every kernel, and
   Triton compiles kvlab's own kernels;
 * **warm** -- the second process finds what the first one left in the folders
-  (:mod:`kvlab.hf.compile_cache`): the compiled artefacts are loaded, not built.
+  (:mod:`kvlab.serving.hf.compile_cache`): the compiled artefacts are loaded, not built.
 
 Each process reports the seconds its generator took to build (the model is built before the
 clock starts), the graphs torch.compile built, and the cache folder it used.
@@ -31,8 +31,8 @@ def measure(smoke: bool) -> dict:
     """In this process: the serving model, then its generator, timed."""
     import torch
 
-    from .. import runtime
-    from ..hf.graphs import dynamo_graphs
+    from ..base import runtime
+    from ..serving.hf.graphs import dynamo_graphs
     from .serve import kvlab_generator, serve_model
 
     model = serve_model(runtime.DEVICE, smoke)

@@ -2,7 +2,7 @@
 # # 12 · When KV memory runs out: reserve, retract, preempt, swap
 #
 # **Time:** about 90 minutes. **Assumes:** chapters 06 and 07 (`CacheManager`, the simulator
-# and its [timelines](glossary.md#timeline)), chapter 10 (`kvlab.hf.PagedGenerator`), chapter
+# and its [timelines](glossary.md#timeline)), chapter 10 (`kvlab.serving.hf.PagedGenerator`), chapter
 # 11 (vLLM's free queue keeps freed pages findable).
 #
 # **Goal.** A server admits a request without knowing how long its answer will be: it ends at an
@@ -21,7 +21,7 @@
 # * **[swap](glossary.md#swap)** the victim's KV to host memory and copy it back later (vLLM's
 #   earlier design).
 #
-# You will build the four as one small vocabulary, `kvlab.pressure`, every rule and constant
+# You will build the four as one small vocabulary, `kvlab.serving.pressure`, every rule and constant
 # traced to the engine's code; watch them on the simulator of chapter 07, which now takes a
 # [memory policy](glossary.md#memory-policy); write the pieces a policy is made of (who is
 # stopped first, how SGLang's estimate moves, what a returning request copies back and to which
@@ -35,15 +35,15 @@ import matplotlib.pyplot as plt
 import torch
 
 import kvlab
-from kvlab.pressure import (POLICIES, RequestView, RetractDecode, make_policy, next_token_ratio,
+from kvlab.serving.pressure import (POLICIES, RequestView, RetractDecode, make_policy, next_token_ratio,
                             resume_plan, victim_order)
-from kvlab.hf import PagedGenerator, tiny_model
-from kvlab.scenes.ch12_memory import (CHAPTER_WORKLOADS, P, bench_rows, chapter_workload,
+from kvlab.serving.hf import PagedGenerator, tiny_model
+from kvlab.course.scenes.ch12_memory import (CHAPTER_WORKLOADS, P, bench_rows, chapter_workload,
                                       compared_rows, leave_and_return_figure, policy_compare_figure,
                                       policy_run, promised_pages_figure)
-from kvlab.sim import simulate
-from kvlab.sim.compare import memory_pools, policy_table
-from kvlab.viz.pressure import ratio_over_time
+from kvlab.serving.sim import simulate
+from kvlab.serving.sim.compare import memory_pools, policy_table
+from kvlab.course.viz.policies import ratio_over_time
 
 torch.manual_seed(0)
 random.seed(0)
@@ -96,8 +96,8 @@ assert [make_policy(n).start().promised_pages(view, 4) for n in POLICIES] == [5,
 #   counts a running request as `min(max_new_tokens - len(output_ids), CLIP_MAX_NEW_TOKENS) *
 #   new_token_ratio` and a newcomer as its uncached prompt plus its whole (clipped) answer.
 #
-# Both serving loops ask these same objects: `kvlab.sim.SimConfig(policy=...)` and
-# `kvlab.hf.PagedGenerator(..., policy=...)`.
+# Both serving loops ask these same objects: `kvlab.serving.sim.SimConfig(policy=...)` and
+# `kvlab.serving.hf.PagedGenerator(..., policy=...)`.
 #
 # ## Build-up 2: reserve the whole answer (mini-sglang)
 #
@@ -118,7 +118,7 @@ in_use = sum(r.memory.in_use for r in reserve.steps) / len(reserve)
 print(f"in use: {in_use:.1f} pages per step; promised on top: {s.mean_promised_pages:.1f}")
 
 # %% [markdown]
-# Pools are a share of every request's whole answer at once (`kvlab.sim.compare.MEMORY_POOLS`):
+# Pools are a share of every request's whole answer at once (`kvlab.serving.sim.compare.MEMORY_POOLS`):
 # `ample` holds them all, `medium` 40%, `tight` 15% (never less than the longest request alone).
 # In the tight pool the promises are larger than what is really in use, and the requests they
 # were made for mostly end early: that is the waste.
@@ -136,12 +136,12 @@ print(f"in use: {in_use:.1f} pages per step; promised on top: {s.mean_promised_p
 # same with `cache_req(finished=True)` on the victim (`RecomputeOnPreempt(keep_computed=True)`).
 #
 # Chapter 07's simulator preempted the same victim, but released it without caching what it had
-# decoded and let waiting requests in during the same step: `kvlab.pressure.CHAPTER_07`, the
+# decoded and let waiting requests in during the same step: `kvlab.serving.pressure.CHAPTER_07`, the
 # simulator's default, kept so that chapters 07 and 11 run exactly as before.
 
 # %%
 recompute = policy_run("recompute", "shared_system_prompt")
-chapter_07 = policy_run(kvlab.pressure.CHAPTER_07, "shared_system_prompt")
+chapter_07 = policy_run(kvlab.serving.pressure.CHAPTER_07, "shared_system_prompt")
 for label, tl in (("recompute (vLLM)", recompute), ("chapter 07's loop", chapter_07)):
     s = tl.summary()
     print(f"{label:18s}: {s.preemptions:2d} preemptions, {s.recomputed_tokens:3d} positions computed again, "
@@ -212,11 +212,11 @@ for label, tl in burst.items():
 # default was still recomputation, "since it incurs lower overhead than swapping"; swapping was
 # for groups of several sequences. SGLang's host KV pools
 # (`python/sglang/srt/mem_cache/memory_pool_host.py`) sit in [pinned memory](glossary.md#pinned-memory),
-# as kvlab's do (`kvlab.hf.swap.HostKV`; on a CPU a second tensor stands in).
+# as kvlab's do (`kvlab.serving.hf.swap.HostKV`; on a CPU a second tensor stands in).
 #
 # kvlab copies the victim's whole row, positions `[0, cached_len)`, into host pages. When it comes
 # back it gets a fresh row; the prefix cache may still hold its first pages, so only the rest is
-# copied back, into new pages, and its last token is computed. `kvlab.pressure.resume_plan` says
+# copied back, into new pages, and its last token is computed. `kvlab.serving.pressure.resume_plan` says
 # which positions are copied and which computed:
 
 # %%
@@ -275,7 +275,7 @@ assert gen.stats["swaps_out"] > 0, "the pool was meant to force swaps"
 # ## Your turn
 #
 # Four exercises, the pieces a policy is made of. The [checkers](glossary.md#checker) compare
-# with `kvlab.pressure` on named edge cases and seeded random ones. A typical slip, retracting
+# with `kvlab.serving.pressure` on named edge cases and seeded random ones. A typical slip, retracting
 # the requests that generated *most* first, is caught like this:
 
 # %%
@@ -301,7 +301,7 @@ else:
 # %%
 def my_victim_order(policy, running):
     """The keys of the running requests, in the order `policy` stops them."""
-    # lifted into kvlab.pressure.victim_order
+    # lifted into kvlab.serving.pressure.victim_order
     ### BEGIN SOLUTION
     if policy == "recompute":
         order = sorted(running, key=lambda r: r.admitted, reverse=True)
@@ -330,7 +330,7 @@ kvlab.check.victim_order(my_victim_order);
 # %%
 def my_next_ratio(policy, ratio, retracted, remaining):
     """new_token_ratio after one decode step."""
-    # lifted into kvlab.pressure.next_token_ratio
+    # lifted into kvlab.serving.pressure.next_token_ratio
     ### BEGIN SOLUTION
     if not retracted:
         return max(ratio - policy.decay, policy.min_ratio)
@@ -361,7 +361,7 @@ kvlab.check.next_token_ratio(my_next_ratio);
 # %%
 def my_resume(how, saved, hit, input_len, host_pages, row, page_size):
     """(copies, compute): what a returning request copies back and what it computes."""
-    # lifted into kvlab.pressure.resume_plan (ranges) and kvlab.hf.swap.HostKV.load (slots)
+    # lifted into kvlab.serving.pressure.resume_plan (ranges) and kvlab.serving.hf.swap.HostKV.load (slots)
     ### BEGIN SOLUTION
     P = page_size
     if how != "swap":
@@ -390,7 +390,7 @@ kvlab.check.resume_plan(my_resume);
 # %%
 def my_swap_out(manager, req, pool, host):
     """Copy req's row to host pages, then give its device pages back; return the host pages."""
-    # lifted into kvlab.hf.swap.HostKV.save and kvlab.pressure.stop_request
+    # lifted into kvlab.serving.hf.swap.HostKV.save and kvlab.serving.pressure.stop_request
     ### BEGIN SOLUTION
     P, n = host.page_size, req.cached_len
     slots = manager.page_table[req.table_idx, :n].long()
@@ -483,7 +483,7 @@ else:
 # %% [markdown]
 # ## Lift: your functions vs kvlab
 #
-# Your four answers against the ones [lifted](glossary.md#lift) into `kvlab.pressure` on random
+# Your four answers against the ones [lifted](glossary.md#lift) into `kvlab.serving.pressure` on random
 # inputs (until an exercise passes, this cell uses the reference solution and says so):
 
 # %%
@@ -514,7 +514,7 @@ for _ in range(200):
     assert tuple(compute) == plan.compute and [p for _, p in copies] == row[plan.copy[0]:plan.copy[1]], (
         f"saved {saved}, hit {hit}, page size {Pg}: compute {tuple(compute)} vs {plan.compute}, "
         f"copies {list(copies)}")
-print("victim_order, next_token_ratio and resume_plan agree with kvlab.pressure")
+print("victim_order, next_token_ratio and resume_plan agree with kvlab.serving.pressure")
 
 # %% [markdown]
 # ## Summary
@@ -532,9 +532,9 @@ print("victim_order, next_token_ratio and resume_plan agree with kvlab.pressure"
 # * Measured on the same workloads: with ample memory they are one policy; with long-tailed EOS
 #   answers and tight memory, promising less runs more at once; recompute pays in computation,
 #   swap in copies.
-# * In `kvlab.pressure` (the policies, `victim_order`, `next_token_ratio`, `resume_plan`,
-#   `stop_request`, `restore_request`), `kvlab.sim` (`SimConfig(policy=...)`, `kvlab.sim.compare`),
-#   `kvlab.hf` (`PagedGenerator(policy=...)`, `kvlab.hf.room`, `kvlab.hf.swap`) and
+# * In `kvlab.serving.pressure` (the policies, `victim_order`, `next_token_ratio`, `resume_plan`,
+#   `stop_request`, `restore_request`), `kvlab.serving.sim` (`SimConfig(policy=...)`, `kvlab.serving.sim.compare`),
+#   `kvlab.serving.hf` (`PagedGenerator(policy=...)`, `kvlab.serving.hf.room`, `kvlab.serving.hf.swap`) and
 #   `python -m kvlab.bench --memory`.
 #
 # ## Questions
