@@ -161,3 +161,103 @@ def test_constructors_and_free_functions_refuse_a_bad_argument_with_a_kvlab_erro
             pass
         except Exception as e:  # noqa: BLE001
             pytest.fail(f"{inspect.getsource(call).strip()[:90]} with {bad!r:.40} leaked {type(e).__name__}: {e}")
+
+
+# --- chapter 09's public attention call -------------------------------------------------------
+
+
+def _attention_case():
+    from kvlab.attention.kv_pool import random_paged_layout
+
+    return random_paged_layout(3, 4, [6, 3], heads=4, kv_heads=2, head_dim=16, device=kvlab_device())
+
+
+def kvlab_device():
+    from kvlab import runtime
+
+    return runtime.DEVICE
+
+
+#: arguments of fast_paged_decode_attention that only the host judges: a wrong one is refused
+#: before any launch (issue 40's list, then the class they stand for)
+HOST_RULES = [("config", {"block_n": 16}), ("config", (16, True, 4, 2)), ("max_context", "long"),
+              ("max_context", 0), ("num_splits", 10**12), ("num_splits", 0), ("num_splits", True),
+              ("num_splits", 2.0), ("scale", float("nan")), ("scale", 0.0), ("scale", -1.0), ("scale", True),
+              ("scale", float("inf")), ("scale", "0.5"), ("out_dtype", 5), ("out_dtype", True),
+              ("out_dtype", torch.int32), ("out_dtype", "float32"), ("check", "yes"), ("check", 1)]
+
+
+@pytest.mark.parametrize("name, bad", HOST_RULES, ids=[f"{n}={b!r:.20}" for n, b in HOST_RULES])
+def test_the_fast_attention_call_refuses_a_bad_option_before_any_launch(name, bad, monkeypatch):
+    from kvlab.attention.paged_attention import fast_paged_decode_attention
+    from kvlab.base.errors import InvalidArgument
+    from kvlab.attention import split_kernels as fast_attention
+
+    q, k, v, table, rows, lens = _attention_case()
+    fast_paged_decode_attention(q, k, v, table, rows, lens)                 # a plan for good arguments
+    before = (k.clone(), v.clone())
+
+    def no_launch(*args, **kwargs):
+        raise AssertionError("launched")
+
+    monkeypatch.setattr(fast_attention.split_decode_kernel, "run", no_launch)
+    for _ in range(2):                  # the second time a cached plan must not let it through
+        with pytest.raises(InvalidArgument) as err:
+            fast_paged_decode_attention(q, k, v, table, rows, lens, **{name: bad})
+        assert err.value.argument.split(".")[0] == name, err.value
+    assert torch.equal(k, before[0]) and torch.equal(v, before[1])
+
+
+def test_the_fast_attention_call_takes_any_integer_kvlab_takes_for_num_splits():
+    """kvlab's rule for an integer argument (kvlab.args): an int, a NumPy integer or a 0-d integer
+    tensor, not a bool: each gives what the int gives."""
+    import numpy as np
+
+    from kvlab.attention.paged_attention import fast_paged_decode_attention
+
+    args = _attention_case()
+    want = fast_paged_decode_attention(*args, num_splits=2)
+    for splits in (np.int64(2), np.int32(2), torch.tensor(2)):
+        torch.testing.assert_close(fast_paged_decode_attention(*args, num_splits=splits), want)
+    torch.testing.assert_close(fast_paged_decode_attention(*args, max_context=np.int64(6)),
+                               fast_paged_decode_attention(*args, max_context=6))
+
+
+@pytest.mark.parametrize("position", range(6))
+def test_every_argument_of_the_fast_attention_call_is_refused_with_a_kvlab_error(position):
+    """Each positional argument in turn replaced by each value of the catalogue: accepted, or
+    refused with a kvlab error, the pools unchanged; never a raw Python, torch or Triton error."""
+    from kvlab.attention.paged_attention import check_attention_errors, fast_paged_decode_attention
+
+    for bad in BAD:
+        args = list(_attention_case())
+        before = (args[1].clone(), args[2].clone())
+        args[position] = bad
+        try:
+            fast_paged_decode_attention(*args)
+            check_attention_errors()
+        except KvlabError:
+            pass
+        except Exception as e:  # noqa: BLE001 - that is the point
+            pytest.fail(f"argument {position} = {bad!r:.40} leaked {type(e).__name__}: {e}")
+        k, v = (args[1], args[2]) if position not in (1, 2) else before
+        assert torch.equal(k, before[0]) and torch.equal(v, before[1]), "a refused call changed a pool"
+
+
+@pytest.mark.parametrize("name", ["scale", "num_splits", "config", "out_dtype", "max_context", "check"])
+def test_every_option_of_the_fast_attention_call_is_refused_with_a_kvlab_error(name):
+    from kvlab.attention.paged_attention import check_attention_errors, fast_paged_decode_attention
+
+    refused = 0
+    for bad in BAD:
+        args = _attention_case()
+        try:
+            out = fast_paged_decode_attention(*args, **{name: bad})
+            check_attention_errors()
+        except KvlabError:
+            refused += 1
+            continue
+        except Exception as e:  # noqa: BLE001
+            pytest.fail(f"{name}={bad!r:.40} leaked {type(e).__name__}: {e}")
+        assert out.shape == args[0].shape and not torch.isnan(out).any(), f"{name}={bad!r:.40}"
+    assert refused >= len(BAD) // 2, "the catalogue reached the option's checks"

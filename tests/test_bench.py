@@ -252,7 +252,11 @@ def test_serve_smoke_adds_its_section_to_an_existing_result(tmp_path):
             r = s["busy"]["paths"][f"{mode}_{n}"]
             assert 0 < r["busy"] <= 1 and r["steps"] > 0
     assert s["timeline"] and all(w and "device" in w[0] for w in s["timeline"].values())
-    assert all(t["passed"] is None for t in s["targets"]) and len(s["targets"]) == 5
+    assert all(t["passed"] is None for t in s["targets"]) and len(s["targets"]) == 7
+    floor = s["offline"]["floor"]                    # every step of the run counted, none twice
+    assert floor["steps"] == off["kvlab"]["stats"]["steps"] and floor["seconds"] > 0
+    assert floor["prompt_tokens"] == s["offline"]["workload"]["prompt_tokens"]
+    assert off["kvlab"]["ratio_to_floor"] == off["kvlab"]["seconds"] / off["kvlab"]["floor_s"]
     md = (tmp_path / "bench.md").read_text()
     assert "Serving a real model" in md and "Smoke run" in md and "PASS" not in md
     assert (tmp_path / "10_bench_serve.png").stat().st_size > 0
@@ -296,20 +300,24 @@ def test_latency_percentiles_and_busy_shares_are_computed_as_stated():
 def test_serve_targets_pass_and_fail_on_the_numbers():
     from kvlab.bench.serve import targets
 
-    def fake(busy64, busy256, on, off, subset, batch, padded=500):
+    def fake(busy64, busy256, on, off, subset, batch, padded=500, floor=1.4, static=800):
         return {"smoke": False,
                 "busy": {"paths": {"overlap_64": {"busy": busy64}, "overlap_256": {"busy": busy256}}},
-                "offline": {"paths": {"kvlab": {"tokens_per_s": on}, "kvlab_no_overlap": {"tokens_per_s": off},
+                "offline": {"paths": {"kvlab": {"tokens_per_s": on, "ratio_to_floor": floor},
+                                      "kvlab_no_overlap": {"tokens_per_s": off},
                                       "kvlab_subset": {"tokens_per_s": subset},
                                       "generate_batch": {"tokens_per_s": batch},
-                                      "generate": {"tokens_per_s": padded}}}}
+                                      "generate": {"tokens_per_s": padded},
+                                      "generate_static_compiled": {"tokens_per_s": static}}}}
 
-    assert [t["passed"] for t in targets(fake(0.95, 0.91, 1200, 1000, 900, 300))] == [True] * 5
-    assert [t["passed"] for t in targets(fake(0.89, 0.95, 1100, 1000, 800, 300, 801))] == [False, True, False, False, False]
-    assert [t["measured"] for t in targets(fake(0.95, 0.91, 1500, 1000, 900, 300))][2:] == [1.5, 3.0, 1.8]
-    missing = fake(None, 0.95, 1200, 1000, 900, None, None)
-    assert targets(missing)[0]["passed"] is False and targets(missing)[3]["measured"] is None
-    assert targets(missing)[4]["passed"] is False
+    # floor, busy 64, busy 256, overlap vs not, vs generate_batch, vs generate, vs static + compile
+    assert [t["passed"] for t in targets(fake(0.95, 0.91, 1200, 1000, 900, 300))] == [True] * 7
+    assert [t["passed"] for t in targets(fake(0.89, 0.95, 1100, 1000, 800, 300, 801, 1.6, 801))] == \
+        [False, False, True, False, False, False, False]
+    assert [t["measured"] for t in targets(fake(0.95, 0.91, 1500, 1000, 900, 300))][3:] == [1.5, 3.0, 1.8, 1.12]
+    missing = fake(None, 0.95, 1200, 1000, 900, None, None, None, None)
+    assert [t["passed"] for t in targets(missing)] == [False, False, True, True, False, False, False]
+    assert targets(missing)[4]["measured"] is None
 
 
 # --- the decode-attention benchmark of chapter 09 (python -m kvlab.bench --attention) -----------
@@ -320,6 +328,7 @@ def test_attention_smoke_adds_its_section_and_plot(tmp_path):
     as n/a, the kernels agreeing, the result joining what bench.json held."""
     from kvlab.bench.__main__ import attention_main
     from kvlab.bench.decode import KERNEL_TARGETS, SMOKE_BATCHES, SMOKE_CONTEXTS, SMOKE_STEP_BATCHES
+    from kvlab.bench.decode_call import SMOKE_CASES
 
     (tmp_path / "bench.json").write_text(json.dumps({"kept": 1}))
     res = attention_main(str(tmp_path), smoke=True)
@@ -333,7 +342,13 @@ def test_attention_smoke_adds_its_section_and_plot(tmp_path):
         assert r["floor_us"] == pytest.approx(r["bytes"]["floor"] / a["bandwidth"]["gb_per_s"] / 1e3)
     assert [r["batch"] for r in a["step"]["rows"]] == list(SMOKE_STEP_BATCHES)
     assert all(set(r["paths"]) == {"fast", "teaching"} for r in a["step"]["rows"])
-    assert len(a["targets"]) == len(KERNEL_TARGETS) + len(SMOKE_STEP_BATCHES)
+    assert [(r["batch"], r["ctx"]) for r in a["public"]] == SMOKE_CASES
+    for r in a["public"]:            # the checked call, unchecked, chapter 08's and SDPA, side by side
+        assert set(r["paths"]) == {"fast", "fast_unchecked", "teaching", "sdpa"} and r["agree_max_abs"] < 1e-4
+        assert r["paths"]["sdpa"]["vs_sdpa"] == 1.0
+    for run in ("cold", "warm"):     # two fresh processes built the serving generator
+        assert a["startup"][run]["seconds"] > 0 and a["startup"][run]["sizes"] > 0, a["startup"]
+    assert len(a["targets"]) == len(KERNEL_TARGETS) + len(SMOKE_STEP_BATCHES) + 2 * len(SMOKE_CASES) + 2
     assert all(t["passed"] is None for t in a["targets"])
     md = (tmp_path / "bench.md").read_text()
     assert "Decode attention at the memory floor" in md and "Smoke run" in md
@@ -346,12 +361,22 @@ def test_attention_targets_compare_with_the_floor():
     kernel = [dict(batch=b, ctx=c, paths={"fast": {"ratio_to_floor": 1.5 if c < 32768 else 2.5}})
               for b, c in [(64, 512), (64, 4096), (64, 32768), (256, 4096), (256, 32768)]]
     step = {"rows": [dict(batch=64, paths={"fast": {"ratio_to_floor": 3.5},
-                                           "fast_compiled": {"ratio_to_floor": 2.9},
-                                           "teaching": {"ratio_to_floor": 1.0}})],
+                                           "fast_compiled": {"ratio_to_floor": 1.9},
+                                           "teaching": {"ratio_to_floor": 1.0}}),
+                     dict(batch=256, paths={"fast_compiled": {"ratio_to_floor": 1.6}})],
             "graphs_built_while_serving": 0}
-    found = {t["name"]: t for t in targets(dict(smoke=False, kernel=kernel, step=step))}
+    public = [dict(batch=1, ctx=512, paths={"fast": {"vs_sdpa": 1.4, "syncs": 0}}),
+              dict(batch=64, ctx=512, paths={"fast": {"vs_sdpa": 1.6, "syncs": 0}})]
+    startup = {"cold": {"seconds": 25.0}, "warm": {"seconds": 9.0}}
+    found = {t["name"]: t for t in targets(dict(smoke=False, kernel=kernel, step=step, public=public,
+                                                startup=startup))}
     assert found["fast decode attention, batch 64, context 512"]["passed"] is True
     assert found["fast decode attention, batch 256, context 32768"]["passed"] is False
     step_target = found["CUDA-graph decode step (fast_compiled), 64 running requests"]
-    assert step_target["passed"] is True and step_target["measured"] == 2.9   # the teaching kernel is not counted
+    assert step_target["passed"] is True and step_target["measured"] == 1.9   # the teaching kernel is not counted
+    assert found["CUDA-graph decode step (fast_compiled), 256 running requests"]["passed"] is False   # 1.5x there
     assert found["torch.compile recompiles after start-up"]["passed"] is True
+    calls = [t for name, t in found.items() if name.startswith("public fast_paged_decode_attention")]
+    assert [t["passed"] for t in calls] == [True, False]                     # 1.5x SDPA's time
+    assert found["start-up of the compiled serving generator, warm (compile artefacts reused)"]["passed"] is True
+    assert found["start-up: compile artefacts reused across runs (warm / cold)"]["measured"] == 0.36

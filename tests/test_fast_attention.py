@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab import InvalidArgument
-from kvlab.attention.paged_attention import (MAX_SPLITS, FastConfig, choose_num_splits, fast_launches,
+from kvlab.attention.paged_attention import (MAX_SPLITS, FastConfig, check_attention_errors, choose_num_splits, fast_launches,
                              fast_paged_decode_attention, paged_decode_attention)
 from kvlab.serving.hf.attention_steps import paged_attention_reference
 from kvlab.attention.kv_pool import random_paged_layout
@@ -125,6 +125,69 @@ def test_the_kernels_never_touch_memory_outside_their_tensors(splits):
     torch.testing.assert_close(out, paged_attention_reference(*args, scale=0.25), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_the_storing_kernel_writes_only_the_new_slots_and_reads_them_from_registers(splits):
+    """The decode step's launch (STORE) under the memory audit: each request's new K/V lands in
+    the slot of its last position and nowhere else, padded entries of a graph batch (the same
+    dummy row at position 0) all write the dummy slot, and the output is attention over the
+    pool as it is after the store."""
+    from kvlab.course.checking import sandbox
+
+    q, k, v, table, rows, lens = layout(9, 3, [7, 1, 12], 4, 2, 12)
+    dummy = int(torch.tensor([r for r in range(table.shape[0]) if r not in rows.tolist()])[0])
+    used = {int(table[int(r), t]) for r, n in zip(rows.tolist(), lens.tolist()) for t in range(n)}
+    spare = min(set(range(k.shape[0])) - used)               # a slot no request owns: the dummy page's
+    table = table.clone()
+    table[dummy, 0] = spare
+    rows = torch.cat([rows, torch.tensor([dummy, dummy], device=DEVICE)]).long()
+    lens = torch.cat([lens, torch.tensor([1, 1], device=DEVICE)]).long()
+    q = torch.cat([q, q[:2]])
+    g = torch.Generator().manual_seed(4)
+    new_k = torch.randn(5, 2, 12, generator=g).to(DEVICE)
+    new_v = torch.randn(5, 2, 12, generator=g).to(DEVICE)
+    want_k, want_v = k.clone(), v.clone()
+    for b in range(3):
+        slot = int(table[int(rows[b]), int(lens[b]) - 1])
+        want_k[slot], want_v[slot] = new_k[b], new_v[b]
+    kp, vp = k.clone(), v.clone()
+    out = torch.full(q.shape, float("nan"), device=DEVICE)
+    for launch in fast_launches(q, kp, vp, table, rows, lens, out, 0.25, splits, SMALL, new_k=new_k, new_v=new_v):
+        found = sandbox.guarded_call(launch.kernel, launch.args, launch.kwargs, launch.grid)
+        assert found.error is None and found.accesses == [], found.accesses
+    keep = torch.ones(k.shape[0], dtype=torch.bool, device=DEVICE)
+    keep[spare] = False                                      # the dummy slot: whichever pad wrote last
+    assert torch.equal(kp[keep], want_k[keep]) and torch.equal(vp[keep], want_v[keep])
+    assert any(torch.equal(kp[spare], new_k[b]) for b in (3, 4))
+    want = paged_attention_reference(q[:3], want_k, want_v, table, rows[:3], lens[:3], scale=0.25)
+    torch.testing.assert_close(out[:3], want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_unmapped_slots_are_read_and_written_nowhere_even_unchecked(splits):
+    """check=False (the decode step's launch): an entry whose row holds -1 (a request that rode
+    a step after its pages went back) reads and writes nothing outside the pool; the others are
+    served as usual."""
+    from kvlab.course.checking import sandbox
+
+    q, k, v, table, rows, lens = layout(10, 4, [9, 6], 4, 2, 12)
+    table = table.clone()
+    table[int(rows[1]), :6] = -1                            # request 1's row: released
+    g = torch.Generator().manual_seed(5)
+    new_k, new_v = torch.randn(2, 2, 12, generator=g).to(DEVICE), torch.randn(2, 2, 12, generator=g).to(DEVICE)
+    kp, vp = k.clone(), v.clone()
+    out = torch.zeros(q.shape, device=DEVICE)
+    for launch in fast_launches(q, kp, vp, table, rows.long(), lens.long(), out, 0.25, splits, SMALL,
+                                new_k=new_k, new_v=new_v):
+        found = sandbox.guarded_call(launch.kernel, launch.args, launch.kwargs, launch.grid)
+        assert found.error is None and found.accesses == [], found.accesses
+    slot = int(table[int(rows[0]), 8])
+    want_k, want_v = k.clone(), v.clone()
+    want_k[slot], want_v[slot] = new_k[0], new_v[0]
+    assert torch.equal(kp, want_k) and torch.equal(vp, want_v)        # request 1 wrote nothing
+    torch.testing.assert_close(out[:1], paged_attention_reference(q[:1], want_k, want_v, table, rows[:1],
+                                                                  lens[:1], scale=0.25), atol=1e-5, rtol=1e-5)
+
+
 def test_choose_num_splits_fills_the_gpu_and_no_more():
     from kvlab.attention.paged_attention import MIN_SPLIT_TOKENS, PROGRAMS_PER_SM
 
@@ -139,11 +202,10 @@ def test_choose_num_splits_fills_the_gpu_and_no_more():
 
 
 @pytest.mark.parametrize("change, argument", [
-    (lambda a: {**a, "lens": torch.tensor([0, 2])}, "seq_lens[0]"),
-    (lambda a: {**a, "lens": torch.tensor([8, 2])}, "page_table["),       # position 7: unmapped
-    (lambda a: {**a, "rows": torch.tensor([0, 9])}, "table_idx[1]"),
     (lambda a: {**a, "v": a["v"][:, :1]}, "v_pool"),
     (lambda a: {**a, "q": a["q"][0]}, "q"),
+    (lambda a: {**a, "rows": a["rows"].float()}, "table_idx"),
+    (lambda a: {**a, "lens": a["lens"][:1]}, "seq_lens"),
     (lambda a: {**a, "splits": 0}, "num_splits"),
     (lambda a: {**a, "splits": 2.0}, "num_splits"),
     (lambda a: {**a, "config": FastConfig(block_n=24)}, "config.block_n"),
@@ -162,6 +224,69 @@ def test_bad_input_is_refused_before_launch(change, argument, monkeypatch):
         fast_paged_decode_attention(a["q"], a["k"], a["v"], a["table"], a["rows"], a["lens"],
                                     num_splits=a["splits"], config=a["config"])
     assert err.value.argument.startswith(argument)
+
+
+DEVICE_RULES = {   # values only the device holds: the kernel refuses them (chapter 08's wording)
+    "a length of 0": (lambda a: {**a, "lens": torch.tensor([0, 2], device=DEVICE)}, "seq_lens[0]", "got 0"),
+    "a length past the columns": (lambda a: {**a, "lens": torch.tensor([7, 99], device=DEVICE)}, "seq_lens[1]",
+                                  "got 99"),
+    "an unmapped position": (lambda a: {**a, "lens": torch.tensor([8, 2], device=DEVICE)}, "page_table[",
+                             "position 7 holds -1"),
+    "a row outside the table": (lambda a: {**a, "rows": torch.tensor([0, 9], device=DEVICE)}, "table_idx[1]",
+                                "got 9"),
+    "a slot outside the pool": (lambda a: {**a, "table": a["table"].masked_fill(a["table"] == a["table"].max(),
+                                                                                10**6)}, "page_table[", "1000000"),
+}
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("name", DEVICE_RULES)
+def test_values_only_the_device_holds_are_refused_by_the_kernel(name, splits):
+    """Rows, lengths and slots are checked inside the split kernel (no wait for the GPU): the
+    refusal names the entry as chapter 08's host checks do. In the interpreter the call raises
+    it; on a GPU the request's output is NaN and check_attention_errors() raises it."""
+    change, argument, detail = DEVICE_RULES[name]
+    q, k, v, table, rows, lens = layout(6, 4, [7, 2], 4, 2)
+    a = change(dict(q=q, k=k, v=v, table=table, rows=rows, lens=lens))
+    call = lambda: fast_paged_decode_attention(a["q"], a["k"], a["v"], a["table"], a["rows"],  # noqa: E731
+                                               a["lens"], num_splits=splits, config=SMALL)
+    if DEVICE.type == "cpu":
+        with pytest.raises(InvalidArgument) as err:
+            call()
+    else:
+        out = call()
+        assert torch.isnan(out).any()
+        with pytest.raises(InvalidArgument) as err:
+            check_attention_errors()
+    assert err.value.argument.startswith(argument)
+    assert DEVICE.type != "cpu" or detail in str(err.value)
+    check_attention_errors()                               # raised once: nothing pending after it
+    good = fast_paged_decode_attention(q, k, v, table, rows, lens, num_splits=splits, config=SMALL)
+    torch.testing.assert_close(good, paged_attention_reference(q, k, v, table, rows, lens), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_a_refused_request_reads_nothing_outside_the_pool(splits):
+    """Under the memory audit: a row outside the table, a length past it and slots outside the
+    pool, checked by the kernel; only the good request's output is a number."""
+    from kvlab.course.checking import sandbox
+
+    q, k, v, table, rows, lens = layout(8, 3, [5, 9, 4, 6], 4, 2, 12)
+    table = table.clone()
+    table[int(rows[2]), 1] = k.shape[0] + 5                  # request 2: a slot past the pool
+    rows = rows.clone().long()
+    rows[0] = table.shape[0] + 3                             # request 0: no such row
+    lens = lens.clone().long()
+    lens[1] = table.shape[1] + 1                             # request 1: longer than the row
+    out = torch.zeros(q.shape, device=DEVICE)
+    status = torch.zeros(2, dtype=torch.int64, device=DEVICE)          # the first refusal, the flag
+    for launch in fast_launches(q, k, v, table, rows, lens, out, 0.25, splits, SMALL, check=True, status=status):
+        found = sandbox.guarded_call(launch.kernel, launch.args, launch.kwargs, launch.grid)
+        assert found.error is None and found.accesses == [], found.accesses
+    assert torch.isnan(out[:3]).all() and torch.isfinite(out[3]).all()
+    want = paged_attention_reference(q[3:], k, v, table, rows[3:], lens[3:], scale=0.25)
+    torch.testing.assert_close(out[3:], want, atol=1e-5, rtol=1e-5)
+    assert status[0].item() != 0 and status[1].item() == 1
 
 
 def test_an_empty_batch_launches_nothing():

@@ -74,15 +74,19 @@ def attention(dtype, kv_heads=None):
     paged_decode_attention(q, k.to(dtype), v.to(dtype), table, rows, lens)
 
 
-def fast_attention(dtype, num_splits: int):
+def fast_attention(dtype, num_splits: int, check: bool = False, store: bool = False):
     """Chapter 09's fast decode attention as a GPU launches it: with a 16-bit pool, tl.dot in that
     type (LOW_PRECISION; the interpreter multiplies in float32 instead); one split writes the
-    output directly, more launch the merge."""
+    output directly, more launch the merge; ``check``: the public call's checks in the kernel;
+    ``store``: the decode step's (the new K/V stored first)."""
     q, k, v, table, rows, lens = random_paged_layout(0, 16, [40, 70], heads=8, kv_heads=2,
                                                      head_dim=64, device=DEV)
     out = torch.empty(q.shape, dtype=torch.float32, device=DEV)
+    new = dict(new_k=torch.zeros(2, 2, 64, dtype=dtype, device=DEV),
+               new_v=torch.zeros(2, 2, 64, dtype=dtype, device=DEV)) if store else {}
     for launch in fast_launches(q, k.to(dtype), v.to(dtype), table, rows.to(DEV, torch.int64),
-                                lens.to(DEV, torch.int64), out, 0.125, num_splits, FastConfig()):
+                                lens.to(DEV, torch.int64), out, 0.125, num_splits, FastConfig(), check=check,
+                                **new):
         kwargs = {k: v for k, v in launch.kwargs.items() if k not in ("num_warps", "num_stages")}
         if "LOW_PRECISION" in kwargs:
             kwargs["LOW_PRECISION"] = dtype != torch.float32
@@ -121,6 +125,10 @@ SPECS = [
     Spec("09", lambda f: ch09.run_scan_kernel(ch09.extend_scan_solution, [3, 0, 4], [9, 5, 4], 4)),
     Spec("09 10", lambda f: fast_attention(f, num_splits=1), floats=True),
     Spec("09 10", lambda f: fast_attention(f, num_splits=2), floats=True),
+    Spec("09", lambda f: fast_attention(f, num_splits=1, check=True), floats=True),
+    Spec("09", lambda f: fast_attention(f, num_splits=3, check=True), floats=True),
+    Spec("10", lambda f: fast_attention(f, num_splits=1, store=True), floats=True),
+    Spec("10", lambda f: fast_attention(f, num_splits=2, store=True), floats=True),
     Spec("09", lambda f: ch09_split.run_split_kernel(ch09_split.split_attention_solution,
                                                      *ch09_split.spare_layout(0, 4, [40, 9], 8, 2, 16, 1), 2, 16)),
     Spec("09", lambda f: ch09_merge.run_merge_kernel(ch09_merge.merge_splits_solution, *merge_inputs(), 16)),

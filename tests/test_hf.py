@@ -337,6 +337,27 @@ def test_pad_decode_batch_pads_to_the_next_captured_size_with_the_dummy_row():
     assert r.tolist() == rows.tolist() and len(s) == 5
 
 
+def test_the_decode_graphs_pad_their_entries_as_pad_decode_batch_does(models):
+    """DecodeGraphs.run pads on the host, in the one copy of a step's inputs: the rows and
+    positions its step reads are pad_decode_batch's."""
+    from kvlab.serving.hf import pad_decode_batch
+
+    gen = PagedGenerator(models["llama"], page_size=4, num_pages=32, max_running=8, decode_graphs="eager")
+    graphs = gen.graphs
+    rows, positions = [3, 0, 5, 1, 6], [2, 0, 1, 3, 2]
+    gen.page_table[rows] = torch.arange(gen.page_table.shape[1], dtype=gen.page_table.dtype,
+                                        device=gen.page_table.device)            # every position mapped
+    with kvlab.serving.hf.plugin.paged_attention_active(gen.model), torch.inference_mode():
+        graphs.run([1, 2, 3, 4, 5], rows, positions)
+    want_rows, want_positions, _ = pad_decode_batch(torch.tensor(rows), torch.tensor(positions),
+                                                    gen.page_table.cpu(), graphs.sizes, graphs.dummy_row)
+    bs = len(want_rows)
+    assert bs == graphs.padded_size(5) == 8
+    assert graphs.rows[:bs].tolist() == want_rows.tolist()
+    assert graphs.positions[:bs].tolist() == want_positions.tolist()
+    assert graphs.ids[:bs].tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+
+
 def test_clear_prefix_cache_makes_the_next_call_cold(models):
     gen = PagedGenerator(models["llama"], page_size=4, num_pages=64)
     prompts = shared_prefix_prompts(seed=4)

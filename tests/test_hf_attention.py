@@ -143,3 +143,21 @@ def test_bad_input_is_refused_before_launch(change, argument):
         with pytest.raises(InvalidArgument) as err:
             fn(a["q"], a["k"], a["v"], a["table"], a["rows"], a["lens"])
         assert err.value.argument.startswith(argument)
+
+
+@pytest.mark.parametrize("page_size, lens", [(1, [5, 3, 1]), (4, [9, 1, 30]), (16, [40, 17])])
+def test_the_fast_step_stores_in_its_kernel_what_the_teaching_step_stores_with_index_put(page_size, lens):
+    """impl="fast": the split kernel stores the new K/V itself; the pools and the output are the
+    teaching step's (two index_put, then chapter 08's kernel), also when k and v are strided views
+    of one fused projection, as a layer's qkv product gives them."""
+    q, k_pool, v_pool, table, rows, seq_lens = layout(5, page_size, lens, 4, 2)
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(len(lens), 2 * 2 + 1, 16, generator=g).to(DEVICE)   # [tokens, (k heads | pad | v heads), d]
+    k_new, v_new = qkv[:, 0:2], qkv[:, 3:5]
+    pools = {}
+    for impl in ("teaching", "fast"):
+        kp, vp = k_pool.clone(), v_pool.clone()
+        out = paged_attention_step(q, k_new, v_new, kp, vp, table, rows, seq_lens - 1, impl=impl, check=False)
+        pools[impl] = (out, kp, vp)
+    assert torch.equal(pools["fast"][1], pools["teaching"][1]) and torch.equal(pools["fast"][2], pools["teaching"][2])
+    torch.testing.assert_close(pools["fast"][0], pools["teaching"][0], atol=1e-5, rtol=1e-5)

@@ -33,10 +33,14 @@ from typing import NamedTuple
 from ..base.args import check_scale, div_ceil, is_int, next_pow2
 from ..base.errors import InvalidArgument
 from ..base.runtime import pick
+from .attention_options import (MAX_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, FastConfig,  # noqa: F401
+                                choose_num_splits, streaming_multiprocessors)
+from .attention_plan import attend
+from .attention_rules import check_attention_errors
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_decode_attention",
            "FastConfig", "choose_num_splits", "split_ranges", "fast_paged_decode_attention",
-           "fast_launches",
+           "check_attention_errors", "fast_launches",
            "causal_attention"]
 
 
@@ -152,54 +156,6 @@ def paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens,
 # --- the fast kernels of chapter 09 ---------------------------------------------------------
 
 
-class FastConfig(NamedTuple):
-    """How :func:`fast_paged_decode_attention` launches its split kernel (compile-time choices).
-
-    The default is the variant that measured fastest on an H200 at batch 64, where the floor
-    is tightest, among blocks of 32, 64 and 128 positions, 2-8 warps and 2-3 pipeline stages
-    (bfloat16, 32 query heads on 8 K/V heads of 64)."""
-
-    block_n: int = 128         # positions per block (a power of two >= 16)
-    use_dot: bool = True       # scores with tl.dot (the group's heads padded to 16 rows)
-    num_warps: int = 4
-    num_stages: int = 2
-
-
-#: programs per streaming multiprocessor the split aims for (on an H200, 2 measured faster than
-#: 4 and 8 at batch 64, where fewer splits mean no merge to launch)
-PROGRAMS_PER_SM = 2
-#: a split holds at least this many positions: shorter ones cost more to merge than they save
-MIN_SPLIT_TOKENS = 256
-#: at most this many splits (the partial results grow with it)
-MAX_SPLITS = 64
-#: streaming multiprocessors assumed in the interpreter (few: every program runs on the CPU)
-INTERPRETER_SMS = 2
-
-
-def streaming_multiprocessors(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_num_splits(batch: int, kv_heads: int, context: int, sms: int, block_n: int = 64) -> int:
-    """How many programs share one request's positions, per K/V head.
-
-    Enough ``batch * kv_heads * splits`` programs to keep ``PROGRAMS_PER_SM`` on each of the
-    ``sms`` multiprocessors, but no split shorter than ``MIN_SPLIT_TOKENS`` positions of the
-    longest ``context``, and at most ``MAX_SPLITS``. A batch that fills the GPU by itself
-    gets one split (no merge)::
-
-        batch 1,   8 K/V heads, context 32768, 132 SMs:  ceil(264 / 8) = 33 splits
-        batch 1,   8 K/V heads, context 512:             512 / 256 = 2 splits
-        batch 64,  8 K/V heads, context 4096:            ceil(264 / 512) = 1 split
-    """
-    programs = max(1, batch * kv_heads)
-    want = div_ceil(PROGRAMS_PER_SM * sms, programs)
-    by_context = div_ceil(max(1, context), max(MIN_SPLIT_TOKENS, block_n))
-    return int(max(1, min(want, by_context, MAX_SPLITS)))
-
-
 def split_ranges(seq_len: int, num_splits: int, block_n: int) -> list[tuple[int, int]]:
     """The positions ``[start, end)`` each program of one request and K/V head reads, as the
     split kernel computes them (splits that hold nothing left out): whole blocks of
@@ -212,7 +168,7 @@ def fast_paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_le
                                 scale: float | None = None, *, num_splits: int | None = None,
                                 config: FastConfig | None = None, out_dtype: torch.dtype = torch.float32,
                                 max_context: int | None = None, check: bool = True) -> torch.Tensor:
-    """Paged decode attention on chapter 09's fast kernels; the contract and the checks of
+    """Paged decode attention on chapter 09's fast kernels; the contract and the rules of
     :func:`paged_decode_attention` (grouped-query attention included).
 
     ``num_splits`` programs share each request's positions per K/V head (default:
@@ -220,36 +176,19 @@ def fast_paged_decode_attention(q, k_pool, v_pool, page_table, table_idx, seq_le
     length expected, by default the page table's columns); one split writes the output
     directly, more launch the merge. ``q`` may be in any float dtype (the model's); the
     output is ``out_dtype`` (float32 by default, as the oracle's). ``config``: block size and
-    launch options (:class:`FastConfig`'s defaults). ``check=False`` skips the host checks,
-    for a caller that checked the same rows and lengths already.
+    launch options (:class:`FastConfig`'s defaults).
+
+    The checks cost no wait for the GPU (:mod:`kvlab.attention.attention_plan`): the rules on the
+    arguments' kinds are judged on the host once per combination of shapes, dtypes and
+    options; the rules on the rows, lengths and slots (values on the device) run in the
+    kernel, which reads nothing outside the pool for a request that breaks one and gives it a
+    NaN output. In the interpreter the call raises the refusal itself; on a GPU the next
+    checked call on the device raises it, or :func:`check_attention_errors`, which waits.
+    ``check=False`` turns the kernel's checks off (and the host's shape rules), for a caller
+    that checked the same rows and lengths already.
     """
-    if check:
-        check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
-    batch, heads, head_dim = q.shape
-    kv_heads = k_pool.shape[1]
-    config = FastConfig() if config is None else config
-    if not is_int(config.block_n) or config.block_n < 16 or config.block_n & (config.block_n - 1):
-        raise InvalidArgument("config.block_n", "a power of two >= 16", f"got {config.block_n!r}")
-    device = q.device
-    if num_splits is None:
-        context = page_table.shape[1] if max_context is None else max_context
-        num_splits = choose_num_splits(batch, kv_heads, context, streaming_multiprocessors(device),
-                                       config.block_n)
-    if not is_int(num_splits) or num_splits < 1:
-        raise InvalidArgument("num_splits", "an int >= 1", f"got {num_splits!r}")
-    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-    if q.stride(2) != 1:
-        q = q.contiguous()
-    k_pool, v_pool, page_table = k_pool.contiguous(), v_pool.contiguous(), page_table.contiguous()
-    table_idx = torch.as_tensor(table_idx).to(device=device, dtype=torch.int64)
-    seq_lens = torch.as_tensor(seq_lens).to(device=device, dtype=torch.int64)
-    out = torch.empty((batch, heads, head_dim), dtype=out_dtype, device=device)
-    if batch == 0:
-        return out
-    for launch in fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale,
-                                num_splits, config):
-        launch.kernel[launch.grid](*launch.args, **launch.kwargs)
-    return out
+    return attend(q, k_pool, v_pool, page_table, table_idx, seq_lens, scale=scale, num_splits=num_splits,
+                  config=config, out_dtype=out_dtype, max_context=max_context, check=check)
 
 
 class Launch(NamedTuple):
@@ -262,10 +201,13 @@ class Launch(NamedTuple):
 
 
 def fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale: float,
-                  num_splits: int, config: FastConfig) -> list[Launch]:
+                  num_splits: int, config: FastConfig, *, check: bool = False, status=None,
+                  new_k=None, new_v=None) -> list[Launch]:
     """The launches of :func:`fast_paged_decode_attention` on prepared arguments (int64 rows and
-    lengths on the device, ``out`` allocated): the split kernel, then the merge unless there is
-    one split. Kept apart so that a test can run them under the memory audit."""
+    lengths on the device, ``out`` allocated, contiguous pools): the split kernel, then the
+    merge unless there is one split. Kept apart so that a test can run them under the memory
+    audit. ``check``: the kernel's checks, recording into ``status`` (two int64 words: the first
+    refusal, and a flag that there is one); ``new_k``/``new_v``: the decode step's store first."""
     from .split_kernels import merge_splits_kernel, split_decode_kernel
 
     batch, heads, head_dim = q.shape
@@ -274,6 +216,9 @@ def fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale
     low = k_pool.dtype in (torch.float16, torch.bfloat16) and q.device.type == "cuda"
     block_d = max(16, next_pow2(head_dim))
     direct = num_splits == 1
+    status = torch.zeros(2, dtype=torch.int64, device=q.device) if status is None else status
+    store = new_k is not None
+    new_k, new_v = (q, q) if new_k is None else (new_k, new_v)
     if direct:
         o, lse = out, out                       # lse is not read by a DIRECT launch
         so, sl = (out.stride(0), out.stride(1), 0), (0, 0)
@@ -281,17 +226,21 @@ def fast_launches(q, k_pool, v_pool, page_table, table_idx, seq_lens, out, scale
         o = torch.empty((batch, heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         lse = torch.empty((batch, heads, num_splits), dtype=torch.float32, device=q.device)
         so, sl = (o.stride(0), o.stride(1), o.stride(2)), (lse.stride(0), lse.stride(1))
+    rows, cols = page_table.shape
     launches = [Launch(split_decode_kernel, (batch, kv_heads, num_splits), (
-        q, k_pool, v_pool, page_table, table_idx, seq_lens, o, lse, scale, num_splits,
+        q, k_pool, v_pool, page_table, table_idx, seq_lens, new_k, new_v, o, lse, status[0:1], status[1:2], scale,
+        num_splits,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
-        *so, *sl, head_dim), dict(
+        *((*new_k.stride()[:2], *new_v.stride()[:2]) if store else (0, 0, 0, 0)),
+        *so, *sl, head_dim, rows, cols, k_pool.shape[0]), dict(
         GROUP=group, BLOCK_H=max(16 if config.use_dot else 1, next_pow2(group)),
         BLOCK_N=config.block_n, BLOCK_D=block_d, USE_DOT=config.use_dot, LOW_PRECISION=low,
-        DIRECT=direct, num_warps=config.num_warps, num_stages=config.num_stages))]
+        DIRECT=direct, CHECK=check, STORE=store, num_warps=config.num_warps,
+        num_stages=config.num_stages))]
     if not direct:
         launches.append(Launch(merge_splits_kernel, (batch, heads), (
-            o, lse, seq_lens, out, num_splits, *so, *sl, out.stride(0), out.stride(1), head_dim),
-            dict(BLOCK_N=config.block_n, BLOCK_D=block_d)))
+            o, lse, table_idx, seq_lens, out, num_splits, *so, *sl, out.stride(0), out.stride(1), head_dim,
+            rows, cols), dict(BLOCK_N=config.block_n, BLOCK_D=block_d, CHECK=check)))
     return launches
 
 

@@ -46,8 +46,23 @@ compiles a new kernel; each request's split length is computed in the kernel fro
 length. With one split the program writes the final output itself (``DIRECT``) and the merge
 is not launched. Compiled variants: per pool dtype, ``group``, head size and ``DIRECT``.
 
-Every load is masked; the host (:func:`kvlab.attention.paged_attention.fast_paged_decode_attention`) checks
-first that rows, lengths and every slot the kernel will read are in range.
+Every load and store is masked, to positions below the request's length and to slots inside
+the pool (with the checks off too: an unmapped entry, ``-1``, is read and written nowhere).
+The rules on values only the device holds are checked here, not by the
+host (a host check of a device tensor is a sync, chapter 09): with ``CHECK`` a program whose
+request has a row outside the page table or a length outside ``[1, columns]`` reads nothing, a
+block whose slots leave the pool reads none of them, the request's output is NaN, and the
+first such refusal (by kind, then request, then position) goes into a status word in device
+memory, and a flag word the host can read without waiting says that there is one
+(:mod:`kvlab.attention.attention_rules` says when it is raised). The host checks everything else.
+
+``STORE`` (the decode step of a serving loop, chapter 10): the kernel also stores each
+request's new key and value at the slot of its last position, ``page_table[row, seq_len - 1]``
+-- what ``paged_attention_step`` did with two ``index_put`` kernels per layer before the
+launch. Exactly one program of a request and K/V head holds that position (the last live
+split) and stores it; every program that reads the position takes the new row from registers
+instead of the pool, so no program reads the slot while it is written (padded entries of a
+CUDA-graph batch all write the dummy slot, and none reads it).
 """
 from __future__ import annotations
 
@@ -56,8 +71,29 @@ import triton.language as tl
 
 from ..base.launch import jit_options
 
+
 #: runtime integers the kernels must not be specialised on (a new value must not recompile)
-_OPTIONS = jit_options(["num_splits"], [])
+_OPTIONS = jit_options(["num_splits", "num_rows", "num_cols", "num_slots"], [])
+
+#: kinds of refusal, in the order the host checks them (chapter 08's wrapper)
+REFUSED_ROW, REFUSED_LENGTH, REFUSED_SLOT = 1, 2, 3
+_ROW, _LENGTH, _SLOT = tl.constexpr(REFUSED_ROW), tl.constexpr(REFUSED_LENGTH), tl.constexpr(REFUSED_SLOT)
+#: ``status[0]`` holds ``STATUS_BASE - order`` of the first refusal (0: none), where ``order =
+#: kind << 56 | request << 28 | position``: the largest word is the first refusal
+STATUS_BASE = 1 << 62
+#: requests per launch and page-table columns the packed order leaves room for
+MAX_REQUESTS = MAX_COLUMNS = 1 << 28
+
+
+@triton.jit
+def _refuse(status_ptr, flag_ptr, b, t, KIND: tl.constexpr):
+    """Record a refusal of request ``b`` at position ``t``: the first one wins the device word
+    (see STATUS_BASE; an atomic, in device memory), and the flag the host reads says there is one
+    (a plain store, the same value from every refusing program: pinned memory on a GPU)."""
+    one = tl.full([], 1, tl.int64)
+    order = (tl.full([], KIND, tl.int64) << 56) | (b.to(tl.int64) << 28) | t.to(tl.int64)
+    tl.atomic_max(status_ptr, (one << 62) - order)
+    tl.store(flag_ptr, one)
 
 
 @triton.jit(**_OPTIONS)
@@ -68,16 +104,23 @@ def split_decode_kernel(
     page_table_ptr,   # [rows, cols] int32/int64: position -> slot
     table_idx_ptr,    # [batch]: each request's row
     seq_lens_ptr,     # [batch]: positions [0, seq_len) to attend to (>= 1)
+    new_k_ptr,        # STORE: [batch, kv_heads, head_dim] the new token's key (else not read)
+    new_v_ptr,        # STORE: ... and value
     out_ptr,          # DIRECT: [batch, heads, head_dim]; else o: [batch, heads, splits, head_dim] fp32
     lse_ptr,          # [batch, heads, splits] float32 (not read when DIRECT)
+    status_ptr,       # CHECK: int64 word in device memory, the first refusal (see STATUS_BASE)
+    flag_ptr,         # CHECK: int64 word the host reads: 1 once anything was refused
     scale,            # the model's softmax scale
     num_splits,       # programs per (request, K/V head) along the sequence
     stride_q_b, stride_q_h,
     stride_kv_s, stride_kv_h,
     stride_pt_row,
+    stride_nk_b, stride_nk_h,
+    stride_nv_b, stride_nv_h,
     stride_o_b, stride_o_h, stride_o_s,
     stride_l_b, stride_l_h,
     head_dim,
+    num_rows, num_cols, num_slots,   # the page table's shape and the pool's slots (CHECK)
     GROUP: tl.constexpr,          # query heads per K/V head
     BLOCK_H: tl.constexpr,        # GROUP padded to a power of two (>= 16 with USE_DOT)
     BLOCK_N: tl.constexpr,        # positions per block
@@ -85,22 +128,50 @@ def split_decode_kernel(
     USE_DOT: tl.constexpr,        # scores and weighted sums with tl.dot (else broadcast-and-sum)
     LOW_PRECISION: tl.constexpr,  # tl.dot in the pool's 16-bit dtype (else float32, exact)
     DIRECT: tl.constexpr,         # one split: write the final output, no merge
+    CHECK: tl.constexpr,          # check rows, lengths and slots here (see the module docstring)
+    STORE: tl.constexpr,          # store the new key and value first (never with CHECK: see the docstring)
 ):
     b = tl.program_id(0)
     g = tl.program_id(1)                         # the K/V head
     s = tl.program_id(2)                         # the split
     row = tl.load(table_idx_ptr + b).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
+    offs_h = tl.arange(0, BLOCK_H)
+    mask_h = offs_h < GROUP
+    heads = g * GROUP + offs_h                    # the query heads this program serves
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < head_dim
+    offs_o = b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_d[None, :]
+    clean = True                                  # no refusal met (CHECK)
+    if CHECK:
+        row_ok = (row >= 0) & (row < num_rows)
+        len_ok = (seq_len >= 1) & (seq_len <= num_cols)
+        if (g == 0) & (s == 0):
+            if (row < 0) | (row >= num_rows):
+                _refuse(status_ptr, flag_ptr, b, row * 0, _ROW)
+            elif (seq_len < 1) | (seq_len > num_cols):
+                _refuse(status_ptr, flag_ptr, b, row * 0, _LENGTH)
+        clean = row_ok & len_ok
+        seq_len = tl.where(clean, seq_len, 0)     # a refused request reads nothing
+    seq_len = seq_len.to(tl.int32)
     # this request's split: whole blocks, the same for all its programs (merge computes it too)
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = s * split_len
     end = tl.minimum(start + split_len, seq_len)
+    kv_head = g.to(tl.int64) * stride_kv_h
+    last = seq_len - 1                            # the new token's position (STORE)
+    if STORE:
+        nk = b.to(tl.int64) * stride_nk_b + g.to(tl.int64) * stride_nk_h + offs_d
+        nv = b.to(tl.int64) * stride_nv_b + g.to(tl.int64) * stride_nv_h + offs_d
+        k_new = tl.load(new_k_ptr + nk, mask=mask_d, other=0.0).to(k_pool_ptr.dtype.element_ty)
+        v_new = tl.load(new_v_ptr + nv, mask=mask_d, other=0.0).to(v_pool_ptr.dtype.element_ty)
+        if (start <= last) & (last < end):        # this program's split holds it: store it
+            slot = tl.load(page_table_ptr + row * stride_pt_row + last).to(tl.int64)
+            slot_d = slot + offs_d * 0                              # (as a vector: the mask's shape)
+            inside = mask_d & (slot_d >= 0) & (slot_d < num_slots)  # never outside the pool
+            tl.store(k_pool_ptr + slot * stride_kv_s + kv_head + offs_d, k_new, mask=inside)
+            tl.store(v_pool_ptr + slot * stride_kv_s + kv_head + offs_d, v_new, mask=inside)
     if start < end:
-        offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < GROUP
-        heads = g * GROUP + offs_h                # the query heads this program serves
-        offs_d = tl.arange(0, BLOCK_D)
-        mask_d = offs_d < head_dim
         q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
                     mask=mask_h[:, None] & mask_d[None, :], other=0.0)
         if LOW_PRECISION:
@@ -110,18 +181,31 @@ def split_decode_kernel(
         m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")   # running max per head
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)                   # running sum of exp
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)          # running weighted V sum
-        kv_head = g.to(tl.int64) * stride_kv_h
         for n0 in range(start, end, BLOCK_N):                         # runtime bounds
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             # one slot per position: a block may span pages, which need not be adjacent
             slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0)
             slots = slots.to(tl.int64)
+            read = mask_n & (slots >= 0) & (slots < num_slots)        # never outside the pool
+            if CHECK:
+                bad = mask_n & ((slots < 0) | (slots >= num_slots))
+                n_bad = tl.max(bad.to(tl.int32), 0)
+                if n_bad > 0:
+                    if g == 0:
+                        _refuse(status_ptr, flag_ptr, b, tl.min(tl.where(bad, offs_n, end), 0), _SLOT)
+                clean = clean & (n_bad == 0)
+            if STORE:
+                read = read & (offs_n != last)                        # the new row: from registers
             # K as [BLOCK_D, BLOCK_N] (ready for q @ K^T), V as [BLOCK_N, BLOCK_D]: read once
             k = tl.load(k_pool_ptr + slots[None, :] * stride_kv_s + kv_head + offs_d[:, None],
-                        mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+                        mask=read[None, :] & mask_d[:, None], other=0.0)
             v = tl.load(v_pool_ptr + slots[:, None] * stride_kv_s + kv_head + offs_d[None, :],
-                        mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+                        mask=read[:, None] & mask_d[None, :], other=0.0)
+            if STORE:
+                is_new = offs_n == last
+                k = tl.where(is_new[None, :], k_new[:, None], k)
+                v = tl.where(is_new[:, None], v_new[None, :], v)
             if not LOW_PRECISION:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
@@ -147,19 +231,28 @@ def split_decode_kernel(
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
         o = acc / l_i[:, None]
-        offs_o = b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + offs_d[None, :]
+        lse = m_i + tl.log(l_i)
+        if CHECK:
+            o = tl.where(clean, o, float("nan"))                      # a refused request: NaN
+            lse = tl.where(clean, lse, float("inf"))
         if DIRECT:
             tl.store(out_ptr + offs_o, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
         else:
             tl.store(out_ptr + offs_o + s * stride_o_s, o, mask=mask_h[:, None] & mask_d[None, :])
-            tl.store(lse_ptr + b.to(tl.int64) * stride_l_b + heads * stride_l_h + s, m_i + tl.log(l_i),
-                     mask=mask_h)
+            tl.store(lse_ptr + b.to(tl.int64) * stride_l_b + heads * stride_l_h + s, lse, mask=mask_h)
+    elif CHECK:
+        if DIRECT:
+            if (s == 0) & (seq_len == 0):                             # refused: read nothing, NaN out
+                nan = tl.full([BLOCK_H, BLOCK_D], float("nan"), tl.float32)
+                tl.store(out_ptr + offs_o, nan.to(out_ptr.dtype.element_ty),
+                         mask=mask_h[:, None] & mask_d[None, :])
 
 
 @triton.jit(**_OPTIONS)
 def merge_splits_kernel(
     o_ptr,            # [batch, heads, splits, head_dim] float32: each split's normalised output
     lse_ptr,          # [batch, heads, splits] float32: each split's log-sum-exp
+    table_idx_ptr,    # [batch] (CHECK: a refused row reads nothing)
     seq_lens_ptr,     # [batch]
     out_ptr,          # [batch, heads, head_dim]
     num_splits,
@@ -167,29 +260,39 @@ def merge_splits_kernel(
     stride_l_b, stride_l_h,
     stride_out_b, stride_out_h,
     head_dim,
+    num_rows, num_cols,
     BLOCK_N: tl.constexpr,        # the split kernel's block: splits hold whole blocks
     BLOCK_D: tl.constexpr,
+    CHECK: tl.constexpr,          # a request the split kernel refused gets NaN
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    live = tl.cdiv(seq_len, split_len)           # the splits that hold positions of this request
+    seq_len = tl.load(seq_lens_ptr + b).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
-    base_o = o_ptr + b.to(tl.int64) * stride_o_b + h.to(tl.int64) * stride_o_h
-    base_l = lse_ptr + b.to(tl.int64) * stride_l_b + h.to(tl.int64) * stride_l_h
-    m = -float("inf")                            # the largest lse so far
-    total = 0.0                                  # sum of exp(lse_s - m)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # sum of exp(lse_s - m) * o_s
-    for s in range(0, live):
-        lse = tl.load(base_l + s)
-        o = tl.load(base_o + s * stride_o_s + offs_d, mask=mask_d, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp(m - m_new)                # rescale what was summed under the old max
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha + w * o
-        total = total * alpha + w
-        m = m_new
-    tl.store(out_ptr + b.to(tl.int64) * stride_out_b + h.to(tl.int64) * stride_out_h + offs_d,
-             (acc / total).to(out_ptr.dtype.element_ty), mask=mask_d)
+    dest = out_ptr + b.to(tl.int64) * stride_out_b + h.to(tl.int64) * stride_out_h + offs_d
+    clean = True
+    if CHECK:
+        row = tl.load(table_idx_ptr + b).to(tl.int64)
+        clean = (row >= 0) & (row < num_rows) & (seq_len >= 1) & (seq_len <= num_cols)
+    if clean:
+        n = seq_len.to(tl.int32)
+        split_len = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
+        live = tl.cdiv(n, split_len)             # the splits that hold positions of this request
+        base_o = o_ptr + b.to(tl.int64) * stride_o_b + h.to(tl.int64) * stride_o_h
+        base_l = lse_ptr + b.to(tl.int64) * stride_l_b + h.to(tl.int64) * stride_l_h
+        m = -float("inf")                        # the largest lse so far
+        total = 0.0                              # sum of exp(lse_s - m)
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # sum of exp(lse_s - m) * o_s
+        for s in range(0, live):
+            lse = tl.load(base_l + s)
+            o = tl.load(base_o + s * stride_o_s + offs_d, mask=mask_d, other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp(m - m_new)            # rescale what was summed under the old max
+            w = tl.exp(lse - m_new)
+            acc = acc * alpha + w * o
+            total = total * alpha + w
+            m = m_new
+        tl.store(dest, (acc / total).to(out_ptr.dtype.element_ty), mask=mask_d)
+    else:
+        tl.store(dest, tl.full([BLOCK_D], float("nan"), tl.float32).to(out_ptr.dtype.element_ty), mask=mask_d)

@@ -109,6 +109,28 @@ def _entry_triton37(run, function, metadata) -> Entry:
     return entry
 
 
+#: ``entry(gx, gy, gz, stream, args)``: the same on a 3-D grid (the attention kernels)
+GridEntry = Callable[[int, int, int, int, tuple], None]
+
+
+def _grid_entry_triton36(run, function, metadata) -> GridEntry:
+    launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+
+    def entry(gx: int, gy: int, gz: int, stream: int, args: tuple) -> None:
+        launch(gx, gy, gz, stream, function, coop, pdl, None, None, metadata, None, None, None, *args)
+    return entry
+
+
+def _grid_entry_triton37(run, function, metadata) -> GridEntry:
+    launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
+    annotations, signature = run.arg_annotations, run.kernel_signature
+
+    def entry(gx: int, gy: int, gz: int, stream: int, args: tuple) -> None:
+        launch(gx, gy, gz, stream, function, coop, pdl, metadata, None, None, None, None, None,
+               annotations, signature, args)
+    return entry
+
+
 #: How the C launcher of a compiled kernel is called, per Triton (major, minor): the versions
 #: whose ``driver.py`` kvlab has read. Any other takes ``compiled.run``, Triton's own wrapper.
 C_ENTRIES: dict[tuple[int, int], Callable[..., Entry]] = {
@@ -120,13 +142,20 @@ def _version(text: str) -> tuple[int, int]:
     return (int(match[1]), int(match[2])) if match else (0, 0)
 
 
+#: the same per Triton version, for a 3-D grid (:data:`GridEntry`)
+GRID_ENTRIES: dict[tuple[int, int], Callable[..., GridEntry]] = {
+    (3, 6): _grid_entry_triton36, (3, 7): _grid_entry_triton37, (3, 8): _grid_entry_triton37,
+    (3, 9): _grid_entry_triton37}
+
 TRITON_VERSION: tuple[int, int] = _version(triton.__version__)
 
 
-def c_entry(compiled) -> Entry | None:
-    """The compiled kernel's C launcher as an :data:`Entry`, or None where kvlab does not know
-    how to call it here (another Triton, scratch buffers to allocate, a sanitizer, a wrapper)."""
-    make = C_ENTRIES.get(TRITON_VERSION)
+def c_entry(compiled, entries: dict | None = None) -> Entry | None:
+    """The compiled kernel's C launcher as an :data:`Entry` (``entries=GRID_ENTRIES``: as a
+    :data:`GridEntry`), or None where kvlab does not know how to call it here (another Triton,
+    scratch buffers to allocate, a sanitizer, a wrapper)."""
+    entries = C_ENTRIES if entries is None else entries
+    make = entries.get(TRITON_VERSION)
     run = getattr(compiled, "run", None)
     launch = getattr(run, "launch", None)
     if make is None or not isinstance(launch, types.BuiltinFunctionType):
@@ -134,7 +163,7 @@ def c_entry(compiled) -> Entry | None:
     if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1) \
             or getattr(run, "gsan_enabled", False):
         return None
-    if make is _entry_triton37 and not hasattr(run, "arg_annotations"):
+    if make in (_entry_triton37, _grid_entry_triton37) and not hasattr(run, "arg_annotations"):
         return None
     return make(run, compiled.function, compiled.packed_metadata)
 
@@ -167,6 +196,7 @@ class _Kept(NamedTuple):
     function: object
     metadata: object
     entry: Entry | None  # its C launcher, called directly (None: go through ``run``)
+    grid_entry: GridEntry | None  # the same on a 3-D grid
 
 
 class Launcher:
@@ -189,7 +219,7 @@ class Launcher:
             compiled = compiled.result()
         compiled._init_handles()  # loaded onto the device: ``run`` and ``function`` are final
         kept = _Kept(device, key, compiled, compiled.run, compiled.function, compiled.packed_metadata,
-                     c_entry(compiled))
+                     c_entry(compiled), c_entry(compiled, GRID_ENTRIES))
         self._compiled[(device, key)] = kept
         return kept
 
@@ -215,6 +245,19 @@ class Launcher:
                 kept.run(grid[0], 1, 1, stream, kept.function, kept.metadata, None, None, None, *args)
         else:
             kept.compiled[grid + (1,) * (3 - len(grid))](*args)  # a compiled kernel takes a 3-D grid
+
+    def launch_and_keep(self, grid: tuple, args: tuple, key: tuple, options: dict) -> None:
+        """``kernel[grid](*args, **options)`` (``options``: launch options such as ``num_warps``,
+        part of ``key``), the compiled kernel kept under ``key`` for :meth:`grid_entry_for`."""
+        compiled = self.kernel[grid](*args, **options)
+        if self.direct:
+            self._keep(_current_device(), key, compiled)
+
+    def grid_entry_for(self, device: int, key: tuple) -> GridEntry | None:
+        """The 3-D-grid C entry of the kernel kept for ``(device, key)``, or None (the same
+        caller's duties as :meth:`entry_for`)."""
+        kept = self._compiled.get((device, key)) if self.direct else None
+        return None if kept is None else kept.grid_entry
 
     def warmup(self, grid: tuple, args: tuple, key: tuple = ()) -> float:
         """Compile (or load from Triton's cache) without launching; returns the seconds it took."""

@@ -3,6 +3,8 @@
 * ``generate`` -- what it allows for a batch: one left-padded batch, every answer as long as
   the longest (``max_new_tokens`` is one number per call); throughput counts each request's
   own answer, as the engines do, so the padding and the surplus tokens are its cost;
+* ``generate_static_compiled`` -- the same batch through transformers' fastest documented path
+  (a static cache and ``torch.compile``, :func:`static_compiled_generate`), compiled first;
 * ``generate_batch``'s continuous-batching manager (``init_continuous_batching``, then
   ``add_request`` with each request's own ``max_new_tokens``: ``generate_batch`` itself takes
   one number for all) -- offline on the same requests, and online with Poisson arrivals,
@@ -20,8 +22,9 @@ import torch
 from .serve_workloads import arrivals_at, latency_summary, sync
 
 
-def padded_generate(model, prompts, answers) -> dict:
-    longest = max(map(len, prompts))
+def padded_generate(model, prompts, answers, pad_to: int = 1) -> dict:
+    """One left-padded ``generate`` call (``pad_to``: the padded length rounded up to a multiple)."""
+    longest = -(-max(map(len, prompts)) // pad_to) * pad_to
     ids = torch.tensor([[0] * (longest - len(p)) + p for p in prompts], device=model.device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     sync(model.device)
@@ -33,6 +36,29 @@ def padded_generate(model, prompts, answers) -> dict:
     seconds = time.perf_counter() - start
     return dict(seconds=seconds, tokens=sum(answers), tokens_per_s=sum(answers) / seconds,
                 generated=(out.shape[1] - longest) * len(prompts), requests=len(prompts))
+
+
+def static_compiled_generate(model, prompts, answers) -> dict:
+    """transformers' fastest documented path for a batch (``docs/source/en/llm_optims.md``,
+    "Static kv-cache and torch.compile", option 1): ``generation_config.cache_implementation =
+    "static"`` and ``model.forward = torch.compile(model.forward, mode="reduce-overhead",
+    fullgraph=True)``, the batch left-padded to a multiple of 64 tokens (the page's tip against
+    shape recompiles). The first call compiles (its seconds are reported as ``compile_s``); the
+    second, on the same shapes, is timed. The model is restored afterwards."""
+    config = model.generation_config
+    before = config.cache_implementation
+    config.cache_implementation = "static"
+    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    try:
+        first = padded_generate(model, prompts, answers, pad_to=64)
+        out = padded_generate(model, prompts, answers, pad_to=64)
+    finally:
+        config.cache_implementation = before
+        model.__dict__.pop("forward", None)
+        model.__dict__.pop("_compiled_call", None)
+    out["compile_s"] = first["seconds"]
+    out["path"] = 'cache_implementation="static" + torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)'
+    return out
 
 
 class BatchManager:
@@ -128,6 +154,13 @@ def run_baselines(res: dict, model, prompts, answers, o_prompts, o_answers, gaps
     paths["generate"] = _attempt(lambda: padded_generate(model, prompts, answers), log, "generate")
     log(f"offline generate: {paths['generate']}")
     save(res)
+    if device.type == "cuda" and not over():       # (compiling in the interpreter takes minutes)
+        paths["generate_static_compiled"] = _attempt(lambda: static_compiled_generate(model, prompts, answers),
+                                                     log, "generate_static_compiled")
+        log(f"offline generate_static_compiled: {paths['generate_static_compiled']}")
+        save(res)
+    elif device.type == "cuda":
+        res["skipped"].append("generate_static_compiled")
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if smoke:

@@ -8,9 +8,11 @@ from ..course.viz.legibility import MAX_WIDTH_IN
 SERVE_LABELS = {"kvlab": "kvlab, overlap scheduling", "kvlab_no_overlap": "kvlab, no overlap",
                 "kvlab_subset": "kvlab, overlap scheduling", "kvlab_no_overlap_subset": "kvlab, no overlap",
                 "generate": "transformers generate (one padded batch)",
+                "generate_static_compiled": "transformers generate, static cache + torch.compile",
                 "generate_batch": "transformers generate_batch (its manager)"}
 COLORS = {"kvlab": "#2e7d32", "kvlab_no_overlap": "#a5d6a7", "kvlab_subset": "#2e7d32",
-          "kvlab_no_overlap_subset": "#a5d6a7", "generate": "#5b7fbf", "generate_batch": "#8e6c8a"}
+          "kvlab_no_overlap_subset": "#a5d6a7", "generate": "#5b7fbf", "generate_batch": "#8e6c8a",
+          "generate_static_compiled": "#2f4f8f"}
 
 
 def _f(x, fmt="{:.0f}") -> str:
@@ -54,17 +56,42 @@ def serve_section(s: dict) -> list[str]:
               f"workload. kvlab ran those same {n} requests too, and the generate and generate_batch targets compare "
               "kvlab with each on them. `generate` takes one `max_new_tokens` per call: its batch runs to the longest "
               "answer, and only each request's own tokens count.", "",
-              "| path | requests | tokens | seconds | tokens/s | steps | most running |", "|---|---|---|---|---|---|---|"]
+              "| path | requests | tokens | seconds | tokens/s | steps | most running | floor, s (x floor) |",
+              "|---|---|---|---|---|---|---|---|"]
     for name, e in off["paths"].items():
         if "error" in e:
-            lines.append(f"| {SERVE_LABELS.get(name, name)} | failed: {e['error']} | | | | | |")
+            lines.append(f"| {SERVE_LABELS.get(name, name)} | failed: {e['error']} | | | | | | |")
             continue
         st = e.get("stats", {})
+        floor = (f"{e['floor_s']:.2f} ({e['ratio_to_floor']:.2f})" if e.get("floor_s") else "–")
+        steps = st.get("steps", "–") if st else (f"{e['generated'] // e['requests']} (one batch)"
+                                                  if e.get("generated") else "–")
         lines.append(f"| {SERVE_LABELS.get(name, name)} | {e['requests']} | {e['tokens']} | {e['seconds']:.2f} | "
-                     f"{e['tokens_per_s']:.0f} | {st.get('steps', '–')} | {st.get('most_running', '–')} |")
+                     f"{e['tokens_per_s']:.0f} | {steps} | {st.get('most_running', '–')} | {floor} |")
+    lines += _floor_lines(off)
     lines += _online_lines(s["online"]) + _busy_lines(s["busy"])
     if s.get("skipped"):
         lines += ["", "Not run (the time budget of one GPU call, or the interpreter): " + "; ".join(s["skipped"]) + "."]
+    return lines
+
+
+def _floor_lines(off: dict) -> list[str]:
+    f = off.get("floor")
+    if not f:
+        return []
+    peak = f"{f['peak_flops'] / 1e12:.0f} TFLOP/s (dense bfloat16)" if f.get("peak_flops") else "unknown (bytes only)"
+    flops = f"{f['flops_s']:.2f} s" if f.get("flops_s") is not None else "–"
+    lines = ["", f"The floor of a run (`kvlab.bench.serve_floor`): for each of its {f['steps']} steps the larger of "
+             "its bytes (every weight, the output projection's too; the K/V every decoding request reads, its "
+             f"new token's included; the logits) over the measured bandwidth ({f['gb_per_s']:.0f} GB/s) and its "
+             f"FLOPs (2 x parameters x tokens, plus the prompts' attention) over the GPU's peak, {peak}; summed: "
+             f"**{f['seconds']:.2f} s** ({f['bytes'] / 1e12:.2f} TB: {f['bytes_s']:.2f} s of bytes; "
+             f"{f['flops'] / 1e12:.0f} TFLOP: {flops} of arithmetic)."]
+    static = off["paths"].get("generate_static_compiled", {})
+    if static.get("compile_s"):
+        lines += ["", f"transformers' static cache + torch.compile: {static['path']}, as its optimisation guide "
+                  "(`docs/source/en/llm_optims.md`) recommends; its first call, which compiles, took "
+                  f"{static['compile_s']:.1f} s and is not counted; the row is its second call."]
     return lines
 
 
@@ -147,6 +174,12 @@ def _offline_bars(ax, s: dict) -> None:
     ax.barh(range(len(names)), vals, color=[COLORS.get(n, "gray") for n in names])
     for i, v in enumerate(vals):
         ax.text(v, i, f" {v:.0f}", va="center", fontsize=7)
+    ceiling = [(i, off[n]["tokens"] / off[n]["floor_s"]) for i, n in enumerate(names) if off[n].get("floor_s")]
+    for i, v in ceiling:                 # the floor's tokens/s: what the steps it took would allow
+        ax.plot([v, v], [i - 0.4, i + 0.4], color="black", lw=1.2, label="its floor" if i == ceiling[0][0] else None)
+        vals.append(v)
+    if ceiling:
+        ax.legend(fontsize=7, loc="lower right")
     ax.set_yticks(range(len(names)))
     ax.set_yticklabels([f"{SERVE_LABELS.get(n, n)}, {off[n]['requests']} req." for n in names], fontsize=7)
     ax.invert_yaxis()

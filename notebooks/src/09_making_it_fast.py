@@ -836,9 +836,10 @@ kvlab.check.hint("merge_splits", 1);
 #
 # The package's kernels (`kvlab.attention.split_kernels`) are these two, plus what a GPU needs:
 # `tl.dot` in the pool's 16-bit dtype there (exact float32 in the interpreter, whose `tl.dot`
-# gets bfloat16 matrices wrong), blocks of 128 positions, and the one-split shortcut. Their host
-# wrapper, `kvlab.attention.paged_attention.fast_paged_decode_attention`, checks exactly what chapter 08's
-# wrapper checks, before any launch. Your kernels (each once it passes its checker; until then
+# gets bfloat16 matrices wrong), blocks of 128 positions (64 for heads of 128 values), the
+# one-split shortcut, and the checks of chapter 08's wrapper moved into the kernel (the optional
+# part at the end says why). Their public wrapper, `kvlab.attention.paged_attention.fast_paged_decode_attention`,
+# refuses what chapter 08's wrapper refuses. Your kernels (each once it passes its checker; until then
 # the reference stands in), launched one after the other, must give what it gives, and what
 # the oracle gives, on random layouts: page sizes 1, 3 and 16, grouped and plain multi-head
 # attention, ragged lengths, one to five splits.
@@ -941,14 +942,68 @@ print("start-up:", ", ".join(f"{n} {s:.1f} s" for n, s in st["startup_s"].items(
 # Compiling costs start-up time (the start-up line above: the compiled generator beside the
 # others) and buys a shorter step at every size captured, so `PagedGenerator` compiles by default where it captures graphs (a
 # GPU), and not in the interpreter, where there are no graphs to capture and compiling would
-# only slow a chapter down (`compile_decode=` overrides it either way). The targets of the
-# saved run, and the whole picture:
+# only slow a chapter down (`compile_decode=` overrides it either way).
+#
+# Most of those seconds are the same work every time: the same model code, the same symbolic
+# batch size, the same versions of torch and Triton. `torch.compile` caches what its last stage
+# builds on disk (the compiled graphs and the Triton kernels it generated), by default in the
+# system's temporary folder; `kvlab.serving.hf.compile_cache` points it at a folder of kvlab's own, one
+# per torch, Triton and GPU, so the second start on a machine loads the kernels instead of
+# compiling them. Only tracing the Python code and capturing the graphs are left. The saved run
+# built the serving generator twice in fresh processes, on new, empty cache folders:
+
+# %%
+boot = att.get("startup")
+if boot and "warm" in boot:
+    print(", ".join(f"{k}: {v['seconds']:.1f} s" for k, v in boot.items() if isinstance(v, dict) and "seconds" in v),
+          f"({boot['cold'].get('sizes')} batch sizes captured, {boot['cold'].get('dynamo_graphs')} graphs compiled)")
+else:
+    print("the saved run predates this measurement: python -m kvlab.bench --attention records it")
+
+# %% [markdown]
+# The targets of the saved run, and the whole picture:
 
 # %% alt="Left: decode attention time over the memory floor on a log scale for batches of 1 to 256 and contexts of 512 to 32768 tokens, chapter 08's kernel far above, chapter 09's kernel and transformers' SDPA near the floor; right: the whole decode step's replay time over the floor with the fast kernels, with torch.compile, and with chapter 08's kernel, measured on the GPU the title names."
 for t in att["targets"]:
     verdict = "n/a" if t["passed"] is None else ("PASS" if t["passed"] else "FAIL")
     print(f"[{verdict}] {t['name']}: {t['measured']} ({t['rule']})")
 fig = bench_plots.plot_attention(bench)
+plt.show()
+
+# %% [markdown]
+# ### Where the step's time goes
+#
+# A ratio says how far the step is from its floor, not why. The floor is a sum, and so is the
+# step: each of its few hundred kernels has bytes it must move, and so a floor of its own.
+# `kvlab.bench.step_profile` profiles the CUDA-graph replay with `torch.profiler`, sorts the
+# kernels into the kinds of work a layer does and puts each kind's time beside its floor. The
+# picture is drawn from profiles saved in `figures/09_step_profile.json` and in the saved
+# benchmark run (when it has one): faded, the step before its attention kernel stored the new
+# K/V itself (the file names the commit), solid, the step the saved run measured.
+#
+# Read each bar against its black line:
+#
+# * **attention** moves most of the bytes (every K/V row of every context) and is the one kind
+#   near its floor: at 256 running requests the GPU is full of programs; at 64 it has fewer
+#   programs than it could run at once, and a program has few blocks to walk;
+# * the **K/V store** was two `index_put` kernels per layer, 56 per step, to write 15 MB: a
+#   few microseconds each, whatever they write. Question 3 below asks whether the split kernel
+#   could store them itself: kvlab's now does, so a run recorded since has no such bar;
+# * **matrix products** read every weight once, 1.2 GB, the output projection's included; at 64
+#   running requests each is a few microseconds, well above what its bytes take;
+# * **norms, rotary, activation**: what `torch.compile` fused, several small kernels per layer,
+#   each far above its tiny floor: their time is the cost of a kernel, not of its bytes.
+
+# %% alt="Horizontal bars, one panel for 64 and one for 256 running requests, of the decode step's GPU time per kind of kernel (attention, K/V store, matrix products, norms/rotary/activation, greedy choice, copies), a faded bar for the recorded run before the changes and a solid one after, with a black line at each kind's floor: attention close to its floor, the small kernels far above theirs, the K/V store gone after."
+from kvlab.bench.decode_report import plot_step_profile
+from kvlab.course.scenes.ch09_making_it_fast import step_profile_runs
+
+runs = step_profile_runs(bench)
+for run in runs:
+    for r in run["rows"]:
+        print(f"{run['label']}: {r['batch']} running, {r['replay_us']:.0f} µs, "
+              f"{r['replay_us'] / r['floor_us']:.2f}x its floor of {r['floor_us']:.0f} µs")
+fig = plot_step_profile(runs)
 plt.show()
 
 # %% [markdown]
@@ -1104,6 +1159,55 @@ else:
         print(f"{name:>20}: {entry['loop_us']:6.1f} µs per call, {entry['syncs']} sync(s) per call")
 
 # %% [markdown]
+# ### The attention call: the same discipline
+#
+# `kvlab.attention.paged_attention.fast_paged_decode_attention` is a public call too, and chapter 08's wrapper,
+# whose checks it started with, checks the obvious way: every row in range, every length in
+# `[1, columns]`, every slot a request reads inside the pool, each an `if bad.any():` on a GPU
+# tensor. On the H200 that made the call cost about 400 µs for kernels of a few microseconds,
+# and about 100 µs even with the checks off (two launches through `kernel[grid]`, a device
+# query for the split count, three allocations). Transformers' SDPA decode on the same shapes
+# costs about 30 µs. The fast call now keeps every check and pays for none of them with a wait:
+#
+# - **what the host can judge, once**: types, shapes, dtypes, devices, strides, `scale`,
+#   `num_splits`, `config`, `out_dtype` are judged the first time a combination is seen and
+#   remembered as a plan (`kvlab.attention.attention_plan`), keyed by the shapes and the options *and
+#   their types*: in Python `True == 1` and `numpy.int64(2) == 2`, so a cache keyed by values
+#   alone would let a bool through on the back of a good int;
+# - **what only the device knows, in the kernel**: the split kernel checks its request's row,
+#   length and every slot it is about to read. A request that breaks a rule reads nothing
+#   outside the pool and gets a NaN output, and the first refusal is written into a word of
+#   [pinned](glossary.md#pinned-memory) memory. The host never waits for it: the next checked
+#   call reads the word where it lies and raises it, or `check_attention_errors()` waits for the
+#   GPU and raises it (in the interpreter, where reading costs nothing, the call raises at once);
+# - **the launches**: after a plan's first call its two kernels are launched through their C
+#   launchers with addresses, as the allocator's are, and the split count comes from the number
+#   of multiprocessors, asked once per device.
+
+# %%
+from kvlab.attention.attention_rules import check_attention_errors
+
+q, k_pool, v_pool, table, rows_, lens = random_paged_layout(2, 4, [6, 3], heads=4, kv_heads=2, head_dim=16,
+                                                            device=device)
+bad_rows = rows_.clone()
+bad_rows[1] = table.shape[0] + 2                      # request 1 names a row the table does not have
+try:
+    fast_paged_decode_attention(q, k_pool, v_pool, table, bad_rows, lens)
+    check_attention_errors()                          # on a GPU the refusal is raised here
+    raise AssertionError("should have been refused")
+except kvlab.InvalidArgument as err:
+    print("refused:", err)
+public = att.get("public")
+if public:
+    for r in public:
+        p = r["paths"]
+        print(f"batch {r['batch']:>2} x {r['ctx']}: " + ", ".join(
+            f"{name} {e['wall_us']:.0f} µs ({e['syncs']} syncs)" for name, e in p.items())
+              + f" | checked fast call / SDPA: {p['fast']['vs_sdpa']:.2f}")
+else:
+    print("the saved run predates this measurement: python -m kvlab.bench --attention records it")
+
+# %% [markdown]
 # ## Summary
 #
 # - **Compile once.** Sizes that vary per batch must be runtime arguments; loop over them in
@@ -1122,6 +1226,9 @@ else:
 # - **Host work is counted in calls, not elements.** A NumPy or Python-wrapper call costs about
 #   a microsecond whatever it does: count the batch in one C call, launch through the C
 #   launcher with addresses, and wait (when a call must) on pinned memory instead of `.item()`.
+# - **Checks on values only the device holds belong in the kernel.** The fast attention call
+#   judges shapes and options once per combination, and lets its kernel refuse a bad row,
+#   length or slot, reporting through pinned memory: every check kept, no wait.
 # - **Decode attention is bytes.** Measure it against the memory floor; read each K/V byte once
 #   (the query heads of a group in one program, `tl.dot` for their scores), cut long requests
 #   into splits so the GPU has programs to run, and merge the splits with the log-sum-exp,
@@ -1185,12 +1292,15 @@ print("versions for bs = 1..256:", len({triton.next_power_of_2(bs) for bs in ran
 #
 # **3. Storing the new K/V in the kernel.** Every program of a request and K/V head reads its
 # own split, and exactly one split holds the new token's position `seq_len - 1`: the last live
-# one. That program can store `k[b, g]` and `v[b, g]` at `page_table[row, seq_len - 1]` before
-# its loop, saving two launches per layer (and the lookup of the slot). What it must make sure
-# of: that its own loads of that slot see the store (the threads of a program that load a
-# row are not always those that stored it, so a barrier, `tl.debug_barrier()`, between the
-# store and the loop), and that no *other* program reads the slot, which holds as long as the
-# splits do not overlap and only the last one contains the new position. A merge-free launch
-# (one split) is the same program with one split. The price is a kernel that does two jobs, and
-# a contract (`paged_attention_step`: store, then attend) that the kernel now keeps in a way
-# the host cannot check.
+# one. That program can store `k[b, g]` and `v[b, g]` at `page_table[row, seq_len - 1]`, saving
+# two launches per layer (and the lookup of the slot). What it must make sure of: that no
+# program reads the slot while it is being written. No *other* program reads it as long as the
+# splits do not overlap and only the last one contains the new position (padded entries of a
+# CUDA-graph batch all write the dummy slot, but none reads it). The storing program itself
+# could store first and then read the row back, with a barrier between (`tl.debug_barrier()`:
+# the threads that load a row are not always those that stored it). kvlab's split kernel does
+# without the read: every program loads the new row from `k`/`v` into registers, masks the new
+# position out of its pool loads and puts the registers' row in its place (`STORE` in
+# `kvlab.attention.split_kernels`). The price is a kernel that does two jobs, and a contract
+# (`paged_attention_step`: store, then attend) that the kernel now keeps in a way the host
+# cannot check; the profile above shows what it bought.

@@ -657,7 +657,9 @@ kvlab.check.hint("pad_decode_batch", 1)
 # %% [markdown]
 # ## Lift: your padding against the generator's
 #
-# `kvlab.serving.hf.pad_decode_batch` is what `PagedGenerator`'s graphs call before every replay. On
+# `kvlab.serving.hf.pad_decode_batch` is the padding `PagedGenerator`'s graphs do before every replay
+# (they pad on the host, in the one copy of a step's inputs, and leave the slot lookup to the
+# attention kernel, which finds each slot in the page table itself; chapter 09). On
 # random steps (once yours passes the checker; until then the package's stands in) both must
 # give the same entries. `kvlab.attention.kv_pool.random_decode_step` draws such a step: requests on
 # shuffled pages in shuffled rows, and a dummy row that maps only the dummy page.
@@ -796,9 +798,15 @@ else:
 #
 # * **offline** -- nano-vllm's `bench.py` (mini-sglang's `benchmark/offline/bench.py` adapts
 #   it): 256 requests, seed 0, prompts and answers each 100-1024 tokens, no end of text;
-#   output tokens per second over the whole call. kvlab with and without overlap;
-#   transformers' `generate` and `generate_batch` only on a few of the requests, answers cut
-#   short (their loops would take minutes), with kvlab on the same requests beside them;
+#   output tokens per second over the whole call. kvlab with and without overlap, each
+#   against **the floor of the steps it took** (`kvlab.bench.serve_floor`): every step must
+#   read every weight once and the K/V of every position its decoding requests attend to, and
+#   do its prompt tokens' arithmetic, so its time is at least the larger of its bytes over the
+#   measured bandwidth and its FLOPs over the GPU's dense bfloat16 peak; the run's floor is the
+#   sum. transformers' `generate`, its fastest documented path (a static cache and
+#   `torch.compile`, as its optimisation guide recommends, compiled before the timed call) and
+#   `generate_batch` only on a few of the requests, answers cut short (their loops would take
+#   minutes), with kvlab on the same requests beside them;
 # * **online** -- requests arriving as a Poisson process at several rates: time to first token
 #   (TTFT), the time between two tokens of a request (ITL) and end-to-end latency, p50 / p99;
 # * **GPU busy** -- the share of each decode step's time the GPU works (CUDA events around
@@ -818,7 +826,8 @@ if "offline" in saved:
     off = saved["offline"]["paths"]
     for name, e in off.items():
         if "tokens_per_s" in e:
-            print(f"{name:24s} {e['requests']:3d} requests: {e['tokens_per_s']:7.0f} output tokens/s")
+            floor = f", {e['ratio_to_floor']:.2f}x the floor of its steps" if e.get("ratio_to_floor") else ""
+            print(f"{name:24s} {e['requests']:3d} requests: {e['tokens_per_s']:7.0f} output tokens/s{floor}")
     for name in ("64", "256"):
         on, no = saved["busy"]["paths"].get(f"overlap_{name}", {}), saved["busy"]["paths"].get(f"no_overlap_{name}", {})
         if on.get("busy") is not None and no.get("busy") is not None:
@@ -837,9 +846,13 @@ else:
 #   token pays a step (point 4 above), while the time between tokens gets shorter;
 # * **where it saturates**: past some arrival rate, the requests served per second stop
 #   following the rate and latencies climb -- the server is full;
+# * **the floor**: the whole-workload runs' ratio says how much of the time the GPU's bytes and
+#   arithmetic explain; the rest is what the loop adds (steps with few requests, whose weights
+#   are read for little work; the prompts' chunks, computed request by request; the host);
 # * **transformers' paths**: `generate` pads every prompt of its batch to the longest and runs
-#   every answer to the longest, launching every kernel from Python; `generate_batch` schedules
-#   requests itself but, in the transformers version the table names, is slower still.
+#   every answer to the longest, launching every kernel from Python; with a static cache and
+#   `torch.compile` the same batch replays a compiled, captured step instead; `generate_batch`
+#   schedules requests itself but, in the transformers version the table names, is slower still.
 
 # %% [markdown]
 # ## Summary

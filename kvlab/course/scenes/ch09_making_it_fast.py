@@ -35,6 +35,22 @@ def load_bench(path: "str | Path | None" = None) -> dict:
     return load(str(p))
 
 
+def step_profile_runs(bench: dict) -> list[dict]:
+    """The decode step's recorded profiles by kind (``figures/09_step_profile.json``), and the
+    saved benchmark run's own last, when it has one (``bench["attention"]["step"]``)."""
+    import json
+
+    with open(BENCH_JSON.parent / "09_step_profile.json") as f:
+        runs = list(json.load(f)["runs"])
+    att = bench.get("attention", {})
+    rows = [r for r in att.get("step", {}).get("rows", []) if "profile" in r]
+    if rows:
+        runs.append(dict(label="now: the saved benchmark run", device=att.get("meta", {}).get("device", ""),
+                         rows=[dict(batch=r["batch"], replay_us=r["paths"][r["profile"]["path"]]["replay_us"],
+                                    floor_us=r["floor_us"], by_kind=r["profile"]["by_kind"]) for r in rows]))
+    return runs
+
+
 def _syncs(n) -> str:
     return f"{n} sync" if n == 1 else f"{n} syncs"
 

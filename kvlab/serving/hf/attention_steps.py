@@ -25,8 +25,9 @@ Shapes (one layer; GQA: ``heads = kv_heads * group``)::
 * :func:`paged_attention_step` -- one decode step of one layer for a batch: write the new K/V
   at the slots the page table names, then paged attention over ``[0, position]`` (the
   chapter's exercise, and what :class:`kvlab.serving.hf.PagedGenerator` runs for every decode token;
-  ``impl="fast"``, the default, reads through chapter 09's kernels, ``"teaching"`` through
-  chapter 08's);
+  ``impl="fast"``, the default, reads through chapter 09's kernels, whose split kernel stores
+  the new K/V itself, ``"teaching"`` writes them with two ``index_put`` and reads through
+  chapter 08's kernel);
 * :func:`prefill_attention` -- several new tokens of one request at once (a prompt or a chunk
   of one), causal, through the row, with torch's ``scaled_dot_product_attention``.
 """
@@ -39,6 +40,7 @@ import torch
 from ...base.args import check_int, check_scale, is_int
 from ...attention.paged_attention import (check_paged_attention_inputs, check_rows_mapped, fast_paged_decode_attention,
                          paged_decode_attention)
+from ...attention.attention_plan import attend
 from ...base.errors import InvalidArgument
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_attention_reference",
@@ -129,28 +131,32 @@ def paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions,
         scale = check_scale(scale)
     rows = torch.as_tensor(rows, device=page_table.device).long()
     positions = torch.as_tensor(positions, device=page_table.device).long()
-    if slots is None:
-        slots = page_table[rows, positions].long()    # where each request's new token goes
     if seq_lens is None:
         seq_lens = positions + 1
+    if impl == "fast":   # the split kernel stores the new K/V itself (no index_put launches)
+        if k.stride(-1) != 1 or v.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        return attend(q, k_pool, v_pool, page_table, rows, seq_lens, new_k=k, new_v=v, scale=scale,
+                      out_dtype=out_dtype, check=False)
+    if slots is None:
+        slots = page_table[rows, positions].long()    # where each request's new token goes
     k_pool[slots] = k.to(k_pool.dtype)
     v_pool[slots] = v.to(v_pool.dtype)
-    if impl == "fast":
-        return fast_paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens, scale,
-                                           out_dtype=out_dtype, check=False)
     return paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens, scale,
                                   check=False).to(out_dtype)
 
 
 def warm_up_fast_kernels(k_pool, v_pool, page_table, row: int, heads: int, dtype: torch.dtype) -> None:
-    """Compile both variants of chapter 09's decode kernels now (one split, written directly;
-    several, then merged) by attending once from ``row``'s position 0 each way: a server
-    meets both as its batch grows, and should compile neither while it serves."""
+    """Compile both variants of chapter 09's decode kernels as a decode step launches them
+    (storing the new K/V first) now, one split written directly and several then merged, by a
+    step of one request on ``row`` (a dummy row: its slot is nobody's) at position 0 each way:
+    a server meets both as its batch grows, and should compile neither while it serves."""
     q = torch.zeros(1, heads, k_pool.shape[2], dtype=dtype, device=k_pool.device)
+    new = torch.zeros(1, k_pool.shape[1], k_pool.shape[2], dtype=dtype, device=k_pool.device)
     one = torch.tensor([row], device=page_table.device)
     for splits in (1, 2):
-        fast_paged_decode_attention(q, k_pool, v_pool, page_table, one, torch.ones_like(one),
-                                    num_splits=splits, out_dtype=dtype, check=False)
+        attend(q, k_pool, v_pool, page_table, one, torch.ones_like(one), new_k=new, new_v=new,
+               num_splits=splits, out_dtype=dtype, check=False)
 
 
 # --- prefill: several new tokens of one request -------------------------------------------

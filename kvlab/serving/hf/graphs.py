@@ -47,6 +47,7 @@ import torch
 from ...base.args import check_int
 from ...base.errors import InvalidArgument
 from .attention_steps import warm_up_fast_kernels
+from .compile_cache import use_compile_cache
 from .fuse import fuse_projections, fused_forwards
 from .step import StepBatch, to_device
 
@@ -158,20 +159,23 @@ class DecodeGraphs:
         device = page_table.device
         max_bs = self.sizes[-1]
         # the entries' token ids, positions and page-table rows: the graphs read these buffers
-        self.ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.rows = torch.full((max_bs,), dummy_row, dtype=torch.int64, device=device)
-        self.logits = torch.zeros(max_bs, model.config.vocab_size, dtype=model.dtype, device=device)
-        self.tokens = torch.zeros(max_bs, dtype=torch.int64, device=device)
+        # (rows of one buffer: a step's padded entries arrive in one copy)
+        self.inputs = torch.zeros(3, max_bs, dtype=torch.int64, device=device)
+        self.ids, self.positions, self.rows = self.inputs[0], self.inputs[1], self.inputs[2]
+        self.rows.fill_(dummy_row)
+        #: each size's outputs, ``(tokens, logits)``: a captured graph writes the same tensors at
+        #: every replay (read them before the next replay), an eager step new ones
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.steps = {bs: StepBatch(pool=pool, page_table=page_table, single_rows=self.rows[:bs],
                                     single_positions=self.positions[:bs], decode_step=decode_step,
                                     attention=attention)
                       for bs in self.sizes}
         self.compiled = compile
+        self.compile_cache: str | None = None
         self.fuse = fuse
         #: projection groups computed as one product in the step (see :mod:`kvlab.serving.hf.fuse`)
         self.fused_groups = fuse_projections(model) if fuse else 0
-        self._model_forward = model.forward
+        self._decode = self._logits_and_tokens
         if compile:
             self._compile()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -199,21 +203,28 @@ class DecodeGraphs:
         break), so the K/V store and the Triton kernels run as they are, and the compiler fuses what lies between two attention calls -- norms, RoPE,
         activations, residual adds -- into a few kernels. The batch size is a symbolic size
         (``dynamic=True``), so all sizes share the compiled code: one compilation (and one for
-        size 1) at start-up rather than one per size."""
-        self._model_forward = torch.compile(self.model.forward, dynamic=True)
+        size 1) at start-up rather than one per size. The greedy choice (the argmax over the
+        vocabulary) is compiled with the logits it reads."""
+        #: where the compiled kernels are kept for the next start (kvlab.serving.hf.compile_cache)
+        self.compile_cache = use_compile_cache()
+        self._decode = torch.compile(self._logits_and_tokens, dynamic=True)
+
+    def _logits_and_tokens(self, ids: torch.Tensor, positions: torch.Tensor, step: StepBatch):
+        """The model's logits of one decode token per entry, and each entry's greedy token."""
+        logits = self.model(input_ids=ids[None], position_ids=positions[None], use_cache=False,
+                            logits_to_keep=0, kvlab_step=step).logits[0]
+        return torch.argmax(logits, dim=-1), logits
 
     def _forward(self, bs: int) -> None:
         """The step at size ``bs``: what a graph records and replays."""
         ids, positions = self.ids[:bs], self.positions[:bs]
         step = self.steps[bs]
         # what every layer's attention reads, computed once per step (a graph records it once)
-        step.single_slots = self.page_table[self.rows[:bs], positions].long()
+        if step.attention != "fast" or step.decode_step is not None:   # (the fast kernel finds the slot)
+            step.single_slots = self.page_table[self.rows[:bs], positions].long()
         step.single_seq_lens = positions + 1
         with fused_forwards(self.model) if self.fuse else nullcontext():
-            logits = self._model_forward(input_ids=ids[None], position_ids=positions[None], use_cache=False,
-                                         logits_to_keep=0, kvlab_step=step).logits[0]
-        self.logits[:bs].copy_(logits)
-        torch.argmax(logits, dim=-1, out=self.tokens[:bs])
+            self.outputs[bs] = self._decode(ids, positions, step)
 
     def _capture(self) -> None:
         """Largest size first, one memory pool for all (mini-sglang's order); every entry the
@@ -246,19 +257,18 @@ class DecodeGraphs:
         ``last_tokens`` (overlap scheduling): each entry's token id is ``last_tokens[row]`` on
         the device, not ``input_ids``, and the step's new tokens are written back there."""
         n = len(rows)
-        entries = to_device(torch.tensor([input_ids, positions, rows], dtype=torch.int64),
-                          self.page_table.device)
-        rows_p, positions_p, _ = pad_decode_batch(entries[2], entries[1], self.page_table, self.sizes,
-                                                  self.dummy_row, check=False)
-        bs = len(rows_p)
-        self.ids[n:bs].zero_()
-        self.ids[:n].copy_(entries[0] if last_tokens is None else last_tokens[entries[2]])
-        self.positions[:bs].copy_(positions_p)
-        self.rows[:bs].copy_(rows_p)
+        bs = self.padded_size(n)
+        pad = bs - n        # the dummy request at position 0 (pad_decode_batch), padded on the host
+        host = torch.tensor([[*input_ids, *[0] * pad], [*positions, *[0] * pad],
+                             [*rows, *[self.dummy_row] * pad]], dtype=torch.int64)
+        self.inputs[:, :bs].copy_(to_device(host, self.page_table.device))
+        if last_tokens is not None:
+            self.ids[:n].copy_(last_tokens[self.rows[:n]])
         if self.capture:
             self.graphs[bs].replay()
         else:
             self._forward(bs)
+        tokens, logits = self.outputs[bs]
         if last_tokens is not None:
-            last_tokens[entries[2]] = self.tokens[:n]
-        return self.tokens[:n], self.logits[:n]
+            last_tokens[self.rows[:n]] = tokens[:n]
+        return tokens[:n], logits[:n]
