@@ -9,6 +9,9 @@ This extension
   which ``-W`` turns into a failed build;
 * writes a description and link-preview tags (Open Graph, Twitter card) into every page's
   head, with the page's picture (copied to ``_static/previews/``) as the preview image;
+* gives the search page the chapters that introduce each term of the glossary (``### term``
+  headings, each entry's "(chapter NN)"), so that ``kvlab.js`` ranks that chapter first when
+  a query names the term;
 * trims what the theme ships but the site does not use: pydata-sphinx-theme's Font Awesome
   script (1.5 MB, which only turns the icon font's ``<i>`` tags into inline SVG; the theme's
   stylesheet already draws the same icons from its web fonts), the glyphs of those web fonts
@@ -84,6 +87,38 @@ def _meta_tags(app, pagename, templatename, context, doctree) -> None:
     context["metatags"] = context.get("metatags", "") + "\n".join(lines) + "\n"
 
 
+_TERM = re.compile(r"^### (?P<heading>.+)\n\*\*(?P<name>[^*]+)\*\* \(chapters? "
+                   r"(?P<chapters>\d\d(?:(?:, | and )\d\d)*)\)", re.M)
+
+
+def term_key(text: str) -> str:
+    """A term as a query names it: lower case, ``_``, ``-`` and spaces alike (kvlab.js too)."""
+    return " ".join(re.split(r"[\s_-]+", text.lower())).strip()
+
+
+def teaching_chapters(glossary: str, docnames) -> dict[str, list[str]]:
+    """Term (:func:`term_key`) -> the pages of the chapters the glossary says introduce it."""
+    by_number = {}
+    for doc in sorted(docnames):
+        if re.match(r"\d\d_", doc):
+            by_number.setdefault(doc[:2], doc)
+    terms = {}
+    for m in _TERM.finditer(glossary):
+        pages = [by_number[n] for n in re.findall(r"\d\d", m["chapters"]) if n in by_number]
+        for name in (m["heading"], m["name"]):
+            if pages:
+                terms.setdefault(term_key(name), pages)
+    return terms
+
+
+def _search_terms(app, pagename, templatename, context, doctree) -> None:
+    if pagename != "search":
+        return
+    path = Path(app.srcdir) / "glossary.md"
+    terms = teaching_chapters(path.read_text(), app.env.found_docs) if path.exists() else {}
+    app.add_js_file(None, body=f"const KVLAB_TERMS = {json.dumps(terms, sort_keys=True)};")
+
+
 def _finish(app, exception) -> None:
     if exception is not None or app.builder.name != "html":
         return
@@ -152,5 +187,6 @@ def setup(app):
     app.connect("builder-inited", _load)
     app.connect("doctree-read", _alt_for_figures)
     app.connect("html-page-context", _meta_tags)
+    app.connect("html-page-context", _search_terms)
     app.connect("build-finished", _finish)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}
