@@ -2,8 +2,9 @@
 #   make lab    set up .venv and open the course in JupyterLab (your notebooks: work/)
 #   make test   set up .venv, run the unit tests, execute every notebook (nbval), build the
 #               website and drive it and JupyterLab in headless Chromium (installs Debian's
-#               chromium if missing), then run the unit tests and chapters 03, 06, 08, 09, 10
-#               again with the oldest supported Triton and the newest NumPy (.venv-oldest)
+#               chromium if missing), then run the tests that depend on Triton's version
+#               (marker triton, tests/conftest.py) and chapters 03, 06, 08, 09, 10 again
+#               with the oldest supported Triton (.venv-oldest: .venv with that Triton)
 # `make help` lists every target: a target's "## " comment is its line there.
 
 PYTHON     ?= python3
@@ -16,7 +17,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_BUILD ?= auto
 PYTEST_WORKERS ?= 2
 # The oldest Triton kvlab supports (kvlab/triton_compat.py: OLDEST_TRITON; what torch 2.11 pins),
-# tested with whatever NumPy pip resolves for it today.
+# tested beside the newest NumPy (.venv's).
 TRITON_OLDEST ?= triton==3.6.0
 VENV_OLDEST   ?= .venv-oldest
 OLDEST_CHAPTERS ?= 03 06 08 09 10
