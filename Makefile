@@ -79,7 +79,7 @@ test-notebooks: setup  ## execute both builds of every chapter (nbval)
 # JupyterLab and the website in headless Chromium (Debian's chromium, installed once when missing).
 test-ui: setup site  ## the browser tests: JupyterLab, `make lab` itself, and the website (built first)
 	@sh tools/install_chromium.sh
-	$(BIN)/python -m pytest -q -m ui -p no:cacheprovider tests/ui/
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile -m ui -p no:cacheprovider tests/ui/
 
 # The same checks on the oldest supported Triton. .venv-oldest holds that Triton alone and
 # sees everything else in .venv (a .pth file adds .venv's site-packages after its own): .venv

@@ -414,21 +414,21 @@ def test_make_site_says_each_chapters_own_time(tmp_path, monkeypatch, capsys):
 
 def test_the_search_page_learns_which_chapter_introduces_each_term():
     sys.path.insert(0, str(ROOT / "website"))
-    import kvlab_site
+    import search_terms
 
     glossary = ("### kv pool\n**KV pool** (chapters 00 and 08). One buffer.\n\n"
                 "### new token ratio\n**New token ratio** (chapter 12). SGLang's estimate.\n\n"
                 "### token slot\n**Slot** (chapter 00). A place.\n\n### odd\nno chapter named\n")
     docs = ["00_tour", "08_capstone", "12_when_memory_runs_out", "index", "glossary"]
-    terms = kvlab_site.teaching_chapters(glossary, docs)
+    terms = search_terms.teaching_chapters(glossary, docs)
     assert terms == {"kv pool": ["00_tour", "08_capstone"], "new token ratio": ["12_when_memory_runs_out"],
                      "token slot": ["00_tour"], "slot": ["00_tour"]}
-    assert kvlab_site.term_key("new_token_ratio") == kvlab_site.term_key(" New-token  ratio") == \
+    assert search_terms.term_key("new_token_ratio") == search_terms.term_key(" New-token  ratio") == \
         "new token ratio"
     # the real glossary: every entry names the chapter that introduces it
     real = (ROOT / "notebooks" / "glossary.md").read_text()
     chapters = [p.stem for p in (ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py")]
-    found = kvlab_site.teaching_chapters(real, chapters)
+    found = search_terms.teaching_chapters(real, chapters)
     assert len(found) >= real.count("\n### ") and found["new token ratio"][0].startswith("12_")
 
 

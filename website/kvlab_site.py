@@ -27,6 +27,7 @@ import shutil
 from pathlib import Path
 
 from docutils import nodes
+from search_terms import teaching_chapters
 from sphinx.util import logging
 
 LOG = logging.getLogger(__name__)
@@ -85,30 +86,6 @@ def _meta_tags(app, pagename, templatename, context, doctree) -> None:
         attr = "property" if key.startswith("og:") else "name"
         lines.append(f'<meta {attr}="{key}" content="{html.escape(value, quote=True)}" />')
     context["metatags"] = context.get("metatags", "") + "\n".join(lines) + "\n"
-
-
-_TERM = re.compile(r"^### (?P<heading>.+)\n\*\*(?P<name>[^*]+)\*\* \(chapters? "
-                   r"(?P<chapters>\d\d(?:(?:, | and )\d\d)*)\)", re.M)
-
-
-def term_key(text: str) -> str:
-    """A term as a query names it: lower case, ``_``, ``-`` and spaces alike (kvlab.js too)."""
-    return " ".join(re.split(r"[\s_-]+", text.lower())).strip()
-
-
-def teaching_chapters(glossary: str, docnames) -> dict[str, list[str]]:
-    """Term (:func:`term_key`) -> the pages of the chapters the glossary says introduce it."""
-    by_number = {}
-    for doc in sorted(docnames):
-        if re.match(r"\d\d_", doc):
-            by_number.setdefault(doc[:2], doc)
-    terms = {}
-    for m in _TERM.finditer(glossary):
-        pages = [by_number[n] for n in re.findall(r"\d\d", m["chapters"]) if n in by_number]
-        for name in (m["heading"], m["name"]):
-            if pages:
-                terms.setdefault(term_key(name), pages)
-    return terms
 
 
 def _search_terms(app, pagename, templatename, context, doctree) -> None:
