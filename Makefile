@@ -16,7 +16,7 @@ BIN        := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TORCH_BUILD ?= auto
 PYTEST_WORKERS ?= 2
-# The oldest Triton kvlab supports (kvlab/triton_compat.py: OLDEST_TRITON; what torch 2.11 pins),
+# The oldest Triton kvlab supports (kvlab/base/triton_compat.py: OLDEST_TRITON; what torch 2.11 pins),
 # tested beside the newest NumPy (.venv's).
 TRITON_OLDEST ?= triton==3.6.0
 VENV_OLDEST   ?= .venv-oldest
@@ -102,7 +102,7 @@ test-oldest: setup-oldest  ## what depends on Triton's version (-m triton) and c
 	$(VENV_OLDEST)/bin/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile --nbval-lax --nbval-current-env -p no:cacheprovider $(foreach n,$(OLDEST_CHAPTERS),$(wildcard notebooks/solutions/$(n)_*.ipynb))
 
 figures: setup  ## render figures/ from the chapters' scenes
-	$(BIN)/python -m kvlab.scenes figures/
+	$(BIN)/python -m kvlab.course.scenes figures/
 
 # On a machine with CUDA: unit tests and every notebook with compiled Triton, in the
 # current Python (no venv; the GPU image already has torch and triton). kvlab is used from

@@ -9,7 +9,7 @@
 * No cell echoes what a call of ``kvlab.check`` or ``kvlab.solutions`` returned (an ``Out[..]``
   under a checker, a hint or a solution that was printed already): :func:`stray_echo`.
 * Every figure a notebook shows is legible in JupyterLab: at most 8.4 in wide, and its smallest
-  text at least 9 px tall in an 848 px output area (:mod:`kvlab.viz.legibility`). The kernels inherit
+  text at least 9 px tall in an 848 px output area (:mod:`kvlab.course.viz.legibility`). The kernels inherit
   ``KVLAB_FIGURE_AUDIT``, set here to a file of this worker's, so ``import kvlab`` measures
   each figure as it is rendered; the file is emptied when a notebook starts.
 
@@ -131,18 +131,18 @@ def _illegible(path: Path) -> str | None:
     shown = _images.pop(path, 0)
     if shown and not records:
         return (f"{path.name} showed {shown} image(s) but the figure audit measured none: "
-                "is KVLAB_FIGURE_AUDIT reaching the kernel (kvlab.viz.legibility.install_audit)?")
+                "is KVLAB_FIGURE_AUDIT reaching the kernel (kvlab.course.viz.legibility.install_audit)?")
     bad = [r for r in records if not r["legible"]]
     if not bad:
         return None
-    from kvlab.viz.legibility import MAX_WIDTH_IN, MIN_TEXT_PX, OUTPUT_WIDTH_PX
+    from kvlab.course.viz.legibility import MAX_WIDTH_IN, MIN_TEXT_PX, OUTPUT_WIDTH_PX
 
     lines = [f"  {r['width_px']} px wide at {r['dpi']:g} dpi, smallest text {r['smallest_pt']:g} pt "
              f"= {r['smallest_px']} px ('{r['smallest_text']}' in the figure titled '{r['title']}')"
              + (f": wider than {MAX_WIDTH_IN:g} in" if r.get("too_wide") else "") for r in bad]
     return (f"{path.name}: {len(bad)} of {len(records)} figures are wider than {MAX_WIDTH_IN:g} in or "
             f"have text under {MIN_TEXT_PX:g} px in a {OUTPUT_WIDTH_PX} px wide output area "
-            "(kvlab.viz.legibility):\n" + "\n".join(lines))
+            "(kvlab.course.viz.legibility):\n" + "\n".join(lines))
 
 
 def pytest_runtest_setup(item):

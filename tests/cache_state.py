@@ -5,22 +5,22 @@ the point is to see *everything* a call could have changed, not only what the AP
 """
 from __future__ import annotations
 
-import kvlab.cache_manager
-import kvlab.cache_manager_checks
-import kvlab.cache_manager_undo
-import kvlab.cache_regions
-import kvlab.hash_cache
-import kvlab.hash_cache_undo
-import kvlab.hash_cache_views
-import kvlab.hash_chain
-import kvlab.radix_cache
-import kvlab.radix_node
-import kvlab.req
+import kvlab.manager.cache_manager
+import kvlab.manager.rules
+import kvlab.manager.undo
+import kvlab.manager.cache_regions
+import kvlab.prefix.hash_cache
+import kvlab.prefix.hash_cache_undo
+import kvlab.prefix.hash_cache_views
+import kvlab.prefix.hash_chain
+import kvlab.prefix.radix_cache
+import kvlab.prefix.radix_node
+import kvlab.manager.req
 
 #: the cache manager and both prefix caches: tests interrupt a call at any line run in these
-MANAGER_MODULES = [kvlab.cache_manager, kvlab.cache_manager_checks, kvlab.cache_manager_undo,
-                   kvlab.cache_regions, kvlab.req, kvlab.radix_cache, kvlab.radix_node, kvlab.hash_cache,
-                   kvlab.hash_cache_undo, kvlab.hash_cache_views, kvlab.hash_chain]
+MANAGER_MODULES = [kvlab.manager.cache_manager, kvlab.manager.rules, kvlab.manager.undo,
+                   kvlab.manager.cache_regions, kvlab.manager.req, kvlab.prefix.radix_cache, kvlab.prefix.radix_node, kvlab.prefix.hash_cache,
+                   kvlab.prefix.hash_cache_undo, kvlab.prefix.hash_cache_views, kvlab.prefix.hash_chain]
 
 
 def cache_state(cache, *, stamps: bool = True) -> dict:

@@ -11,14 +11,14 @@ import tempfile
 import pytest
 from hypothesis import HealthCheck, settings
 
-# Checks record the learner's progress (kvlab.check.progress_file): tests, and the notebooks and
+# Checks record the learner's progress (kvlab.course.checking.progress_file): tests, and the notebooks and
 # JupyterLab they start, write it to a folder of their own, never into the real home.
 _PROGRESS_DIR = tempfile.mkdtemp(prefix="kvlab-progress-")
 atexit.register(shutil.rmtree, _PROGRESS_DIR, True)
 os.environ["KVLAB_PROGRESS_FILE"] = os.path.join(_PROGRESS_DIR, "progress.json")
 
 import kvlab  # noqa: E402,F401  (decides the runtime before any kernel module is imported)
-from kvlab import runtime  # noqa: E402
+from kvlab.base import runtime  # noqa: E402
 
 # The interpreter runs each Triton program on the CPU (~ms each): fewer examples there.
 settings.register_profile(

@@ -6,11 +6,11 @@
 
 :func:`record` runs a call (in the interpreter, or on a GPU) and keeps every kernel launch it
 makes: the kernel and Triton's signature of that launch (argument types and constexpr values,
-:func:`kvlab.check.compiled.signature`), so each kernel is compiled exactly as the chapters
-launch it. A launch a checker makes through :func:`kvlab.check.core.call_learner` is kept and
+:func:`kvlab.course.checking.compiled.signature`), so each kernel is compiled exactly as the chapters
+launch it. A launch a checker makes through :func:`kvlab.course.checking.core.call_learner` is kept and
 not run (the checkers' own helpers give the exercises' launches). :func:`compile_for` sends each
-launch, by its source (:func:`kvlab.check.shipping.ship`), to the compile check's child Python
-(:mod:`kvlab.check.compile_child`), which compiles it with Triton's compiler for
+launch, by its source (:func:`kvlab.course.checking.shipping.ship`), to the compile check's child Python
+(:mod:`kvlab.course.checking.compile_child`), which compiles it with Triton's compiler for
 ``GPUTarget("cuda", arch, 32)``: no GPU needed, ptxas included. :func:`jit_functions` finds every
 ``@triton.jit`` function of the package by importing all of it; :func:`reached` names the
 launched kernels and every ``@triton.jit`` helper they call, so a kernel that no launch reaches
@@ -26,14 +26,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import kvlab
-from kvlab.check import compiled
-from kvlab.check.shipping import Shipped, _kernel_parts, ship, to_plain
+from kvlab.course.checking import compiled
+from kvlab.course.checking.shipping import Shipped, _kernel_parts, ship, to_plain
 
 
 @dataclass(frozen=True)
 class Launch:
     kernel: object = field(compare=False)  # the JITFunction (GPU) or InterpretedFunction
-    name: str                              # kvlab.kernels.paging.page_to_token_kernel
+    name: str                              # kvlab.alloc.paging_kernels.page_to_token_kernel
     types: tuple                           # ((param, "*i64"), ...) in signature order
     constants: tuple                       # ((param, value), ...)
     what: str = field(compare=False)       # the spec that launched it
@@ -68,7 +68,7 @@ def _recording(into: list[Launch], what: str):
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    from kvlab.kernels.launch import Launcher
+    from kvlab.base.launch import Launcher
 
     originals = {cls: cls.run for cls in (InterpretedFunction, JITFunction)}
 

@@ -1,4 +1,4 @@
-"""What the kvlab.hf tests share: transformers' own greedy generation as the reference, the
+"""What the kvlab.serving.hf tests share: transformers' own greedy generation as the reference, the
 comparison of a run with it, prompts behind a shared system prompt, a torch decode step."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from kvlab.hf import paged_attention_reference
+from kvlab.serving.hf import paged_attention_reference
 
 ATOL = 1e-4
 VOCAB = 128

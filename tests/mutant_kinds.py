@@ -48,4 +48,12 @@ KINDS = {
             "next cell cannot use",
     "unseen": "an input the cases never had (token ids past 255, a page shared after another "
               "beginning in the case before, a page listed twice)",
+    "bounds": "a read past the end of a tensor that only a full pool provokes (the pool's last slots "
+              "in use, a head size below the block)",
+    "memo": "state kept between calls: right on each call alone, wrong when the same numbers come "
+            "back with other slots, keys or runs",
+    "aside": "an effect on what the statement leaves alone (the device pool a swap-out only reads, "
+             "host pages reused uncleared)",
+    "alike": "an order the cases could not tell from the right one (ranking by generated / max_new "
+             "while every max_new is equal)",
 }

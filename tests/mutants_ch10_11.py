@@ -190,7 +190,7 @@ MUTANTS_CH10_11 = [
 
 def allocate_new_pages_first(cache, input_ids):
     """takes the new pages from the queue before taking the hits (a hit at the queue's head goes)"""
-    from kvlab.hash_chain import chain_hash
+    from kvlab.prefix.hash_chain import chain_hash
 
     P, hit = cache.page_size, cache.match(input_ids)
     n_pages = -(-len(input_ids) // P)
@@ -263,7 +263,7 @@ REWRITES_CH10_11 = [
 
 def page_hashes_accumulated(input_ids, page_size):
     """The chain as an accumulation over the full pages."""
-    from kvlab.hash_chain import chain_hash
+    from kvlab.prefix.hash_chain import chain_hash
 
     pages = [input_ids[s:s + page_size] for s in range(0, len(input_ids) - page_size + 1, page_size)]
     return list(itertools.accumulate([None] + pages, chain_hash))[1:]  # None: the first parent
@@ -281,8 +281,8 @@ def free_pages_by_the_cache(cache, pages):
 
 
 def paged_attention_step_by_the_package(q, k, v, k_pool, v_pool, page_table, rows, positions, scale):
-    """kvlab.hf.paged_attention_step itself."""
-    from kvlab.hf import paged_attention_step
+    """kvlab.serving.hf.paged_attention_step itself."""
+    from kvlab.serving.hf import paged_attention_step
 
     return paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions, scale)
 

@@ -13,10 +13,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab import InvalidArgument, PagedTokenAllocator, alloc_checks, token_allocator
-from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast
-from kvlab.kernels import fast_alloc as K
-from kvlab.kernels import launch
+from kvlab import InvalidArgument, PagedTokenAllocator
+from kvlab.alloc import host_checks as alloc_checks, token_allocator
+from kvlab.alloc.fast_alloc import alloc_decode_fast, alloc_extend_fast
+from kvlab.alloc import fast_alloc_kernels as K
+from kvlab.base import launch
 
 
 def t(values, dtype=torch.int64):

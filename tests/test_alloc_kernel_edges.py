@@ -12,8 +12,8 @@ from faults import Interrupted, failing
 
 import kvlab
 from kvlab import PagedTokenAllocator
-from kvlab.kernels.alloc_checks import TOTAL_LIMIT, page_count, saturating_total
-from kvlab.kernels.fast_alloc import report_word
+from kvlab.alloc.kernel_checks import TOTAL_LIMIT, page_count, saturating_total
+from kvlab.alloc.fast_alloc_kernels import report_word
 
 BIG = 1 << 63
 

@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab.errors import InvalidArgument, OutOfPages
-from kvlab.reference.alloc import (alloc_decode_ref, alloc_extend_ref, kernel_page_reads_extend,
+from kvlab.base.errors import InvalidArgument, OutOfPages
+from kvlab.course.reference.alloc_ref import (alloc_decode_ref, alloc_extend_ref, kernel_page_reads_extend,
                                    pack_ret_value, pages_needed_extend, part_lengths,
                                    unpack_ret_value)
 

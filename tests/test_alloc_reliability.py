@@ -19,9 +19,10 @@ import torch
 from faults import Interrupted, failing
 
 import kvlab
-from kvlab import InvalidArgument, OutOfPages, PagedTokenAllocator, token_allocator
-from kvlab.fast_alloc import alloc_extend_fast, extend_needs_from_host
-from kvlab.kernels import fast_alloc as K
+from kvlab import InvalidArgument, OutOfPages, PagedTokenAllocator
+from kvlab.alloc import token_allocator
+from kvlab.alloc.fast_alloc import alloc_extend_fast, extend_needs_from_host
+from kvlab.alloc import fast_alloc_kernels as K
 
 BIG = 1 << 63
 
@@ -35,7 +36,7 @@ def t(values, dtype=torch.int64):
 _PRELUDE = """
 import numpy as np, torch, kvlab
 from kvlab import InvalidArgument, OutOfPages, PagedTokenAllocator, token_allocator
-from kvlab.fast_alloc import alloc_extend_fast
+from kvlab.alloc.fast_alloc import alloc_extend_fast
 BIG = 1 << 63
 def t(v):
     return torch.tensor(v, dtype=torch.int64, device=kvlab.DEVICE)
@@ -141,7 +142,7 @@ def test_sums_that_wrap_int64_are_refused_with_the_allocator_unchanged():
 def test_host_counts_are_exact_at_any_int64_length():
     """The counts of every host path (Python, NumPy, C) equal exact integer arithmetic, even
     where an int64 sum would wrap; the checksums wrap as the kernels' do."""
-    from kvlab import alloc_checks
+    from kvlab.alloc import host_checks as alloc_checks
 
     rng = np.random.default_rng(0)
     P_list = (1, 2, 16, 1024)

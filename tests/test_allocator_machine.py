@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import kvlab
-from kvlab import InvalidArgument, OutOfPages, PagedTokenAllocator, token_allocator
-from kvlab.kernels import fast_alloc as K
+from kvlab import InvalidArgument, OutOfPages, PagedTokenAllocator
+from kvlab.alloc import token_allocator
+from kvlab.alloc import fast_alloc_kernels as K
 
 FORMS = {"none": None, "list": list, "numpy": lambda v: np.array(v, dtype=np.int64),
          "tensor": lambda v: torch.tensor(v, dtype=torch.int64)}

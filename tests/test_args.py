@@ -7,10 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlab.args import (check_int, check_int_vector, check_page_size, check_token_ids, div_ceil,
+from kvlab.base.args import (check_int, check_int_vector, check_page_size, check_token_ids, div_ceil,
                         is_int, next_pow2)
-from kvlab.errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
-from kvlab.sim.scheduler import SimIntegrityError
+from kvlab.base.errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
+from kvlab.serving.sim.scheduler import SimIntegrityError
 
 
 @given(st.integers(0, 10**6), st.integers(1, 4096))

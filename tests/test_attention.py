@@ -9,10 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab import InvalidArgument
-from kvlab.attention import causal_attention, paged_decode_attention
-from kvlab.engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous, generate_paged
-from kvlab.kvcache import KVPool
-from kvlab.reference import paged_decode_attention_reference
+from kvlab.attention.paged_attention import causal_attention, paged_decode_attention
+from kvlab.serving.tiny_engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous, generate_paged
+from kvlab.attention.kv_pool import KVPool
+from kvlab.course.reference import paged_decode_attention_reference
 
 
 def _layout(seed: int, page_size: int, seq_lens: list[int], heads: int = 2, head_dim: int = 16,

@@ -16,7 +16,8 @@ import triton
 import triton.language as tl
 
 import kvlab.check as check
-from kvlab.check import CheckFailed, ch08_attention_kernel as ch08_attention
+from kvlab.check import CheckFailed
+from kvlab.course.exercises import ch08_attention_kernel as ch08_attention
 
 _counter = itertools.count()
 
@@ -76,7 +77,7 @@ def test_a_slip_in_the_update_is_rejected_and_named(old, new, says, tmp_path):
 
 
 def test_the_blocked_emulation_matches_the_reference():
-    from kvlab.reference import paged_decode_attention_reference
+    from kvlab.course.reference import paged_decode_attention_reference
 
     for seed, scores in [(0, "random"), (1, "rising"), (2, "large")]:
         args = ch08_attention._kernel_layout(dict(P=2, lens=[9, 3, 12], seed=seed, scores=scores,

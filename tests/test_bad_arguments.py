@@ -18,9 +18,9 @@ import torch
 from cache_state import hash_cache_state, manager_state
 
 from kvlab import CacheManager, HashPrefixCache, RadixPrefixCache, Req
-from kvlab.errors import KvlabError
-from kvlab.hash_chain import FreeQueue, chain_hash, page_hashes
-from kvlab.paging import new_page_table
+from kvlab.base.errors import KvlabError
+from kvlab.prefix.hash_chain import FreeQueue, chain_hash, page_hashes
+from kvlab.alloc.paging import new_page_table
 
 BAD = [None, True, 1.5, float("nan"), "x", b"1", -1, 2**63, 10**30, [], [None], [1.5], [-1], [2**64],
        [[1]], {}, object(), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.int64), torch.tensor(3)]

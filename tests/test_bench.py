@@ -7,12 +7,12 @@ import json
 import pytest
 import torch
 
-from kvlab import runtime
+from kvlab.base import runtime
 from kvlab.bench import cases as C
 from kvlab.bench import report, suite, timing
 from kvlab.bench.public import SeedAllocator
 from kvlab.bench.targets import evaluate_targets
-from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref
+from kvlab.course.reference.alloc_ref import alloc_decode_ref, alloc_extend_ref
 
 
 @pytest.fixture(scope="module")
@@ -320,7 +320,7 @@ def test_attention_smoke_adds_its_section_and_plot(tmp_path):
     """A smoke run: every kernel case and decode step measured (no claim), the targets listed
     as n/a, the kernels agreeing, the result joining what bench.json held."""
     from kvlab.bench.__main__ import attention_main
-    from kvlab.bench.attention import KERNEL_TARGETS, SMOKE_BATCHES, SMOKE_CONTEXTS, SMOKE_STEP_BATCHES
+    from kvlab.bench.decode import KERNEL_TARGETS, SMOKE_BATCHES, SMOKE_CONTEXTS, SMOKE_STEP_BATCHES
 
     (tmp_path / "bench.json").write_text(json.dumps({"kept": 1}))
     res = attention_main(str(tmp_path), smoke=True)
@@ -342,7 +342,7 @@ def test_attention_smoke_adds_its_section_and_plot(tmp_path):
 
 
 def test_attention_targets_compare_with_the_floor():
-    from kvlab.bench.attention import targets
+    from kvlab.bench.decode import targets
 
     kernel = [dict(batch=b, ctx=c, paths={"fast": {"ratio_to_floor": 1.5 if c < 32768 else 2.5}})
               for b, c in [(64, 512), (64, 4096), (64, 32768), (256, 4096), (256, 32768)]]

@@ -35,6 +35,22 @@ def test_memory_smoke_run_serves_every_policy_and_keeps_what_bench_json_held(tmp
     assert (tmp_path / "12_bench_memory.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_a_smoke_run_of_long_answers_retracts_and_says_what_it_cost(tmp_path, monkeypatch):
+    # answers that run nearly to their cap: SGLang's estimate (0.7 x what is left) is too low,
+    # so the retract policy runs short and retracts; every answer is still whole
+    pytest.importorskip("transformers")
+    monkeypatch.setattr(mem, "SMOKE_WORKLOADS", {"long_answers": mem.SMOKE_WORKLOADS["long_answers"]})
+    monkeypatch.setattr(mem, "POLICY_NAMES", ("reserve", "retract"))
+    res = mem.run_memory(smoke=True, log=lambda line: None)
+    assert {r["pool"] for r in res["rows"]} == {"tight"} and not res["errors"]
+    by = {r["policy"]: r for r in res["rows"]}
+    assert by["retract"]["retractions"] > 0 and by["retract"]["recomputed_tokens"] > 0
+    assert by["reserve"]["stops"] == 0 and by["retract"]["tokens"] == by["reserve"]["tokens"]
+    claim = next(c for c in res["claims"] if c["name"].startswith("Answers longer than SGLang's estimate"))
+    assert claim["measured"] == by["retract"]["retractions"] and claim["passed"] is None   # smoke: no verdict
+
+
 def test_runs_past_the_time_budget_are_skipped_and_decide_nothing(monkeypatch):
     pytest.importorskip("transformers")
     monkeypatch.setattr(mem, "SMOKE_WORKLOADS", {"eos_long_tail": mem.SMOKE_WORKLOADS["eos_long_tail"]})
@@ -52,7 +68,7 @@ def _rows(over=None):
             for p in mem.POLICY_NAMES:
                 row = dict(workload=w, pool=pool, policy=p, tokens_per_s=100.0, mean_running=4.0,
                            unused_pages=10.0 if p in ("reserve", "retract") else 0.0,
-                           recomputed_tokens=0, stops=0)
+                           recomputed_tokens=0, stops=0, retractions=0)
                 row.update((over or {}).get((w, pool, p), {}))
                 rows.append(row)
     return rows
@@ -63,9 +79,13 @@ def test_the_claims_are_judged_from_the_measured_rows():
                                                                    recomputed_tokens=900, stops=12),
                     ("eos_long_tail", "tight", "retract"): dict(unused_pages=6.0),
                     ("long_prompt_burst", "tight", "recompute"): dict(recomputed_tokens=3000, stops=5),
-                    ("long_prompt_burst", "tight", "swap"): dict(tokens_per_s=120.0, stops=4)})
+                    ("long_prompt_burst", "tight", "swap"): dict(tokens_per_s=120.0, stops=4),
+                    ("long_answers", "tight", "retract"): dict(retractions=3, stops=3, recomputed_tokens=400,
+                                                                tokens_per_s=80.0)})
     verdicts = [c["passed"] for c in mem.claims(dict(smoke=False, rows=good))]
     assert verdicts == [True] * len(verdicts)
+    cost = next(c for c in mem.claims(dict(smoke=False, rows=good)) if c["name"].startswith("... at a cost"))
+    assert cost["measured"] == [400, 0.8, 0.8]        # recomputed, and tokens/s against reserve, recompute
     bad = _rows({("eos_long_tail", "tight", "recompute"): dict(mean_running=3.0, tokens_per_s=90.0),
                    ("eos_long_tail", "tight", "retract"): dict(unused_pages=12.0),
                    ("long_prompt_burst", "tight", "swap"): dict(tokens_per_s=80.0),
@@ -84,8 +104,8 @@ def test_the_claims_are_judged_from_the_measured_rows():
 
 
 def test_pools_run_from_every_whole_answer_down_to_the_longest_alone():
-    from kvlab.sim import RequestSpec, Workload
-    from kvlab.sim.compare import memory_pools
+    from kvlab.serving.sim import RequestSpec, Workload
+    from kvlab.serving.sim.compare import memory_pools
 
     w = Workload("w", "", tuple(RequestSpec(i, (1,) * n, (2,), 0, max_new_tokens=21)
                                 for i, n in enumerate((30, 10, 100))))

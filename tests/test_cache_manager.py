@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from kvlab import (CacheManager, CacheMisuse, IntegrityError, InvalidArgument, OutOfPages,
                    Req)
-from kvlab.paging import UNMAPPED, new_page_table
-from kvlab.reference import cache_req_regions_ref
+from kvlab.alloc.paging import UNMAPPED, new_page_table
+from kvlab.course.reference import cache_req_regions_ref
 
 
 def manager(num_pages=8, page_size=4, rows=4, max_len=64, writer="host", **kw) -> CacheManager:
@@ -450,7 +450,7 @@ def test_region_bar_draws_one_cell_per_position_and_hatches_what_is_freed():
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    from kvlab.viz import page_owner_strip, region_bar
+    from kvlab.course.viz import page_owner_strip, region_bar
 
     cm = manager(num_pages=10, page_size=4)
     prompt = list(range(10))

@@ -16,10 +16,10 @@ import torch
 from cache_state import MANAGER_MODULES, assert_unchanged, manager_state, without_ids
 from faults import Boom, Interrupted, failing, interrupt_at_line
 
-import kvlab.cache_manager
+import kvlab.manager.cache_manager
 from kvlab import (CacheManager, CacheMisuse, HashPrefixCache, IntegrityError, InvalidArgument,
                    OutOfPages, RadixPrefixCache, Req)
-from kvlab.paging import new_page_table
+from kvlab.alloc.paging import new_page_table
 
 
 def manager(num_pages=8, page_size=4, rows=4, max_len=64, writer="host", **kw) -> CacheManager:
@@ -136,22 +136,22 @@ def test_a_failed_page_table_write_rolls_back_pages_evictions_and_the_table(monk
     b, c = Req([70 + i for i in range(6)], 1), Req([80 + i for i in range(9)], 2)
     for r in (b, c):
         cm.admit(r)  # 2 + 3 pages: all 2 free ones and an eviction of the cached leaf
-    real = kvlab.cache_manager.write_page_table_triton if writer == "triton" \
-        else kvlab.cache_manager.write_page_table
+    real = kvlab.manager.cache_manager.write_page_table_triton if writer == "triton" \
+        else kvlab.manager.cache_manager.write_page_table
 
     def half_then_fail(page_table, allocated, allocation_info, page_size):
         row, first, last = allocation_info[0]
         real(page_table, allocated[: (last - first) * page_size], allocation_info[:1], page_size)
         raise Boom("the write failed half-way")
 
-    monkeypatch.setattr(kvlab.cache_manager, "write_page_table_triton" if writer == "triton"
+    monkeypatch.setattr(kvlab.manager.cache_manager, "write_page_table_triton" if writer == "triton"
                         else "write_page_table", half_then_fail)
     before = manager_state(cm, [a, b, c])
     with pytest.raises(Boom, match="half-way"):
         cm.allocate_paged([b, c])
     assert_unchanged(before, manager_state(cm, [a, b, c]))
     cm.check_integrity()
-    monkeypatch.setattr(kvlab.cache_manager, "write_page_table_triton" if writer == "triton"
+    monkeypatch.setattr(kvlab.manager.cache_manager, "write_page_table_triton" if writer == "triton"
                         else "write_page_table", real)
     cm.allocate_paged([b, c])  # the same call goes through once the writer works
     assert cm.prefix_cache.size_info.total_size == 0 and cm.num_free_pages == 0

@@ -19,7 +19,7 @@ from cache_state import MANAGER_MODULES, assert_unchanged, manager_state, withou
 from faults import Boom, Interrupted, interrupt_at_line
 
 from kvlab import CacheManager, Req
-from kvlab.paging import new_page_table
+from kvlab.alloc.paging import new_page_table
 
 
 def serving(cache: str, spare: int = 0):

@@ -30,9 +30,9 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kvlab.kernels.paging
+import kvlab.alloc.paging_kernels
 from kvlab import CacheManager, CacheMisuse, HashPrefixCache, OutOfPages, Req
-from kvlab.paging import new_page_table
+from kvlab.alloc.paging import new_page_table
 
 ROWS = 4
 
@@ -309,13 +309,13 @@ class CacheManagerMachine(RuleBasedStateMachine):
         elif how.startswith("kernel"):
             if cm.page_table_writer != "triton":
                 return
-            kernel = kvlab.kernels.paging.write_page_table_kernel
-            kvlab.kernels.paging.write_page_table_kernel = FailingKernel(kernel, after=how == "kernel_after",
+            kernel = kvlab.alloc.paging_kernels.write_page_table_kernel
+            kvlab.alloc.paging_kernels.write_page_table_kernel = FailingKernel(kernel, after=how == "kernel_after",
                                                                          error=Interrupted)
             try:
                 done = self.attempt(lambda: cm.allocate_paged(batch), batch)
             finally:
-                kvlab.kernels.paging.write_page_table_kernel = kernel
+                kvlab.alloc.paging_kernels.write_page_table_kernel = kernel
         else:
             with patched(cm, "_write_page_table", self.failing_writer(Interrupted)):
                 done = self.attempt(lambda: cm.allocate_paged(batch), batch)

@@ -1,4 +1,4 @@
-"""The checker framework (kvlab.check.core), failure pictures, hints and solutions.
+"""The checker framework (kvlab.course.checking.core), failure pictures, hints and solutions.
 
 The last tests run over every registered exercise, so they grow as chapters add checkers:
 each must have at least two hints and a stored solution, the solution must pass its own
@@ -6,9 +6,7 @@ checker, and ``kvlab.solutions.show`` must print its source.
 """
 from __future__ import annotations
 
-import ast
 import inspect
-from pathlib import Path
 
 import matplotlib
 import matplotlib.figure
@@ -22,7 +20,8 @@ import torch  # noqa: E402
 import kvlab  # noqa: E402
 import kvlab.check  # noqa: E402
 import kvlab.solutions  # noqa: E402
-from kvlab.check import Case, CheckFailed, Segment, compare_flat, core, picture  # noqa: E402
+from kvlab.check import Case, CheckFailed, Segment, compare_flat
+from kvlab.course.checking import core, picture  # noqa: E402
 
 # --- compare_flat ------------------------------------------------------------------------
 
@@ -173,7 +172,7 @@ def test_table_picture_outlines_wrong_cells_on_both_sides(page_size):
 
 
 def test_band_picture_marks_each_overwritten_guard_cell():
-    from kvlab.check.guards import BandWrite
+    from kvlab.course.checking.guards import BandWrite
 
     err = CheckFailed("the safety net caught ...")
     err.band_writes = [BandWrite("out_indices", "after", [1, 2, 5], 8),
@@ -232,7 +231,7 @@ EXERCISE_NAMES = kvlab.check.exercises()
 
 
 def test_exercises_are_registered_and_every_checker_module_imports():
-    assert EXERCISE_NAMES, "no exercise checkers are registered (kvlab/check/chNN_*.py)"
+    assert EXERCISE_NAMES, "no exercise checkers are registered (kvlab/course/exercises/chNN_*.py)"
     assert kvlab.check.broken_modules() == {}
 
 
@@ -283,40 +282,22 @@ def test_every_solution_passes_in_a_spawned_child(monkeypatch, capsys):
 def test_show_says_where_the_solution_lives_and_who_shares_it(capsys):
     kvlab.solutions.show("alloc_extend_part2")
     out = capsys.readouterr().out
-    assert out.startswith("# Reference solution for 'alloc_extend_part2': kvlab.kernels.")
+    assert out.startswith("# Reference solution for 'alloc_extend_part2': kvlab.alloc.alloc_kernels.")
     assert "the same code is the solution of alloc_extend_part1" in out
     assert "def alloc_extend_kernel(" in out
 
 
 # --- the floors of kvlab.check: arrows go one way --------------------------------------------
 
-CHECK_DIR = Path(kvlab.check.__file__).parent
-
-
-def _check_imports(path: Path) -> set[str]:
-    """The modules of kvlab.check that ``path`` imports, at its top or inside functions (an
-    ``importlib.import_module`` of a name built from the package counts as importing every
-    chapter module)."""
-    tree = ast.parse(path.read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            module = node.module or ""
-            if node.level == 1 or module.startswith("kvlab.check"):
-                rest = module[len("kvlab.check"):].lstrip(".") if node.level == 0 else module
-                found |= {rest.split(".")[0]} if rest else {a.name for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[2] for a in node.names if a.name.startswith("kvlab.check.")}
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_module"
-              and node.args and any(isinstance(n, ast.Name) and n.id == "__package__"
-                                    or isinstance(n, ast.Constant) and "kvlab.check" in str(n.value)
-                                    for n in ast.walk(node.args[0]))):
-            found |= {p.stem for p in CHECK_DIR.glob("ch*.py")}
-    return {m for m in found if (CHECK_DIR / f"{m}.py").exists() and m != path.stem}
-
-
 def _graph() -> dict[str, set[str]]:
-    return {p.stem: _check_imports(p) for p in CHECK_DIR.glob("*.py") if p.stem != "__init__"}
+    """The modules of the checkers (``course/check``, ``exercises``, ``checking``: names are
+    unique across them) -> the ones each imports, read as ``tests/test_layers.py`` reads them."""
+    from test_layers import _import_graph
+
+    parts = ("course.check.", "course.exercises.", "course.checking.")
+    graph = _import_graph()
+    return {name.rpartition(".")[2]: {d.rpartition(".")[2] for d in deps if d.startswith(parts)}
+            for name, deps in graph.items() if name.startswith(parts)}
 
 
 def _reachable(graph, start: str) -> set[str]:
@@ -345,20 +326,14 @@ def test_core_calls_the_sandbox_and_never_the_other_way():
         assert "catalog" not in _reachable(graph, low), low
 
 
-def test_no_file_in_kvlab_check_is_over_350_lines():
-    long = {p.name: n for p in CHECK_DIR.glob("*.py")
-            if (n := len(p.read_text().splitlines())) > 350}
-    assert not long, long
-
-
 # --- on a GPU: compiled first, then the audit pass in the interpreter ---------------------------
 
 
 def _fake_gpu(monkeypatch, answers):
     """Pretend to be on a GPU; ``answers(interpret, order_kind)`` -> (value, accesses)."""
-    from kvlab import runtime
-    from kvlab.check import sandbox
-    from kvlab.check.findings import Access
+    from kvlab.base import runtime
+    from kvlab.course.checking import sandbox
+    from kvlab.course.checking.findings import Access
 
     calls = []
 
@@ -411,7 +386,7 @@ def test_on_a_gpu_a_wrong_answer_only_compiled_keeps_the_gpus_message(monkeypatc
 
 
 def test_a_finding_is_placed_by_the_kernels_own_section_comments(tmp_path):
-    from kvlab.check.findings import Access, describe, region_of, statement_at
+    from kvlab.course.checking.findings import Access, describe, region_of, statement_at
 
     src = tmp_path / "kernel.py"
     src.write_text(
@@ -440,11 +415,11 @@ def test_a_finding_is_placed_by_the_kernels_own_section_comments(tmp_path):
         "(and 1 more request) (in k, line 5: page = tl.load(free + pid, mask=pid < 4))")
 
 
-# --- a hash-chained cache as plain data (kvlab.check.pool_state) ---------------------------
+# --- a hash-chained cache as plain data (kvlab.course.checking.pool_state) ---------------------------
 
 
 def _pool():
-    from kvlab.hash_cache import HashPrefixCache
+    from kvlab.prefix.hash_cache import HashPrefixCache
 
     cache = HashPrefixCache(6, 2, device="cpu")
     cache.allocate([1, 2, 3, 4, 5])  # pages 0, 1 (cached) and 2 (partial), held
@@ -463,7 +438,7 @@ def _pool():
     (lambda c: c._locks.__setitem__(("req", (0,)), 1), "the lock table (owner, pages, count) was [], now"),
 ])
 def test_pool_difference_names_what_changed_in_a_hash_cache(change, says):
-    from kvlab.check.pool_state import pool_difference, pool_state
+    from kvlab.course.checking.pool_state import pool_difference, pool_state
 
     cache = _pool()
     before = pool_state(cache)

@@ -117,7 +117,7 @@ def test_the_setup_cell_installs_kvlab_alone_offline(tmp_path):
     # none of them is preinstalled here, so a requirement on one would make the offline install fail
     assert not JUPYTER_OR_TEST & set(before), JUPYTER_OR_TEST & set(before)
 
-    from kvlab.colab import SETUP_CELL
+    from kvlab.course.colab import SETUP_CELL
 
     cell = tmp_path / "setup_cell.py"
     cell.write_text(SETUP_CELL)

@@ -1,4 +1,4 @@
-"""The checkers compile every learner kernel for a GPU (kvlab.check.compiled): what the
+"""The checkers compile every learner kernel for a GPU (kvlab.course.checking.compiled): what the
 interpreter runs but a GPU's compiler refuses is told with the learner's line, once per kernel;
 a compiler that cannot run never blames the learner. Runs in the interpreter (compiled for
 sm_90) and on a GPU (compiled for that GPU, refused before launch): `make gpu-check`."""
@@ -13,8 +13,9 @@ import torch
 import kvlab  # noqa: F401  (first: decides compiled vs interpreter)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from kvlab import runtime
-from kvlab.check import CheckFailed, call_learner, compiled
+from kvlab.base import runtime
+from kvlab.check import CheckFailed, call_learner
+from kvlab.course.checking import compiled
 
 SCAN = textwrap.dedent('''
     import triton

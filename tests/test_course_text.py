@@ -222,7 +222,7 @@ def _table_fields(text: str, after: str, first_column: bool = False) -> set[str]
 
 
 def test_chapter_06_tabulates_cache_regions_before_the_lift_reads_them():
-    from kvlab.cache_regions import CacheRegions
+    from kvlab.manager.cache_regions import CacheRegions
 
     text = chapter("06").read_text()
     fields = _table_fields(prose(chapter("06")), "returns what it did as a", first_column=True)
@@ -235,8 +235,8 @@ def test_chapter_06_tabulates_cache_regions_before_the_lift_reads_them():
 
 
 def test_chapter_07_tabulates_the_step_records_before_check_timeline():
-    from kvlab.radix_node import NodeInfo
-    from kvlab.sim.timeline import MemorySplit, StepRecord
+    from kvlab.prefix.radix_node import NodeInfo
+    from kvlab.serving.sim.timeline import MemorySplit, StepRecord
 
     text = chapter("07").read_text()
     fields = _table_fields(prose(chapter("07")), "The fields of a step")
@@ -261,7 +261,7 @@ def test_chapter_09_marks_the_host_cost_part_optional():
 
 
 def test_the_public_call_table_counts_syncs_in_words():
-    from kvlab.scenes.ch09_making_it_fast import load_bench, public_call_rows
+    from kvlab.course.scenes.ch09_making_it_fast import load_bench, public_call_rows
 
     rows = public_call_rows(load_bench())
     body = "\n".join(rows[1:])
@@ -286,7 +286,7 @@ def _resolve(name: str):
 
 
 def test_every_kvlab_name_in_the_prose_exists():
-    """``kvlab.engine.TinyTransformer`` (not ``kvlab.attention``): a name the prose gives must be
+    """``kvlab.serving.tiny_engine.TinyTransformer`` (not ``kvlab.attention.paged_attention``): a name the prose gives must be
     where it says."""
     wrong = []
     for path in CHAPTERS:
@@ -319,7 +319,7 @@ def test_page_sizes_are_powers_of_two_in_chapter_02():
 def test_a_finished_request_keeps_its_whole_pages_in_the_prefix_cache():
     """mini-sglang's cache_req(finished=True) inserts the whole pages and frees only the
     duplicates and the tail: chapter 00 must not say the pages are freed."""
-    from kvlab.scenes.ch00_tour import THREE_REQUESTS, describe_step, scheduler_timeline
+    from kvlab.course.scenes.ch00_tour import THREE_REQUESTS, describe_step, scheduler_timeline
 
     lines = [describe_step(s) for s in scheduler_timeline(THREE_REQUESTS, prefill_budget=8) if s.finished]
     assert lines and all("prefix cache" in line and "(pages freed)" not in line for line in lines)
@@ -350,7 +350,7 @@ def test_progress_lists_each_chapter_s_exercises_in_the_order_its_notebook_check
 
 def test_no_chapter_names_a_checker_module():
     """A lift cell names the package's function (or the reference solution), never the checker
-    module that keeps it (``kvlab.check.ch05_radix...``)."""
+    module that keeps it (``kvlab.course.exercises.ch05_match...``)."""
     for path in CHAPTERS:
         assert not re.search(r"kvlab\.check\.ch\d\d|from kvlab\.check\.ch", path.read_text()), path.name
 

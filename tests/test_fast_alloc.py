@@ -13,14 +13,14 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import kvlab
-from kvlab import runtime
+from kvlab.base import runtime
 from kvlab.bench import paths as X
 from kvlab.bench.cases import make_decode_batch, make_extend_batch
-from kvlab.errors import InvalidArgument, OutOfPages
-from kvlab import alloc_checks
-from kvlab.kernels import fast_alloc
-from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast, decode_needs_from_host, extend_needs_from_host
-from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref
+from kvlab.base.errors import InvalidArgument, OutOfPages
+from kvlab.alloc import host_checks as alloc_checks
+from kvlab.alloc import fast_alloc_kernels as fast_alloc
+from kvlab.alloc.fast_alloc import alloc_decode_fast, alloc_extend_fast, decode_needs_from_host, extend_needs_from_host
+from kvlab.course.reference.alloc_ref import alloc_decode_ref, alloc_extend_ref
 
 PAGE_SIZES = [1, 16, 64]
 EXTEND_MODES = ["counts", "host_lens", "sync"]
@@ -338,7 +338,7 @@ def test_one_compilation_serves_every_shape():
 
 
 def test_kernels_are_exported():
-    assert kvlab.kernels.extend_fill_kernel is fast_alloc.extend_fill_kernel
+    assert kvlab.alloc.fast_alloc_kernels.extend_fill_kernel is fast_alloc.extend_fill_kernel
     assert kvlab.alloc_extend_fast is alloc_extend_fast
 
 

@@ -1,7 +1,7 @@
-"""Chapter 09's fast paged decode attention (kvlab.kernels.fast_attention) against the oracle.
+"""Chapter 09's fast paged decode attention (kvlab.attention.split_kernels) against the oracle.
 
 Grouped query heads in one program, a split over the sequence and the merge of the splits:
-checked against ``kvlab.hf.paged_attention_reference`` on random layouts (hypothesis) and on
+checked against ``kvlab.serving.hf.paged_attention_reference`` on random layouts (hypothesis) and on
 edge cases -- ragged lengths, one-token contexts, contexts that end mid-page, page sizes 1, 3
 and 16, grouped-query and plain multi-head attention, float32 and bfloat16 pools, more splits
 than a request has blocks -- under the memory audit (no access outside a tensor), and with
@@ -18,10 +18,10 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab import InvalidArgument
-from kvlab.attention import (MAX_SPLITS, FastConfig, choose_num_splits, fast_launches,
+from kvlab.attention.paged_attention import (MAX_SPLITS, FastConfig, choose_num_splits, fast_launches,
                              fast_paged_decode_attention, paged_decode_attention)
-from kvlab.hf.attention import paged_attention_reference
-from kvlab.kvcache import random_paged_layout
+from kvlab.serving.hf.attention_steps import paged_attention_reference
+from kvlab.attention.kv_pool import random_paged_layout
 
 DEVICE = kvlab.DEVICE
 SMALL = FastConfig(block_n=16)        # small blocks: most requests span several, splits hold few
@@ -112,7 +112,7 @@ def test_the_teaching_and_the_fast_kernel_agree():
 def test_the_kernels_never_touch_memory_outside_their_tensors(splits):
     """Both launches under the safety net's audit (guard bands around every tensor): ragged
     lengths, a page size of 3, a row that ends mid-page, splits that hold nothing."""
-    from kvlab.check import sandbox
+    from kvlab.course.checking import sandbox
 
     args = layout(5, 3, [1, 20, 8], 4, 2, 12)
     q, k, v, table, rows, lens = args
@@ -126,7 +126,7 @@ def test_the_kernels_never_touch_memory_outside_their_tensors(splits):
 
 
 def test_choose_num_splits_fills_the_gpu_and_no_more():
-    from kvlab.attention import MIN_SPLIT_TOKENS, PROGRAMS_PER_SM
+    from kvlab.attention.paged_attention import MIN_SPLIT_TOKENS, PROGRAMS_PER_SM
 
     assert choose_num_splits(256, 8, 32768, sms=132) == 1          # the batch fills the GPU
     assert choose_num_splits(64, 8, 4096, sms=132) == 1
@@ -150,7 +150,7 @@ def test_choose_num_splits_fills_the_gpu_and_no_more():
     (lambda a: {**a, "config": FastConfig(block_n=8)}, "config.block_n"),
 ])
 def test_bad_input_is_refused_before_launch(change, argument, monkeypatch):
-    from kvlab.kernels import fast_attention
+    from kvlab.attention import split_kernels as fast_attention
 
     def no_launch(*args, **kwargs):
         raise AssertionError("launched")
@@ -172,8 +172,8 @@ def test_an_empty_batch_launches_nothing():
 
 @given(seq_len=st.integers(1, 5000), splits=st.integers(1, 70), block_n=st.sampled_from([16, 32, 64, 128]))
 def test_split_ranges_cover_each_position_once_in_whole_blocks(seq_len, splits, block_n):
-    from kvlab.attention import split_ranges
-    from kvlab.reference.attention import split_ranges_reference
+    from kvlab.attention.paged_attention import split_ranges
+    from kvlab.course.reference.attention_ref import split_ranges_reference
 
     spans = split_ranges(seq_len, splits, block_n)
     assert spans == split_ranges_reference(seq_len, splits, block_n)
@@ -183,7 +183,7 @@ def test_split_ranges_cover_each_position_once_in_whole_blocks(seq_len, splits, 
 
 
 def test_the_picture_of_which_program_reads_which_pages_shows_the_kernels_splits():
-    from kvlab.scenes.ch09_making_it_fast import split_reads_plan
+    from kvlab.course.scenes.ch09_making_it_fast import split_reads_plan
 
     plan = split_reads_plan()
     for pages, spans in zip(plan.pages, plan.spans):

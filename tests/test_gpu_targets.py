@@ -1,6 +1,6 @@
 """Every Triton kernel of kvlab, and every exercise's solution kernel, compiles for Colab's T4
 (sm_75), an A100 (sm_80) and an H100/H200 (sm_90), with the dtypes the chapters use on each
-(:mod:`kvlab.gpus`: 16-bit K/V in float16 on sm_75, bfloat16 from sm_80 on). No GPU needed:
+(:mod:`kvlab.base.gpus`: 16-bit K/V in float16 on sm_75, bfloat16 from sm_80 on). No GPU needed:
 Triton's compiler takes an explicit ``GPUTarget`` (``tests/gpu_targets.py``). A kernel that no
 line of :data:`SPECS` reaches fails the test: a new ``@triton.jit`` kernel needs its line.
 
@@ -22,16 +22,16 @@ import torch
 
 import kvlab  # noqa: F401  (first: decides compiled vs interpreter)
 from gpu_targets import Launch, compile_for_each, jit_functions, reached, record
-from kvlab import gpus
-from kvlab.attention import FastConfig, fast_launches, paged_decode_attention
+from kvlab.base import gpus
+from kvlab.attention.paged_attention import FastConfig, fast_launches, paged_decode_attention
 from kvlab.bench.public import empty_kernel
-from kvlab.check import ch08_attention_kernel as ch08, ch09_fast as ch09
-from kvlab.check import ch09_merge_splits as ch09_merge, ch09_split_attention as ch09_split
-from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast
-from kvlab.kernels import fast_alloc as fast_kernels
-from kvlab.kvcache import random_paged_layout
-from kvlab.paging import new_page_table, page_to_token_triton, write_page_table_triton
-from kvlab.token_allocator import PagedTokenAllocator
+from kvlab.course.exercises import ch08_attention_kernel as ch08, ch09_fast as ch09
+from kvlab.course.exercises import ch09_merge_splits as ch09_merge, ch09_split_attention as ch09_split
+from kvlab.alloc.fast_alloc import alloc_decode_fast, alloc_extend_fast
+from kvlab.alloc import fast_alloc_kernels as fast_kernels
+from kvlab.attention.kv_pool import random_paged_layout
+from kvlab.alloc.paging import new_page_table, page_to_token_triton, write_page_table_triton
+from kvlab.alloc.token_allocator import PagedTokenAllocator
 
 FLOATS_BY_ARCH = {arch: (torch.float32, gpus.half_for_arch(arch)) for arch in gpus.CI_ARCHS}
 DEV = kvlab.DEVICE  # the interpreter's CPU here; a GPU under `make gpu-check`

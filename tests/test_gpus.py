@@ -1,4 +1,4 @@
-"""Which GPUs the course runs on (kvlab.gpus): the runtime report names the GPU and whether every
+"""Which GPUs the course runs on (kvlab.base.gpus): the runtime report names the GPU and whether every
 chapter runs on it, and a chapter that keeps K/V in 16 bits picks float16 on Colab's T4 (sm_75,
 no bfloat16 arithmetic) and bfloat16 from sm_80 on, and says so. The GPUs are faked: torch's
 CUDA queries answer as a T4, an A10, an H200 or a V100 would."""
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvlab
-from kvlab import gpus, runtime
+from kvlab.base import gpus, runtime
 
 ROOT = Path(__file__).resolve().parents[1]
 T4, A10, H200, V100 = ("Tesla T4", (7, 5)), ("NVIDIA A10", (8, 6)), ("NVIDIA H200", (9, 0)), \
@@ -81,12 +81,12 @@ def test_chapter_08_keeps_its_16_bit_pool_in_the_type_the_gpu_computes_in(monkey
                                                                             said):
     """Chapter 08's cell, run as it is: the dtype choice sees the faked GPU; its kernel runs in
     the interpreter on the CPU, with the pool in the type chosen."""
-    from kvlab.attention import paged_decode_attention
-    from kvlab.kvcache import random_paged_layout
-    from kvlab.reference import paged_decode_attention_reference
+    from kvlab.attention.paged_attention import paged_decode_attention
+    from kvlab.attention.kv_pool import random_paged_layout
+    from kvlab.course.reference import paged_decode_attention_reference
 
     monkeypatch.setattr(runtime, "_gpu", lambda: gpus.fit(*gpu))
-    code = _chapter_cell("08", "HALF = kvlab.runtime.half_dtype()")
+    code = _chapter_cell("08", "HALF = kvlab.base.runtime.half_dtype()")
     namespace = {
         "kvlab": kvlab, "torch": torch, "paged_decode_attention": paged_decode_attention,
         "paged_decode_attention_reference": paged_decode_attention_reference,

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab import CacheManager, HashPrefixCache, Req
-from kvlab.errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
-from kvlab.hash_chain import FreeQueue, TakenPage, chain_hash, page_hashes
-from kvlab.paging import new_page_table
-from kvlab.reference import PagePoolRef
+from kvlab.base.errors import CacheMisuse, IntegrityError, InvalidArgument, OutOfPages
+from kvlab.prefix.hash_chain import FreeQueue, TakenPage, chain_hash, page_hashes
+from kvlab.alloc.paging import new_page_table
+from kvlab.course.reference import PagePoolRef
 
 
 def state(cache: HashPrefixCache) -> dict:
@@ -435,7 +435,7 @@ def test_a_failed_page_table_write_on_the_hash_cache_rolls_everything_back(monke
     def fail(*args):
         raise RuntimeError("the write failed")
 
-    monkeypatch.setattr(kvlab.cache_manager, "write_page_table", fail)
+    monkeypatch.setattr(kvlab.manager.cache_manager, "write_page_table", fail)
     before = (state(cm.prefix_cache), cm.page_table.tolist())
     with pytest.raises(RuntimeError, match="write failed"):
         cm.allocate_paged([b, c])
@@ -445,7 +445,7 @@ def test_a_failed_page_table_write_on_the_hash_cache_rolls_everything_back(monke
 
 @pytest.mark.parametrize("name", ["shared_system_prompt", "multi_turn_chat", "few_shot", "random_prompts", "mixed"])
 def test_with_room_to_spare_the_two_caches_agree_step_by_step(name):
-    from kvlab.sim import SimConfig, make_workload, simulate
+    from kvlab.serving.sim import SimConfig, make_workload, simulate
 
     w = make_workload(name, seed=3)
     runs = {kind: simulate(w, SimConfig(num_pages=400, page_size=4, prefix_cache=kind))
@@ -459,7 +459,7 @@ def test_with_room_to_spare_the_two_caches_agree_step_by_step(name):
 
 @pytest.mark.parametrize("kind", ["hash", "hash_uncached_first"])
 def test_the_simulator_runs_on_the_hash_cache_under_pressure(kind):
-    from kvlab.sim import SimConfig, make_workload, simulate
+    from kvlab.serving.sim import SimConfig, make_workload, simulate
 
     workload = make_workload("mixed", seed=1)
     timeline = simulate(workload, SimConfig(num_pages=20, page_size=4, prefix_cache=kind))
@@ -470,7 +470,7 @@ def test_the_simulator_runs_on_the_hash_cache_under_pressure(kind):
 
 
 def test_a_prefix_cache_is_named_or_refused():
-    from kvlab.sim import SimConfig, make_workload, simulate
+    from kvlab.serving.sim import SimConfig, make_workload, simulate
 
     with pytest.raises(InvalidArgument, match="config.prefix_cache"):
         simulate(make_workload("random_prompts", seed=0, n_requests=2), SimConfig(prefix_cache="tree"))
@@ -484,7 +484,7 @@ def test_the_chapter_scenes_tell_the_story_they_draw():
     import matplotlib
 
     matplotlib.use("Agg")
-    from kvlab.scenes.ch11_hash_cache import free_queue_figure, free_queue_steps, hash_chain_figure
+    from kvlab.course.scenes.ch11_hash_cache import free_queue_figure, free_queue_steps, hash_chain_figure
 
     steps, cache = free_queue_steps()
     (_, first, taken), (_, second, _), (_, third, _) = steps
@@ -508,7 +508,7 @@ def test_a_forced_collision_between_pages_after_different_prefixes_is_no_hit(mon
     def weak(parent, tokens):
         return hashlib.blake2b(struct.pack(f"<{len(tokens)}q", *tokens), digest_size=16).digest()
 
-    monkeypatch.setattr(kvlab.hash_cache, "_chain", weak)
+    monkeypatch.setattr(kvlab.prefix.hash_cache, "_chain", weak)
     cache = HashPrefixCache(8, 2, device="cpu")
     a = cache.allocate([1, 2, 3, 4])
     b = cache.allocate([9, 9, 3, 4])  # its [3 4] collides with a's

@@ -23,15 +23,15 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-import kvlab.hash_cache
-import kvlab.hash_cache_undo
-import kvlab.hash_cache_views
-import kvlab.hash_chain
+import kvlab.prefix.hash_cache
+import kvlab.prefix.hash_cache_undo
+import kvlab.prefix.hash_cache_views
+import kvlab.prefix.hash_chain
 from kvlab import HashPrefixCache
-from kvlab.errors import CacheMisuse, InvalidArgument, KvlabError, OutOfPages
+from kvlab.base.errors import CacheMisuse, InvalidArgument, KvlabError, OutOfPages
 
 #: every line run here can be interrupted
-MODULES = [kvlab.hash_cache, kvlab.hash_cache_undo, kvlab.hash_cache_views, kvlab.hash_chain]
+MODULES = [kvlab.prefix.hash_cache, kvlab.prefix.hash_cache_undo, kvlab.prefix.hash_cache_views, kvlab.prefix.hash_chain]
 FAIL = st.one_of(st.none(), st.tuples(st.integers(1, 300), st.sampled_from([Interrupted, Boom])))
 
 

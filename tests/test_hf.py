@@ -1,4 +1,4 @@
-"""kvlab.hf.PagedGenerator serves real transformers models token for token.
+"""kvlab.serving.hf.PagedGenerator serves real transformers models token for token.
 
 Small random Llama, Qwen2 and Qwen3 models (2 layers, 4 query heads on 2 K/V heads, RoPE; Qwen3
 normalises each head's q and k inside its attention) are saved
@@ -15,14 +15,14 @@ import torch
 
 transformers = pytest.importorskip(
     "transformers", minversion="4.56",
-    reason="kvlab.hf needs transformers >= 4.56: pip install 'transformers>=4.56'")
+    reason="kvlab.serving.hf needs transformers >= 4.56: pip install 'transformers>=4.56'")
 
 import kvlab  # noqa: E402
 from kvlab import InvalidArgument, OutOfPages  # noqa: E402
 from hf_helpers import (VOCAB, assert_identical, manager_state, reference,  # noqa: E402
                         shared_prefix_prompts, torch_decode_step)
-from kvlab.hf import PagedGenerator, tiny_model  # noqa: E402
-from kvlab.hf.plugin import ATTENTION_NAME  # noqa: E402
+from kvlab.serving.hf import PagedGenerator, tiny_model  # noqa: E402
+from kvlab.serving.hf.plugin import ATTENTION_NAME  # noqa: E402
 
 ARCHS = ["llama", "qwen2", "qwen3"]
 
@@ -210,7 +210,7 @@ def test_a_failing_step_releases_its_requests_and_restores_the_model(models):
     gen.manager.check_integrity()
     assert model.config._attn_implementation != ATTENTION_NAME
     with pytest.raises(RuntimeError, match="PagedGenerator"):
-        with kvlab.hf.plugin.paged_attention_active(model):   # outside the loop: no step info
+        with kvlab.serving.hf.plugin.paged_attention_active(model):   # outside the loop: no step info
             model(torch.tensor([[1, 2]], device=model.device))
 
 
@@ -229,8 +229,8 @@ def test_a_decode_step_of_your_own_serves_the_model(models):
 def test_the_chosen_decode_kernels_are_the_ones_that_run(models, attention, monkeypatch):
     """attention="fast" decodes through chapter 09's kernels, "teaching" through chapter 08's,
     in padded graph steps and packed steps alike; the other one is never launched."""
-    from kvlab.kernels import attention as teaching_kernels
-    from kvlab.kernels import fast_attention
+    from kvlab.attention import decode_kernels as teaching_kernels
+    from kvlab.attention import split_kernels as fast_attention
 
     launched = {"fast": 0, "teaching": 0}
     for name, kernel in (("fast", fast_attention.split_decode_kernel),
@@ -253,7 +253,7 @@ def _inductor_runs() -> str | None:
     """Why torch.compile's inductor cannot compile here (None: it can): on a CPU it needs a
     C++ compiler. On a GPU it generates Triton kernels, which every GPU run has: there it is
     never skipped (a failure to compile is the test's failure)."""
-    if kvlab.runtime.DEVICE.type == "cuda":
+    if kvlab.base.runtime.DEVICE.type == "cuda":
         return None
     try:
         fn = torch.compile(lambda x: torch.sin(x) * 2 + 1, dynamic=False)
@@ -270,7 +270,7 @@ def test_a_compiled_decode_step_gives_the_same_tokens_and_recompiles_nothing_aft
     why = _inductor_runs()
     if why:
         pytest.skip(why)
-    from kvlab.hf.graphs import dynamo_graphs
+    from kvlab.serving.hf.graphs import dynamo_graphs
 
     model = models["llama"]
     gen = PagedGenerator(model, page_size=4, num_pages=64, max_running=4, graph_sizes=[2, 4],
@@ -324,7 +324,7 @@ def test_padded_lanes_write_only_the_dummy_page(models):
 
 
 def test_pad_decode_batch_pads_to_the_next_captured_size_with_the_dummy_row():
-    from kvlab.hf import graph_batch_sizes, pad_decode_batch
+    from kvlab.serving.hf import graph_batch_sizes, pad_decode_batch
 
     assert graph_batch_sizes(20) == [1, 2, 4, 8, 16] and graph_batch_sizes(3) == [1, 2]
     table = torch.arange(6 * 8, dtype=torch.int32).view(6, 8)
@@ -376,16 +376,16 @@ def test_gpu_serving_compiles_nothing_after_start_up(models, page_size):
     the graphs), the decode step with torch.compile, and the page-table kernel (writing the
     dummy row); then batches of 1, 16, 17 and 40 requests, prompts in chunks, compile no
     variant of any, and torch.compile builds no graph."""
-    from kvlab.kernels.attention import paged_decode_attention_kernel
-    from kvlab.kernels.fast_attention import merge_splits_kernel, split_decode_kernel
-    from kvlab.kernels.paging import write_page_table_kernel
+    from kvlab.attention.decode_kernels import paged_decode_attention_kernel
+    from kvlab.attention.split_kernels import merge_splits_kernel, split_decode_kernel
+    from kvlab.alloc.paging_kernels import write_page_table_kernel
 
     def compiled():
         return [sum(len(c[0]) for c in k.device_caches.values())
                 for k in (paged_decode_attention_kernel, split_decode_kernel, merge_splits_kernel,
                           write_page_table_kernel)]
 
-    from kvlab.hf.graphs import dynamo_graphs
+    from kvlab.serving.hf.graphs import dynamo_graphs
 
     gen = PagedGenerator(models["llama"], page_size=page_size, num_pages=4096 // page_size,
                          max_running=64, prefill_budget=64)

@@ -1,4 +1,4 @@
-"""Grouped-query paged attention (kvlab.hf.attention and the Triton kernel's KV_GROUP).
+"""Grouped-query paged attention (kvlab.serving.hf.attention_steps and the Triton kernel's KV_GROUP).
 
 The kernel and the step are checked against the plain-torch reference on random layouts
 (hypothesis) and on edge cases: page size 1, page-aligned and unaligned lengths, one request,
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab import InvalidArgument
-from kvlab.hf.attention import (paged_attention_reference, paged_attention_step,
+from kvlab.serving.hf.attention_steps import (paged_attention_reference, paged_attention_step,
                                 paged_decode_attention, prefill_attention)
-from kvlab.kvcache import random_paged_layout
+from kvlab.attention.kv_pool import random_paged_layout
 
 DEVICE = kvlab.DEVICE
 
@@ -30,7 +30,7 @@ def layout(seed, page_size, seq_lens, heads=4, kv_heads=2, head_dim=16, spare_pa
 def repeated_heads_reference(q, k, v, table, rows, lens):
     """GQA = multi-head attention with each K/V head repeated for its group (chapter 08's
     reference, which knows nothing of groups)."""
-    from kvlab.reference.attention import paged_decode_attention_reference
+    from kvlab.course.reference.attention_ref import paged_decode_attention_reference
 
     group = q.shape[1] // k.shape[1]
     return paged_decode_attention_reference(q, k.repeat_interleave(group, 1),
@@ -76,7 +76,7 @@ def test_kernel_matches_reference_on_random_layouts(seed, page_size, lens, heads
 
 
 def test_the_multi_head_wrapper_of_chapter_08_still_works():
-    from kvlab.attention import paged_decode_attention as chapter_08
+    from kvlab.attention.paged_attention import paged_decode_attention as chapter_08
 
     args = layout(2, 4, [7, 12], heads=2, kv_heads=2)
     torch.testing.assert_close(chapter_08(*args), paged_attention_reference(*args), atol=1e-5, rtol=1e-5)

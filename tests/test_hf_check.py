@@ -8,14 +8,14 @@ import torch
 import kvlab
 import kvlab.check
 from kvlab.check import CheckFailed
-from kvlab.check.ch10_hf import paged_attention_step_solution
-from kvlab.hf.attention import paged_attention_reference, paged_decode_attention
+from kvlab.course.exercises.ch10_hf import paged_attention_step_solution
+from kvlab.serving.hf.attention_steps import paged_attention_reference, paged_decode_attention
 
 
 def test_the_solution_and_the_package_pass(capsys):
     kvlab.check.paged_attention_step(paged_attention_step_solution, n_random=2)
     assert "✓ paged_attention_step: all 12 cases pass" in capsys.readouterr().out
-    kvlab.check.paged_attention_step(kvlab.hf.paged_attention_step, n_random=1)
+    kvlab.check.paged_attention_step(kvlab.serving.hf.paged_attention_step, n_random=1)
     assert "✓ paged_attention_step: all 11 cases pass" in capsys.readouterr().out
 
 
@@ -93,13 +93,13 @@ def test_each_mistake_is_named(wrong, says):
 
 # --- the padding of a decode step (kvlab.check.pad_decode_batch) -------------------------
 
-from kvlab.check.ch10_graphs import pad_decode_batch_solution  # noqa: E402
+from kvlab.course.exercises.ch10_graphs import pad_decode_batch_solution  # noqa: E402
 
 
 def test_pad_decode_batch_passes_the_solution_and_the_package(capsys):
     kvlab.check.pad_decode_batch(pad_decode_batch_solution, n_random=2)
     assert "✓ pad_decode_batch: all 14 cases pass" in capsys.readouterr().out
-    kvlab.check.pad_decode_batch(kvlab.hf.pad_decode_batch, n_random=3)
+    kvlab.check.pad_decode_batch(kvlab.serving.hf.pad_decode_batch, n_random=3)
     assert "✓ pad_decode_batch: all 15 cases pass" in capsys.readouterr().out
     assert kvlab.check.status("pad_decode_batch") == "passed"
 

@@ -26,10 +26,10 @@ transformers = pytest.importorskip("transformers", minversion="4.56")
 import kvlab  # noqa: E402
 from hf_helpers import VOCAB, pages_accounted_for, reference, torch_decode_step  # noqa: E402
 from kvlab import InvalidArgument  # noqa: E402
-from kvlab.hf import PagedGenerator, tiny_model  # noqa: E402
-from kvlab.hf.loop import ServingLoop  # noqa: E402
-from kvlab.hf.prefill import PrefillAdder  # noqa: E402
-from kvlab.hf.room import Room  # noqa: E402
+from kvlab.serving.hf import PagedGenerator, tiny_model  # noqa: E402
+from kvlab.serving.hf.loop import ServingLoop  # noqa: E402
+from kvlab.serving.hf.prefill import PrefillAdder  # noqa: E402
+from kvlab.serving.hf.room import Room  # noqa: E402
 
 INJECTED = (Boom, Interrupted)
 
@@ -216,7 +216,7 @@ def test_generator_machine(model):
 # --- bad arguments -----------------------------------------------------------------------
 
 def _bad_calls(model):
-    from kvlab.hf import (check_paged_attention_inputs, graph_batch_sizes, pad_decode_batch,
+    from kvlab.serving.hf import (check_paged_attention_inputs, graph_batch_sizes, pad_decode_batch,
                           paged_attention_reference, paged_attention_step, paged_decode_attention,
                           prefill_attention, tiny_config)
 

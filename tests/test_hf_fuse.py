@@ -1,4 +1,4 @@
-"""kvlab.hf.fuse: q/k/v and gate/up computed as one product each, the same numbers, the same
+"""kvlab.serving.hf.fuse: q/k/v and gate/up computed as one product each, the same numbers, the same
 memory, transformers' own forward outside the context and wherever a KV cache is passed."""
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ from torch import nn
 
 transformers = pytest.importorskip(
     "transformers", minversion="4.56",
-    reason="kvlab.hf needs transformers >= 4.56: pip install 'transformers>=4.56'")
+    reason="kvlab.serving.hf needs transformers >= 4.56: pip install 'transformers>=4.56'")
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def _model(arch):
-    from kvlab.hf.models import tiny_model
+    from kvlab.serving.hf.models import tiny_model
 
     return tiny_model(arch, seed=3).float().eval()
 
@@ -39,7 +39,7 @@ def _counting_own_forwards(monkeypatch, model):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_fused_products_give_the_same_logits_and_replace_the_separate_ones(arch, monkeypatch):
-    from kvlab.hf.fuse import fused_forwards
+    from kvlab.serving.hf.fuse import fused_forwards
 
     model = _model(arch)
     ids = _ids()
@@ -58,7 +58,7 @@ def test_fused_products_give_the_same_logits_and_replace_the_separate_ones(arch,
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_weights_become_views_of_the_fused_tensor_nothing_duplicated(arch):
-    from kvlab.hf.fuse import fuse_projections
+    from kvlab.serving.hf.fuse import fuse_projections
 
     model = _model(arch)
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
@@ -87,7 +87,7 @@ def test_weights_become_views_of_the_fused_tensor_nothing_duplicated(arch):
 
 
 def test_a_kv_cache_or_a_wrapped_projection_keeps_transformers_own_code(monkeypatch):
-    from kvlab.hf.fuse import fuse_projections, fused_forwards
+    from kvlab.serving.hf.fuse import fuse_projections, fused_forwards
 
     model = _model("qwen3")
     ids = _ids()
@@ -111,7 +111,7 @@ def test_a_kv_cache_or_a_wrapped_projection_keeps_transformers_own_code(monkeypa
 
 
 def test_nested_contexts_and_inference_mode_leave_the_model_usable():
-    from kvlab.hf.fuse import fused_forwards
+    from kvlab.serving.hf.fuse import fused_forwards
 
     model = _model("llama")
     attn = model.model.layers[0].self_attn
@@ -126,8 +126,8 @@ def test_nested_contexts_and_inference_mode_leave_the_model_usable():
 
 
 def test_the_generators_decode_step_runs_fused():
-    from kvlab import runtime
-    from kvlab.hf import PagedGenerator
+    from kvlab.base import runtime
+    from kvlab.serving.hf import PagedGenerator
 
     model = _model("qwen3").to(runtime.DEVICE)       # compiled Triton wants the model on the GPU
     gen = PagedGenerator(model, page_size=4, num_pages=64, decode_graphs="eager")

@@ -1,4 +1,4 @@
-"""Overlap scheduling in kvlab.hf.PagedGenerator: step n+1 is scheduled and launched before the
+"""Overlap scheduling in kvlab.serving.hf.PagedGenerator: step n+1 is scheduled and launched before the
 host reads step n's tokens, and the tokens are still exactly ``generate``'s.
 
 Every run ends requests at different steps (EOS for some, max_new_tokens for others), cuts long
@@ -21,9 +21,9 @@ transformers = pytest.importorskip("transformers", minversion="4.56")
 
 import kvlab  # noqa: E402
 from hf_helpers import VOCAB, assert_identical, pages_accounted_for, reference  # noqa: E402
-from kvlab.hf import PagedGenerator, tiny_model  # noqa: E402
-from kvlab.hf.loop import ServingLoop  # noqa: E402
-from kvlab.hf.overlap import DeviceQueue, ThreadQueue, Ticket  # noqa: E402
+from kvlab.serving.hf import PagedGenerator, tiny_model  # noqa: E402
+from kvlab.serving.hf.loop import ServingLoop  # noqa: E402
+from kvlab.serving.hf.overlap import DeviceQueue, ThreadQueue, Ticket  # noqa: E402
 
 ARCHS = ["llama", "qwen3"]
 
@@ -307,7 +307,7 @@ def test_gpu_the_loop_waits_only_for_the_tokens(models, overlap, monkeypatch):
     """Scheduling, launching, advancing and recording run with torch's sync debug mode set to
     raise: the host waits for the GPU only on each step's token event (with overlap, while the
     next step is already queued)."""
-    from kvlab.hf.overlap import CudaQueue
+    from kvlab.serving.hf.overlap import CudaQueue
 
     model = models["llama"]
     gen = PagedGenerator(model, page_size=16, num_pages=64, max_running=8, prefill_budget=16,

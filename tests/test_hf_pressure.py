@@ -1,4 +1,4 @@
-"""PagedGenerator under memory pressure, with every policy of chapter 12 (kvlab.pressure).
+"""PagedGenerator under memory pressure, with every policy of chapter 12 (kvlab.serving.pressure).
 
 Whatever the policy, and however often a request is preempted, retracted or swapped out, its
 tokens (and logits, float32) are exactly ``model.generate``'s for the prompt alone: page sizes
@@ -16,13 +16,13 @@ import torch
 
 transformers = pytest.importorskip(
     "transformers", minversion="4.56",
-    reason="kvlab.hf needs transformers >= 4.56: pip install 'transformers>=4.56'")
+    reason="kvlab.serving.hf needs transformers >= 4.56: pip install 'transformers>=4.56'")
 
 import kvlab  # noqa: E402
 from kvlab import InvalidArgument, OutOfPages  # noqa: E402
-from kvlab.hf import PagedGenerator, tiny_model  # noqa: E402
-from kvlab.hf.swap import HostKV  # noqa: E402
-from kvlab.pressure import RecomputeOnPreempt  # noqa: E402
+from kvlab.serving.hf import PagedGenerator, tiny_model  # noqa: E402
+from kvlab.serving.hf.swap import HostKV  # noqa: E402
+from kvlab.serving.pressure import RecomputeOnPreempt  # noqa: E402
 
 from faults import Boom, failing  # noqa: E402
 
@@ -176,7 +176,7 @@ def test_a_failing_host_copy_leaves_the_generator_usable(model, prompts, expecte
 
 @pytest.mark.parametrize("page_size", [1, 3, 4])
 def test_host_pool_round_trip_by_pages_and_slots(page_size):
-    from kvlab.kvcache import KVPool
+    from kvlab.attention.kv_pool import KVPool
 
     gen = torch.Generator().manual_seed(page_size)
     pool = KVPool(40, 2, 2, 3, device="cpu")

@@ -1,25 +1,42 @@
-"""kvlab's floors: import arrows go one way, modules stay small.
+"""kvlab's floors: import arrows go one way, modules stay small, every name is said once.
 
 The import graph is read from the source (every ``import``, also those inside functions), so a
-lazy import cannot hide a cycle; a package that loads its chapter modules by name
-(``kvlab.check``'s catalog, ``kvlab.scenes``) counts as importing each of them.
+lazy import cannot hide a cycle; a module that loads a package's chapter modules by name
+(:data:`LOADS_BY_NAME`: the catalog of exercises, the scenes' renderer) counts as importing
+each of them.
 """
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "kvlab"
 
-#: the modules of the cache manager's floor and what is built on it (chapters 05-08, 11)
-CORE = ["errors", "radix_node", "radix_cache", "hash_chain", "hash_cache_views", "hash_cache", "req",
-        "cache_regions", "cache_manager_checks", "cache_manager_undo", "cache_manager", "kvcache",
-        "attention", "engine", "sim", "sim.scheduler", "sim.timeline", "sim.workloads", "sim.caches", "reference",
-        "reference.attention", "reference.radix", "reference.hashchain", "viz.tree",
-        "scenes.ch05_radix", "scenes.ch06_cache_req", "scenes.ch07_serving_loop",
-        "scenes.ch08_attention", "scenes.ch11_hash_cache", "sim.compare"]
+#: the floors of the package, lowest first: a module imports only from its own floor or below
+#: (CONTRIBUTING draws them). Each entry is a module or a package (and everything under it).
+FLOORS = [
+    ["base", "moved"],                       # errors, argument rules, runtime; old paths
+    ["course.reference"],                    # oracles: they import only base.errors
+    ["alloc"],                               # chapters 01-04, 09
+    ["prefix"],                              # 05, 11
+    ["manager"],                             # 06
+    ["attention"],                           # 08, 09
+    ["serving.pressure"],                    # 12's policies, plain rules
+    ["serving"],                             # the simulator, the tiny engine, the generator
+    ["course.viz", "course.widgets"],        # pictures (they read plain data)
+    ["bench"],                               # the benchmarks
+    ["course.checking"],                     # the machinery of a check
+    ["course.exercises", "course.scenes"],   # each chapter's exercises; its scenes and figures
+    ["course.check"],                        # the learner's door: catalog, progress
+    ["course"],                              # solutions, the Colab cell
+]
+#: modules that import each module of a package by name, found on disk
+LOADS_BY_NAME = {"course.check.catalog": "course.exercises.ch", "course.scenes.render": "course.scenes.ch"}
+#: at most this many modules beside the subsystem folders at the top of the package
+TOP_LEVEL_LIMIT = 8
 
 
 def _modules() -> dict[str, Path]:
@@ -49,8 +66,8 @@ def _import_graph() -> dict[str, set[str]]:
             elif isinstance(node, (ast.Import, ast.ImportFrom)):
                 names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module]
                 deps.update(n[len("kvlab."):] for n in names if n and n.startswith("kvlab."))
-        if "iter_modules" in path.read_text():  # loads its chapter modules by name
-            deps.update(m for m in modules if m.startswith(f"{package}.ch"))
+        if name in LOADS_BY_NAME:  # loads its chapter modules by name
+            deps.update(m for m in modules if m.startswith(LOADS_BY_NAME[name]))
         graph[name] = {d for d in deps if d in modules and d != name}
     return graph
 
@@ -97,19 +114,63 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycles({"a": {"b"}, "b": set()}) == []
 
 
-def test_the_model_never_imports_the_view_and_oracles_stand_below_what_they_check():
+def floor_of(name: str) -> int:
+    """The floor of a module (its most specific entry in :data:`FLOORS`)."""
+    best, depth = None, -1
+    for i, entries in enumerate(FLOORS):
+        for entry in entries:
+            if (name == entry or name.startswith(entry + ".")) and entry.count(".") > depth:
+                best, depth = i, entry.count(".")
+    assert best is not None, f"kvlab.{name} is on no floor: add it to FLOORS"
+    return best
+
+
+def test_every_module_that_loads_modules_by_name_is_known():
+    for name, path in _modules().items():
+        if "iter_modules" in path.read_text():
+            assert name in LOADS_BY_NAME, f"kvlab.{name} loads modules by name: list it in LOADS_BY_NAME"
+
+
+def test_no_module_imports_a_floor_above_its_own():
+    upward = [f"kvlab.{a} (floor {floor_of(a)}) imports kvlab.{b} (floor {floor_of(b)})"
+              for a, deps in _import_graph().items() if a
+              for b in deps if b and floor_of(b) > floor_of(a)]
+    assert not upward, "\n".join(upward)
+
+
+def test_the_floor_check_sees_an_upward_import():
+    assert floor_of("alloc.paging") < floor_of("serving.hf.generator") < floor_of("course.check.catalog")
+    assert floor_of("course.reference.alloc_ref") < floor_of("alloc.token_allocator")
+    assert floor_of("serving.pressure") < floor_of("serving.sim.scheduler")
+
+
+def test_oracles_import_only_the_errors_and_each_other():
     graph = _import_graph()
-    for name in CORE:
-        if name.startswith(("sim", "radix", "hash", "cache", "req", "engine", "kvcache", "attention")):
-            assert not any(d.startswith(("viz", "widgets", "scenes")) for d in graph[name]), name
-    for name in ("reference", "reference.attention", "reference.radix", "reference.hashchain"):
-        assert graph[name] <= {"errors", "reference.paging", "reference.alloc", "reference.attention",
-                               "reference.radix", "reference.hashchain"}, f"{name} imports {graph[name]}"
+    for name, deps in graph.items():
+        if name.startswith("course.reference"):
+            assert all(d == "base.errors" or d.startswith("course.reference") for d in deps), \
+                f"kvlab.{name} imports {sorted(deps)}"
+
+
+def test_the_top_level_holds_the_subsystems_and_few_modules():
+    modules = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(modules) <= TOP_LEVEL_LIMIT, modules
+    folders = {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+    assert folders == {"base", "alloc", "prefix", "manager", "attention", "serving", "course", "bench"}, folders
+
+
+def test_no_module_name_appears_twice():
+    """A module's name says what it is, once: no ``alloc_checks`` on two floors."""
+    names = Counter(n for p in ROOT.rglob("*.py")
+                    for n in [p.parent.name if p.stem == "__init__" else p.stem]
+                    if p.stem != "__main__" and not (p.stem == "__init__" and p.parent == ROOT))
+    twice = sorted(n for n, c in names.items() if c > 1)
+    assert not twice, f"module names used in more than one place: {twice}"
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))
 def test_modules_stay_small(name):
     """At most 450 lines a module; the checkers' modules at most 350 (they were the largest)."""
-    limit = 350 if name == "check" or name.startswith("check.") else 450
+    limit = 350 if name.startswith(("course.check", "course.exercises")) else 450
     lines = _modules()[name].read_text().count("\n")
     assert lines <= limit, f"kvlab/{name.replace('.', '/')}.py has {lines} lines (at most {limit})"

@@ -2,7 +2,7 @@
 848 px output area (JupyterLab at 1280 px with the file browser open).
 
 The notebooks' figures are measured while nbval runs them (``notebooks/conftest.py`` turns on
-``kvlab.viz.legibility``'s audit); here: every figure of ``kvlab.scenes`` (what ``figures/``
+``kvlab.course.viz.legibility``'s audit); here: every figure of ``kvlab.course.scenes`` (what ``figures/``
 holds), the explorer's four views, the failure pictures of the checkers, and the measuring
 itself.
 """
@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kvlab.viz.legibility import (MIN_TEXT_PX, OUTPUT_WIDTH_PX, IllegibleFigure,  # noqa: E402
+from kvlab.course.viz.legibility import (MIN_TEXT_PX, OUTPUT_WIDTH_PX, IllegibleFigure,  # noqa: E402
                                   check_legible, inline_dpi, measure, text_px)
 
 
@@ -59,7 +59,7 @@ def test_a_wide_figure_shrinks_its_text():
 
 
 def test_the_output_area_is_what_a_laptop_shows_and_wider_figures_fail_whatever_their_text():
-    from kvlab.viz.legibility import MAX_WIDTH_IN
+    from kvlab.course.viz.legibility import MAX_WIDTH_IN
 
     assert OUTPUT_WIDTH_PX == 848 and MAX_WIDTH_IN == 8.4 and MAX_WIDTH_IN * 100 <= OUTPUT_WIDTH_PX
     # 9 in with 9 pt text: scaled to 0.94, its text still 11.8 px tall, but wider than the rule
@@ -117,22 +117,22 @@ def test_the_audit_records_every_png_a_process_renders(tmp_path):
 
 
 def _scene_names():
-    from kvlab.scenes.render import load_all
+    from kvlab.course.scenes.render import load_all
 
     return sorted(load_all())
 
 
 @pytest.mark.parametrize("name", _scene_names())
 def test_every_scene_figure_is_legible(name):
-    from kvlab.scenes.registry import FIGURES
+    from kvlab.course.scenes.figure_registry import FIGURES
 
     check_legible(FIGURES[name](), name)
 
 
 def test_the_explorer_views_are_legible_at_every_kind_of_step():
-    from kvlab.scenes.ch07_serving_loop import page_size_runs, pressured_run
-    from kvlab.viz.sim import VIEWS, step_figure, step_grid
-    from kvlab.widgets import TimelineExplorer
+    from kvlab.course.scenes.ch07_serving_loop import page_size_runs, pressured_run
+    from kvlab.course.viz.dashboard import VIEWS, step_figure, step_grid
+    from kvlab.course.widgets import TimelineExplorer
 
     dpi = TimelineExplorer.__init__.__kwdefaults__["dpi"]
     runs = [pressured_run(), page_size_runs(page_sizes=(16,))[16]]  # pages of 4 and of 16
@@ -149,15 +149,15 @@ def test_the_explorer_views_are_legible_at_every_kind_of_step():
 
 
 def _failed(expected, got, **kw):
-    from kvlab.check.failures import CheckFailed
+    from kvlab.course.checking.failures import CheckFailed
 
     return CheckFailed("case 'random 3': request 1, part 2: slot 5 is wrong (expected 12, got 40)",
                        expected=expected, got=got, **kw)
 
 
 def _failure_pictures():
-    from kvlab.check.failures import CheckFailed, Segment
-    from kvlab.check.guards import BandWrite
+    from kvlab.course.checking.failures import CheckFailed, Segment
+    from kvlab.course.checking.guards import BandWrite
 
     long = torch.arange(500) * 37
     wrong = long.clone()
@@ -182,7 +182,7 @@ def _failure_pictures():
 
 @pytest.mark.parametrize("name, err", list(_failure_pictures()), ids=lambda v: v if isinstance(v, str) else "")
 def test_failure_pictures_are_legible(name, err):
-    from kvlab.check.picture import failure_figure
+    from kvlab.course.checking.picture import failure_figure
 
     fig = failure_figure(err)
     assert fig is not None

@@ -1,4 +1,4 @@
-"""The host counts' C helper (kvlab.native_counts) gives what the NumPy code gives, and steps
+"""The host counts' C helper (kvlab.alloc.native_counts) gives what the NumPy code gives, and steps
 aside (None) wherever the NumPy code must judge: broken rules, totals of 2**63, other layouts.
 A damaged cached copy, or a compiler whose library cannot be bound or trusted, never crashes the
 interpreter: the helper is rebuilt, or NumPy counts and status() says why."""
@@ -16,7 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlab import InvalidArgument, alloc_checks, native_counts
+from kvlab import InvalidArgument
+from kvlab.alloc import host_checks as alloc_checks, native_counts
 
 pytestmark = pytest.mark.skipif(not native_counts.load(), reason="no C compiler here: NumPy counts only")
 

@@ -67,7 +67,7 @@ def test_the_metadata_says_what_a_package_index_shows(wheel):
     urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL"))
     assert urls["Issues"] == "https://github.com/kvlab-course/kvlab/issues"
     assert urls["Repository"] == "https://github.com/kvlab-course/kvlab"
-    from kvlab.colab import SITE_URL
+    from kvlab.course.colab import SITE_URL
 
     assert urls["Documentation"] == SITE_URL
     classifiers = meta.get_all("Classifier")
@@ -128,7 +128,7 @@ def test_an_old_python_gets_a_sentence():
 
 
 def test_the_preflight_colab_link_is_the_course_one():
-    from kvlab.colab import colab_url
+    from kvlab.course.colab import colab_url
 
     assert preflight.COLAB_URL == colab_url("notebooks/00_tour.ipynb")
 
@@ -183,7 +183,7 @@ def test_make_lab_passes_allow_root_exactly_for_root():
 
 
 # -- command-line help ------------------------------------------------------------------
-@pytest.mark.parametrize("module", ["kvlab.bench", "kvlab.scenes"])
+@pytest.mark.parametrize("module", ["kvlab.bench", "kvlab.course.scenes"])
 def test_python_m_help_reads_as_plain_text(module, tmp_path):
     run = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True,
                          cwd=tmp_path, env={**os.environ, "MPLBACKEND": "Agg"}, timeout=120)
@@ -195,7 +195,7 @@ def test_python_m_help_reads_as_plain_text(module, tmp_path):
 
 # -- installing without make -------------------------------------------------------------
 def test_readme_installs_from_the_repository_not_from_a_release_that_does_not_exist():
-    from kvlab.colab import REPO_URL
+    from kvlab.course.colab import REPO_URL
 
     readme = (ROOT / "README.md").read_text()
     bare = r"pip install (?:-U )?(['\"]?)kvlab(\[[\w,]+\])?\1(?!\s*@)(?=\s|$|`)"

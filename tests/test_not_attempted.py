@@ -9,7 +9,7 @@ import triton.language as tl
 
 import kvlab
 import kvlab.check as check
-from kvlab.check import core
+from kvlab.course.checking import core
 
 
 def starter_page_to_token(page_starts, page_size):

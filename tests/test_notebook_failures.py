@@ -224,7 +224,7 @@ def _notebook_conftest():
     ('kvlab.solutions.show("decode_step")', "'# Reference solution ...'", True),
     ('kvlab.check.page_to_token(fn);', None, False),
     ('kvlab.check.choose("a", f, g)', "<function f>", True),
-    ('kvlab.runtime.pick(cpu=1, gpu=2)', "1", False),  # not a check, hint or solution
+    ('kvlab.base.runtime.pick(cpu=1, gpu=2)', "1", False),  # not a check, hint or solution
     ('x = kvlab.check.hint("a")\nx', "'...'", False),
     ('%matplotlib inline', None, False),
 ])

@@ -1,4 +1,4 @@
-"""kvlab.paging (chapters 01-02) against the plain-Python references, plus every validation rule."""
+"""kvlab.alloc.paging (chapters 01-02) against the plain-Python references, plus every validation rule."""
 from __future__ import annotations
 
 import random
@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab import InvalidArgument
-from kvlab.paging import (UNMAPPED, check_write_page_table, new_page_table, page_to_token,
+from kvlab.alloc.paging import (UNMAPPED, check_write_page_table, new_page_table, page_to_token,
                           page_to_token_triton, write_page_table, write_page_table_triton)
-from kvlab.reference import page_to_token_ref, write_page_table_ref
+from kvlab.course.reference import page_to_token_ref, write_page_table_ref
 
 PAGE_SIZES = [1, 2, 16, 64]
 PAGE_TO_TOKEN = [page_to_token, page_to_token_triton]
@@ -266,7 +266,7 @@ def test_page_to_token_value_check_can_be_skipped_but_shape_checks_cannot(fn, de
        st.integers(0, 1))
 def test_bulk_check_agrees_with_the_entry_by_entry_rules(max_req, pages, P, entries, extra):
     """The fast bulk check accepts exactly the writes the precise rules accept, with the same runs."""
-    from kvlab.paging import _check_write_entry_by_entry, _bulk_checked_entries
+    from kvlab.alloc.paging import _check_write_entry_by_entry, _bulk_checked_entries
 
     table = new_page_table(max_req, pages * P, P)
     total = sum(max(0, last - first) * P for _, first, last in entries) + extra

@@ -1,4 +1,4 @@
-"""kvlab.pressure: the four memory policies of chapter 12, their constants and rules, and the
+"""kvlab.serving.pressure: the four memory policies of chapter 12, their constants and rules, and the
 manager-level stop / restore both serving loops share."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvlab import CacheManager, InvalidArgument, Req
-from kvlab.args import div_ceil
-from kvlab.paging import new_page_table
-from kvlab.pressure import (CHAPTER_07, POLICIES, RecomputeOnPreempt, RequestView, RetractDecode,
+from kvlab.base.args import div_ceil
+from kvlab.alloc.paging import new_page_table
+from kvlab.serving.pressure import (CHAPTER_07, POLICIES, RecomputeOnPreempt, RequestView, RetractDecode,
                             SwapToHost, make_policy, next_token_ratio, restore_request, resume_plan,
                             stop_request, victim_order)
 

@@ -11,7 +11,7 @@ import torch
 
 import kvlab
 import kvlab.check as check
-from kvlab.check import progress_file, registry
+from kvlab.course.checking import progress_file, registry
 
 
 def right(page_starts, page_size):
@@ -53,7 +53,7 @@ def test_the_file_is_where_the_environment_says_and_tests_never_touch_the_home(f
 
 
 def test_default_file_is_beside_the_c_helper_in_kvlabs_cache(monkeypatch, tmp_path):
-    from kvlab.native_counts import cache_dir
+    from kvlab.alloc.native_counts import cache_dir
 
     monkeypatch.delenv(progress_file.ENV)
     monkeypatch.setenv("KVLAB_CACHE_DIR", str(tmp_path))
@@ -151,7 +151,7 @@ def test_progress_lists_each_chapter_in_the_order_its_notebook_asks(fresh, capsy
 
 
 def test_choose_names_what_a_learner_can_reach(fresh, capsys):
-    from kvlab.hash_cache import HashPrefixCache
+    from kvlab.prefix.hash_cache import HashPrefixCache
 
     check.choose("page_to_token", starter, kvlab.page_to_token)
     check.choose("free_pages", starter, HashPrefixCache.free)

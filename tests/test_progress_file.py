@@ -11,7 +11,7 @@ import os
 import pytest
 
 import kvlab.check as check
-from kvlab.check import progress_file, registry
+from kvlab.course.checking import progress_file, registry
 
 
 @pytest.fixture

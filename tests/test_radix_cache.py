@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab import CacheMisuse, IntegrityError, InvalidArgument, RadixPrefixCache
-from kvlab.reference import PrefixStoreRef, page_aligned_len
+from kvlab.course.reference import PrefixStoreRef, page_aligned_len
 
 
 def slots(start: int, n: int) -> torch.Tensor:
@@ -372,7 +372,7 @@ def test_tree_drawing_marks_locked_new_and_evicted_nodes():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvlab.viz.tree import LOCKED, NEW_EDGE, draw_tree
+    from kvlab.course.viz.tree import LOCKED, NEW_EDGE, draw_tree
 
     cache = RadixPrefixCache(2)
     _, keep = cache.insert_prefix([1, 2, 3, 4], slots(0, 4))

@@ -1,6 +1,6 @@
 """README tells the truth: every notebook is on the course map, every picture and file it
 links exists, each chapter with figures shows one, its `make` commands exist, its Colab link
-matches kvlab.colab.REPO_URL, and the kvlab names and environment variables it cites are real.
+matches kvlab.course.colab.REPO_URL, and the kvlab names and environment variables it cites are real.
 Its links are absolute (a package index shows it without the repository), the website's
 address stands next to the two commands, and each chapter has its page and Colab badge."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 
 
 def _repo_prefixes() -> list[str]:
-    from kvlab.colab import BRANCH, REPO_URL
+    from kvlab.course.colab import BRANCH, REPO_URL
 
     repo = urlparse(REPO_URL).path.strip("/")
     return [f"{REPO_URL}/blob/{BRANCH}/", f"{REPO_URL}/tree/{BRANCH}/",
@@ -60,7 +60,7 @@ def test_every_link_is_absolute():
 
 
 def test_the_website_stands_next_to_the_two_commands():
-    from kvlab.colab import SITE_URL
+    from kvlab.course.colab import SITE_URL
 
     section = README.split("\n## ")[1]
     assert "make lab" in section and "make test" in section and SITE_URL in section, (
@@ -68,7 +68,7 @@ def test_the_website_stands_next_to_the_two_commands():
 
 
 def test_each_chapter_has_its_page_and_colab_badge_in_the_course_table():
-    from kvlab.colab import SITE_URL, colab_url
+    from kvlab.course.colab import SITE_URL, colab_url
 
     for nb in NOTEBOOKS:
         row = [line for line in README.splitlines()
@@ -105,7 +105,7 @@ def test_make_commands_exist():
 
 
 def test_colab_link_matches_the_repository_url():
-    from kvlab.colab import REPO_URL
+    from kvlab.course.colab import REPO_URL
 
     links = re.findall(r"https://colab\.research\.google\.com/github/[^\s>)]+", README)
     assert links, "README has no Colab link"
@@ -128,7 +128,7 @@ def test_kvlab_names_in_readme_exist():
     assert not missing, f"README cites kvlab names that do not exist: {missing}"
 
 
-@pytest.mark.parametrize("module", ["kvlab.bench", "kvlab.scenes"])
+@pytest.mark.parametrize("module", ["kvlab.bench", "kvlab.course.scenes"])
 def test_readme_modules_run_with_python_m(module):
     assert f"python -m {module}" in README
     assert (ROOT / module.replace(".", "/") / "__main__.py").exists()

@@ -88,7 +88,7 @@ def test_the_dev_extra_names_every_other_extra_and_copies_none():
 
 
 def test_the_oldest_tested_triton_is_the_declared_floor():
-    from kvlab.triton_compat import OLDEST_TRITON
+    from kvlab.base.triton_compat import OLDEST_TRITON
 
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     (triton_req,) = [r for r in meta["dependencies"] if _name(r) == "triton"]
@@ -185,7 +185,7 @@ def test_the_two_builds_of_one_cell():
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
 def test_notebook_opens_with_its_colab_badge_and_the_setup_cell(path):
-    from kvlab.colab import SETUP_CELL, colab_url
+    from kvlab.course.colab import SETUP_CELL, colab_url
 
     nb = nbformat.read(path, as_version=4)
     badge = nb.cells[0]
@@ -199,7 +199,7 @@ def test_notebook_opens_with_its_colab_badge_and_the_setup_cell(path):
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_id)
 def test_notebook_ends_by_checking_its_chapters_exercises_again(path):
-    from kvlab.check.review import chapters, closing_cells
+    from kvlab.course.check.review import chapters, closing_cells
 
     nb = nbformat.read(path, as_version=4)
     chapter = path.name[:2]
@@ -212,7 +212,7 @@ def test_notebook_ends_by_checking_its_chapters_exercises_again(path):
 
 
 def test_setup_cell_is_harmless_locally(capsys):
-    from kvlab.colab import SETUP_CELL
+    from kvlab.course.colab import SETUP_CELL
 
     exec(compile(SETUP_CELL, "<setup cell>", "exec"), {})  # not in Colab: no clone, no install
     out = capsys.readouterr().out
@@ -220,9 +220,33 @@ def test_setup_cell_is_harmless_locally(capsys):
 
 
 def test_repository_url_is_set_in_one_place():
-    from kvlab.colab import REPO_URL, SETUP_CELL
+    from kvlab.course.colab import REPO_URL, SETUP_CELL
 
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["urls"]["Repository"] == REPO_URL
     assert REPO_URL in SETUP_CELL
     assert meta["urls"]["Issues"] == f"{REPO_URL}/issues"
+
+
+def _contributing_map() -> dict[str, str]:
+    """CONTRIBUTING's one-screen map: ``kvlab/...`` path -> what it says the folder is."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
+    section = text.split("## The package, one screen", 1)[1].split("\n## ", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(kvlab/[^`]*)` \| ([^|]+) \|", section, re.M)}
+
+
+def test_contributing_maps_every_folder_and_top_level_module_of_the_package():
+    listed = set(_contributing_map())
+    package = ROOT / "kvlab"
+    folders = {f"{p.parent.relative_to(ROOT).as_posix()}/" for p in package.rglob("__init__.py")
+               if p.parent != package and "__pycache__" not in p.parts}
+    top = {f"kvlab/{p.name}" for p in package.glob("*.py")}
+    assert listed == folders | top, (f"missing from CONTRIBUTING's map: {sorted(folders | top - listed)}; "
+                                     f"not in the tree: {sorted(listed - folders - top)}")
+
+
+def test_each_subsystem_says_what_it_is_which_chapter_builds_it_and_what_it_exports():
+    for init in sorted((ROOT / "kvlab").glob("**/__init__.py")):
+        doc = init.read_text().split('"""')[1] if '"""' in init.read_text() else ""
+        assert len(doc.strip().splitlines()) >= 3, f"{init.relative_to(ROOT)} says too little about itself"
+        assert re.search(r"chapter|\(\d\d", doc, re.I), f"{init.relative_to(ROOT)} names no chapter"

@@ -1,4 +1,4 @@
-"""The safety net around learner code (kvlab.check.sandbox): guard bands, the audit, program
+"""The safety net around learner code (kvlab.course.checking.sandbox): guard bands, the audit, program
 orders, and the child processes (forked in the interpreter, spawned once CUDA is in use).
 
 Every test here runs in both runtimes. Where the runtimes differ the test says what each one
@@ -19,11 +19,12 @@ import triton
 import triton.language as tl
 
 import kvlab.check  # noqa: F401
-from kvlab import runtime
-from kvlab.check import CheckFailed, Layout, LearnerRaised, call_learner, core, sandbox, workers
-from kvlab.check.audit import Order
-from kvlab.check.guards import BAND, BandWrite, int_view_dtype, sentinel_bits, signed
-from kvlab.check.walk import (ArgRef, from_refs, is_plain_data, map_tensors, tensors_in,
+from kvlab.base import runtime
+from kvlab.check import CheckFailed, Layout, LearnerRaised, call_learner
+from kvlab.course.checking import core, sandbox, workers
+from kvlab.course.checking.audit import Order
+from kvlab.course.checking.guards import BAND, BandWrite, int_view_dtype, sentinel_bits, signed
+from kvlab.course.checking.walk import (ArgRef, from_refs, is_plain_data, map_tensors, tensors_in,
                               to_refs)
 
 #: the kinds of child process this runtime has (a fork is unsafe once CUDA has started)

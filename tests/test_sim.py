@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlab import InvalidArgument
-from kvlab.paging import div_ceil
-from kvlab.sim import (WORKLOADS, RequestSpec, SimConfig, SimIntegrityError, Simulator, Workload,
+from kvlab.alloc.paging import div_ceil
+from kvlab.serving.sim import (WORKLOADS, RequestSpec, SimConfig, SimIntegrityError, Simulator, Workload,
                        make_workload, multi_turn_chat, shared_system_prompt, simulate)
 
 
@@ -176,7 +176,7 @@ def test_explorer_slider_changes_the_picture_and_carries_a_png_fallback():
 
     import matplotlib
     matplotlib.use("Agg")
-    from kvlab.widgets import TimelineExplorer
+    from kvlab.course.widgets import TimelineExplorer
 
     tl = simulate(make_workload("mixed", seed=0), page_size=4, num_pages=24)
     ex = TimelineExplorer(tl)
@@ -200,7 +200,7 @@ def test_every_plot_draws_for_a_run_with_pressure():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvlab.viz import sim as vs
+    from kvlab.course.viz import dashboard as vs
 
     w = make_workload("mixed", seed=1)
     runs = {P: simulate(w, page_size=P, num_pages=div_ceil(w.max_total_len, P) + 2) for P in (1, 16, 64)}
@@ -221,7 +221,7 @@ def test_explore_also_draws_static_steps_when_asked(monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from kvlab.widgets import explore, static_widgets_wanted
+    from kvlab.course.widgets import explore, static_widgets_wanted
 
     tl = simulate(make_workload("few_shot", seed=0, n_requests=3), page_size=4, num_pages=40)
     plt.close("all")

@@ -8,8 +8,8 @@ import math
 import pytest
 
 from kvlab import InvalidArgument
-from kvlab.sim import RequestSpec, SimConfig, Simulator, Workload, make_workload, simulate
-from kvlab.sim.compare import compare_caches, lookup_cost, pool_sizes
+from kvlab.serving.sim import RequestSpec, SimConfig, Simulator, Workload, make_workload, simulate
+from kvlab.serving.sim.compare import compare_caches, lookup_cost, pool_sizes
 
 
 def wl(*specs) -> Workload:

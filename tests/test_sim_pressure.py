@@ -7,12 +7,12 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-import kvlab.sim.room as sim_room
+import kvlab.serving.sim.make_room as sim_room
 from kvlab import CacheManager
-from kvlab.paging import div_ceil
-from kvlab.pressure import CHAPTER_07, POLICIES, RetractDecode, SwapToHost
-from kvlab.sim import SimConfig, Simulator, make_workload, simulate
-from kvlab.sim.caches import free_page_ids
+from kvlab.alloc.paging import div_ceil
+from kvlab.serving.pressure import CHAPTER_07, POLICIES, RetractDecode, SwapToHost
+from kvlab.serving.sim import SimConfig, Simulator, make_workload, simulate
+from kvlab.serving.sim.caches import free_page_ids
 
 from faults import Boom, Interrupted, failing, interrupt_at_line, patched
 from test_sim import _check_timeline

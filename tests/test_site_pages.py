@@ -29,9 +29,9 @@ import site_figures  # noqa: E402
 import site_home  # noqa: E402
 import site_pages  # noqa: E402
 
-from kvlab.check.progress_file import ENV as PROGRESS_ENV  # noqa: E402
-from kvlab.check.review import closing_cells  # noqa: E402
-from kvlab.colab import REPO_URL, colab_url  # noqa: E402
+from kvlab.course.checking.progress_file import ENV as PROGRESS_ENV  # noqa: E402
+from kvlab.course.check.review import closing_cells  # noqa: E402
+from kvlab.course.colab import REPO_URL, colab_url  # noqa: E402
 
 PNG = base64.b64encode(bytes.fromhex(
     "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
@@ -241,7 +241,7 @@ def test_links_are_rewritten_for_the_flat_site(tmp_path):
     solutions = ROOT / "notebooks" / "solutions"
     text = ("[g](../glossary.md#Which-runtime-am-I-on?) [c](../03_alloc_extend.ipynb) "
             "[s](03_alloc_extend.ipynb#The-kernel) ![f](../../figures/00_fragmentation.png) "
-            "[p](../../kvlab/paging.py) [w](https://triton-lang.org) [a](#Your-turn)\n"
+            "[p](../../kvlab/alloc/paging.py) [w](https://triton-lang.org) [a](#Your-turn)\n"
             '<img src="../../figures/00_fragmentation.png" width="3">\n'
             "```\n[kept](../glossary.md)\n```\n"
             "after the code, [CUDA\ngraphs](../glossary.md#cuda-graph) wrap")
@@ -251,7 +251,7 @@ def test_links_are_rewritten_for_the_flat_site(tmp_path):
     assert "![f](repo/figures/00_fragmentation.png)" in out
     assert '<img src="repo/figures/00_fragmentation.png"' in out
     assert (tmp_path / "site-src" / "repo" / "figures" / "00_fragmentation.png").is_file()
-    assert f"[p]({REPO_URL}/blob/main/kvlab/paging.py)" in out
+    assert f"[p]({REPO_URL}/blob/main/kvlab/alloc/paging.py)" in out
     assert "[w](https://triton-lang.org)" in out and "[a](#your-turn)" in out
     assert "[kept](../glossary.md)" in out  # code is code
     assert "[CUDA\ngraphs](glossary.md#cuda-graph) wrap" in out  # a link over two lines

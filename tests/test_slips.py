@@ -1,10 +1,10 @@
 """A checker names a slip only when that slip alone gives the learner's answer
-(``kvlab.check.slips``): the two wrong causes the fourth pass found, and the rule itself."""
+(``kvlab.course.checking.slips``): the two wrong causes the fourth pass found, and the rule itself."""
 from __future__ import annotations
 
 import torch
 
-from kvlab.check.slips import recognised
+from kvlab.course.checking.slips import recognised
 
 
 def test_a_slip_is_named_only_when_it_alone_gives_the_answer():
@@ -19,7 +19,7 @@ def test_a_slip_is_named_only_when_it_alone_gives_the_answer():
 def test_a_hash_reused_for_equal_tokens_is_not_blamed_on_the_parent():
     # [7 7 | 7 7]: a page hashed without its parent and a hash reused for the same tokens give the
     # same answer, so neither is named (the third pass named the first)
-    from kvlab.check.ch11_hash_chain import _hash_slips, _reusing
+    from kvlab.course.exercises.ch11_hash_chain import _hash_slips, _reusing
 
     ids = [7, 7, 7, 7]
     assert recognised(_reusing(ids, 2), _hash_slips(ids, 2), lambda a, b: a == b) == ""
@@ -28,7 +28,7 @@ def test_a_hash_reused_for_equal_tokens_is_not_blamed_on_the_parent():
 
 
 def test_a_step_that_never_stores_v_is_told_so_not_that_it_writes_at_positions():
-    from kvlab.check.ch10_hf import _pool_slips, _stored, step_layout
+    from kvlab.course.exercises.ch10_hf import _pool_slips, _stored, step_layout
 
     args = step_layout(4, [7, 2, 14], seed=3)
     no_v = _stored(args, None, (), args["k"], args["v"])

@@ -1,6 +1,6 @@
 """PagedTokenAllocator (teaching kernels) against the plain-Python oracles, on random batches.
 
-Every allocation is compared with :mod:`kvlab.reference.alloc` run on a copy of
+Every allocation is compared with :mod:`kvlab.course.reference.alloc_ref` run on a copy of
 ``free_pages`` taken just before; the invariants are checked on the kernel's output as well,
 so a wrong reference could not hide a wrong kernel.
 """
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import kvlab
 from kvlab import InvalidArgument, OutOfPages, PagedTokenAllocator
-from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref, pages_needed_extend
+from kvlab.course.reference.alloc_ref import alloc_decode_ref, alloc_extend_ref, pages_needed_extend
 
 
 def t(values, device=None, dtype=torch.int64):
@@ -349,14 +349,14 @@ def test_part_checkers_judge_only_their_part():
 
 def test_decode_checker_passes_the_teaching_kernel(capsys):
     from kvlab import check
-    from kvlab.kernels import alloc_decode_kernel
+    from kvlab.alloc.alloc_kernels import alloc_decode_kernel
 
     check.alloc_decode(alloc_decode_kernel, n_random=1)
     assert "✓ alloc_decode: all 9 cases pass (8 edge cases, 1 random)" in capsys.readouterr().out
 
 
 def test_teaching_kernel_block_limit_is_refused_before_launch():
-    from kvlab.token_allocator import _MAX_BLOCK
+    from kvlab.alloc.token_allocator import _MAX_BLOCK
 
     alloc = PagedTokenAllocator(2, _MAX_BLOCK, impl="teaching")  # two huge pages: the page count is no obstacle
     n = _MAX_BLOCK + 1  # next_power_of_2 -> 2 * _MAX_BLOCK lanes: more than Triton allows
@@ -567,7 +567,7 @@ def test_no_call_after_construction_compiles():
     up to 65,536 requests, are launches only (a compile would take hundreds of ms)."""
     import time
 
-    from kvlab.kernels import fast_alloc as K
+    from kvlab.alloc import fast_alloc_kernels as K
 
     P = 16
     alloc = PagedTokenAllocator(1 << 18, P)
@@ -600,7 +600,7 @@ def test_direct_launch_gives_what_the_launcher_gives(P):
     hook (a profiler) sends calls back through Triton's own launcher."""
     import random
 
-    from kvlab.kernels import launch
+    from kvlab.base import launch
 
     allocs = [PagedTokenAllocator(1 << 12, P) for _ in range(2)]
     if launch.TRITON_VERSION in launch.C_ENTRIES:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import kvlab
-from kvlab import runtime, triton_compat
-from kvlab.triton_compat import KNOWN_ISSUES, version_tuple
+from kvlab.base import runtime, triton_compat
+from kvlab.base.triton_compat import KNOWN_ISSUES, version_tuple
 
 INT_OF_ARRAY = next(i for i in KNOWN_ISSUES if i.key == "interpreter-int-of-array")
 
@@ -82,7 +82,7 @@ def test_a_triton_older_than_the_range_is_reported(monkeypatch):
 
 def test_fixes_can_be_turned_off_and_the_report_then_warns():
     """In a fresh process with KVLAB_NO_TRITON_FIXES=1, an affected pair is warned about."""
-    code = ("import kvlab, kvlab.triton_compat as c; i = kvlab.runtime.runtime_info(); "
+    code = ("import kvlab, kvlab.base.triton_compat as c; i = kvlab.base.runtime.runtime_info(); "
             "print(c.KNOWN_ISSUES[0].affects(*c.versions()), i.mode, len(i.warnings), i.fixes)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "KVLAB_NO_TRITON_FIXES": "1"}).stdout

@@ -1,4 +1,4 @@
-"""kvlab.viz.page_table_heatmap: draws at small and large sizes, blanks unmapped cells, highlights."""
+"""kvlab.course.viz.page_table_heatmap: draws at small and large sizes, blanks unmapped cells, highlights."""
 from __future__ import annotations
 
 import matplotlib
@@ -10,8 +10,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from matplotlib.collections import PatchCollection  # noqa: E402
 
-from kvlab.paging import UNMAPPED, new_page_table  # noqa: E402
-from kvlab.viz import page_table_heatmap  # noqa: E402
+from kvlab.alloc.paging import UNMAPPED, new_page_table  # noqa: E402
+from kvlab.course.viz import page_table_heatmap  # noqa: E402
 
 
 def filled_table(rows: int, cols: int, page_size: int, seed: int) -> torch.Tensor:

@@ -5,9 +5,9 @@
 
 One source, ``notebooks/src/NN_name.py`` (jupytext's percent format: ``# %%`` starts a code
 cell, ``# %% [markdown]`` a markdown cell), gives two notebooks, both opening with an
-"Open in Colab" text link for that notebook (:func:`kvlab.colab.colab_link`) and the setup cell
-(:data:`kvlab.colab.SETUP_CELL`), ending (when chapter NN has a registered exercise) with a
-cell that checks the chapter's exercises again (:func:`kvlab.check.review.closing_cells`), and
+"Open in Colab" text link for that notebook (:func:`kvlab.course.colab.colab_link`) and the setup cell
+(:data:`kvlab.course.colab.SETUP_CELL`), ending (when chapter NN has a registered exercise) with a
+cell that checks the chapter's exercises again (:func:`kvlab.course.check.review.closing_cells`), and
 stored without outputs:
 
 * ``notebooks/NN_name.ipynb``, the **learner's**: every answer region is replaced by its
@@ -48,8 +48,8 @@ import nbformat
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from kvlab.check.review import chapters, closing_cells  # noqa: E402
-from kvlab.colab import SETUP_CELL, colab_link  # noqa: E402
+from kvlab.course.check.review import chapters, closing_cells  # noqa: E402
+from kvlab.course.colab import SETUP_CELL, colab_link  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "tools"))
 from notebook_kernel import KERNELSPEC  # noqa: E402

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SOLUTIONS = ROOT / "notebooks" / "solutions"
 ENV_VAR = "KVLAB_SAVE_EXECUTED"
 META_KEY = "kvlab_executed"
-PROGRESS_ENV = "KVLAB_PROGRESS_FILE"  # kvlab.check.progress_file.ENV
+PROGRESS_ENV = "KVLAB_PROGRESS_FILE"  # kvlab.course.checking.progress_file.ENV
 
 
 def _package_digest() -> str:

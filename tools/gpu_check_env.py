@@ -24,7 +24,7 @@ NEEDED = {
     "jupyter_client": "nbval's kernel", "ipykernel.kernelapp": "nbval's kernel",
     "IPython": "the kernel", "ipywidgets": "chapter 07's explorer",
     "matplotlib_inline.backend_inline": "inline figures",
-    "transformers": "chapter 10 and kvlab.hf", "jupytext": "the notebook build tests",
+    "transformers": "chapter 10 and kvlab.serving.hf", "jupytext": "the notebook build tests",
 }
 
 
@@ -49,7 +49,7 @@ def main(argv: list[str]) -> int:
         print(f"gpu-check: kvlab is imported from {where}, not from this checkout "
               f"({ROOT / 'kvlab'}); run from the repository root", file=sys.stderr)
         return 1
-    info = kvlab.runtime.runtime_info()
+    info = kvlab.base.runtime.runtime_info()
     print(f"gpu-check: python {info.python_version}, torch {info.torch_version}, "
           f"triton {info.triton_version}, kvlab from {where}, mode {info.mode} "
           f"({info.device_name})")

@@ -2,7 +2,7 @@
 
     python tools/gpu_check_sandbox.py          # make gpu-check runs it after the tests
 
-On a GPU, learner code runs in a *spawned* child process (kvlab.check.workers): a crash or an
+On a GPU, learner code runs in a *spawned* child process (kvlab.course.checking.workers): a crash or an
 illegal address there cannot take the notebook's CUDA context with it. This script measures,
 side by side in one run, what that costs per check, and prints one line per number:
 
@@ -13,7 +13,7 @@ side by side in one run, what that costs per check, and prints one line per numb
   (KVLAB_SANDBOX=inprocess), in a fresh spawned child (start included), in the warm child,
   and the audit pass in Triton's interpreter that checker runs add on a GPU (KVLAB_AUDIT=0
   leaves it out);
-* the compile check (kvlab.check.compiled): a new learner kernel compiled for the GPU, cold,
+* the compile check (kvlab.course.checking.compiled): a new learner kernel compiled for the GPU, cold,
   and the same kernel again (its verdict is kept).
 
 Triton compiles into an empty cache directory here, so "compile" is a cold compile. Then it
@@ -40,7 +40,8 @@ import kvlab.check  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-from kvlab.check import CheckFailed, call_learner, compiled, sandbox, workers  # noqa: E402
+from kvlab.check import CheckFailed, call_learner  # noqa: E402
+from kvlab.course.checking import compiled, sandbox, workers  # noqa: E402
 
 
 @triton.jit
@@ -154,7 +155,7 @@ def costs(device) -> None:
     row(f"compile check: a new kernel, cold ({where})", f"{cold:.2f} s")
     row("compile check: the same kernel again (verdict kept)", f"{kept * 1e6:.0f} us")
 
-    from kvlab.kernels import alloc_decode_kernel
+    from kvlab.alloc.alloc_kernels import alloc_decode_kernel
 
     def check():
         return quiet(lambda: kvlab.check.alloc_decode(alloc_decode_kernel, n_random=4))
@@ -220,7 +221,7 @@ def safety(device) -> bool:
 
 
 def main() -> int:
-    info = kvlab.runtime.runtime_info()
+    info = kvlab.base.runtime.runtime_info()
     device = kvlab.DEVICE
     print(f"kvlab safety net: cost per check on {info.device_name} ({info.mode}), torch "
           f"{info.torch_version}, triton {info.triton_version}; Triton cache "

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import build_notebooks  # noqa: E402
 from site_figures import FigureError, declared_alt, figure_key, figure_outputs  # noqa: E402
 
-from kvlab.colab import REPO_URL, SETUP_CELL, colab_url  # noqa: E402
+from kvlab.course.colab import REPO_URL, SETUP_CELL, colab_url  # noqa: E402
 
 NOTEBOOKS = ROOT / "notebooks"
 GLOSSARY = NOTEBOOKS / "glossary.md"

@@ -14,7 +14,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # kvlab_site, the site's extension
-from kvlab.colab import REPO_URL, SITE_URL  # noqa: E402
+from kvlab.course.colab import REPO_URL, SITE_URL  # noqa: E402
 
 project = "kvlab"
 author = "the kvlab authors"

@@ -13,7 +13,7 @@ online workloads, the GPU's busy share of a decode step), added to the ``bench.j
 in the output folder (under ``"serve"``), ``bench.md`` written again from it, and
 ``10_bench_serve.png``. Without CUDA, a smoke run of it (a tiny model).
 
-``--attention``: only the decode-attention benchmark of chapter 09 (:mod:`kvlab.bench.attention`:
+``--attention``: only the decode-attention benchmark of chapter 09 (:mod:`kvlab.bench.decode`:
 the attention kernels and the whole decode step against the HBM floor), added to ``bench.json``
 the same way (under ``"attention"``), with ``09_bench_attention.png``.
 
@@ -30,7 +30,7 @@ import tempfile
 
 os.environ.setdefault("MPLBACKEND", "Agg")
 
-from .. import runtime  # noqa: E402
+from ..base import runtime  # noqa: E402
 from .report import write_outputs  # noqa: E402
 from .suite import run  # noqa: E402
 
@@ -108,7 +108,7 @@ def memory_main(out: str, smoke: bool) -> dict:
 
 def attention_main(out: str, smoke: bool) -> dict:
     """Run the decode-attention benchmark; keep whatever else ``out/bench.json`` holds."""
-    from .attention import run_attention
+    from .decode import run_attention
 
     return _add_part(out, "attention", run_attention(smoke=smoke), smoke, "09_bench_attention.png")
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import runtime
-from ..args import div_ceil
+from ..base import runtime
+from ..base.args import div_ceil
 
 #: (batch size, mean extend tokens) of the timed extend cases
 EXTEND_CASES: list[tuple[int, int]] = [(1, 4096), (8, 2048), (64, 512), (256, 128), (256, 2048),

@@ -25,7 +25,7 @@ def measure(page_sizes: list[int], batches: list[int]) -> dict:
     """In this process: construction, then first calls (ms, synchronised before and after)."""
     import torch
 
-    from ..token_allocator import PagedTokenAllocator
+    from ..alloc.token_allocator import PagedTokenAllocator
     from .timing import first_call_ms
 
     out: dict = {"construct": [], "first_calls": []}

@@ -146,9 +146,9 @@ def bench_decode(batches, page_sizes, smoke: bool, log=print) -> list[dict]:
 def bench_page_table(case_list, page_sizes, smoke: bool, log=print) -> list[dict]:
     rows = []
     try:
-        from ..paging import write_page_table, write_page_table_triton
+        from ..alloc.paging import write_page_table, write_page_table_triton
     except Exception as e:  # noqa: BLE001 - report, do not hide, a broken module
-        return [{"error": f"kvlab.paging unavailable: {type(e).__name__}: {e}"}]
+        return [{"error": f"kvlab.alloc.paging unavailable: {type(e).__name__}: {e}"}]
     writers = {"host_loop": write_page_table, "triton": write_page_table_triton}
     for P in page_sizes:
         for bs, mean in case_list:

@@ -1,13 +1,15 @@
 """When KV memory runs out, measured on a real model (chapter 12): ``python -m kvlab.bench --memory``.
 
-The four policies of :mod:`kvlab.pressure` serve the same seeded workloads with the same model
-through :class:`kvlab.hf.PagedGenerator`, in pools from ample to tight, one after another in
-one process. The workloads are the simulator's (:mod:`kvlab.sim.workloads`, the chapter runs
+The four policies of :mod:`kvlab.serving.pressure` serve the same seeded workloads with the same model
+through :class:`kvlab.serving.hf.PagedGenerator`, in pools from ample to tight, one after another in
+one process. The workloads are the simulator's (:mod:`kvlab.serving.sim.workloads`, the chapter runs
 them too), served offline (every request arrives at once):
 
     eos_long_tail        answers that mostly end early, a few run to max_new_tokens
     long_prompt_burst    short requests and a burst of long prompts
     shared_system_prompt one system prompt, many questions
+    long_answers         answers that run nearly to max_new_tokens: longer than SGLang's
+                         estimate (new_token_ratio x what is left) expects, so retract retracts
 
 A random-weight model never produces its end-of-text token, so each answer ends where the
 workload's does (``generate(..., end_after=...)``); the scheduler knows only
@@ -22,8 +24,9 @@ swaps), and time to first token / per output token (p50, p99; every request arri
 The model: a random Llama shaped like a 0.5B model (24 layers, hidden 896, 14 query heads on 2
 K/V heads, vocabulary 151936) in bfloat16 on a GPU; ``smoke``: chapter 10's tiny model and
 tiny workloads in float32 with pages of 4, the same code path, no claims. Runs that would
-start after :data:`BUDGET_S` seconds are skipped, so the whole run stays within about three
-minutes; a claim whose rows are missing is undecided.
+start after :data:`BUDGET_S` seconds are skipped, so the whole run stays within about four
+minutes; a claim whose rows are missing is undecided. ``long_answers`` runs only in the pools of
+:data:`WORKLOAD_POOLS` (the tightest one in a smoke run).
 """
 from __future__ import annotations
 
@@ -38,29 +41,33 @@ MODEL = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_
 PAGE_SIZE = 16
 POLICY_NAMES = ("reserve", "recompute", "retract", "swap")
 #: pool sizes as a share of "every whole answer at once" (never below the longest request):
-#: kvlab.sim.compare.MEMORY_POOLS, which the chapter's simulator runs use too
+#: kvlab.serving.sim.compare.MEMORY_POOLS, which the chapter's simulator runs use too
 POOLS = {"ample": 1.0, "medium": 0.4, "tight": 0.15}
-#: the workloads (arguments of kvlab.sim.make_workload) and max_new_tokens of each
+#: the workloads (arguments of kvlab.serving.sim.make_workload) and max_new_tokens of each
 WORKLOADS = {
     "eos_long_tail": dict(n_requests=64, prompt_len=(32, 128), max_new_tokens=256, tail=1.5, typical=16),
     "long_prompt_burst": dict(n_short=16, n_long=16, prompt_len=(384, 768), output_len=(32, 96)),
     "shared_system_prompt": dict(n_requests=48, system_len=512, user_len=(16, 64), output_len=(32, 96)),
+    "long_answers": dict(n_requests=64, prompt_len=(16, 64), max_new_tokens=96, at_least=0.9),
 }
 SMOKE_WORKLOADS = {
     "eos_long_tail": dict(n_requests=5, prompt_len=(4, 10), max_new_tokens=8, tail=1.5, typical=2),
     "long_prompt_burst": dict(n_short=2, n_long=2, prompt_len=(16, 24), output_len=(2, 5)),
     "shared_system_prompt": dict(n_requests=4, system_len=12, user_len=(2, 4), output_len=(2, 5)),
+    "long_answers": dict(n_requests=16, prompt_len=(2, 4), max_new_tokens=12, at_least=0.9),
 }
 SMOKE_POOLS = {"ample": 1.0, "tight": 0.3}
-#: seconds after which the remaining runs are skipped (and say so): the run stays within 3 minutes
-BUDGET_S = 160.0
+#: the pools a workload runs in, where not all: with ample memory long answers stop nobody
+WORKLOAD_POOLS = {"long_answers": ("medium", "tight")}
+#: seconds after which the remaining runs are skipped (and say so): the run stays within 4 minutes
+BUDGET_S = 210.0
 SMOKE_PAGE_SIZE = 4
 
 
 def memory_model(device, smoke: bool):
     """The model (seeded random weights, no end-of-text token)."""
-    from ..hf.models import tiny_model
-    from ..hf.plugin import require_transformers
+    from ..serving.hf.models import tiny_model
+    from ..serving.hf.plugin import require_transformers
     from .serve import random_bf16_model, without_end_of_text
 
     if smoke:
@@ -74,7 +81,7 @@ def memory_model(device, smoke: bool):
 def memory_workload(name: str, smoke: bool, vocab: int, seed: int = 0):
     """``(workload, prompts, end_after, max_new_tokens)`` of the simulator's workload ``name``
     (its token ids spread over the model's vocabulary; its answer lengths become ``end_after``)."""
-    from ..sim import make_workload
+    from ..serving.sim import make_workload
 
     w = make_workload(name, seed=seed, **(SMOKE_WORKLOADS if smoke else WORKLOADS)[name])
     spread = lambda ids: [(t * 7919 + 13) % vocab for t in ids]  # noqa: E731 - the same ids, anywhere
@@ -85,7 +92,7 @@ def memory_workload(name: str, smoke: bool, vocab: int, seed: int = 0):
 
 
 def percentile(values, q: float) -> float | None:
-    from ..sim.timeline import percentile as nearest_rank
+    from ..serving.sim.timeline import percentile as nearest_rank
 
     return nearest_rank(values, q) if values else None
 
@@ -127,9 +134,9 @@ def run_memory(smoke: bool = False, log=print, budget_s: float | None = None) ->
     """Every policy on every workload and pool; returns the rows and the claims' verdicts.
     Runs that would start after ``budget_s`` (default :data:`BUDGET_S` on a GPU, none in a
     smoke run) are skipped, each row saying so."""
-    from .. import runtime
-    from ..hf import PagedGenerator
-    from ..sim.compare import memory_pools
+    from ..base import runtime
+    from ..serving.hf import PagedGenerator
+    from ..serving.sim.compare import memory_pools
 
     device = runtime.DEVICE
     start = time.perf_counter()
@@ -138,7 +145,7 @@ def run_memory(smoke: bool = False, log=print, budget_s: float | None = None) ->
     vocab = model.config.vocab_size
     pools = SMOKE_POOLS if smoke else POOLS
     P = SMOKE_PAGE_SIZE if smoke else PAGE_SIZE
-    res = dict(smoke=smoke, page_size=P, pools=dict(pools), rows=[], errors=[],
+    res = dict(smoke=smoke, page_size=P, pools=dict(pools), workload_pools=dict(WORKLOAD_POOLS), rows=[], errors=[],
                model=dict({"tiny": True} if smoke else MODEL, dtype=str(model.dtype).replace("torch.", "")),
                workloads={})
     graph_sizes = [1, 2, 4, 8, 16, 32, 48]
@@ -147,7 +154,9 @@ def run_memory(smoke: bool = False, log=print, budget_s: float | None = None) ->
         # the generator is told one max_new_tokens: every request's cap is the workload's largest
         workload = type(workload)(workload.name, "", tuple(
             type(r)(r.rid, r.prompt, r.output, 0, max_new_tokens=max_new) for r in workload.requests))
-        pool_pages = memory_pools(workload, P, pools)
+        only = WORKLOAD_POOLS.get(name)
+        pool_pages = {pool: pages for pool, pages in memory_pools(workload, P, pools).items()
+                      if only is None or pool in only or (smoke and pool == list(pools)[-1])}
         res["workloads"][name] = dict(requests=len(prompts), prompt_tokens=sum(map(len, prompts)),
                                       new_tokens=sum(ends), max_new_tokens=max_new,
                                       args=(SMOKE_WORKLOADS if smoke else WORKLOADS)[name])
@@ -236,6 +245,17 @@ def claims(res: dict) -> list[dict]:
     out.append(_claim("Long-prompt burst, tight memory: swap serves more tokens/s than recompute",
                       "tokens/s ratio swap / recompute > 1", r, None if r is None else r > 1, smoke))
     stops = [x["stops"] for x in res["rows"] if x["policy"] == "reserve" and "error" not in x]
+    ret, res_, rec_ = (_row(res, "long_answers", tight, p) for p in ("retract", "reserve", "recompute"))
+    out.append(_claim("Answers longer than SGLang's estimate, tight memory: retract runs short and retracts",
+                      "retractions > 0 (long_answers, tight, retract)", None if ret is None else ret["retractions"],
+                      None if ret is None else ret["retractions"] > 0, smoke))
+    cost = None
+    if ret is not None and res_ is not None and rec_ is not None:
+        cost = [ret["recomputed_tokens"], round(ret["tokens_per_s"] / res_["tokens_per_s"], 3),
+                round(ret["tokens_per_s"] / rec_["tokens_per_s"], 3)]
+    out.append(_claim("... at a cost: positions retract recomputes, and its tokens/s against reserve and recompute "
+                      "(long_answers, tight)", "reported: [recomputed positions, tokens/s ratio retract / reserve, "
+                      "retract / recompute]", cost, None if cost is None else cost[0] > 0, smoke))
     out.append(_claim("reserve never stops a request, in any pool", "stops == 0 in every reserve run",
                       sum(stops) if stops else None, sum(stops) == 0 if stops else None, smoke))
     ample = [x for x in res["rows"] if x["pool"] == "ample" and "error" not in x]

@@ -25,6 +25,8 @@ def memory_section(m: dict) -> list[str]:
               "served offline (every request arrives at once); each answer ends where the workload's does "
               "(the scheduler knows only `max_new_tokens`). Pools per workload, as a share of every whole "
               "answer at once: " + ", ".join(f"{k} {v:.0%}" for k, v in m["pools"].items())
+              + "".join(f"; {w} only in {' and '.join(ps)} memory (with ample memory it stops nobody)"
+                        for w, ps in m.get("workload_pools", {}).items() if w in m["workloads"])
               + ". One timed run per row after a warm-up (a row started past the time budget says it was "
               "skipped); tokens/s = new tokens / wall time of the call. "
               "TTFT and TPOT in ms (p50 / p99 over the requests); unused = pages promised but not mapped, "
@@ -53,7 +55,7 @@ def plot_memory(res: dict):
     """Tokens/s and requests running at once, per policy, workload and pool."""
     import matplotlib.pyplot as plt
 
-    from ..viz.pressure import policy_bars
+    from ..course.viz.policies import policy_bars
 
     m = res.get("memory")
     if not m:  # figures/bench.json without a --memory run: say so rather than draw nothing

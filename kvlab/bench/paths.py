@@ -8,16 +8,16 @@ timed again and again.
   sizes ``next_power_of_2(bs)`` and ``next_power_of_2(T)``, read ``ret_values.item()`` (a
   host sync), then slice. (Here the pool always has enough pages, so its launch-then-check
   order does no harm; :class:`kvlab.PagedTokenAllocator` checks first.)
-* ``fast_*``: :func:`kvlab.fast_alloc.alloc_extend_fast` and friends, in their three modes.
+* ``fast_*``: :func:`kvlab.alloc.fast_alloc.alloc_extend_fast` and friends, in their three modes.
 * ``torch_*``: the same allocation written with vectorised torch operations, no Triton.
 """
 from __future__ import annotations
 
 import torch
 
-from ..args import next_pow2
-from ..errors import OutOfPages
-from ..fast_alloc import alloc_decode_fast, alloc_extend_fast
+from ..base.args import next_pow2
+from ..base.errors import OutOfPages
+from ..alloc.fast_alloc import alloc_decode_fast, alloc_extend_fast
 from .cases import DecodeBatch, ExtendBatch
 
 
@@ -26,7 +26,7 @@ from .cases import DecodeBatch, ExtendBatch
 
 def teaching_extend(b: ExtendBatch, ret_values: torch.Tensor | None = None):
     """The source design's ``alloc_extend``: one launch, ``.item()``, slice."""
-    from ..kernels.alloc import alloc_extend_kernel
+    from ..alloc.alloc_kernels import alloc_extend_kernel
 
     if ret_values is None:
         ret_values = torch.zeros(1, dtype=torch.int64, device=b.prefix_lens.device)
@@ -95,7 +95,7 @@ def alloc_extend_torch(prefix_lens, seq_lens, last_loc, free_pages, page_size: i
 
 
 def teaching_decode(b: DecodeBatch, ret_values: torch.Tensor | None = None):
-    from ..kernels.alloc import alloc_decode_kernel
+    from ..alloc.alloc_kernels import alloc_decode_kernel
 
     if ret_values is None:
         ret_values = torch.zeros(1, dtype=torch.int64, device=b.seq_lens.device)

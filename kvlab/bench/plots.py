@@ -2,14 +2,14 @@
 
 Every function takes the result dict and returns a matplotlib Figure; none measures anything,
 so they draw the same picture on a laptop as on the GPU that produced the numbers. Each is at
-most an output area wide (``kvlab.viz.legibility``): one panel per page size, stacked.
+most an output area wide (``kvlab.course.viz.legibility``): one panel per page size, stacked.
 """
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from ..viz.legibility import MAX_WIDTH_IN
-from .attention_report import plot_attention
+from ..course.viz.legibility import MAX_WIDTH_IN
+from .decode_report import plot_attention
 from .memory_report import plot_memory
 from .serve_report import plot_serve
 

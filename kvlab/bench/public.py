@@ -21,12 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import runtime
-from ..alloc_checks import decode_counts, extend_counts
-from ..args import next_pow2
-from ..kernels.alloc import alloc_decode_kernel, alloc_extend_kernel
-from ..kernels.launch import Launcher
-from ..token_allocator import PagedTokenAllocator
+from ..base import runtime
+from ..alloc.host_checks import decode_counts, extend_counts
+from ..base.args import next_pow2
+from ..alloc.alloc_kernels import alloc_decode_kernel, alloc_extend_kernel
+from ..base.launch import Launcher
+from ..alloc.token_allocator import PagedTokenAllocator
 from . import cases as C
 from .timing import LOOP_CALLS, count_syncs, host_us, interleaved_loop_us
 
@@ -237,7 +237,7 @@ def bench_host_checks(batches, page_size: int, smoke: bool, log=print) -> list[d
 def bench_page_table_checks(num_requests: int, page_size: int, smoke: bool, log=print) -> dict:
     """Host time of the page-table write's validation (``CacheManager.allocate_paged`` with the
     Triton writer runs it once per batch): ``num_requests`` entries, one row each."""
-    from ..paging import _validated_entries
+    from ..alloc.paging import _validated_entries
 
     pages = 4
     info = [(r, 1, 1 + pages) for r in range(num_requests)]

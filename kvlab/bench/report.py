@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import os
 
-from .attention_report import attention_section
+from .decode_report import attention_section
 from .memory_report import memory_section
 from .serve_report import serve_section
 from .timing import round_ratios

@@ -17,7 +17,7 @@ of 128 on 8 K/V heads, vocabulary 151936, tied embeddings) in bfloat16.
   token (TTFT), inter-token latency (ITL) and end-to-end latency, p50 / p99, and requests/s,
   for kvlab with and without overlap and for the continuous-batching manager;
 * **GPU busy** -- the fraction of a decode step's wall time the GPU works, from CUDA events
-  around each step's device work (:attr:`kvlab.hf.PagedGenerator.timeline`): step k's busy
+  around each step's device work (:attr:`kvlab.serving.hf.PagedGenerator.timeline`): step k's busy
   share is its device time over the time from step k-1's end to step k's end, at 64 and 256
   running requests, with and without overlap.
 
@@ -53,8 +53,8 @@ TIME_BUDGET_S = 210
 
 def serve_model(device, smoke: bool):
     """The random-weight model (seeded), no end of text: every request runs its whole answer."""
-    from ..hf.models import tiny_model
-    from ..hf.plugin import require_transformers
+    from ..serving.hf.models import tiny_model
+    from ..serving.hf.plugin import require_transformers
 
     if smoke:
         return without_end_of_text(tiny_model("qwen3", seed=0, device=device, vocab_size=128, head_dim=32))
@@ -82,7 +82,7 @@ def without_end_of_text(model):
 
 
 def kvlab_generator(model, smoke: bool):
-    from ..hf import PagedGenerator
+    from ..serving.hf import PagedGenerator
 
     if smoke:
         return PagedGenerator(model, page_size=4, num_pages=256, max_running=8, prefill_budget=32)
@@ -134,7 +134,7 @@ def kvlab_busy(gen, running: int, prompt: int, answer: int, seed: int, overlap: 
 def run_serve(smoke: bool = False, log=print, checkpoint=None) -> dict:
     """Measure everything (see the module docstring); returns the result for ``bench.json``.
     ``checkpoint(res)`` is called after each part (a run cut short keeps what it measured)."""
-    from .. import runtime
+    from ..base import runtime
     from . import serve_baselines as base
 
     device = runtime.DEVICE

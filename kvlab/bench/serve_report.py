@@ -2,7 +2,7 @@
 the saved result (``res["serve"]``), so they read the same on a laptop as on the GPU."""
 from __future__ import annotations
 
-from ..viz.legibility import MAX_WIDTH_IN
+from ..course.viz.legibility import MAX_WIDTH_IN
 
 #: path -> what the report calls it
 SERVE_LABELS = {"kvlab": "kvlab, overlap scheduling", "kvlab_no_overlap": "kvlab, no overlap",

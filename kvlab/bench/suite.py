@@ -33,7 +33,7 @@ import platform
 import sys
 import time
 
-from .. import runtime
+from ..base import runtime
 from . import cases as C
 from . import cold, kernel_rows, public
 from .targets import evaluate_targets

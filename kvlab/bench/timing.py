@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import triton
 
-from .. import runtime
+from ..base import runtime
 
 #: per-call-in-a-loop timing: back-to-back calls per timed block, and rounds per path
 LOOP_CALLS, LOOP_ROUNDS = 50, 15

@@ -31,10 +31,10 @@ import matplotlib.pyplot as plt
 import torch
 
 import kvlab
-from kvlab.scenes.ch00_tour import (THREE_REQUESTS, describe_step, first_page_table,
+from kvlab.course.scenes.ch00_tour import (THREE_REQUESTS, describe_step, first_page_table,
                                     fragmentation_figure, scheduler_timeline, sharing_table,
                                     timeline_figure)
-from kvlab.viz import page_table_heatmap
+from kvlab.course.viz import page_table_heatmap
 
 torch.manual_seed(0)
 random.seed(0)
@@ -54,13 +54,13 @@ random.seed(0)
 # interpreter's answers are exactly the GPU's. Chapter 08's attention kernel works in floating
 # point: there the interpreter agrees with the GPU only up to rounding (the checks allow about
 # `1e-5`), because NumPy adds the same numbers in another order. Only speed differs otherwise,
-# so the chapters choose small sizes in the interpreter with `kvlab.runtime.pick(cpu=..., gpu=...)`.
+# so the chapters choose small sizes in the interpreter with `kvlab.base.runtime.pick(cpu=..., gpu=...)`.
 
 # %%
 info = kvlab.runtime_report()
 print()
 print("tensors live on:", kvlab.DEVICE)
-print("a size chosen for this runtime:", kvlab.runtime.pick(cpu="small (interpreter)", gpu="large (GPU)"))
+print("a size chosen for this runtime:", kvlab.base.runtime.pick(cpu="small (interpreter)", gpu="large (GPU)"))
 
 # %% [markdown]
 # ## Why a KV cache at all?
@@ -382,12 +382,16 @@ kvlab.check.hint("pages_needed", 1);
 # | 07 | [a serving loop you can scrub through](07_serving_loop.ipynb) | simulator + ipywidgets explorer |
 # | 08 | [capstone: attention through the page table](08_capstone_attention.ipynb) | [paged decode attention](glossary.md#paged-attention), tiny model |
 # | 09 | [making it fast](09_making_it_fast.ipynb) | benchmarks, scalable kernels |
-# | 10 | [serve a real model](10_serve_a_real_model.ipynb) | `kvlab.hf.PagedGenerator`: a transformers model through `CacheManager` |
+# | 10 | [serve a real model](10_serve_a_real_model.ipynb) | `kvlab.serving.hf.PagedGenerator`: a transformers model through `CacheManager` |
 # | 11 | [the hash-chained prefix cache](11_hash_prefix_cache.ipynb) | `HashPrefixCache` (vLLM's and nano-vllm's prefix cache), measured beside the radix tree |
-# | 12 | [when KV memory runs out](12_when_memory_runs_out.ipynb) | `kvlab.pressure`: reserve, recompute, retract, swap; measured side by side |
+# | 12 | [when KV memory runs out](12_when_memory_runs_out.ipynb) | `kvlab.serving.pressure`: reserve, recompute, retract, swap; measured side by side |
 #
 # Both source designs, mini-sglang's `CacheManager` and SGLang's `PagedTokenToKVPoolAllocator`,
 # are rebuilt, tested against plain-Python references, and cleared of the hazards they carry.
+# The package keeps them in the course's order, one folder per subsystem, as serving engines
+# do (mini-sglang's `kvcache/`, `scheduler/`, `engine/`): `kvlab.alloc` (chapters 01-04),
+# `kvlab.prefix` (05, 11), `kvlab.manager` (06), `kvlab.attention` (08-09), `kvlab.serving`
+# (07, 10, 12), on top of `kvlab.base`; `kvlab.course` holds the checkers, pictures and scenes.
 # The [glossary](glossary.md) has every term of the course.
 #
 # ## Summary

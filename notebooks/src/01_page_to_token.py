@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 import kvlab
-from kvlab.scenes.ch01_page_to_token import pages_to_slots_figure
-from kvlab.reference import page_to_token_ref
+from kvlab.course.scenes.ch01_page_to_token import pages_to_slots_figure
+from kvlab.course.reference import page_to_token_ref
 
 torch.manual_seed(0)
 device = kvlab.DEVICE
@@ -263,7 +263,7 @@ def page_to_token_kernel_nb(page_starts_ptr, out_ptr, num_tokens, page_size, BLO
 
 
 def page_to_token_triton_nb(pages: torch.Tensor, page_size: int, block: int = 128) -> torch.Tensor:
-    # lifted into kvlab.paging.page_to_token_triton
+    # lifted into kvlab.alloc.paging.page_to_token_triton
     if page_size == 1:
         return pages
     num_tokens = pages.numel() * page_size
@@ -281,13 +281,13 @@ print("programs launched for 300 pages of 16:", triton.cdiv(300 * 16, 128))
 # %% [markdown]
 # ## Validate against the reference
 #
-# `kvlab.reference.page_to_token_ref` is the obviously-right version: two Python loops.
+# `kvlab.course.reference.page_to_token_ref` is the obviously-right version: two Python loops.
 # Random page sizes, random numbers of pages in random order, both dtypes; the empty input and
 # `page_size = 1` included. The package's torch version, `kvlab.page_to_token`, must agree too.
 
 # %%
 rng = random.Random(0)
-n_trials = kvlab.runtime.pick(cpu=40, gpu=300)
+n_trials = kvlab.base.runtime.pick(cpu=40, gpu=300)
 for trial in range(n_trials):
     P = rng.choice([1, 2, 4, 16, 64])
     ids = rng.sample(range(4096), rng.randint(0, 20))
@@ -306,7 +306,7 @@ print(f"the Triton kernel and kvlab.page_to_token match the reference on {n_tria
 
 # %%
 P = 16
-n_pages = kvlab.runtime.pick(cpu=100, gpu=100_000)
+n_pages = kvlab.base.runtime.pick(cpu=100, gpu=100_000)
 starts = torch.randperm(4 * n_pages, device=device)[:n_pages].to(torch.int64) * P
 out = page_to_token_triton_nb(starts, P, block=128)
 assert out.numel() == n_pages * P and torch.equal(out, kvlab.page_to_token(starts, P)), (
@@ -399,7 +399,7 @@ kvlab.check.hint("page_to_token", 1);
 # ## Lift
 #
 # The finished functions live in the package: `kvlab.page_to_token` and
-# `kvlab.paging.page_to_token_triton` (kernel: `kvlab.kernels.page_to_token_kernel`). Later
+# `kvlab.alloc.paging.page_to_token_triton` (kernel: `kvlab.alloc.paging_kernels.page_to_token_kernel`). Later
 # chapters import them. Check that they agree with this notebook's versions: yours once it has
 # passed the checker (until then the package's stands in, and the cell says so), and the
 # notebook's Triton kernel.
@@ -407,16 +407,16 @@ kvlab.check.hint("page_to_token", 1);
 # %%
 my_version = kvlab.check.choose("page_to_token", my_page_to_token, kvlab.page_to_token)
 rng = random.Random(2)
-for _ in range(kvlab.runtime.pick(cpu=20, gpu=200)):
+for _ in range(kvlab.base.runtime.pick(cpu=20, gpu=200)):
     P = rng.choice([1, 2, 4, 16, 64])
     dtype = rng.choice([torch.int32, torch.int64])
     starts = torch.tensor([p * P for p in rng.sample(range(2048), rng.randint(0, 16))], dtype=dtype,
                           device=device)
     assert torch.equal(my_version(starts, P), kvlab.page_to_token(starts, P)), (
         f"page_size {P}, starts {starts.tolist()}: yours differs from kvlab.page_to_token")
-    assert torch.equal(page_to_token_triton_nb(starts, P), kvlab.paging.page_to_token_triton(starts, P)), (
+    assert torch.equal(page_to_token_triton_nb(starts, P), kvlab.alloc.paging.page_to_token_triton(starts, P)), (
         f"page_size {P}, starts {starts.tolist()}: the notebook's kernel differs from kvlab's")
-print("notebook == kvlab.page_to_token == kvlab.paging.page_to_token_triton")
+print("notebook == kvlab.page_to_token == kvlab.alloc.paging.page_to_token_triton")
 
 # %% [markdown]
 # ## Summary

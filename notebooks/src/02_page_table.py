@@ -29,13 +29,13 @@ import triton.language as tl
 
 import kvlab
 from kvlab import div_ceil
-from kvlab.scenes.ch02_page_table import DEMO_REQUESTS, before_after_figure
-from kvlab.reference import write_page_table_ref
-from kvlab.viz import page_table_heatmap
+from kvlab.course.scenes.ch02_page_table import DEMO_REQUESTS, before_after_figure
+from kvlab.course.reference import write_page_table_ref
+from kvlab.course.viz import page_table_heatmap
 
 torch.manual_seed(0)
 device = kvlab.DEVICE
-print("device:", device, "| pinned host memory available:", kvlab.runtime.can_pin_memory())
+print("device:", device, "| pinned host memory available:", kvlab.base.runtime.can_pin_memory())
 
 # %% [markdown]
 # ## The table's shape
@@ -194,9 +194,9 @@ assert allocated.numel() == sum((last - first) * P for _, first, last in allocat
 
 # %%
 def _write_page_table(page_table, allocated, allocation_info, page_size):
-    # lifted into kvlab.paging.write_page_table (which also validates every argument first)
+    # lifted into kvlab.alloc.paging.write_page_table (which also validates every argument first)
     needed_tokens = len(allocated)
-    pin = kvlab.runtime.can_pin_memory()
+    pin = kvlab.base.runtime.can_pin_memory()
     rows_host = torch.empty(needed_tokens, dtype=torch.int64, pin_memory=pin)
     cols_host = torch.empty(needed_tokens, dtype=torch.int64, pin_memory=pin)
     offset = 0
@@ -266,7 +266,7 @@ def write_page_table_kernel_nb(page_table_ptr, row_stride, allocated_ptr, meta_p
 
 
 def write_page_table_triton_nb(page_table, allocated, allocation_info, page_size, block=64):
-    # lifted into kvlab.paging.write_page_table_triton
+    # lifted into kvlab.alloc.paging.write_page_table_triton
     meta_rows, offset = [], 0
     for table_idx, first_page, last_page in allocation_info:
         meta_rows.append((table_idx, first_page, last_page, offset))
@@ -274,7 +274,7 @@ def write_page_table_triton_nb(page_table, allocated, allocation_info, page_size
     if offset == 0:
         return None
     meta = torch.tensor(meta_rows, dtype=torch.int64).T.contiguous()  # [4, num_requests]
-    if kvlab.runtime.can_pin_memory():
+    if kvlab.base.runtime.can_pin_memory():
         meta = meta.pin_memory()
     meta = meta.to(page_table.device, non_blocking=True)  # the only host->device copy
     grid = (len(meta_rows),)
@@ -311,7 +311,7 @@ def random_batch(rng, page_size, n_rows, pages_per_row):
 
 
 rng = random.Random(0)
-n_trials = kvlab.runtime.pick(cpu=30, gpu=300)
+n_trials = kvlab.base.runtime.pick(cpu=30, gpu=300)
 for _ in range(n_trials):
     page_size = rng.choice([1, 2, 4, 16, 64])
     start_table, allocated_r, info = random_batch(rng, page_size, rng.randint(1, 6), rng.randint(1, 4))
@@ -401,7 +401,7 @@ kvlab.check.hint("write_page_table", 1);
 # ## Lift
 #
 # The finished functions are `kvlab.write_page_table` (host indices + one scatter) and
-# `kvlab.write_page_table_triton` (kernel: `kvlab.kernels.write_page_table_kernel`); both validate
+# `kvlab.write_page_table_triton` (kernel: `kvlab.alloc.paging_kernels.write_page_table_kernel`); both validate
 # their input first. The cache manager of chapter 06 uses the Triton one. Compare them with this
 # notebook's versions on random batches: the host path, the Triton path, and yours once it has
 # passed the checker (until then the package's stands in, and the cell says so).
@@ -409,7 +409,7 @@ kvlab.check.hint("write_page_table", 1);
 # %%
 my_version = kvlab.check.choose("write_page_table", my_write_page_table, kvlab.write_page_table)
 rng = random.Random(1)
-for _ in range(kvlab.runtime.pick(cpu=15, gpu=200)):
+for _ in range(kvlab.base.runtime.pick(cpu=15, gpu=200)):
     page_size = rng.choice([1, 2, 4, 16, 64])
     start_table, allocated_r, info = random_batch(rng, page_size, rng.randint(1, 6), rng.randint(1, 4))
     mine, mine_host, mine_tri = start_table.clone(), start_table.clone(), start_table.clone()
@@ -446,7 +446,7 @@ except kvlab.check.CheckFailed as err:
 # The whole table at once, after many batches, to end with (one cell per page when it is wide):
 
 # %% alt="A heatmap of a page table after four batches of growth: each request's row is filled from column 0 up to its length with pages scattered through the pool, and the rest of the row is white."
-rows, width, P = kvlab.runtime.pick(cpu=(16, 512, 16), gpu=(64, 4096, 16))
+rows, width, P = kvlab.base.runtime.pick(cpu=(16, 512, 16), gpu=(64, 4096, 16))
 big = kvlab.new_page_table(rows - 1, width, P)
 rng = random.Random(3)
 free = list(range(rows * width // P))

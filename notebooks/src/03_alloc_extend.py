@@ -38,11 +38,11 @@ import triton
 import triton.language as tl
 
 import kvlab
-from kvlab.scenes.ch02_page_table import before_after_figure
-from kvlab.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, prefill_then_extend,
+from kvlab.course.scenes.ch02_page_table import before_after_figure
+from kvlab.course.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, prefill_then_extend,
                                             small_example, two_views_figure, worked_example)
-from kvlab.kernels import alloc_extend_kernel
-from kvlab.reference.alloc import (alloc_extend_ref, kernel_page_reads_extend, pages_needed_extend,
+from kvlab.alloc.alloc_kernels import alloc_extend_kernel
+from kvlab.course.reference.alloc_ref import (alloc_extend_ref, kernel_page_reads_extend, pages_needed_extend,
                                    part_lengths, unpack_ret_value)
 
 torch.manual_seed(0)
@@ -210,7 +210,7 @@ assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
 # %% [markdown]
 # ## The kernel
 #
-# `kvlab.kernels.alloc_extend_kernel` is `one_program` as one Triton program, mirroring the source
+# `kvlab.alloc.alloc_kernels.alloc_extend_kernel` is `one_program` as one Triton program, mirroring the source
 # design line by line. Its first half is the bookkeeping above, in Triton (every piece is from
 # chapter 01's primer: `tl.program_id`, a masked `tl.load` with `other=0`, `tl.sum`, and
 # `tl.arange` over a power of two):
@@ -294,7 +294,7 @@ assert (pages, tokens) == unpack_ret_value(ret) == (4, 252), (
 # %% [markdown]
 # ## Validate against the reference on random batches
 #
-# `kvlab.reference.alloc.alloc_extend_ref` is the same computation as plain Python loops, request
+# `kvlab.course.reference.alloc_ref.alloc_extend_ref` is the same computation as plain Python loops, request
 # by request. Random batches with page sizes 1, 16 and 64; prefixes that are empty, page-aligned
 # or not; some empty extends (`seq == pre`). Prefixes live on pages of their own and the [free list](glossary.md#free-list)
 # is shuffled, as it would be after a while of serving.
@@ -315,7 +315,7 @@ def random_batch(rng, P, bs):
 
 
 rng = random.Random(0)
-n_trials = kvlab.runtime.pick(cpu=9, gpu=200)
+n_trials = kvlab.base.runtime.pick(cpu=9, gpu=200)
 seen = {"aligned": 0, "unaligned": 0, "empty prefix": 0, "empty extend": 0}
 for trial in range(n_trials):
     P = [1, 16, 64][trial % 3]
@@ -629,7 +629,7 @@ def my_alloc_extend_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_p
     ### END STARTER
 
 
-n_random = kvlab.runtime.pick(cpu=2, gpu=20)
+n_random = kvlab.base.runtime.pick(cpu=2, gpu=20)
 kvlab.check.alloc_extend_part1(my_alloc_extend_kernel, n_random=n_random)
 kvlab.check.alloc_extend_part2(my_alloc_extend_kernel, n_random=n_random)
 kvlab.check.alloc_extend_part3(my_alloc_extend_kernel, n_random=n_random);
@@ -641,7 +641,7 @@ _ = kvlab.check.hint("alloc_extend_part1", 1)
 # %% [markdown]
 # ## Lift
 #
-# The kernel lives in `kvlab.kernels.alloc_extend_kernel`, the allocator in
+# The kernel lives in `kvlab.alloc.alloc_kernels.alloc_extend_kernel`, the allocator in
 # `kvlab.PagedTokenAllocator.alloc_extend`. This notebook's pieces must agree with them: your
 # kernel against the package's, and a host function built the notebook's way (count pages first,
 # then launch the kernel, then slice) against the allocator, on random batches. Your kernel is
@@ -664,7 +664,7 @@ def my_alloc_extend(free_pages, pre, seq, last, P):
 
 
 rng = random.Random(7)
-for trial in range(kvlab.runtime.pick(cpu=4, gpu=100)):
+for trial in range(kvlab.base.runtime.pick(cpu=4, gpu=100)):
     P = rng.choice([1, 4, 16, 64])
     pre, seq, last, free = random_batch(rng, P, rng.randint(1, 5))
     got_kernel, _ = launch_extend(extend_kernel, pre, seq, last, free, P)
@@ -679,7 +679,7 @@ for trial in range(kvlab.runtime.pick(cpu=4, gpu=100)):
                                 torch.tensor(last, device=device), sum(seq) - sum(pre))
     assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist(), (
         f"page_size {P}, pre {pre}, seq {seq}: the notebook's step and PagedTokenAllocator differ")
-print("notebook kernel == kvlab.kernels.alloc_extend_kernel; notebook allocator step == PagedTokenAllocator")
+print("notebook kernel == kvlab.alloc.alloc_kernels.alloc_extend_kernel; notebook allocator step == PagedTokenAllocator")
 
 # %% [markdown]
 # What does a mistake look like? This version forgets that part 3 lives on the request's

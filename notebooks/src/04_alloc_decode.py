@@ -25,10 +25,10 @@ import triton
 import triton.language as tl
 
 import kvlab
-from kvlab.scenes.ch04_alloc_decode import decode_steps, draw_decode_steps, example_history
-from kvlab.kernels import alloc_decode_kernel
-from kvlab.reference.alloc import alloc_decode_ref
-from kvlab.viz import page_table_heatmap
+from kvlab.course.scenes.ch04_alloc_decode import decode_steps, draw_decode_steps, example_history
+from kvlab.alloc.alloc_kernels import alloc_decode_kernel
+from kvlab.course.reference.alloc_ref import alloc_decode_ref
+from kvlab.course.viz import page_table_heatmap
 
 torch.manual_seed(0)
 device = kvlab.DEVICE
@@ -105,7 +105,7 @@ for pid in range(bs):
 # %% [markdown]
 # ## The kernel
 #
-# `kvlab.kernels.alloc_decode_kernel` mirrors the [source design](glossary.md#source-design). It is chapter 03's kernel with
+# `kvlab.alloc.alloc_kernels.alloc_decode_kernel` mirrors the [source design](glossary.md#source-design). It is chapter 03's kernel with
 # the [three parts](glossary.md#three-parts) collapsed into one `if`: one program per request, the masked sum above to find
 # `k`, then either `last_loc + 1` or the first slot of `free_pages[k]`; the last program reports
 # the number of new pages in [`ret_values`](glossary.md#ret-values). Writing it is **your exercise** at the end of the
@@ -157,7 +157,7 @@ def random_decode_batch(rng, P, bs):
 
 
 rng = random.Random(0)
-n_trials = kvlab.runtime.pick(cpu=12, gpu=200)
+n_trials = kvlab.base.runtime.pick(cpu=12, gpu=200)
 crossings = 0
 for trial in range(n_trials):
     P = [1, 16, 64][trial % 3]
@@ -170,11 +170,11 @@ print(f"kernel == reference on {n_trials} random batches ({crossings} page cross
 
 # %%
 P = 16
-num_pages = kvlab.runtime.pick(cpu=24, gpu=1024)
+num_pages = kvlab.base.runtime.pick(cpu=24, gpu=1024)
 alloc = kvlab.PagedTokenAllocator(num_pages=num_pages, page_size=P, impl="teaching")  # this chapter's kernel
 alloc.free_pages = torch.tensor(random.Random(2).sample(range(num_pages), num_pages), device=device)
 rng = random.Random(1)
-bs = kvlab.runtime.pick(cpu=4, gpu=32)
+bs = kvlab.base.runtime.pick(cpu=4, gpu=32)
 prompt = [rng.randint(1, 40) for _ in range(bs)]
 slots = alloc.alloc_extend(torch.zeros(bs, dtype=torch.int64, device=device),
                            torch.tensor(prompt, device=device), torch.full((bs,), -1, device=device),
@@ -184,7 +184,7 @@ at = 0
 for n in prompt:
     owned.append(slots[at:at + n])
     at += n
-n_steps = kvlab.runtime.pick(cpu=20, gpu=200)
+n_steps = kvlab.base.runtime.pick(cpu=20, gpu=200)
 for step in range(n_steps):
     seq = [len(s) + 1 for s in owned]
     last = [s[-1] for s in owned]
@@ -341,7 +341,7 @@ def my_alloc_decode_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indice
     ### END STARTER
 
 
-kvlab.check.alloc_decode(my_alloc_decode_kernel, n_random=kvlab.runtime.pick(cpu=3, gpu=20));
+kvlab.check.alloc_decode(my_alloc_decode_kernel, n_random=kvlab.base.runtime.pick(cpu=3, gpu=20));
 
 # %%
 _ = kvlab.check.hint("alloc_decode", 1)
@@ -350,7 +350,7 @@ _ = kvlab.check.hint("alloc_decode", 1)
 # %% [markdown]
 # ## Lift
 #
-# The kernel is `kvlab.kernels.alloc_decode_kernel` and the allocator step
+# The kernel is `kvlab.alloc.alloc_kernels.alloc_decode_kernel` and the allocator step
 # `kvlab.PagedTokenAllocator.alloc_decode`. Your kernel against the package's, and the notebook's
 # host step (count crossings, refuse if short, launch, slice) against the allocator, on random
 # batches. Your kernel is used once it has passed its [checker](glossary.md#checker); until then the package's stands
@@ -370,7 +370,7 @@ def my_alloc_decode(free_pages, seq, last, P):
 
 
 rng = random.Random(7)
-for trial in range(kvlab.runtime.pick(cpu=8, gpu=100)):
+for trial in range(kvlab.base.runtime.pick(cpu=8, gpu=100)):
     P = rng.choice([1, 4, 16, 64])
     seq, last, free = random_decode_batch(rng, P, rng.randint(1, 8))
     assert torch.equal(launch_decode(decode_kernel, seq, last, free, P)[0],
@@ -382,7 +382,7 @@ for trial in range(kvlab.runtime.pick(cpu=8, gpu=100)):
     theirs = alloc.alloc_decode(torch.tensor(seq, device=device), torch.tensor(last, device=device))
     assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist(), (
         f"page_size {P}, seq {seq}: the notebook's step and PagedTokenAllocator differ")
-print("notebook kernel == kvlab.kernels.alloc_decode_kernel; notebook decode step == PagedTokenAllocator")
+print("notebook kernel == kvlab.alloc.alloc_kernels.alloc_decode_kernel; notebook decode step == PagedTokenAllocator")
 
 # %% [markdown]
 # What does the checker say about a wrong kernel? A classic slip: testing `seq % page_size == 0`

@@ -23,9 +23,9 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, Req, RadixPrefixCache
-from kvlab.scenes.ch05_radix import shared_prefix_figure
-from kvlab.reference import PrefixStoreRef, page_aligned_len
-from kvlab.viz import draw_tree, draw_tree_steps
+from kvlab.course.scenes.ch05_radix import shared_prefix_figure
+from kvlab.course.reference import PrefixStoreRef, page_aligned_len
+from kvlab.course.viz import draw_tree, draw_tree_steps
 
 torch.manual_seed(0)
 random.seed(0)
@@ -244,7 +244,7 @@ assert stamps(clocked) == {(1, 2, 3, 4): 5, (5, 6): 5}, (  # the third insert's 
 
 # %%
 cm = CacheManager(num_pages=16, page_size=2,
-                  page_table=kvlab.paging.new_page_table(2, 16, 2))
+                  page_table=kvlab.alloc.paging.new_page_table(2, 16, 2))
 cm.prefix_cache.insert_prefix([1, 2, 3, 4, 5, 6], torch.arange(6, dtype=torch.int32))
 for prompt in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]):
     hit = cm.match_req(Req(prompt, table_idx=0)).cached_len
@@ -397,7 +397,7 @@ else:
 # %% [markdown]
 # ## Validate against the reference
 #
-# `kvlab.reference.PrefixStoreRef` is the obviously-right version: a list of cached token
+# `kvlab.course.reference.PrefixStoreRef` is the obviously-right version: a list of cached token
 # sequences, a match is the longest common prefix with any of them, rounded down to whole
 # pages. We insert seeded random prompts drawn from a few shared beginnings into both, and
 # compare every match, every "already cached" length, and every handle's slots against the
@@ -454,7 +454,7 @@ for page_size in (1, 2, 4):
 # %% alt="A page table of four requests on pages of 4 slots in which rows 0 and 2 share their first two pages and rows 1 and 3 share theirs, each then continuing on pages of its own."
 P4 = 4
 cm = CacheManager(num_pages=24, page_size=P4,
-                  page_table=kvlab.paging.new_page_table(4, 24, P4))
+                  page_table=kvlab.alloc.paging.new_page_table(4, 24, P4))
 system_a, system_b = list(range(100, 110)), list(range(200, 206))
 prompts = [system_a + [1, 2, 3], system_b + [4, 5, 6, 7, 8], system_a + [9, 9, 9, 9, 9, 9], system_b + [4, 5, 6, 7, 1]]
 for row, prompt in enumerate(prompts):
@@ -465,7 +465,7 @@ for row, prompt in enumerate(prompts):
     cm.cache_req(req, finished=False)
     print(f"row {row}: {len(prompt)} tokens, {hit} from the cache")
 cm.check_integrity()
-kvlab.viz.page_table_heatmap(cm.page_table[:4, :20], P4, title="shared pages across rows")
+kvlab.course.viz.page_table_heatmap(cm.page_table[:4, :20], P4, title="shared pages across rows")
 plt.show()
 assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8]), (  # system_a's 2 whole pages
     "rows 0 and 2 should share system_a's two pages")
@@ -614,7 +614,7 @@ for page_size in (1, 2, 4, 16):
         assert mine == theirs == page_store_match(page_store, ids, page_size), (
             f"{said}: your match_prefix {mine}, kvlab's {theirs}, the page store's {page_store_match(page_store, ids, page_size)}")
         if ids:  # a request has at least one token
-            manager = CacheManager(1, page_size, kvlab.paging.new_page_table(1, 8, page_size), prefix_cache=tree)
+            manager = CacheManager(1, page_size, kvlab.alloc.paging.new_page_table(1, 8, page_size), prefix_cache=tree)
             got = match_req_fn(tree, ids)
             mine, theirs = int(getattr(got, "cached_len", got)), manager.match_req(Req(ids, 0)).cached_len
             assert mine == theirs, f"{said}: your match_req {mine}, CacheManager.match_req {theirs}"
@@ -643,8 +643,8 @@ print("match_prefix, match_req and the page-store insert agree with kvlab")
 #   `evict(n)` removes whole unlocked least-recently-used leaves, may free more than `n`,
 #   returns token slots (the free list wants `[::P]`), and in kvlab returns what it could
 #   rather than failing: the manager checks `evictable_size` first.
-# * Lifted into `kvlab.RadixPrefixCache` (`kvlab/radix_cache.py`); pictures in
-#   `kvlab.viz.draw_tree` / `draw_tree_steps`.
+# * Lifted into `kvlab.RadixPrefixCache` (`kvlab/prefix/radix_cache.py`); pictures in
+#   `kvlab.course.viz.draw_tree` / `draw_tree_steps`.
 #
 # Next: chapter 06 puts the cache, the free list and the page table together in
 # `CacheManager`, and follows `cache_req` through its four [regions](glossary.md#region).

@@ -20,10 +20,10 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, Req
-from kvlab.paging import new_page_table
-from kvlab.scenes.ch06_cache_req import scenarios
-from kvlab.reference import cache_req_regions_ref
-from kvlab.viz import page_owner_strip, page_table_heatmap, region_bar, region_bars
+from kvlab.alloc.paging import new_page_table
+from kvlab.course.scenes.ch06_cache_req import scenarios
+from kvlab.course.reference import cache_req_regions_ref
+from kvlab.course.viz import page_owner_strip, page_table_heatmap, region_bar, region_bars
 
 torch.manual_seed(0)
 random.seed(0)
@@ -418,7 +418,7 @@ plt.show()
 # %% [markdown]
 # ## Validate against the reference, on random traces
 #
-# `kvlab.reference.cache_req_regions_ref` computes the four regions from the four lengths
+# `kvlab.course.reference.cache_req_regions_ref` computes the four regions from the four lengths
 # with plain comparisons. We drive a seeded random trace (prefills in batches from a few shared
 # prompts, decode steps, finishes, aborts, a small pool so eviction happens) and after every
 # `cache_req` compare the regions and the freed pages with the reference; after every step we
@@ -428,7 +428,7 @@ plt.show()
 def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
     rng = random.Random(seed)
     cm = CacheManager(4 * 16 // page_size, page_size,
-                      kvlab.paging.new_page_table(4, 64, page_size),
+                      kvlab.alloc.paging.new_page_table(4, 64, page_size),
                       remap_duplicates=remap)
     prompts = [[rng.randrange(3) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
     kv, calls, evictions = {}, 0, 0
@@ -503,7 +503,7 @@ def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
 
 for page_size in (1, 4, 16):
     totals = [0, 0]
-    for seed in range(kvlab.runtime.pick(cpu=3, gpu=10)):
+    for seed in range(kvlab.base.runtime.pick(cpu=3, gpu=10)):
         calls, evictions = run_trace(seed, page_size)
         totals = [totals[0] + calls, totals[1] + evictions]
     print(f"page_size {page_size:2d}: traces agree with the reference "
@@ -617,7 +617,7 @@ remap_fn = kvlab.check.choose("cache_req_remap", my_cache_req_remap, kvlab.solut
 rng = random.Random(21)
 checked = remapped = 0
 for page_size in (1, 2, 4, 16):
-    cm = CacheManager(64 // page_size * 4, page_size, kvlab.paging.new_page_table(4, 96, page_size))
+    cm = CacheManager(64 // page_size * 4, page_size, kvlab.alloc.paging.new_page_table(4, 96, page_size))
     prompts = [[rng.randrange(2) for _ in range(rng.randrange(2, 40))] for _ in range(2)]
     for _ in range(8):
         batch = [Req(rng.choice(prompts)[: rng.randrange(1, 40)] + [7], row) for row in range(rng.randrange(1, 5))]
@@ -670,8 +670,8 @@ assert remapped > 0, "no call remapped a row: the lift checked no remap"
 #   finished request again, bad lengths, an unlock by a request that holds no lock) raises a
 #   clear error and changes nothing.
 # * The conservation law, free + cached + running = all pages, each once, is `check_integrity()`.
-# * Lifted into `kvlab.CacheManager`, `kvlab.Req`, `kvlab.CacheRegions` (`kvlab/cache_manager.py`);
-#   pictures in `kvlab.viz.region_bar(s)` and `page_owner_strip`.
+# * Lifted into `kvlab.CacheManager`, `kvlab.Req`, `kvlab.CacheRegions` (`kvlab/manager/cache_manager.py`);
+#   pictures in `kvlab.course.viz.region_bar(s)` and `page_owner_strip`.
 #
 # Next: chapter 07 runs a whole serving loop on this manager and lets you scrub through it.
 #

@@ -22,11 +22,11 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, Req
-from kvlab.scenes.ch07_serving_loop import page_size_runs, pressured_run, step_views_figure
-from kvlab.paging import div_ceil, new_page_table
-from kvlab.sim import (RequestSpec, SimConfig, SimIntegrityError, Simulator, Workload,
+from kvlab.course.scenes.ch07_serving_loop import page_size_runs, pressured_run, step_views_figure
+from kvlab.alloc.paging import div_ceil, new_page_table
+from kvlab.serving.sim import (RequestSpec, SimConfig, SimIntegrityError, Simulator, Workload,
                        make_workload, multi_turn_chat, shared_system_prompt, simulate)
-from kvlab.viz.sim import compare_page_sizes, describe_step, timeline_dashboard
+from kvlab.course.viz.dashboard import compare_page_sizes, describe_step, timeline_dashboard
 
 torch.manual_seed(0)
 random.seed(0)
@@ -38,7 +38,7 @@ random.seed(0)
 # the model. Newly admitted requests compute their prompt (*prefill*), running requests compute
 # one more token each (*decode*); either way each request is *[extended](glossary.md#extend)* by the tokens the step
 # computes. mini-sglang runs a step as a prefill batch or as a decode batch; this chapter's
-# simulator, `kvlab.sim`, does both in one step (decode the running requests, then prefill
+# simulator, `kvlab.serving.sim`, does both in one step (decode the running requests, then prefill
 # the newly admitted ones), which keeps runs short. Around each forward pass, the memory
 # manager does its work:
 #
@@ -47,7 +47,7 @@ random.seed(0)
 #                           (FIFO)        │          │  ▲                (pages stay,
 #                                         │          │  └─ decode: +1 token per step
 #   admit  = match_req + lock the hit     │          │     (a new page at each page boundary)
-#            + map the hit into its row   │          └─ kvlab.sim only: preempted when a decode
+#            + map the hit into its row   │          └─ kvlab.serving.sim only: preempted when a decode
 #   prefill = allocate_paged(batch)       │             needs a page and none is left: back
 #            then cache_req(finished=False)             to the queue (see "The simulator")
 # ```
@@ -267,10 +267,10 @@ print(f"{len(steps)} steps; free pages at the end: {len(steps[-1][1])} of 64 "
       f"(the rest hold the prefix cache)")
 
 # %% [markdown]
-# ## The simulator: `kvlab.sim`
+# ## The simulator: `kvlab.serving.sim`
 #
-# `kvlab.sim.Simulator` is that loop, [lifted](glossary.md#lift) into the package and made to survive memory
-# pressure. Its rules (see `kvlab/sim/scheduler.py`):
+# `kvlab.serving.sim.Simulator` is that loop, [lifted](glossary.md#lift) into the package and made to survive memory
+# pressure. Its rules (see `kvlab/serving/sim/scheduler.py`):
 #
 # * **a waiting request waits** until a row is free, the step's prefill **token budget** allows
 #   it (the first request of a step always goes: there is no [chunked prefill](glossary.md#chunked-prefill)), and its pages fit
@@ -292,7 +292,7 @@ print(f"{len(steps)} steps; free pages at the end: {len(steps[-1][1])} of 64 "
 # a reservation sits idle until the answer grows into it, and is never used at all when the
 # answer stops early (an end-of-sequence token), so fewer requests run at once. (SGLang, for
 # comparison, can also *retract* running requests when a decode step runs short.)
-# `kvlab.sim` admits on the prompt's pages alone and preempts when a decode runs short. That
+# `kvlab.serving.sim` admits on the prompt's pages alone and preempts when a decode runs short. That
 # packs memory tighter, and it is the interesting case for this course: eviction under
 # pressure, preemption and re-prefill from the cache all happen in small runs, where the
 # integrity checks watch every step.
@@ -411,7 +411,7 @@ assert runs[1].summary().mean_wasted_slots == 0 < runs[16].summary().mean_wasted
 # of the current view instead.
 
 # %% alt="The timeline explorer's page-table view at step 12: two running requests' rows mapped to scattered pages, two free rows, and a line counting the pages free, cached and private."
-explorer = kvlab.widgets.explore(timeline, "page table", step=12)
+explorer = kvlab.course.widgets.explore(timeline, "page table", step=12)
 
 # %% [markdown]
 # The same four views of one busy step, side by side:
@@ -421,7 +421,7 @@ step_views_figure()
 plt.show()
 
 # %% [markdown]
-# ## Lift: the loop by hand vs `kvlab.sim`
+# ## Lift: the loop by hand vs `kvlab.serving.sim`
 #
 # With memory to spare (no eviction, no preemption, no budget limit), the simulator must make
 # exactly the same decisions as `run_by_hand`: the same page table and the same free list,
@@ -465,7 +465,7 @@ for trial in range(6):
 # * Page size trades hit granularity and empty slots (small pages win both here) against the
 #   cost of managing more pages.
 # * A real server like mini-sglang reserves each request's whole output at admission and
-#   never preempts; `kvlab.sim` admits on the prompt alone and preempts, to pack memory
+#   never preempts; `kvlab.serving.sim` admits on the prompt alone and preempts, to pack memory
 #   tighter and to show the hard cases.
 #
 # Next, chapter 08 puts a tiny transformer on top and proves the whole manager correct: the
@@ -476,7 +476,7 @@ for trial in range(6):
 # 1. Pick a page size for this workload: the shared-system-prompt traffic of the pictures
 #    above, with 512 slots of KV memory. What do you gain and lose between `P = 1`, `4`,
 #    `16`, `32` and `64`? Which would you choose, and what would change your mind?
-# 2. Give `kvlab.sim` mini-sglang's admission rule (reserve each request's output at
+# 2. Give `kvlab.serving.sim` mini-sglang's admission rule (reserve each request's output at
 #    admission). Which of this chapter's pictures change, and how? When is reserving the
 #    better policy?
 

@@ -25,21 +25,21 @@ import triton.language as tl
 
 import kvlab
 from kvlab import CacheManager, InvalidArgument, Req
-from kvlab.attention import causal_attention, check_paged_attention_inputs, paged_decode_attention
-from kvlab.engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous
-from kvlab.kvcache import KVPool, random_paged_layout
-from kvlab.reference import paged_decode_attention_reference
-from kvlab.scenes.ch08_attention import gather_figure, prefill_bars, shared_prompt_batches
-from kvlab.paging import new_page_table
-from kvlab.viz import page_table_heatmap
+from kvlab.attention.paged_attention import causal_attention, check_paged_attention_inputs, paged_decode_attention
+from kvlab.serving.tiny_engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous
+from kvlab.attention.kv_pool import KVPool, random_paged_layout
+from kvlab.course.reference import paged_decode_attention_reference
+from kvlab.course.scenes.ch08_attention import gather_figure, prefill_bars, shared_prompt_batches
+from kvlab.alloc.paging import new_page_table
+from kvlab.course.viz import page_table_heatmap
 
 torch.manual_seed(0)
 random.seed(0)
 DEVICE = kvlab.DEVICE
 # sizes: small in the interpreter (each Triton program runs on the CPU), larger on a GPU
-N_REQ = kvlab.runtime.pick(cpu=3, gpu=8)
-NEW_TOKENS = kvlab.runtime.pick(cpu=4, gpu=24)
-N_RANDOM = kvlab.runtime.pick(cpu=4, gpu=40)
+N_REQ = kvlab.base.runtime.pick(cpu=3, gpu=8)
+NEW_TOKENS = kvlab.base.runtime.pick(cpu=4, gpu=24)
+N_RANDOM = kvlab.base.runtime.pick(cpu=4, gpu=40)
 
 # %% [markdown]
 # ## Intuition: a request's K/V are scattered over the pool in pages
@@ -286,7 +286,7 @@ kvlab.check.hint("paged_attention_kernel", 1);
 # kvlab.solutions.show("paged_attention_kernel")   # uncomment to read the reference solution
 
 # %% [markdown]
-# ## Validate against `kvlab.reference`
+# ## Validate against `kvlab.course.reference`
 #
 # The reference (`paged_decode_attention_reference`) loops over requests in plain torch. We
 # compare on the named edge cases — page size 1, page-aligned and unaligned lengths, a single
@@ -343,7 +343,7 @@ except InvalidArgument as err:
 # %% [markdown]
 # ## A tiny model, served through the page table
 #
-# `kvlab.engine.TinyTransformer` has seeded random weights (no download): 2 layers, 2
+# `kvlab.serving.tiny_engine.TinyTransformer` has seeded random weights (no download): 2 layers, 2
 # heads of 16 dims, a vocabulary of 96, learned absolute positions. Its `forward` takes an
 # `attend(layer, q, k, v)` callback, so the same weights run two ways:
 #
@@ -425,10 +425,10 @@ assert (shared == shared[0]).all(), (   # every row maps the same 12 cached slot
     "every row should map the same 12 cached slots first")
 
 # %% [markdown]
-# ## Lift: the notebook's kernel vs `kvlab.attention.paged_decode_attention`
+# ## Lift: the notebook's kernel vs `kvlab.attention.paged_attention.paged_decode_attention`
 #
-# The kernel above lives on as `kvlab.kernels.attention.paged_decode_attention_kernel`, with
-# its checked wrapper `kvlab.attention.paged_decode_attention` (which picks `BLOCK_N` by
+# The kernel above lives on as `kvlab.attention.decode_kernels.paged_decode_attention_kernel`, with
+# its checked wrapper `kvlab.attention.paged_attention.paged_decode_attention` (which picks `BLOCK_N` by
 # runtime). On random layouts your kernel must agree with it, and your torch warm-up with the
 # reference (each one stands in for yours until yours has passed its checker).
 
@@ -461,12 +461,12 @@ print(f"✓ the notebook's kernel == kvlab's kernel, the torch version == kvlab'
 # T4 is sm_75, where torch supports bfloat16 only by emulation
 # (`torch.cuda.is_bf16_supported(including_emulation=False)` is False below 8.0). There the
 # chapter keeps its pool in float16, as small and with more mantissa bits but a narrower range
-# (K and V stay far inside it). `kvlab.runtime.half_dtype()` makes the choice (bfloat16 in the
+# (K and V stay far inside it). `kvlab.base.runtime.half_dtype()` makes the choice (bfloat16 in the
 # interpreter and from sm_80 on, float16 before), and the cell says which it took:
 
 # %%
-HALF = kvlab.runtime.half_dtype()
-print("16-bit K/V here:", kvlab.runtime.half_note(HALF))
+HALF = kvlab.base.runtime.half_dtype()
+print("16-bit K/V here:", kvlab.base.runtime.half_note(HALF))
 q_f, k_f, v_f, table_f, rows_f, lens_f = random_layout(7, 4, [9, 14, 3])
 k_h, v_h = k_f.to(HALF), v_f.to(HALF)
 out_h = paged_decode_attention(q_f, k_h, v_h, table_f, rows_f, lens_f)

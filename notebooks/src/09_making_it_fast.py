@@ -53,10 +53,10 @@ import kvlab
 from kvlab.bench import paths as bench_paths
 from kvlab.bench import plots as bench_plots
 from kvlab.bench.cases import make_extend_batch
-from kvlab.scenes.ch09_making_it_fast import fill_mapping_figure, load_bench
-from kvlab.kernels import fast_alloc
-from kvlab.fast_alloc import alloc_decode_fast, alloc_extend_fast
-from kvlab.reference.alloc import alloc_decode_ref, alloc_extend_ref, pages_for
+from kvlab.course.scenes.ch09_making_it_fast import fill_mapping_figure, load_bench
+from kvlab.alloc import fast_alloc_kernels as fast_alloc
+from kvlab.alloc.fast_alloc import alloc_decode_fast, alloc_extend_fast
+from kvlab.course.reference.alloc_ref import alloc_decode_ref, alloc_extend_ref, pages_for
 
 torch.manual_seed(0)
 rng = random.Random(0)
@@ -255,7 +255,7 @@ assert bool(((rows % P) == (torch.arange(rows.shape[1]) % P))[mapped].all()), (
 for r_, name in enumerate("AB"):
     print(f"{name}'s row, page by page:", (rows[r_, : int(seq[r_])][::P] // P).tolist())
 fig, ax = plt.subplots(figsize=(8.4, 1.8))
-kvlab.viz.page_table_heatmap(rows, P, ax=ax, row_label="request (A, B)",
+kvlab.course.viz.page_table_heatmap(rows, P, ax=ax, row_label="request (A, B)",
                              title="the worked example written into a page table: prefix pages, then out_indices")
 plt.show()
 
@@ -296,7 +296,7 @@ def extend_slots_torch(pre, seq, last_loc, free_pages, page_size, starts=None):
 # %% [markdown]
 # ## The kernels
 #
-# `kvlab.kernels.fast_alloc` does the same on the GPU, in one of two shapes:
+# `kvlab.alloc.fast_alloc_kernels` does the same on the GPU, in one of two shapes:
 #
 # - **Two launches** (large batches): `extend_scan_kernel`, one program, walks the batch in blocks
 #   of 1024 requests with a running [*carry*](glossary.md#carry), checks each request and writes `token_start` and
@@ -326,7 +326,7 @@ print(src[src.index("    if prefix_lens_cpu is not None:"):src.index("    if bs 
 #
 # Random batches (seeded), page sizes 1, 16 and 64, some empty extends, in the three calling
 # modes: counts known, host lengths known, and device tensors only (one sync). Every result must
-# equal `kvlab.reference.alloc_extend_ref` slot for slot.
+# equal `kvlab.course.reference.alloc_extend_ref` slot for slot.
 
 # %%
 def random_extend_batch(rng, P, max_bs=6):
@@ -344,7 +344,7 @@ def random_extend_batch(rng, P, max_bs=6):
 
 
 as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-n_trials = kvlab.runtime.pick(cpu=6, gpu=200)
+n_trials = kvlab.base.runtime.pick(cpu=6, gpu=200)
 for trial in range(n_trials):
     P = rng.choice([1, 16, 64])
     pre_l, seq_l, last_l, free_l = random_extend_batch(rng, P)
@@ -451,7 +451,7 @@ else:
 # to compile on a GPU; the [checker](glossary.md#checker) therefore also compiles your kernel for
 # a GPU (Triton compiles without one) and tells you, with the line. Start the carry as an `int64`
 # scalar instead, the sum of a block of `int64` zeros: `tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)`
-# (the kernels in `kvlab.kernels.fast_alloc` do the same).
+# (the kernels in `kvlab.alloc.fast_alloc_kernels` do the same).
 #
 # Within a block, `tl.cumsum(x, axis=0)` is what `torch.cumsum` is on the host: the
 # *inclusive* running sum of the block's lanes (`[5 0 3 7]` gives `[5 5 8 15]`); subtract `x`
@@ -518,7 +518,7 @@ def scan_starts(kernel, pre, seq, page_size, block=8):
     return token_start, page_start
 
 
-for trial in range(kvlab.runtime.pick(cpu=5, gpu=100)):
+for trial in range(kvlab.base.runtime.pick(cpu=5, gpu=100)):
     P = rng.choice([1, 16, 64])
     pre_l, seq_l, last_l, free_l = random_extend_batch(rng, P, max_bs=20)
     pre_t, seq_t = as_t(pre_l), as_t(seq_l)
@@ -601,7 +601,7 @@ print(f"batch 64, context 4096: K/V {b['kv'] / 1e6:.0f} MB; chapter 08's program
 # several programs busy. A split past a request's end has nothing to read and exits at once.
 
 # %% alt="Which program reads which pages for three requests of 21, 9 and 3 tokens on pages of 3: chapter 08's kernel runs one program per query head, so each of request A's 4 heads reads every page, while chapter 09's runs one program per K/V head and split, reading each page once for all 4 heads, with splits past a request's end reading nothing."
-from kvlab.scenes.ch09_making_it_fast import split_reads_figure
+from kvlab.course.scenes.ch09_making_it_fast import split_reads_figure
 
 split_reads_figure()
 plt.show()
@@ -618,9 +618,9 @@ plt.show()
 # `p @ V`. In torch, on one request:
 
 # %%
-from kvlab.hf.attention import paged_attention_reference
-from kvlab.kvcache import random_paged_layout
-from kvlab.reference.attention import (merge_splits_reference, split_partials_reference,
+from kvlab.serving.hf.attention_steps import paged_attention_reference
+from kvlab.attention.kv_pool import random_paged_layout
+from kvlab.course.reference.attention_ref import (merge_splits_reference, split_partials_reference,
                                        split_ranges_reference)
 
 q, k_pool, v_pool, table, rows_, lens = random_paged_layout(0, 3, [14], heads=8, kv_heads=2, head_dim=16)
@@ -677,7 +677,7 @@ print("with the max subtracted: the merge == attention over all positions at onc
 # ### Build-up 3: how many splits
 #
 # More splits mean more programs, but each costs a partial result and the merge a second
-# launch. `kvlab.attention.choose_num_splits` aims for two programs per streaming
+# launch. `kvlab.attention.paged_attention.choose_num_splits` aims for two programs per streaming
 # multiprocessor (the H200 has 132) from the batch and the K/V heads, with no split shorter
 # than 256 positions of the longest context the page table allows. A batch that fills the GPU
 # by itself gets one split, and then the first kernel writes the output directly and the merge
@@ -686,7 +686,7 @@ print("with the max subtracted: the merge == attention over all positions at onc
 # variants: per pool dtype, group, head size, and one split or several).
 
 # %%
-from kvlab.attention import choose_num_splits
+from kvlab.attention.paged_attention import choose_num_splits
 
 for batch, context in [(1, 32768), (1, 4096), (1, 512), (16, 4096), (64, 4096), (256, 32768)]:
     print(f"batch {batch:>3}, 8 K/V heads, context {context:>5}: "
@@ -710,8 +710,10 @@ for batch, context in [(1, 32768), (1, 4096), (1, 512), (16, 4096), (64, 4096), 
 #    `t * stride_kv_s + g * stride_kv_h`.
 #
 # `kvlab.check.split_attention` launches your kernel with blocks of 16 and 32 positions, pages of
-# 1 to 16 tokens on shuffled pages, grouped and plain multi-head attention and splits that hold
-# nothing, and compares every split's `o` and `lse` with `kvlab.reference.split_partials_reference`.
+# 1 to 16 tokens on shuffled pages, grouped and plain multi-head attention, splits that hold
+# nothing, and pools whose last slots are in use with a head size below `BLOCK_D` (where a load
+# that forgets `mask_d` reads past the end of the pool), and compares every split's `o` and
+# `lse` with `kvlab.course.reference.split_partials_reference`.
 # Only `o` and `lse` are written. Hints: `kvlab.check.hint("split_attention", 1)` (up to 3);
 # the reference: `kvlab.solutions.show("split_attention")`.
 
@@ -785,8 +787,9 @@ kvlab.check.hint("split_attention", 1);
 # `exp(lse - m)` and `acc` of `exp(lse - m) * o`. Write the update inside the loop: `m_new`,
 # `alpha` (what rescales everything summed under the old max), this split's weight `w`, then
 # `acc`, `total` and `m`. `kvlab.check.merge_splits` feeds it partial results of random layouts,
-# among them scores that rise from split to split, fall, and overflow `exp` without the max;
-# `o`, `lse` and `seq_lens` are read-only. Hints: `kvlab.check.hint("merge_splits", 1)` (up to
+# among them scores that rise from split to split, fall, and overflow `exp` without the max,
+# lengths that end exactly on a split, and head sizes below `BLOCK_D`; `o`, `lse` and `seq_lens`
+# are read-only. Hints: `kvlab.check.hint("merge_splits", 1)` (up to
 # 3); the reference: `kvlab.solutions.show("merge_splits")`.
 
 # %%
@@ -829,19 +832,19 @@ kvlab.check.hint("merge_splits", 1);
 # kvlab.solutions.show("merge_splits")   # uncomment to read the reference solution
 
 # %% [markdown]
-# ## Lift: your two kernels vs `kvlab.attention.fast_paged_decode_attention`
+# ## Lift: your two kernels vs `kvlab.attention.paged_attention.fast_paged_decode_attention`
 #
-# The package's kernels (`kvlab.kernels.fast_attention`) are these two, plus what a GPU needs:
+# The package's kernels (`kvlab.attention.split_kernels`) are these two, plus what a GPU needs:
 # `tl.dot` in the pool's 16-bit dtype there (exact float32 in the interpreter, whose `tl.dot`
 # gets bfloat16 matrices wrong), blocks of 128 positions, and the one-split shortcut. Their host
-# wrapper, `kvlab.attention.fast_paged_decode_attention`, checks exactly what chapter 08's
+# wrapper, `kvlab.attention.paged_attention.fast_paged_decode_attention`, checks exactly what chapter 08's
 # wrapper checks, before any launch. Your kernels (each once it passes its checker; until then
 # the reference stands in), launched one after the other, must give what it gives, and what
 # the oracle gives, on random layouts: page sizes 1, 3 and 16, grouped and plain multi-head
 # attention, ragged lengths, one to five splits.
 
 # %%
-from kvlab.attention import FastConfig, fast_paged_decode_attention
+from kvlab.attention.paged_attention import FastConfig, fast_paged_decode_attention
 
 split_kernel = kvlab.check.choose("split_attention", my_split_attention_kernel, kvlab.solutions.get("split_attention"))
 merge_kernel = kvlab.check.choose("merge_splits", my_merge_splits_kernel, kvlab.solutions.get("merge_splits"))
@@ -869,7 +872,7 @@ def notebook_fast_attention(q, k_pool, v_pool, page_table, rows, lens, num_split
 
 
 rng_lift = random.Random(9)
-for trial in range(kvlab.runtime.pick(cpu=4, gpu=40)):
+for trial in range(kvlab.base.runtime.pick(cpu=4, gpu=40)):
     P = [1, 3, 16][trial % 3]
     heads, kv_heads = rng_lift.choice([(8, 2), (4, 4), (6, 1)])
     args = random_paged_layout(200 + trial, P, [rng_lift.randint(1, 60) for _ in range(rng_lift.randint(1, 3))],
@@ -892,14 +895,16 @@ print("your two kernels == kvlab's fast_paged_decode_attention == the oracle")
 # *host's* cost of launching them, not the GPU's cost of running them one after the other.
 # `torch.compile` removes that: it traces the layer and fuses each run of small operations into
 # one generated kernel. vLLM compiles its models by default; SGLang has `--enable-torch-compile`,
-# which compiles the decode forward with `torch.compile(..., dynamic=False)` for each batch size
-# it captures (`patch_model` in `python/sglang/srt/model_executor/cuda_graph_runner.py`).
+# which compiles the decode forward with `torch.compile(..., dynamic=False)` for the batch sizes
+# it captures up to `--torch-compile-max-bs` (32 by default), and replays the larger ones
+# uncompiled (`get_batch_sizes_to_capture` and `patch_model` in
+# `python/sglang/srt/model_executor/cuda_graph_runner.py`, sgl-project/sglang `0021673c`).
 #
-# `kvlab.hf.PagedGenerator(..., compile_decode=True)` does it for the padded decode step, at
-# start-up, before the graphs are captured (`kvlab.hf.graphs.DecodeGraphs`), in two ways that
+# `kvlab.serving.hf.PagedGenerator(..., compile_decode=True)` does it for the padded decode step, at
+# start-up, before the graphs are captured (`kvlab.serving.hf.graphs.DecodeGraphs`), in two ways that
 # keep it from compiling again while it serves:
 #
-# * the attention call is left out: `kvlab.hf.plugin.kvlab_attention` is
+# * the attention call is left out: `kvlab.serving.hf.plugin.kvlab_attention` is
 #   `torch.compiler.disable`-d, a [graph break](glossary.md#graph-break) where a layer calls it.
 #   The K/V store and the Triton kernels run as they are, and the pieces between two attention
 #   calls (and so every layer) share one compiled version;
@@ -912,12 +917,12 @@ print("your two kernels == kvlab's fast_paged_decode_attention == the oracle")
 # seven of them, three (q, k, v) and two (gate, up) of the same input. Serving engines load
 # each group's weights side by side and compute it in one product (vLLM's `QKVParallelLinear`
 # and `MergedColumnParallelLinear`): the same bytes, two launches instead of five.
-# `kvlab.hf.fuse` does the same to the model `PagedGenerator` serves, in place and without a
+# `kvlab.serving.hf.fuse` does the same to the model `PagedGenerator` serves, in place and without a
 # copy (each projection's weight becomes a view of the group's rows), and `DecodeGraphs` runs
 # its decode step that way; outside the step the model runs transformers' own code.
 #
 # Whether anything compiled after start-up is counted, not assumed:
-# `kvlab.hf.graphs.dynamo_graphs()` is the number of graphs `torch.compile` has built in the
+# `kvlab.serving.hf.graphs.dynamo_graphs()` is the number of graphs `torch.compile` has built in the
 # process, taken at the end of start-up and again after serving. The saved run measured the
 # whole decode step of chapter 10's serving model (replayed from its CUDA graph) against its
 # floor, the weights, every K/V byte of the contexts and the logits:
@@ -961,7 +966,7 @@ plt.show()
 # - **the [launch floor](glossary.md#launch-floor)**: the host work of one Triton launch, even of a kernel that does
 #   nothing. `kernel[grid](...)` binds every argument and looks the compiled kernel up on every
 #   call; the allocator keeps the compiled kernel and launches it directly
-#   (`kvlab.kernels.launch.Launcher`), which is allowed because its kernels compile once for
+#   (`kvlab.base.launch.Launcher`), which is allowed because its kernels compile once for
 #   every batch (integers typed `tl.int64`, no value or alignment specialisation). On its hot
 #   path it goes one step further: it calls the compiled kernel's C launcher itself (skipping
 #   the Python object around it) and passes its pointers as addresses, because for a tensor the
@@ -973,14 +978,14 @@ plt.show()
 # - **the host's own work**: checks, counting pages, allocating the output. Counting is the
 #   surprise: in NumPy it takes about ten calls, and a NumPy call costs about a microsecond of
 #   dispatch whatever the batch size, so counting 64 requests cost more than the launch. The
-#   same pass as one C loop is one call (`kvlab.native_counts`, built once per machine with
+#   same pass as one C loop is one call (`kvlab.alloc.native_counts`, built once per machine with
 #   the C compiler Triton uses for its own launchers; NumPy does it where there is none).
 #
 # The saved H200 run times each public call side by side with the [seed wrapper](glossary.md#seed-wrapper) (the source
 # design's host code: one launch, `ret_values.item()`, the slice) and with the floor:
 
 # %% alt="Log-scale bars of where the time of a public alloc_extend call (top) and alloc_decode call (bottom) goes for several batch sizes, comparing the fast allocator with and without a sync, the teaching allocator and the source's wrapper, against the cost of one launch and of a launch with a sync."
-from kvlab.scenes.ch09_making_it_fast import public_call_rows
+from kvlab.course.scenes.ch09_making_it_fast import public_call_rows
 
 floor = bench["floor"]["paths"]
 for name, what in [("launch", "empty kernel, kernel[grid]()"), ("launch_kept", "empty kernel, compiled kernel kept"),
@@ -1066,7 +1071,7 @@ alloc.check_device_errors()
 # %%
 import timeit
 
-from kvlab import alloc_checks, native_counts
+from kvlab.alloc import host_checks as alloc_checks, native_counts
 
 print("host counts:", native_counts.status())
 pre_cpu = torch.tensor([rng.randrange(0, 500) for _ in range(1024)])
@@ -1086,7 +1091,7 @@ for label, args in [("CPU tensors (C if built)", (pre_cpu, seq_cpu)), ("NumPy ar
 # measurement.
 
 # %%
-if kvlab.runtime.INTERPRET:
+if kvlab.base.runtime.INTERPRET:
     print("interpreter: no live timings; see the saved H200 run above")
 else:
     from kvlab.bench.public import bench_floor, bench_public_extend
@@ -1124,7 +1129,7 @@ else:
 #   `torch.compile` before capture fuses them.
 #
 # `kvlab.PagedTokenAllocator` uses the fast path by default (`impl="fast"`); `impl="teaching"`
-# keeps the chapter 03-04 kernels. `kvlab.hf.PagedGenerator` decodes with this chapter's
+# keeps the chapter 03-04 kernels. `kvlab.serving.hf.PagedGenerator` decodes with this chapter's
 # attention kernels (`attention="fast"`, the default; `"teaching"` keeps chapter 08's) and
 # compiles its captured decode step (`compile_decode`). The full tables are in `figures/bench.md`.
 #

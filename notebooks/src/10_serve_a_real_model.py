@@ -12,7 +12,7 @@
 #
 # * plug into the model through transformers' own extension point for attention,
 # * meet [grouped-query attention](glossary.md#grouped-query-attention) (GQA: several query heads share one K/V head),
-# * serve a batch through `kvlab.hf.PagedGenerator` -- `CacheManager`, the radix [prefix cache](glossary.md#prefix-cache),
+# * serve a batch through `kvlab.serving.hf.PagedGenerator` -- `CacheManager`, the radix [prefix cache](glossary.md#prefix-cache),
 #   the [page table](glossary.md#page-table), the [KV pool](glossary.md#kv-pool) and chapter 08's Triton kernel -- and get **exactly** the
 #   tokens of `model.generate`,
 # * watch a multi-turn conversation compute only what is new, turn after turn,
@@ -35,8 +35,8 @@ import matplotlib.pyplot as plt
 import torch
 
 import kvlab
-from kvlab.hf import PagedGenerator, paged_attention_reference, paged_decode_attention, tiny_model
-from kvlab.scenes.ch10_serve import (conversation_bars, conversation_rows, conversation_turns,
+from kvlab.serving.hf import PagedGenerator, paged_attention_reference, paged_decode_attention, tiny_model
+from kvlab.course.scenes.ch10_serve import (conversation_bars, conversation_rows, conversation_turns,
                                      plug_in_figure)
 
 try:
@@ -47,7 +47,7 @@ except ImportError as e:  # the course's dev install has it; elsewhere: pip inst
 USE_SMOLLM2 = False            # True: HuggingFaceTB/SmolLM2-135M and real text (GPU + internet)
 DEVICE = kvlab.DEVICE
 torch.manual_seed(0)
-NEW_TOKENS = kvlab.runtime.pick(cpu=6, gpu=32)
+NEW_TOKENS = kvlab.base.runtime.pick(cpu=6, gpu=32)
 print("transformers", transformers.__version__, "| kvlab runtime:", "interpreter" if kvlab.INTERPRET else "GPU")
 
 # %% [markdown]
@@ -58,7 +58,7 @@ print("transformers", transformers.__version__, "| kvlab runtime:", "interpreter
 # `AutoModelForCausalLM.from_pretrained(path)` -- the same path a downloaded checkpoint takes.
 # A random model speaks no language, so its "text" is token ids; with `USE_SMOLLM2` the
 # tokenizer turns real text into ids and back. `tiny_model("qwen2")` and `tiny_model("qwen3")`
-# build the two Qwen families the same way: kvlab serves all three (`kvlab.hf.SUPPORTED`).
+# build the two Qwen families the same way: kvlab serves all three (`kvlab.serving.hf.SUPPORTED`).
 
 # %%
 if USE_SMOLLM2:
@@ -154,7 +154,7 @@ print(f"{heads} query heads share {kv_heads} K/V heads: {heads // kv_heads} quer
 # %%
 import random
 
-from kvlab.kvcache import random_paged_layout
+from kvlab.attention.kv_pool import random_paged_layout
 
 
 def random_layout(seed, page_size, seq_lens, heads=4, kv_heads=2, head_dim=16):
@@ -380,7 +380,7 @@ for t in range(1, len(photos)):   # what an earlier turn mapped, a later turn ma
 # In the interpreter the Triton kernel runs on the CPU, so timings mean nothing and we skip them.
 
 # %%
-EOS = set(kvlab.hf.plugin.eos_token_ids(model))
+EOS = set(kvlab.serving.hf.plugin.eos_token_ids(model))
 
 
 def tokens_until_eos(row):
@@ -436,7 +436,7 @@ else:
 #
 # 1. store `k[b]`, `v[b]` at slot `page_table[rows[b], positions[b]]` of the pools;
 # 2. return [paged attention](glossary.md#paged-attention) of `q[b]` over positions `0 .. positions[b]` -- the new token sees
-#    itself -- with `kvlab.hf.paged_decode_attention` (it does the GQA head mapping; its
+#    itself -- with `kvlab.serving.hf.paged_decode_attention` (it does the GQA head mapping; its
 #    arguments are in build-up 2): a floating-point tensor `[batch, heads, head_dim]` on `q`'s
 #    device (the model casts it to its own dtype).
 #
@@ -472,13 +472,13 @@ kvlab.check.hint("paged_attention_step", 1)
 # %% [markdown]
 # ## Lift: your step serves the real model
 #
-# `kvlab.hf.paged_attention_step` is the package's version of this step (with host checks
+# `kvlab.serving.hf.paged_attention_step` is the package's version of this step (with host checks
 # first); `PagedGenerator` calls it for every decoding request of every layer. Hand it yours
 # with `decode_step=` (once it passes the [checker](glossary.md#checker); until then the package's runs): the model
 # must still produce exactly `generate`'s tokens.
 
 # %%
-impl = kvlab.check.choose("paged_attention_step", my_paged_attention_step, kvlab.hf.paged_attention_step)
+impl = kvlab.check.choose("paged_attention_step", my_paged_attention_step, kvlab.serving.hf.paged_attention_step)
 yours = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, decode_step=impl, overlap=False)
 got = yours.generate(prompts, max_new_tokens=NEW_TOKENS)
 for i, prompt in enumerate(prompts):
@@ -496,10 +496,10 @@ print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as
 #
 # | what | decides | in kvlab | turn it off |
 # |---|---|---|---|
-# | admission by memory | how many requests run at once | `kvlab.hf.prefill.PrefillAdder` | `max_running=` fewer rows |
+# | admission by memory | how many requests run at once | `kvlab.serving.hf.prefill.PrefillAdder` | `max_running=` fewer rows |
 # | chunked prefill | how long one step may take | the same, `prefill_budget=` | `chunked_prefill=False` |
-# | CUDA-graph decode | what a decode step costs the host | `kvlab.hf.graphs.DecodeGraphs` | `decode_graphs="off"` |
-# | overlap scheduling | whether the GPU waits for the host between steps | `kvlab.hf.loop.ServingLoop` | `overlap=False` |
+# | CUDA-graph decode | what a decode step costs the host | `kvlab.serving.hf.graphs.DecodeGraphs` | `decode_graphs="off"` |
+# | overlap scheduling | whether the GPU waits for the host between steps | `kvlab.serving.hf.loop.ServingLoop` | `overlap=False` |
 #
 # ### Step 1: admission by memory
 #
@@ -545,8 +545,8 @@ for pages in (10, 256):
 # requests decode; at step 3 a 60-token prompt arrives; the budget is 16 tokens:
 
 # %% alt="Bars of the prompt tokens computed at each step with whole prompts and with chunks of a 16-token budget: the whole-prompt run spikes far above the budget line, the chunked run never crosses it, and ticks mark the requests decoded in each step."
-from kvlab.scenes.ch10_serve import long_prompt_workload, prefill_per_step
-from kvlab.sim import simulate
+from kvlab.course.scenes.ch10_serve import long_prompt_workload, prefill_per_step
+from kvlab.serving.sim import simulate
 
 workload = long_prompt_workload(seed=0)
 runs = {name: simulate(workload, page_size=4, num_pages=64, max_running=4, prefill_budget=16,
@@ -600,8 +600,8 @@ print(f"✓ {chunky.stats['chunks']} chunks; the same tokens as generate()")
 # are the same everywhere. A step of 5 running requests, padded to the captured size 8:
 
 # %% alt="A page table on pages of 4 slots with the cell each batch entry of a decode step writes outlined, and the dummy row that maps page 40 only; below, five running requests padded to the captured batch size of 8, the three padding entries pointing at the dummy row's slot."
-from kvlab.hf import graph_batch_sizes
-from kvlab.scenes.ch10_serve import padded_step, padded_step_figure
+from kvlab.serving.hf import graph_batch_sizes
+from kvlab.course.scenes.ch10_serve import padded_step, padded_step_figure
 
 print("mini-sglang's capture sizes up to 64:", graph_batch_sizes(64))
 step = padded_step(seed=0, page_size=4, running=5)
@@ -657,22 +657,22 @@ kvlab.check.hint("pad_decode_batch", 1)
 # %% [markdown]
 # ## Lift: your padding against the generator's
 #
-# `kvlab.hf.pad_decode_batch` is what `PagedGenerator`'s graphs call before every replay. On
+# `kvlab.serving.hf.pad_decode_batch` is what `PagedGenerator`'s graphs call before every replay. On
 # random steps (once yours passes the checker; until then the package's stands in) both must
-# give the same entries. `kvlab.kvcache.random_decode_step` draws such a step: requests on
+# give the same entries. `kvlab.attention.kv_pool.random_decode_step` draws such a step: requests on
 # shuffled pages in shuffled rows, and a dummy row that maps only the dummy page.
 
 # %%
-from kvlab.kvcache import random_decode_step
+from kvlab.attention.kv_pool import random_decode_step
 
-pad = kvlab.check.choose("pad_decode_batch", my_pad_decode_batch, kvlab.hf.pad_decode_batch)
+pad = kvlab.check.choose("pad_decode_batch", my_pad_decode_batch, kvlab.serving.hf.pad_decode_batch)
 for seed in range(5):
     case_rng = random.Random(seed)
     lengths = [case_rng.randint(1, 12) for _ in range(case_rng.randint(1, 9))]
     sizes = sorted(case_rng.sample([1, 2, 4, 8, 16], 3))
     decode = random_decode_step(seed, 4, lengths)
     args = (decode.rows, decode.positions, decode.page_table, sizes, decode.dummy_row)
-    for what, mine, theirs in zip(("rows", "positions", "slots"), pad(*args), kvlab.hf.pad_decode_batch(*args)):
+    for what, mine, theirs in zip(("rows", "positions", "slots"), pad(*args), kvlab.serving.hf.pad_decode_batch(*args)):
         mine, theirs = mine.cpu().long(), theirs.cpu().long()  # slots may be int32 or int64
         assert torch.equal(mine, theirs), f"step {seed}, {what}: yours {mine.tolist()}, the package's {theirs.tolist()}"
 print("✓ the same padded entries on 5 random steps")
@@ -716,13 +716,13 @@ print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' i
 #                       GPU    | forward n+1 ................ | forward n+2 ....................... |
 #
 # `PagedGenerator(overlap=True)` (the default on a GPU; this chapter turned it off until now)
-# runs the same order (`kvlab.hf.loop.ServingLoop.run`). A step's tokens now reach the host
+# runs the same order (`kvlab.serving.hf.loop.ServingLoop.run`). A step's tokens now reach the host
 # one step late, and four things follow:
 #
 # 1. **The next step's input tokens are read on the GPU.** Step n+1 is built before the host
 #    knows what step n sampled. Each step writes its tokens into `last_tokens[row]` (one
 #    entry per page-table row) and the next step's decoding entries read theirs from there; the
-#    host keeps a placeholder (`kvlab.hf.loop.PENDING`) in `req.input_ids` until it reads the
+#    host keeps a placeholder (`kvlab.serving.hf.loop.PENDING`) in `req.input_ids` until it reads the
 #    token. mini-sglang keeps a whole `token_pool` (row × position) for the same purpose
 #    (`_forward`: `batch.input_ids = self.token_pool[input_mapping]`).
 # 2. **Lengths move at launch.** So that step n+1 maps the right positions, `complete_step`
@@ -755,7 +755,7 @@ print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' i
 # interpreter a Triton kernel takes so long that the host's share would not show.
 
 # %% alt="Two timelines of this run's steps, without and with overlap scheduling, each with a host track (scheduling, launching, waiting for tokens, recording) and a device track (the forward passes): with overlap the host plans the next step while the device still runs the current one."
-from kvlab.scenes.ch10_serve import overlap_runs, overlap_timeline_figure, recorded_timelines
+from kvlab.course.scenes.ch10_serve import overlap_runs, overlap_timeline_figure, recorded_timelines
 
 runs = overlap_runs(model, max_new_tokens=NEW_TOKENS)
 assert runs.tokens["with overlap"] == runs.tokens["without overlap"], (
@@ -776,7 +776,7 @@ plt.show()
 
 # %% alt="The same two-track timeline for decode steps at 64 running requests recorded on the GPU the title names: without overlap the device waits after every step while the host records and plans; with overlap the device's steps follow each other without a gap."
 from kvlab.bench.serve_report import plot_serve
-from kvlab.scenes.ch09_making_it_fast import load_bench
+from kvlab.course.scenes.ch09_making_it_fast import load_bench
 
 bench = load_bench()
 recorded = recorded_timelines(bench)
@@ -847,7 +847,7 @@ else:
 # * transformers finds attention **by name** (`AttentionInterface`, `attn_implementation`);
 #   keyword arguments of `model(...)` reach it. kvlab registers one function and the model
 #   keeps computing norms, RoPE and MLPs itself: no copy of its code (one exception, in the
-#   captured decode step only: `kvlab.hf.fuse` restates an attention layer's few lines to get
+#   captured decode step only: `kvlab.serving.hf.fuse` restates an attention layer's few lines to get
 #   q, k and v from one matrix product, chapter 09).
 # * Grouped-query attention stores `kv_heads` heads per token; query head `h` reads K/V head
 #   `h // group`. The Triton kernel of chapter 08 needed one more constant, `KV_GROUP`.

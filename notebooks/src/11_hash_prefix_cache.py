@@ -37,15 +37,15 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, HashPrefixCache, Req, chain_hash, page_hashes
-from kvlab.hash_chain import short
-from kvlab.paging import new_page_table
-from kvlab.reference import PagePoolRef
-from kvlab.scenes.ch11_hash_cache import (COMPARED, free_queue_figure, hash_chain_figure,
+from kvlab.prefix.hash_chain import short
+from kvlab.alloc.paging import new_page_table
+from kvlab.course.reference import PagePoolRef
+from kvlab.course.scenes.ch11_hash_cache import (COMPARED, free_queue_figure, hash_chain_figure,
                                           measured_rows)
-from kvlab.sim import SimConfig, Simulator, make_workload
-from kvlab.sim.compare import comparison_table, lookup_cost, pool_sizes
-from kvlab.viz import page_table_heatmap
-from kvlab.viz.hash_chain import draw_cache_comparison, draw_hash_chains, draw_lookup_cost
+from kvlab.serving.sim import SimConfig, Simulator, make_workload
+from kvlab.serving.sim.compare import comparison_table, lookup_cost, pool_sizes
+from kvlab.course.viz import page_table_heatmap
+from kvlab.course.viz.chains import draw_cache_comparison, draw_hash_chains, draw_lookup_cost
 
 torch.manual_seed(0)
 random.seed(0)
@@ -255,7 +255,7 @@ assert dec.match(ids + [9]).cached_len == 6, (  # the decoded pages are shared l
 #
 # ## Validate: against the oracle, on seeded random traces
 #
-# `kvlab.reference.PagePoolRef` is the same cache without hashes: a cached page is known by the
+# `kvlab.course.reference.PagePoolRef` is the same cache without hashes: a cached page is known by the
 # tuple of every token up to its end, the free queue is a Python list. We drive both with the
 # same random mix of new sequences (sharing two beginnings), decode steps, finished sequences
 # and pages taken from the queue, and compare after every step: the pages and hits, every
@@ -544,7 +544,7 @@ else:
 # %%
 def my_page_hashes(input_ids, page_size):
     """The chained hash of every full page of input_ids (a partial last page has none)."""
-    # lifted into kvlab.hash_chain.page_hashes
+    # lifted into kvlab.prefix.hash_chain.page_hashes
     ### BEGIN SOLUTION
     hashes, parent = [], None
     for start in range(0, len(input_ids) - page_size + 1, page_size):
@@ -571,7 +571,7 @@ kvlab.check.page_hashes(my_page_hashes);
 # %%
 def my_hash_match(cache, input_ids):
     """(matched full pages, their slots), walking the chain from the first page."""
-    # lifted into kvlab.hash_cache.HashPrefixCache.match
+    # lifted into kvlab.prefix.hash_cache.HashPrefixCache.match
     ### BEGIN SOLUTION
     P = cache.page_size
     pages, parent = [], None
@@ -607,7 +607,7 @@ kvlab.check.hash_match(my_hash_match);
 # %%
 def my_allocate_pages(cache, input_ids):
     """Pages for a new sequence: its cached chain (hits), then new pages; (pages, cached_len)."""
-    # lifted into kvlab.hash_cache.HashPrefixCache.allocate
+    # lifted into kvlab.prefix.hash_cache.HashPrefixCache.allocate
     ### BEGIN SOLUTION
     P = cache.page_size
     pages, parent, cached_len, hitting = [], None, 0, True
@@ -647,7 +647,7 @@ kvlab.check.allocate_pages(my_allocate_pages);
 # %%
 def my_free_pages(cache, pages):
     """Drop one reference per page, last page first; a page nobody holds joins the free queue."""
-    # lifted into kvlab.hash_cache.HashPrefixCache.free
+    # lifted into kvlab.prefix.hash_cache.HashPrefixCache.free
     ### BEGIN SOLUTION
     for page in set(pages):
         if cache.ref_count[page] < list(pages).count(page):
@@ -728,9 +728,9 @@ print("page_hashes, hash_match, allocate_pages and free_pages agree with kvlab")
 #   designs agree at every step; under pressure the hash cache evicts page by page where the
 #   tree evicts whole leaves, and nano-vllm's order can evict a cached page before a useless one;
 #   a hash lookup costs more host time unless, as in vLLM, each request's hashes are kept.
-# * Lifted into `kvlab.HashPrefixCache` (`kvlab/hash_cache.py`) and `kvlab.chain_hash` /
-#   `page_hashes` (`kvlab/hash_chain.py`); the comparison in `kvlab.sim.compare`; pictures in
-#   `kvlab.viz.hash_chain`.
+# * Lifted into `kvlab.HashPrefixCache` (`kvlab/prefix/hash_cache.py`) and `kvlab.chain_hash` /
+#   `page_hashes` (`kvlab/prefix/hash_chain.py`); the comparison in `kvlab.serving.sim.compare`; pictures in
+#   `kvlab.course.viz.chains`.
 #
 # ## Questions
 #

@@ -2,7 +2,7 @@
 # # 12 · When KV memory runs out: reserve, retract, preempt, swap
 #
 # **Time:** about 90 minutes. **Assumes:** chapters 06 and 07 (`CacheManager`, the simulator
-# and its [timelines](glossary.md#timeline)), chapter 10 (`kvlab.hf.PagedGenerator`), chapter
+# and its [timelines](glossary.md#timeline)), chapter 10 (`kvlab.serving.hf.PagedGenerator`), chapter
 # 11 (vLLM's free queue keeps freed pages findable).
 #
 # **Goal.** A server admits a request without knowing how long its answer will be: it ends at an
@@ -21,7 +21,7 @@
 # * **[swap](glossary.md#swap)** the victim's KV to host memory and copy it back later (vLLM's
 #   earlier design).
 #
-# You will build the four as one small vocabulary, `kvlab.pressure`, every rule and constant
+# You will build the four as one small vocabulary, `kvlab.serving.pressure`, every rule and constant
 # traced to the engine's code; watch them on the simulator of chapter 07, which now takes a
 # [memory policy](glossary.md#memory-policy); write the pieces a policy is made of (who is
 # stopped first, how SGLang's estimate moves, what a returning request copies back and to which
@@ -35,15 +35,16 @@ import matplotlib.pyplot as plt
 import torch
 
 import kvlab
-from kvlab.pressure import (POLICIES, RequestView, RetractDecode, make_policy, next_token_ratio,
+from kvlab.serving.pressure import (POLICIES, RequestView, RetractDecode, make_policy, next_token_ratio,
                             resume_plan, victim_order)
-from kvlab.hf import PagedGenerator, tiny_model
-from kvlab.scenes.ch12_memory import (CHAPTER_WORKLOADS, P, bench_rows, chapter_workload,
-                                      compared_rows, leave_and_return_figure, policy_compare_figure,
-                                      policy_run, promised_pages_figure)
-from kvlab.sim import simulate
-from kvlab.sim.compare import memory_pools, policy_table
-from kvlab.viz.pressure import ratio_over_time
+from kvlab.serving.hf import PagedGenerator, tiny_model
+from kvlab.course.scenes.ch12_memory import (CHAPTER_WORKLOADS, P, bench_rows, chapter_workload,
+                                      compared_rows, host_full_stops, leave_and_return_figure,
+                                      policy_compare_figure, policy_run, promised_pages_figure,
+                                      retraction_cost, where_retract_sits)
+from kvlab.serving.sim import simulate
+from kvlab.serving.sim.compare import memory_pools, policy_table
+from kvlab.course.viz.policies import ratio_over_time
 
 torch.manual_seed(0)
 random.seed(0)
@@ -87,7 +88,7 @@ assert [make_policy(n).start().promised_pages(view, 4) for n in POLICIES] == [5,
 # %% [markdown]
 # * **reserve** promises every position it may still map: `div_ceil(29, 4) - 3 = 5` pages.
 #   mini-sglang's `PrefillAdder` (`python/minisgl/scheduler/prefill.py`, sgl-project/mini-sglang
-#   `02b130b8`) keeps a request waiting while `estimated_len + reserved_size > available_size`,
+#   `20fcd7f` on main) keeps a request waiting while `estimated_len + reserved_size > available_size`,
 #   where `estimated_len` is its uncached prompt plus its whole `output_len` and `reserved_size`
 #   starts from the running requests' `decode_manager.inflight_tokens`.
 # * **recompute** and **swap** promise the coming step only: one page for position 13.
@@ -96,8 +97,8 @@ assert [make_policy(n).start().promised_pages(view, 4) for n in POLICIES] == [5,
 #   counts a running request as `min(max_new_tokens - len(output_ids), CLIP_MAX_NEW_TOKENS) *
 #   new_token_ratio` and a newcomer as its uncached prompt plus its whole (clipped) answer.
 #
-# Both serving loops ask these same objects: `kvlab.sim.SimConfig(policy=...)` and
-# `kvlab.hf.PagedGenerator(..., policy=...)`.
+# Both serving loops ask these same objects: `kvlab.serving.sim.SimConfig(policy=...)` and
+# `kvlab.serving.hf.PagedGenerator(..., policy=...)`.
 #
 # ## Build-up 2: reserve the whole answer (mini-sglang)
 #
@@ -118,7 +119,7 @@ in_use = sum(r.memory.in_use for r in reserve.steps) / len(reserve)
 print(f"in use: {in_use:.1f} pages per step; promised on top: {s.mean_promised_pages:.1f}")
 
 # %% [markdown]
-# Pools are a share of every request's whole answer at once (`kvlab.sim.compare.MEMORY_POOLS`):
+# Pools are a share of every request's whole answer at once (`kvlab.serving.sim.compare.MEMORY_POOLS`):
 # `ample` holds them all, `medium` 40%, `tight` 15% (never less than the longest request alone).
 # In the tight pool the promises are larger than what is really in use, and the requests they
 # were made for mostly end early: that is the waste.
@@ -136,12 +137,12 @@ print(f"in use: {in_use:.1f} pages per step; promised on top: {s.mean_promised_p
 # same with `cache_req(finished=True)` on the victim (`RecomputeOnPreempt(keep_computed=True)`).
 #
 # Chapter 07's simulator preempted the same victim, but released it without caching what it had
-# decoded and let waiting requests in during the same step: `kvlab.pressure.CHAPTER_07`, the
+# decoded and let waiting requests in during the same step: `kvlab.serving.pressure.CHAPTER_07`, the
 # simulator's default, kept so that chapters 07 and 11 run exactly as before.
 
 # %%
 recompute = policy_run("recompute", "shared_system_prompt")
-chapter_07 = policy_run(kvlab.pressure.CHAPTER_07, "shared_system_prompt")
+chapter_07 = policy_run(kvlab.serving.pressure.CHAPTER_07, "shared_system_prompt")
 for label, tl in (("recompute (vLLM)", recompute), ("chapter 07's loop", chapter_07)):
     s = tl.summary()
     print(f"{label:18s}: {s.preemptions:2d} preemptions, {s.recomputed_tokens:3d} positions computed again, "
@@ -155,11 +156,24 @@ assert all(not set(st.admitted) & set(st.preempted) for st in recompute.steps), 
 # Keeping the victim's whole pages makes its comeback cheaper: it recomputes only what was
 # evicted meanwhile and its last, partial page. Who runs when, for the first ten requests of
 # that run (top), and the same traffic with the swap policy of build-up 5 (bottom): a `v` is a
-# request stopped, a `^` its comeback, red its wait in the queue, green its wait in host memory.
+# request stopped, a `^` its comeback; purple is running, grey a first wait, salmon a stopped
+# request's wait in the queue, light green its wait in host memory.
+#
+# One request of the bottom panel waits in the queue (salmon) although the policy swaps: when it
+# was stopped, host memory was full. The simulator's host pool holds as many pages as the device
+# (`SwapToHost(host_pages=None)`), and the requests swapped out before it filled it, so kvlab's swap
+# policy preempted this one by recompute instead. (vLLM v0 had no such fallback: its `_swap_out`
+# stops the engine with "Aborted due to the lack of CPU swap space".) The cell under the picture
+# names it.
 
 # %% alt="One lane per request over the steps of a tight run with a shared system prompt: top with recompute, where stopped requests wait in the queue again before they come back; bottom with swap, where most stopped requests wait in host memory instead."
 leave_and_return_figure()
 plt.show()
+swap_run = policy_run("swap", "shared_system_prompt")
+for step, rid, used in host_full_stops(swap_run):
+    print(f"swap run, step {step}: request {rid} went back to the queue;\n"
+          f"  host memory held {used} of {swap_run.num_pages} pages, too few left for its row")
+assert host_full_stops(swap_run), "the picture's recomputed request"
 
 # %% [markdown]
 # ## Build-up 4: reserve an estimate, retract when it was wrong (SGLang)
@@ -183,22 +197,41 @@ plt.show()
 # fits: the requests that generated least go first, among them the longest prompt.
 # `release_req` frees their KV past the cached prefix without inserting anything, and they rejoin
 # the waiting queue. Then the ratio jumps to what the remaining requests really generated.
-# 600 decode steps is long next to our runs of a few dozen steps, so below the same traffic
-# also runs with a ratio that decays in 20 steps:
+# 600 decode steps is long next to our runs of a few dozen steps, so below the burst of long
+# prompts also runs with a ratio that decays in 20 steps. The third line is a workload whose
+# answers run nearly to their cap (`long_answers`: each at least 90% of its 32 tokens), which
+# the estimate of 0.7 x what is left undercounts from the start:
 
-# %% alt="SGLang's new_token_ratio per step of the burst workload: with 600 decay steps it barely falls from 0.7; with 20 it falls to its minimum of 0.098 and jumps back up after a retraction."
-burst = {label: policy_run(policy, "long_prompt_burst", "medium")
-         for label, policy in (("SGLang's 600 decay steps", "retract"),
-                               ("20 decay steps", RetractDecode(decay_steps=20)))}
-ratio_over_time(burst)
+# %% alt="SGLang's new_token_ratio per step of three runs: on the burst workload with 600 decay steps it barely falls from 0.7, with 20 it falls to its minimum of 0.098 and jumps back up after a retraction; on long answers it falls slowly until the running requests outgrow their estimate, and each retraction, marked, makes it jump."
+ratios = {"burst, 600 decay steps": policy_run("retract", "long_prompt_burst", "medium"),
+          "burst, 20 decay steps": policy_run(RetractDecode(decay_steps=20), "long_prompt_burst", "medium"),
+          "long answers, 600 steps": policy_run("retract", "long_answers", "medium")}
+ratio_over_time(ratios)
 plt.show()
-for label, tl in burst.items():
+for label, tl in ratios.items():
     s = tl.summary()
-    print(f"{label:24s}: {s.steps} steps, {s.mean_running:.1f} running at once, {s.preemptions} retractions, "
+    print(f"{label:24s}: {s.steps:3d} steps, {s.mean_running:4.1f} running, {s.preemptions} retractions, "
           f"lowest ratio {min(st.ratio for st in tl.steps):.3f}")
 
 # %% [markdown]
-# A lower ratio admits more, until the estimate is too low and a retraction resets it. Departure:
+# A lower ratio admits more, until the estimate is too low and a retraction resets it. On long
+# answers the estimate is too low from the start. Admission counts a newcomer's whole answer,
+# which leaves some slack, but once several requests decode together they outgrow what was left
+# for them: the step that does not fit retracts the one that generated least, which gives its
+# pages back and computes all it had again when it is readmitted. The same traffic with reserve
+# and recompute beside it:
+
+# %%
+for pool in ("medium", "tight"):
+    for name in ("reserve", "retract", "recompute"):
+        s = policy_run(name, "long_answers", pool).summary()
+        print(f"long answers, {pool:6s} {name:9s}: {s.steps:3d} steps, {s.preemptions:2d} stopped, "
+              f"{s.recomputed_tokens:3d} positions computed again")
+    assert policy_run("retract", "long_answers", pool).summary().preemptions > 0, "the estimate ran short"
+
+# %% [markdown]
+# Each retraction is work thrown away: the positions computed again above. Whether the memory an
+# estimate frees is worth that work is what the last section measures. Departure:
 # kvlab lets a prompt still being computed in chunks be a victim too (SGLang keeps its one chunked
 # request outside the running batch), and moves the ratio once per step that decodes (SGLang's
 # steps are either prefill or decode).
@@ -212,11 +245,11 @@ for label, tl in burst.items():
 # default was still recomputation, "since it incurs lower overhead than swapping"; swapping was
 # for groups of several sequences. SGLang's host KV pools
 # (`python/sglang/srt/mem_cache/memory_pool_host.py`) sit in [pinned memory](glossary.md#pinned-memory),
-# as kvlab's do (`kvlab.hf.swap.HostKV`; on a CPU a second tensor stands in).
+# as kvlab's do (`kvlab.serving.hf.swap.HostKV`; on a CPU a second tensor stands in).
 #
 # kvlab copies the victim's whole row, positions `[0, cached_len)`, into host pages. When it comes
 # back it gets a fresh row; the prefix cache may still hold its first pages, so only the rest is
-# copied back, into new pages, and its last token is computed. `kvlab.pressure.resume_plan` says
+# copied back, into new pages, and its last token is computed. `kvlab.serving.pressure.resume_plan` says
 # which positions are copied and which computed:
 
 # %%
@@ -231,7 +264,9 @@ for how in ("swap", "recompute"):
 # Every step of every run below passes the simulator's own checks (`check_integrity()` and no row
 # reads a free page) while it runs. We check the recordings once more: the pages add up at every
 # step, every request ends once with its whole answer, and nothing is left running or in host
-# memory at the end.
+# memory at the end. The cell runs the chapter's workloads with every policy in medium and tight
+# memory, 32 runs, most of them for the first time: **about 10 seconds** on a laptop's CPU
+# (the comparison at the end reuses them).
 
 # %%
 def check_run(tl, workload):
@@ -255,7 +290,8 @@ print(f"{runs} runs: every page and every token accounted for")
 # The real check is on a real model: whatever the policy, and however often a request is
 # stopped, its tokens must be exactly `generate`'s. Chapter 10's small random Llama, six prompts,
 # pages of 4 and only 8 of them, so the swap policy has to make room (the tests run every policy
-# this way, at page sizes 1 and 16 too):
+# this way, at page sizes 1 and 16 too). On a CPU the attention kernels run in Triton's
+# interpreter: **about 10 seconds**.
 
 # %%
 model = tiny_model("llama", seed=0, device=kvlab.DEVICE)
@@ -275,7 +311,7 @@ assert gen.stats["swaps_out"] > 0, "the pool was meant to force swaps"
 # ## Your turn
 #
 # Four exercises, the pieces a policy is made of. The [checkers](glossary.md#checker) compare
-# with `kvlab.pressure` on named edge cases and seeded random ones. A typical slip, retracting
+# with `kvlab.serving.pressure` on named edge cases and seeded random ones. A typical slip, retracting
 # the requests that generated *most* first, is caught like this:
 
 # %%
@@ -301,7 +337,7 @@ else:
 # %%
 def my_victim_order(policy, running):
     """The keys of the running requests, in the order `policy` stops them."""
-    # lifted into kvlab.pressure.victim_order
+    # lifted into kvlab.serving.pressure.victim_order
     ### BEGIN SOLUTION
     if policy == "recompute":
         order = sorted(running, key=lambda r: r.admitted, reverse=True)
@@ -330,7 +366,7 @@ kvlab.check.victim_order(my_victim_order);
 # %%
 def my_next_ratio(policy, ratio, retracted, remaining):
     """new_token_ratio after one decode step."""
-    # lifted into kvlab.pressure.next_token_ratio
+    # lifted into kvlab.serving.pressure.next_token_ratio
     ### BEGIN SOLUTION
     if not retracted:
         return max(ratio - policy.decay, policy.min_ratio)
@@ -355,13 +391,16 @@ kvlab.check.next_token_ratio(my_next_ratio);
 # slot per position); `host_pages[i]` holds its positions `[i*P, (i+1)*P)`. `copies`: a
 # `(host slot, device slot)` pair per position copied back, in order (a swap copies `[hit, saved)`;
 # nothing else copies); `compute`: `(start, end)` for the prefill, from `max(saved, hit)` after a
-# swap, from `hit` otherwise, to `input_len`. `host_pages` and `row` are read-only. Hints:
+# swap, from `hit` otherwise, to `input_len`. Host memory is paged like the device: host page `h`
+# is host slots `h*P .. h*P + P - 1`, so host page `host_pages[i]` keeps position `i*P + j` in its
+# slot `j`. `host_pages` and `row` are read-only; the checker calls your function again with the
+# same numbers and other pages, so compute from this call's arguments. Hints:
 # `kvlab.check.hint("resume_plan", 1)`.
 
 # %%
 def my_resume(how, saved, hit, input_len, host_pages, row, page_size):
     """(copies, compute): what a returning request copies back and what it computes."""
-    # lifted into kvlab.pressure.resume_plan (ranges) and kvlab.hf.swap.HostKV.load (slots)
+    # lifted into kvlab.serving.pressure.resume_plan (ranges) and kvlab.serving.hf.swap.HostKV.load (slots)
     ### BEGIN SOLUTION
     P = page_size
     if how != "swap":
@@ -384,13 +423,15 @@ kvlab.check.resume_plan(my_resume);
 # `host.take(n_pages)`: host page `i` holds positions `[i*P, (i+1)*P)`, so `host.k[page, :, j]`
 # is `pool.k[:, slot]` for all layers at once (likewise `v`). Then give the device pages back,
 # with `manager.release_req(req)`: it frees the request's own pages and unlocks its cached
-# prefix, so nothing else must free them. The checker hands freed pages to someone else at once.
+# prefix, so nothing else must free them. The device pool is only read: another running request
+# may share the cached prefix. The checker hands freed pages to someone else at once, and its
+# host pages hold what an earlier swap-out left there, as reused host pages do.
 # Hints: `kvlab.check.hint("swap_out", 1)`.
 
 # %%
 def my_swap_out(manager, req, pool, host):
     """Copy req's row to host pages, then give its device pages back; return the host pages."""
-    # lifted into kvlab.hf.swap.HostKV.save and kvlab.pressure.stop_request
+    # lifted into kvlab.serving.hf.swap.HostKV.save and kvlab.serving.pressure.stop_request
     ### BEGIN SOLUTION
     P, n = host.page_size, req.cached_len
     slots = manager.page_table[req.table_idx, :n].long()
@@ -413,14 +454,16 @@ kvlab.check.swap_out(my_swap_out);
 # %% [markdown]
 # ## Measured, side by side
 #
-# Three workloads from the simulator's generators (seeded): long-tailed answers ended by EOS, a
-# burst of long prompts behind short requests, and a shared system prompt; three pools from
-# ample to tight; the four policies. Columns: steps to serve everything, new tokens per step,
-# requests running at once, pages promised but unmapped, requests stopped, positions computed
-# again, positions copied to host memory, and time to first token and per output token, in steps
-# ([TTFT and TPOT](glossary.md#ttft-and-tpot); p50 / p99 over the requests).
+# Four workloads from the simulator's generators (seeded): long-tailed answers ended by EOS, a
+# burst of long prompts behind short requests, a shared system prompt, and answers that run
+# nearly to their cap; three pools from ample to tight; the four policies. Columns: steps to
+# serve everything, new tokens per step, requests running at once, pages promised but unmapped,
+# requests stopped (preempted, retracted or swapped), positions computed again, positions copied
+# to host memory, and time to first token and per output token, in steps
+# ([TTFT and TPOT](glossary.md#ttft-and-tpot); p50 / p99 over the requests). The medium and tight
+# runs are those of the check above; the ample ones take a few seconds more.
 
-# %% alt="Bars of new tokens per step (top) and requests running at once (bottom) for the four policies on three workloads in ample, medium and tight pools: equal with ample memory, recompute and swap ahead of reserve and retract in tight memory."
+# %% alt="Bars of new tokens per step (top) and requests running at once (bottom) for the four policies on four workloads in ample, medium and tight pools: equal with ample memory, recompute and swap ahead of reserve and retract in tight memory."
 rows = compared_rows()
 print(policy_table(rows))
 policy_compare_figure(rows)
@@ -433,39 +476,60 @@ plt.show()
 by = {(r["workload"], r["pool"], r["policy"]): r for r in rows}
 eos = {p: by[("eos_long_tail", "tight", p)] for p in POLICIES}
 gain = eos["recompute"]["tokens_per_step"] / eos["reserve"]["tokens_per_step"]
-print(f"EOS-heavy answers, tight memory: recompute serves {gain:.2f}x the tokens per step of reserve, "
-      f"{eos['recompute']['mean_running'] / eos['reserve']['mean_running']:.2f}x the requests at once, "
-      f"for {eos['recompute']['recomputed_tokens']} positions recomputed")
-print(f"retract promises {eos['retract']['unused_pages']:.1f} unused pages per step where reserve promises "
-      f"{eos['reserve']['unused_pages']:.1f}")
+print(f"EOS-heavy answers, tight memory: recompute serves {gain:.2f}x the tokens per step of reserve\n"
+      f"  and runs {eos['recompute']['mean_running'] / eos['reserve']['mean_running']:.2f}x the requests at once, "
+      f"for {eos['recompute']['recomputed_tokens']} positions recomputed;\n"
+      f"  retract promises {eos['retract']['unused_pages']:.1f} unused pages per step, "
+      f"reserve {eos['reserve']['unused_pages']:.1f}")
 burst_tight = {p: by[("long_prompt_burst", "tight", p)] for p in POLICIES}
-print(f"burst of long prompts, tight memory: recompute computes {burst_tight['recompute']['recomputed_tokens']} "
-      f"positions again, swap copies {burst_tight['swap']['swapped_tokens']} and computes "
-      f"{burst_tight['swap']['recomputed_tokens']}")
+print(f"burst of long prompts, tight memory: recompute computes "
+      f"{burst_tight['recompute']['recomputed_tokens']} positions again,\n"
+      f"  swap copies {burst_tight['swap']['swapped_tokens']} and computes {burst_tight['swap']['recomputed_tokens']}")
+long = {p: by[("long_answers", "tight", p)] for p in POLICIES}
+print(f"long answers, tight memory: retract stops {long['retract']['stops']} request(s) and computes "
+      f"{long['retract']['recomputed_tokens']} positions again;\n  "
+      + ", ".join(f"{p} {long[p]['tokens_per_step']:.2f}" for p in POLICIES) + " tokens per step")
 assert gain > 1 and eos["recompute"]["mean_running"] > eos["reserve"]["mean_running"], "recompute wins here"
 assert eos["reserve"]["unused_pages"] > eos["retract"]["unused_pages"] > 0 == eos["recompute"]["unused_pages"], \
     "promises: whole answers > estimates > none"
+assert eos["reserve"]["tokens_per_step"] < eos["retract"]["tokens_per_step"] < eos["recompute"]["tokens_per_step"], \
+    "on the simulator, retract sits between reserve and recompute here"
 assert all(r["stops"] == 0 for r in rows if r["policy"] == "reserve"), "reserve stopped a request"
 assert burst_tight["swap"]["recomputed_tokens"] < burst_tight["recompute"]["recomputed_tokens"], \
     "swap copies what recompute computes again"
 assert all(r["stops"] == 0 and r["steps"] == by[(r["workload"], "ample", "reserve")]["steps"]
            for r in rows if r["pool"] == "ample"), "with ample memory the policies differ"
+assert long["retract"]["stops"] > 0 and long["retract"]["recomputed_tokens"] > 0, "long answers retract"
+assert all(long[p]["stops"] > long["retract"]["stops"] and long[p]["tokens_per_step"] > long["retract"]["tokens_per_step"]
+           for p in ("recompute", "swap")), "recompute and swap stop more, and serve more per step"
+assert all(r["stops"] == 0 for r in rows if r["policy"] == "retract" and r["workload"] != "long_answers"), \
+    "retract stops nobody where its estimate holds"
 
 # %% [markdown]
+# On the simulator:
+#
 # * **Ample memory**: the policies are the same run. None stops a request, and the promises cost
 #   nothing, since nobody waits for the memory they hold.
 # * **EOS-heavy answers in tight memory**: reserving whole answers holds back most of the memory
 #   for tokens that are never generated; admitting on the coming step runs more requests at once
 #   and finishes in fewer steps, at the price of the recomputed positions above. SGLang's estimate
-#   sits in between: it promises less than whole answers, and here it never had to retract.
+#   sits in between here: it promises less than whole answers, and it never had to retract.
 # * **A burst of long prompts**: a preempted long prompt is expensive to compute again, and there
 #   the swap policy copies instead. Which is faster in time depends on the machine: a copy over
 #   PCIe against a prefill on the GPU. The simulator counts steps, not seconds.
+# * **Long answers**: the only workload where retract stops anyone. Its estimate was too low, and
+#   every retraction computes positions again; recompute and swap stop far more requests here, and
+#   still serve more tokens per step, because they never hold memory back for a promise.
 #
 # The same policies on a real model, timed on a GPU (`python -m kvlab.bench --memory`, the same
-# workload generators at a larger size, written to `figures/bench.json` and `figures/bench.md`):
+# workload generators at a larger size, written to `figures/bench.json` and `figures/bench.md`).
+# Where retract lands against reserve and recompute there is read from the recorded rows by
+# `where_retract_sits`, not written here: in time, a step of many short prefills and a retraction's
+# recomputation cost what they cost on that machine.
 
 # %%
+import textwrap
+
 bench = bench_rows()
 if bench is None:
     print("figures/bench.json holds no GPU run of `python -m kvlab.bench --memory` yet: these rows are absent.")
@@ -473,17 +537,22 @@ else:
     print(f"{bench['meta']['device']}, {bench['meta']['date']}")
     for c in bench["claims"]:
         verdict = "n/a" if c["passed"] is None else ("PASS" if c["passed"] else "FAIL")
-        print(f"[{verdict}] {c['name']}: {c['measured']}")
+        print(textwrap.fill(f"[{verdict}] {c['name']}: {c['measured']}", 88, subsequent_indent="    "))
+    print(f"\n{'tight memory':20s} {'policy':9s} {'tok/s':>6s} {'running':>7s} {'stops':>5s} "
+          f"{'recomputed':>10s} {'swapped':>9s}")
     for r in bench["rows"]:
         if r["pool"] == "tight" and "error" not in r:
-            print(f"{r['workload']:20s} {r['policy']:9s} {r['tokens_per_s']:8.0f} tokens/s, "
-                  f"{r['mean_running']:5.1f} running, {r['stops']:3d} stops, {r['recomputed_tokens']:6d} recomputed, "
-                  f"{r['swapped_out_bytes'] / 2**20:7.1f} MiB swapped")
+            print(f"{r['workload']:20s} {r['policy']:9s} {r['tokens_per_s']:6.0f} {r['mean_running']:7.1f} "
+                  f"{r['stops']:5d} {r['recomputed_tokens']:10d} {r['swapped_out_bytes'] / 2**20:5.1f} MiB")
+    print()
+    for name in CHAPTER_WORKLOADS:
+        print(textwrap.fill(where_retract_sits(bench, name), 88, subsequent_indent="    "))
+    print(textwrap.fill(retraction_cost(bench), 88, subsequent_indent="    "))
 
 # %% [markdown]
 # ## Lift: your functions vs kvlab
 #
-# Your four answers against the ones [lifted](glossary.md#lift) into `kvlab.pressure` on random
+# Your four answers against the ones [lifted](glossary.md#lift) into `kvlab.serving.pressure` on random
 # inputs (until an exercise passes, this cell uses the reference solution and says so):
 
 # %%
@@ -514,7 +583,7 @@ for _ in range(200):
     assert tuple(compute) == plan.compute and [p for _, p in copies] == row[plan.copy[0]:plan.copy[1]], (
         f"saved {saved}, hit {hit}, page size {Pg}: compute {tuple(compute)} vs {plan.compute}, "
         f"copies {list(copies)}")
-print("victim_order, next_token_ratio and resume_plan agree with kvlab.pressure")
+print("victim_order, next_token_ratio and resume_plan agree with kvlab.serving.pressure")
 
 # %% [markdown]
 # ## Summary
@@ -531,10 +600,12 @@ print("victim_order, next_token_ratio and resume_plan agree with kvlab.pressure"
 #   pages, copying only what the cache no longer holds.
 # * Measured on the same workloads: with ample memory they are one policy; with long-tailed EOS
 #   answers and tight memory, promising less runs more at once; recompute pays in computation,
-#   swap in copies.
-# * In `kvlab.pressure` (the policies, `victim_order`, `next_token_ratio`, `resume_plan`,
-#   `stop_request`, `restore_request`), `kvlab.sim` (`SimConfig(policy=...)`, `kvlab.sim.compare`),
-#   `kvlab.hf` (`PagedGenerator(policy=...)`, `kvlab.hf.room`, `kvlab.hf.swap`) and
+#   swap in copies; where answers outrun SGLang's estimate, retract retracts and pays in
+#   computation too. On a GPU the order in tokens/s is the recorded run's, read from
+#   `figures/bench.json`.
+# * In `kvlab.serving.pressure` (the policies, `victim_order`, `next_token_ratio`, `resume_plan`,
+#   `stop_request`, `restore_request`), `kvlab.serving.sim` (`SimConfig(policy=...)`, `kvlab.serving.sim.compare`),
+#   `kvlab.serving.hf` (`PagedGenerator(policy=...)`, `kvlab.serving.hf.room`, `kvlab.serving.hf.swap`) and
 #   `python -m kvlab.bench --memory`.
 #
 # ## Questions

@@ -137,7 +137,7 @@ def test_ch01_a_wrong_answer_reads_at_a_glance_and_run_all_goes_on(open_notebook
     print(f"{nb.name}: {result.code_cells} code cells in {result.seconds:.0f} s")
     exercise = nb.code_cell("kvlab.check.page_to_token(my_page_to_token)")
     shown = exercise.locator(".jp-OutputArea").first.inner_text()
-    assert "kvlab/check" not in shown and "Traceback" not in shown and "File " not in shown, shown
+    assert "kvlab/course" not in shown and "Traceback" not in shown and "File " not in shown, shown
     assert "✗ kvlab.check.page_to_token: [the example: pages [4, 8] with page_size 4]" in shown
     assert "got[0:6]      = [4, 4, 4, 4, 8, 8]" in shown  # the typed answer ran
     assert "Run All goes on" in shown
@@ -188,7 +188,7 @@ def test_ch11_on_a_laptop_offline_a_wrong_type_reads_in_one_line_and_no_figure_i
         shown = cell.locator(".jp-OutputArea").first.inner_text()
         assert shown.startswith("✗ kvlab.check.page_hashes: [two full pages] return a list of hashes "
                                 "(the bytes kvlab.chain_hash returns), got tuple"), shown
-        assert "kvlab/check" not in shown and "Traceback" not in shown
+        assert "kvlab/course" not in shown and "Traceback" not in shown
         cell.scroll_into_view_if_needed()
         cell.screenshot(path=str(nb.shots / "11_hash_prefix_cache-tuple-answer.png"))
         lift = nb.code_cell('kvlab.check.choose("page_hashes"')

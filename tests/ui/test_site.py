@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import check_site_links  # noqa: E402
 import site_figures  # noqa: E402
 
-from kvlab.colab import colab_url  # noqa: E402
+from kvlab.course.colab import colab_url  # noqa: E402
 
 pytestmark = pytest.mark.ui
 
