@@ -1,4 +1,6 @@
-"""Shared test set-up: hypothesis profiles sized for the runtime, GPU markers."""
+"""Shared test set-up: hypothesis profiles sized for the runtime, GPU markers, and which tests
+depend on Triton's version (marker ``triton``: ``make test-oldest`` runs those again on the
+oldest supported Triton)."""
 from __future__ import annotations
 
 import atexit
@@ -36,7 +38,27 @@ def pytest_configure(config):
         raise pytest.UsageError("KVLAB_REQUIRE_GPU=1 but kvlab is in interpreter mode (no CUDA?)")
 
 
+#: The test files whose subject depends on Triton's version: kernels against their references
+#: (and the state machines that drive them), the checkers that interpret or compile a learner's
+#: kernel, the compiler's GPU targets, the version fixes. Each test here gets the marker
+#: ``triton``; ``make test-oldest`` runs them (``-m triton``) on the oldest supported Triton. The
+#: rest (the prefix caches, the cache manager, the serving loop, transformers, the website...)
+#: runs once, on the newest. A test file that imports Triton itself must be here
+#: (tests/test_oldest_triton.py checks).
+TRITON_VERSION_TESTS = frozenset({
+    "test_paging", "test_alloc_kernel_edges", "test_alloc_host_path", "test_token_allocator",
+    "test_alloc_reliability", "test_allocator_machine", "test_fast_alloc",
+    "test_attention", "test_fast_attention", "test_hf_attention",
+    "test_attention_kernel_exercise", "test_hf_check", "test_compiled", "test_sandbox",
+    "test_mutations", "test_check_core", "test_not_attempted", "test_lifts",
+    "test_gpu_targets", "test_triton_compat",
+})
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.path.stem in TRITON_VERSION_TESTS:
+            item.add_marker(pytest.mark.triton)
     if runtime.INTERPRET:
         skip = pytest.mark.skip(reason="needs CUDA (compiled Triton): make gpu-check runs it on a GPU")
         for item in items:

@@ -60,7 +60,8 @@ def run(source: str, ns: dict, name: str) -> None:
 
 def lift_cell(chapter: str, exercise: str) -> int:
     """The index of the code cell that lifts ``exercise`` (its ``kvlab.check.choose``)."""
-    return next(i for i, c in enumerate(code_cells(chapter)) if f'kvlab.check.choose("{exercise}"' in c)
+    call = re.compile(rf'kvlab\.check\.choose\(\s*"{re.escape(exercise)}"')  # wrapped or not
+    return next(i for i, c in enumerate(code_cells(chapter)) if call.search(c))
 
 
 class Chapter:

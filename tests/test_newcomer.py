@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -203,3 +204,31 @@ def test_readme_installs_from_the_repository_not_from_a_release_that_does_not_ex
     assert f'pip install "kvlab @ git+{REPO_URL}"' in readme
     assert "pip wheel --no-deps -w dist ." in readme and f"dist/kvlab-{PYPROJECT['version']}-" in readme
     assert "--index-url https://download.pytorch.org/whl/cpu" in readme  # the CPU-only torch
+
+
+_TORCH_LINE = re.compile(r"^[#\s]*(pip install torch --index-url (\S+) .*)$", re.M)
+
+
+@pytest.mark.parametrize("where", ["README.md", "environment.yml"])
+def test_the_cpu_torch_line_has_a_way_out_where_pytorchs_index_is_blocked(where, tmp_path):
+    """The install line without make, run as written but with PyTorch's index blocked (a port
+    where nothing listens) and pip in this environment (torch is installed: the fallback
+    finds it without a network): it gives up on the index at once and succeeds."""
+    text = (ROOT / where).read_text()
+    (line,) = [m for m in _TORCH_LINE.finditer(text)]
+    command, index = line[1], line[2]
+    assert index == "https://download.pytorch.org/whl/cpu"
+    assert command.endswith("--timeout 10 --retries 0 || pip install torch")
+    shim = tmp_path / "pip"
+    shim.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m pip "$@"\n')
+    shim.chmod(0o755)
+    blocked = command.replace(index, "http://127.0.0.1:9/whl/cpu")
+    env = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
+           "PIP_DRY_RUN": "1", "PIP_FIND_LINKS": "", "PIP_EXTRA_INDEX_URL": "",
+           "PIP_CONFIG_FILE": os.devnull}
+    started = time.monotonic()
+    run = subprocess.run(["sh", "-c", blocked], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert time.monotonic() - started < 120, "pip kept retrying the blocked index"
+    assert "127.0.0.1" in run.stdout + run.stderr  # it did try the (blocked) index first

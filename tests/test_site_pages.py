@@ -12,6 +12,7 @@ import base64
 import hashlib
 import re
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -370,9 +371,10 @@ def test_a_notebook_the_test_failed_is_not_recorded(demo, tmp_path, monkeypatch)
     assert not (tmp_path / "executed").exists()
 
 
-def test_a_chapter_executed_for_the_site_keeps_its_progress_apart(tmp_path, monkeypatch):
+def test_a_chapter_executed_for_the_site_keeps_its_progress_apart(tmp_path, monkeypatch, capfd):
     """make site's kernels record their checks in a fresh file of their own (never the
-    learner's progress) and draw figures inline (no MPLBACKEND)."""
+    learner's progress) and draw figures inline (no MPLBACKEND); they print no warning (over
+    TCP each kernel would warn about unencrypted traffic)."""
     assert executed_notebooks.PROGRESS_ENV == PROGRESS_ENV
     mine = tmp_path / "mine.json"
     mine.write_text("{}")
@@ -390,6 +392,44 @@ def test_a_chapter_executed_for_the_site_keeps_its_progress_apart(tmp_path, monk
     used, backend = printed["text"].split()
     assert backend != "Agg" and used != str(mine) and mine.read_text() == "{}"
     assert not Path(used).exists()  # removed with its folder
+    printed = capfd.readouterr()
+    assert "WARNING" not in printed.out + printed.err, printed.err
+
+
+def _sleeping_execute(notebook, out):
+    time.sleep(2.2 if notebook.name.startswith("01") else 0.1)
+
+
+def test_make_site_says_each_chapters_own_time(tmp_path, monkeypatch, capsys):
+    chapters = [SimpleNamespace(name=n, solutions=tmp_path / f"{n}.ipynb") for n in ("01_a", "02_b")]
+    for chapter in chapters:
+        nbformat.write(nbformat.v4.new_notebook(), chapter.solutions)
+    monkeypatch.setattr(build_site, "EXECUTED", tmp_path / "executed")
+    monkeypatch.setattr(executed_notebooks, "execute", _sleeping_execute)  # the workers fork
+    build_site.ensure_executed(chapters, jobs=2)
+    out = capsys.readouterr().out
+    assert re.search(r"^site: executed 02_b in 0 s \(1 of 2, \d+ s so far\)$", out, re.M), out
+    assert re.search(r"^site: executed 01_a in 2 s \(2 of 2, \d+ s so far\)$", out, re.M), out
+
+
+def test_the_search_page_learns_which_chapter_introduces_each_term():
+    sys.path.insert(0, str(ROOT / "website"))
+    import search_terms
+
+    glossary = ("### kv pool\n**KV pool** (chapters 00 and 08). One buffer.\n\n"
+                "### new token ratio\n**New token ratio** (chapter 12). SGLang's estimate.\n\n"
+                "### token slot\n**Slot** (chapter 00). A place.\n\n### odd\nno chapter named\n")
+    docs = ["00_tour", "08_capstone", "12_when_memory_runs_out", "index", "glossary"]
+    terms = search_terms.teaching_chapters(glossary, docs)
+    assert terms == {"kv pool": ["00_tour", "08_capstone"], "new token ratio": ["12_when_memory_runs_out"],
+                     "token slot": ["00_tour"], "slot": ["00_tour"]}
+    assert search_terms.term_key("new_token_ratio") == search_terms.term_key(" New-token  ratio") == \
+        "new token ratio"
+    # the real glossary: every entry names the chapter that introduces it
+    real = (ROOT / "notebooks" / "glossary.md").read_text()
+    chapters = [p.stem for p in (ROOT / "notebooks" / "src").glob("[0-9][0-9]_*.py")]
+    found = search_terms.teaching_chapters(real, chapters)
+    assert len(found) >= real.count("\n### ") and found["new token ratio"][0].startswith("12_")
 
 
 # -- the link check ----------------------------------------------------------------------

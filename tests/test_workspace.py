@@ -1,5 +1,5 @@
 """The learner's own copies (``make lab`` / ``make fresh``): made once, never overwritten, a
-course update reported, a fresh copy on request with the old one kept."""
+course update reported, a fresh copy on request with the old one kept when it was edited."""
 from __future__ import annotations
 
 import json
@@ -96,7 +96,8 @@ def test_fresh_replaces_one_chapter_and_keeps_yours(course, tmp_path):
     (course / "00_tour.ipynb").write_text("learner 00_tour.ipynb, improved")
     kept = workspace.fresh(work, "00")
     assert (work / "00_tour.ipynb").read_text() == "learner 00_tour.ipynb, improved"
-    assert [p.read_text() for p in kept if p.parent == work] == ["my answers"]
+    assert [p.read_text() for p in kept] == ["my answers"]  # the untouched solutions: not kept
+    assert not list((work / "solutions").glob("00_tour.*.ipynb"))
     assert (work / "01_pages.ipynb").read_text() == "learner 01_pages.ipynb"  # untouched
     record = json.loads((work / workspace.RECORD).read_text())
     assert workspace.prepare(work) == []  # the fresh copy is current
@@ -134,7 +135,42 @@ def test_fresh_twice_in_the_same_second_keeps_both_copies(course, tmp_path, monk
     assert kept == ["my first answers", "my second answers"]
     assert {p.name for p in first} | {p.name for p in second} == {
         "00_tour.20250102-030405.ipynb", "00_tour.20250102-030405-2.ipynb"}
-    assert len(list((work / "solutions").glob("00_tour.*.ipynb"))) == 2
+    assert not list((work / "solutions").glob("00_tour.*.ipynb"))  # never edited: not kept
+
+
+def test_fresh_keeps_no_copy_you_never_edited(course, tmp_path, capsys):
+    """A copy whose cells are those it was made with is replaced, even after a course update
+    (its old version is in the course's history, not the learner's work); running its cells
+    (outputs, kernel metadata) is no edit."""
+    import nbformat
+
+    for build in ("", "solutions/"):
+        nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1"),
+                                             nbformat.v4.new_markdown_cell("# 00")])
+        nbformat.write(nb, course / f"{build}00_tour.ipynb")
+    work = tmp_path / "work"
+    workspace.prepare(work)
+    ran = nbformat.read(work / "00_tour.ipynb", as_version=4)
+    ran.cells[0].outputs = [nbformat.v4.new_output("stream", text="ran\n")]
+    ran.cells[0].execution_count = 1
+    ran.metadata["language_info"] = {"name": "python", "version": "3.99"}
+    nbformat.write(ran, work / "00_tour.ipynb")
+    updated = nbformat.read(course / "00_tour.ipynb", as_version=4)
+    updated.cells[0].source = "x = 2  # the course's new version"
+    nbformat.write(updated, course / "00_tour.ipynb")  # a git pull
+    capsys.readouterr()
+    assert workspace.fresh(work, "00") == []
+    assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*.ipynb")) == [
+        "00_tour.ipynb", "01_pages.ipynb", "solutions/00_tour.ipynb", "solutions/01_pages.ipynb"]
+    assert "x = 2" in (work / "00_tour.ipynb").read_text()
+    out = capsys.readouterr().out
+    assert out.count("nothing to keep") == 2 and "kept your" not in out
+    # an edit, however small, is kept
+    edited = nbformat.read(work / "00_tour.ipynb", as_version=4)
+    edited.cells[1].source += "!"
+    nbformat.write(edited, work / "00_tour.ipynb")
+    (kept,) = workspace.fresh(work, "00")
+    assert nbformat.read(kept, as_version=4).cells[1].source == "# 00!"
 
 
 DAMAGED_RECORDS = {"a list": b"[]", "null": b"null", "a number": b"5", "not JSON": b"{",
@@ -145,6 +181,8 @@ DAMAGED_RECORDS = {"a list": b"[]", "null": b"null", "a number": b"5", "not JSON
 def lab(course, tmp_path, monkeypatch):
     """`make lab`'s first step, with JupyterLab's settings written into the test's folder."""
     monkeypatch.setattr(workspace, "write_lab_overrides", lambda: workspace.LAB_OVERRIDES)
+    monkeypatch.setattr(workspace, "write_server_config", lambda: workspace.server_config())
+    monkeypatch.setattr(workspace, "_trust", lambda path: None)  # not into the real home
     return lambda work: workspace.main(["prepare", str(work)])
 
 
@@ -207,3 +245,32 @@ def test_damaged_lab_settings_are_replaced(tmp_path, raw):
     path.write_text(raw)
     assert workspace.write_lab_overrides(tmp_path) == path
     assert json.loads(path.read_text()) == workspace.LAB_OVERRIDES
+
+
+def test_the_server_settings_silence_what_a_learner_cannot_act_on(tmp_path):
+    path = tmp_path / "etc" / "jupyter" / "jupyter_server_config.json"
+    path.parent.mkdir(parents=True)
+    path.write_text('{"ServerApp": {"open_browser": false}, "Other": {"x": 1}}')  # yours, kept
+    assert workspace.write_server_config(tmp_path) == path
+    config = json.loads(path.read_text())
+    assert config["ServerApp"] == {"open_browser": False,
+                                   "tornado_settings": {"ws_ping_timeout": 30_000}}
+    assert config["Other"] == {"x": 1}
+    import zmq
+
+    if zmq.has("curve"):  # pyzmq's wheels have it: the kernels' traffic is encrypted
+        assert config["KernelManager"] == {"transport_encryption": "auto"}
+
+
+def test_make_lab_signs_its_copies_as_trusted(course, tmp_path, monkeypatch):
+    import nbformat
+    from nbformat.sign import NotebookNotary
+
+    monkeypatch.setenv("JUPYTER_DATA_DIR", str(tmp_path / "jupyter-data"))
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1")]),
+                   course / "00_tour.ipynb")
+    work = tmp_path / "work"
+    workspace.prepare(work, trust=True)
+    notary = NotebookNotary()
+    assert notary.check_signature(nbformat.read(work / "00_tour.ipynb", as_version=4))
+    assert (work / "01_pages.ipynb").read_text() == "learner 01_pages.ipynb"  # no notebook: as is

@@ -56,16 +56,24 @@ def ensure_executed(chapters: list[site_pages.Chapter], jobs: int) -> dict[str, 
         return paths
     started = time.monotonic()
     with ProcessPoolExecutor(max_workers=jobs) as pool:
-        futures = {pool.submit(ex.execute, c.solutions, EXECUTED): c for c in stale}
-        for future in as_completed(futures):
+        futures = {pool.submit(_execute_timed, c.solutions): c for c in stale}
+        for done, future in enumerate(as_completed(futures), 1):
             chapter = futures[future]
             try:
-                future.result()
+                seconds = future.result()
             except Exception as exc:  # name the chapter; nbclient's error shows the cell
                 raise site_pages.SiteError(f"executing {chapter.solutions.relative_to(ROOT)} "
                                            f"failed:\n{exc}") from exc
-            _say(f"executed {chapter.name} ({time.monotonic() - started:.0f} s)")
+            _say(f"executed {chapter.name} in {seconds:.0f} s "
+                 f"({done} of {len(stale)}, {time.monotonic() - started:.0f} s so far)")
     return paths
+
+
+def _execute_timed(notebook: Path) -> float:
+    """Execute one chapter (in a worker process); its own time in seconds, kernel start included."""
+    started = time.monotonic()
+    ex.execute(notebook, EXECUTED)
+    return time.monotonic() - started
 
 
 def write_sources(chapters: list[site_pages.Chapter], executed: dict[str, Path],
@@ -158,8 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     src, html = args.out / "src", args.out / "html"
     write_sources(chapters, executed, src)
     _say(f"rendering {len(chapters)} chapters with Sphinx")
+    rendering = time.monotonic()
     run_sphinx(src, html)
     broken = check_site_links.check(html)
+    _say(f"rendered in {time.monotonic() - rendering:.0f} s")
     if broken:
         for line in broken:
             print(f"  {line}", file=sys.stderr)

@@ -117,6 +117,16 @@ def record_nbval_cell(item, failed: bool = False) -> Path | None:
 
 
 # -- with nbclient -----------------------------------------------------------------------
+def _local_kernel_manager(folder: str):
+    """A python3 kernel that talks to its client over Unix sockets in ``folder`` (IPC): over
+    TCP, each kernel would print ipykernel's warning about unencrypted traffic, which a reader
+    of ``make site`` can do nothing about (the kernel only ever serves this process)."""
+    from jupyter_client.manager import KernelManager
+
+    return KernelManager(kernel_name="python3", transport="ipc",
+                         ip=os.path.join(folder, "kernel"))
+
+
 def execute(notebook_path: Path, out_folder: Path, timeout_s: int = 1200) -> Path:
     """Execute one notebook in a fresh kernel (figures inline) and write the executed copy."""
     from nbclient import NotebookClient
@@ -127,9 +137,9 @@ def execute(notebook_path: Path, out_folder: Path, timeout_s: int = 1200) -> Pat
     # The kernel's environment: no MPLBACKEND (a runner's Agg would hide every figure), and a
     # progress file of its own, empty as a newcomer's (the checks never write the real one).
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
-    with tempfile.TemporaryDirectory(prefix="kvlab-progress-") as progress:
-        env[PROGRESS_ENV] = os.path.join(progress, "progress.json")
-        NotebookClient(nb, timeout=timeout_s, kernel_name="python3",
+    with tempfile.TemporaryDirectory(prefix="kvlab-kernel-") as scratch:
+        env[PROGRESS_ENV] = os.path.join(scratch, "progress.json")
+        NotebookClient(nb, km=_local_kernel_manager(scratch), timeout=timeout_s,
                        resources={"metadata": {"path": str(notebook_path.parent)}}).execute(env=env)
     _stamp(nb, source, "nbclient")
     out = executed_path(Path(out_folder), notebook_path)

@@ -37,6 +37,10 @@ myst_heading_anchors = 4
 
 html_theme = "sphinx_book_theme"
 html_static_path = ["_static"]
+# theme-switcher.html: the colour mode as one light/dark button (the theme's is a dropdown)
+templates_path = ["_templates"]
+# no general index: the course defines no index entries, so genindex.html would be empty
+html_use_index = False
 html_css_files = ["kvlab.css"]
 html_js_files = ["kvlab.js"]
 html_favicon = "_static/favicon.svg"

@@ -9,6 +9,9 @@ This extension
   which ``-W`` turns into a failed build;
 * writes a description and link-preview tags (Open Graph, Twitter card) into every page's
   head, with the page's picture (copied to ``_static/previews/``) as the preview image;
+* gives the search page the chapters that introduce each term of the glossary (``### term``
+  headings, each entry's "(chapter NN)"), so that ``kvlab.js`` ranks that chapter first when
+  a query names the term;
 * trims what the theme ships but the site does not use: pydata-sphinx-theme's Font Awesome
   script (1.5 MB, which only turns the icon font's ``<i>`` tags into inline SVG; the theme's
   stylesheet already draws the same icons from its web fonts), the glyphs of those web fonts
@@ -24,6 +27,7 @@ import shutil
 from pathlib import Path
 
 from docutils import nodes
+from search_terms import teaching_chapters
 from sphinx.util import logging
 
 LOG = logging.getLogger(__name__)
@@ -82,6 +86,14 @@ def _meta_tags(app, pagename, templatename, context, doctree) -> None:
         attr = "property" if key.startswith("og:") else "name"
         lines.append(f'<meta {attr}="{key}" content="{html.escape(value, quote=True)}" />')
     context["metatags"] = context.get("metatags", "") + "\n".join(lines) + "\n"
+
+
+def _search_terms(app, pagename, templatename, context, doctree) -> None:
+    if pagename != "search":
+        return
+    path = Path(app.srcdir) / "glossary.md"
+    terms = teaching_chapters(path.read_text(), app.env.found_docs) if path.exists() else {}
+    app.add_js_file(None, body=f"const KVLAB_TERMS = {json.dumps(terms, sort_keys=True)};")
 
 
 def _finish(app, exception) -> None:
@@ -152,5 +164,6 @@ def setup(app):
     app.connect("builder-inited", _load)
     app.connect("doctree-read", _alt_for_figures)
     app.connect("html-page-context", _meta_tags)
+    app.connect("html-page-context", _search_terms)
     app.connect("build-finished", _finish)
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

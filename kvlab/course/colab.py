@@ -61,8 +61,10 @@ if "google.colab" in sys.modules:
         url = os.environ.get("KVLAB_REPO_URL", "{REPO_URL}")
         home = os.environ.get("KVLAB_COLAB_DIR", "{COLAB_DIR}")
         if not os.path.isdir(home):
-            subprocess.run(["git", "clone", "-q", "--depth", "1", url, home], check=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", home], check=True)
+            subprocess.run(["git", "clone", "-q", "--depth", "1", url, home],
+                           check=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", home],
+                       check=True)
         sys.path.insert(0, home)
     from google.colab import output
     output.enable_custom_widget_manager()  # lets ipywidgets 8 sliders render in Colab

@@ -31,9 +31,15 @@ import matplotlib.pyplot as plt
 import torch
 
 import kvlab
-from kvlab.course.scenes.ch00_tour import (THREE_REQUESTS, describe_step, first_page_table,
-                                    fragmentation_figure, scheduler_timeline, sharing_table,
-                                    timeline_figure)
+from kvlab.course.scenes.ch00_tour import (
+    THREE_REQUESTS,
+    describe_step,
+    first_page_table,
+    fragmentation_figure,
+    scheduler_timeline,
+    sharing_table,
+    timeline_figure,
+)
 from kvlab.course.viz import page_table_heatmap
 
 torch.manual_seed(0)
@@ -60,7 +66,10 @@ random.seed(0)
 info = kvlab.runtime_report()
 print()
 print("tensors live on:", kvlab.DEVICE)
-print("a size chosen for this runtime:", kvlab.base.runtime.pick(cpu="small (interpreter)", gpu="large (GPU)"))
+print(
+    "a size chosen for this runtime:",
+    kvlab.base.runtime.pick(cpu="small (interpreter)", gpu="large (GPU)"),
+)
 
 # %% [markdown]
 # ## Why a KV cache at all?
@@ -103,10 +112,12 @@ def generate_without_cache(x):
 
 
 def generate_with_cache(x):
-    K_cache, V_cache = torch.empty(len(x), d), torch.empty(len(x), d)  # preallocated: a tiny pool
+    # preallocated: a tiny pool
+    K_cache, V_cache = torch.empty(len(x), d), torch.empty(len(x), d)
     outs, rows_projected = [], 0
     for t in range(1, len(x) + 1):
-        K_cache[t - 1], V_cache[t - 1] = x[t - 1] @ W_k, x[t - 1] @ W_v  # only the new token
+        # only the new token
+        K_cache[t - 1], V_cache[t - 1] = x[t - 1] @ W_k, x[t - 1] @ W_v
         rows_projected += 1
         outs.append(attend(x[t - 1] @ W_q, K_cache[:t], V_cache[:t]))
     return torch.stack(outs), rows_projected
@@ -125,12 +136,18 @@ t_without, (out_without, rows_without) = best_time(generate_without_cache)
 t_with, (out_with, rows_with) = best_time(generate_with_cache)
 torch.testing.assert_close(out_with, out_without, atol=1e-5, rtol=1e-5)
 assert rows_without == n_tokens * (n_tokens + 1) // 2 and rows_with == n_tokens, (
-    f"rows projected: {rows_without} without the cache, {rows_with} with it, for {n_tokens} tokens")
+    f"rows projected: {rows_without} without the cache, {rows_with} with it, for"
+    f" {n_tokens} tokens"
+)
 print(f"{n_tokens} tokens, d = {d}: same outputs either way")
-print(f"  key/value rows projected: without cache {rows_without:6d}, with cache {rows_with:4d} "
-      f"({rows_without / rows_with:.0f}x fewer)")
-print(f"  time on this machine:     without cache {1e3 * t_without:6.1f} ms, with cache "
-      f"{1e3 * t_with:.1f} ms ({t_without / t_with:.1f}x faster)")
+print(
+    f"  key/value rows projected: without cache {rows_without:6d}, with cache"
+    f" {rows_with:4d} ({rows_without / rows_with:.0f}x fewer)"
+)
+print(
+    f"  time on this machine:     without cache {1e3 * t_without:6.1f} ms, with cache "
+    f"{1e3 * t_with:.1f} ms ({t_without / t_with:.1f}x faster)"
+)
 
 # %% [markdown]
 # The work without a cache grows with the square of the length; with a cache it grows linearly
@@ -155,11 +172,17 @@ plt.show()
 
 # %%
 layers, kv_heads, head_dim, bytes_per_number = 32, 8, 128, 2
-bytes_per_token = 2 * layers * kv_heads * head_dim * bytes_per_number  # 2: a key and a value
+# 2: a key and a value
+bytes_per_token = 2 * layers * kv_heads * head_dim * bytes_per_number
 print(f"{bytes_per_token / 1024:.0f} KiB of KV cache per token")
 print(f"a 4096-token conversation: {4096 * bytes_per_token / 2**20:.0f} MiB")
-print(f"a 40 GiB pool holds {40 * 2**30 // bytes_per_token:,} tokens, shared by every request")
-assert bytes_per_token == 128 * 1024, f"{bytes_per_token} bytes per token, expected 128 KiB"
+print(
+    f"a 40 GiB pool holds {40 * 2**30 // bytes_per_token:,} tokens, shared by every"
+    " request"
+)
+assert (
+    bytes_per_token == 128 * 1024
+), f"{bytes_per_token} bytes per token, expected 128 KiB"
 
 # %% [markdown]
 # A few hundred thousand token slots, shared by every running request: that is the budget the
@@ -227,7 +250,8 @@ for step in timeline:
         assert sum(e.seq - e.pre for e in step.work) <= 8, (
             f"step {step.step}: a prefill step over the token budget of 8")
     else:
-        assert all(e.seq == e.pre + 1 for e in step.work), (  # decode: one token per request
+        # decode: one token per request
+        assert all(e.seq == e.pre + 1 for e in step.work), (
             f"step {step.step}: a decode step that is not one token per request")
 for r in THREE_REQUESTS:
     assert final[r.name] == r.prompt_len + r.output_len - 1, r
@@ -265,7 +289,8 @@ print("pages per request:", pages_each)
 print("slots held, paged:", sum(pages_each) * page_size, "of", 4 * 16,
       "| slots held, contiguous:", 4 * 16)
 assert sum(pages_each) == 10, f"{sum(pages_each)} pages in all, expected 10"
-assert all(p * page_size - n < page_size for p, n in zip(pages_each, lengths)), (  # waste < one page
+# waste < one page
+assert all(p * page_size - n < page_size for p, n in zip(pages_each, lengths)), (
     f"more than a page wasted: pages {pages_each} for lengths {lengths}")
 
 # %% [markdown]
@@ -297,10 +322,15 @@ for row, n in enumerate(lengths):
     mapped = (table[row] != kvlab.UNMAPPED).sum().item()
     assert mapped == n, (row, mapped, n)
     slots = table[row, :n]
-    for start in range(0, n, 4):  # within one logical page, one physical page, consecutive slots
+    # within one logical page, one physical page, consecutive slots
+    for start in range(0, n, 4):
         chunk = slots[start:start + 4]
-        assert (chunk // 4 == chunk[0] // 4).all() and (chunk - chunk[0] == torch.arange(len(chunk))).all(), (
-            f"row {row}, positions {start}..: slots {chunk.tolist()} are not one page in order")
+        assert (chunk // 4 == chunk[0] // 4).all() and (
+            chunk - chunk[0] == torch.arange(len(chunk))
+        ).all(), (
+            f"row {row}, positions {start}..: slots {chunk.tolist()} are not one page"
+            " in order"
+        )
 print("every row maps exactly its length; each logical page sits in one physical page")
 
 # %% [markdown]
@@ -314,10 +344,13 @@ print("every row maps exactly its length; each logical page sits in one physical
 
 # %% alt="A page table of four requests with the slot number in every cell: requests 0, 1 and 2 hold the same two pages (slots 28-31 and 12-15) in their first eight positions, request 3 has pages of its own."
 shared, P = sharing_table(page_size=4, seed=0)
-ax = page_table_heatmap(shared, P, rows=slice(0, 4), title="requests 0-2 share their first two pages")
+ax = page_table_heatmap(
+    shared, P, rows=slice(0, 4), title="requests 0-2 share their first two pages"
+)
 plt.show()
-assert torch.equal(shared[0, :8], shared[1, :8]) and torch.equal(shared[1, :8], shared[2, :8]), (
-    "requests 0, 1 and 2 should map the same slots for their first two pages")
+assert torch.equal(shared[0, :8], shared[1, :8]) and torch.equal(
+    shared[1, :8], shared[2, :8]
+), "requests 0, 1 and 2 should map the same slots for their first two pages"
 assert not torch.equal(shared[3, :8], shared[0, :8]), (
     "request 3 has another prompt: it shares no page with request 0")
 
@@ -330,8 +363,12 @@ assert not torch.equal(shared[3, :8], shared[0, :8]), (
 
 # %% alt="A downsampled heatmap of a 64-request by 4096-position page table, one cell per 16 positions: rows of scattered page colours, each ending in a long white tail where the request has not reached yet."
 rows, cols, P = 64, 4096, 16
-big, big_lengths = first_page_table(n_requests=rows - 1, max_seq_len=cols, page_size=P, seed=1)
-ax = page_table_heatmap(big, P, max_cells=512, title=f"{rows} request slots x {cols} positions")
+big, big_lengths = first_page_table(
+    n_requests=rows - 1, max_seq_len=cols, page_size=P, seed=1
+)
+ax = page_table_heatmap(
+    big, P, max_cells=512, title=f"{rows} request slots x {cols} positions"
+)
 ax.figure.set_size_inches(8.4, 6)
 plt.show()
 
@@ -351,7 +388,8 @@ plt.show()
 
 # %%
 def pages_needed(lengths: list[int], page_size: int) -> list[int]:
-    """How many pages of ``page_size`` slots each request occupies (its last page maybe partly)."""
+    """How many pages of ``page_size`` slots each request occupies (its last page maybe
+    partly)."""
     ### BEGIN SOLUTION
     return [kvlab.div_ceil(n, page_size) for n in lengths]
     ### END SOLUTION

@@ -52,7 +52,8 @@ plt.show()
 
 # %%
 page_size = 4
-pages = torch.tensor([4, 8], dtype=torch.int32, device=device)  # page starts, as in free_slots
+# page starts, as in free_slots
+pages = torch.tensor([4, 8], dtype=torch.int32, device=device)
 print("pages              ", tuple(pages.shape), pages.tolist())
 
 column = pages.unsqueeze(1)  # [num_pages] -> [num_pages, 1]
@@ -67,9 +68,12 @@ print("column + offsets   ", tuple(grid.shape), grid.tolist())
 slots = grid.flatten()  # rows one after another: page after page
 print("flatten()          ", tuple(slots.shape), slots.tolist())
 assert slots.tolist() == list(range(4, 12)), f"slots {slots.tolist()}, expected 4..11"
-# `grid` is a fresh contiguous tensor, so flatten() only reinterprets its shape: a view, no copy
+# `grid` is a fresh contiguous tensor, so flatten() only reinterprets its shape: a view,
+# no copy
 print("flatten() is a view of grid (same memory):", slots.data_ptr() == grid.data_ptr())
-assert slots.data_ptr() == grid.data_ptr(), "flatten() copied grid: expected a view of the same memory"
+assert (
+    slots.data_ptr() == grid.data_ptr()
+), "flatten() copied grid: expected a view of the same memory"
 
 # %% [markdown]
 # Two details are worth a second look:
@@ -108,14 +112,22 @@ assert slots.data_ptr() == grid.data_ptr(), "flatten() copied grid: expected a v
 def whoami_kernel(out_ptr):
     pid = tl.program_id(0)  # 0, 1, 2, ... : which program instance this is
     tl.store(out_ptr + pid, pid * 10)
-    if pid == tl.num_programs(0) - 1:  # only the last program: it stores the grid's size
+    # only the last program: it stores the grid's size
+    if pid == tl.num_programs(0) - 1:
         tl.store(out_ptr + 5, tl.num_programs(0))
 
 
 out = torch.full((6,), -1, dtype=torch.int32, device=device)
 whoami_kernel[(4,)](out)
 print(out.tolist())  # predict first: four programs, six entries
-assert out.tolist() == [0, 10, 20, 30, -1, 4], f"out = {out.tolist()}, expected [0, 10, 20, 30, -1, 4]"
+assert out.tolist() == [
+    0,
+    10,
+    20,
+    30,
+    -1,
+    4,
+], f"out = {out.tolist()}, expected [0, 10, 20, 30, -1, 4]"
 
 # %% [markdown]
 # ### 2. `tl.arange` and a mask: many lanes per program
@@ -143,8 +155,10 @@ out = torch.full((n + 2,), -1, dtype=torch.int32, device=device)
 copy_kernel[(triton.cdiv(n, BLOCK),)](x, out, n, BLOCK=BLOCK)
 print("programs:", triton.cdiv(n, BLOCK))
 print(out.tolist())  # predict first: what do the last two entries hold?
-assert out[:n].tolist() == [2 * v for v in range(100, 110)] and out[n:].tolist() == [-1, -1], (
-    f"out = {out.tolist()}: the first {n} doubled, the two spare entries still -1")
+assert out[:n].tolist() == [2 * v for v in range(100, 110)] and out[n:].tolist() == [
+    -1,
+    -1,
+], f"out = {out.tolist()}: the first {n} doubled, the two spare entries still -1"
 
 # %% [markdown]
 # Without the mask, program 2's lanes 10 and 11 would store into `out[10]` and `out[11]` (and
@@ -180,7 +194,9 @@ def triton_complaint(err):
     while err is not None:
         texts.append(str(err))
         err = err.__cause__
-    lines = [line for text in texts for line in text.splitlines() if "arange" in line.lower()]
+    lines = [
+        line for text in texts for line in text.splitlines() if "arange" in line.lower()
+    ]
     return lines[-1].strip() if lines else texts[0].strip().splitlines()[-1]
 
 
@@ -214,7 +230,8 @@ for kernel, args in [(arange_of_six, ()), (arange_of_runtime_n, (4,))]:
 def sum_upto_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr, OTHER: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.arange(0, BLOCK)  # BLOCK >= len(x): one lane per element
-    vals = tl.load(x_ptr + offs, mask=offs <= pid, other=OTHER)  # lanes past pid read OTHER
+    # lanes past pid read OTHER
+    vals = tl.load(x_ptr + offs, mask=offs <= pid, other=OTHER)
     tl.store(out_ptr + pid, tl.sum(vals))
 
 
@@ -252,17 +269,25 @@ print("lanes each program sums:", BLOCK, "| masked-off lanes in program 0:", BLO
 # can appear. Chapter 09 explains it and turns it off with `do_not_specialize`.) Positions are
 # computed in `int64`, so `i * ...` cannot overflow on a very large pool.
 
+
 # %%
 @triton.jit
-def page_to_token_kernel_nb(page_starts_ptr, out_ptr, num_tokens, page_size, BLOCK: tl.constexpr):
+def page_to_token_kernel_nb(
+    page_starts_ptr, out_ptr, num_tokens, page_size, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0).to(tl.int64)
-    i = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)  # the output slots this program writes
+    # the output slots this program writes
+    i = pid * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     mask = i < num_tokens
     start = tl.load(page_starts_ptr + i // page_size, mask=mask, other=0).to(tl.int64)
-    tl.store(out_ptr + i, (start + i % page_size).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(
+        out_ptr + i, (start + i % page_size).to(out_ptr.dtype.element_ty), mask=mask
+    )
 
 
-def page_to_token_triton_nb(pages: torch.Tensor, page_size: int, block: int = 128) -> torch.Tensor:
+def page_to_token_triton_nb(
+    pages: torch.Tensor, page_size: int, block: int = 128
+) -> torch.Tensor:
     # lifted into kvlab.alloc.paging.page_to_token_triton
     if page_size == 1:
         return pages
@@ -270,7 +295,9 @@ def page_to_token_triton_nb(pages: torch.Tensor, page_size: int, block: int = 12
     out = torch.empty(num_tokens, dtype=pages.dtype, device=pages.device)
     if num_tokens:
         grid = (triton.cdiv(num_tokens, block),)
-        page_to_token_kernel_nb[grid](pages.contiguous(), out, num_tokens, page_size, BLOCK=block)
+        page_to_token_kernel_nb[grid](
+            pages.contiguous(), out, num_tokens, page_size, BLOCK=block
+        )
     return out
 
 
@@ -298,8 +325,13 @@ for trial in range(n_trials):
         got = fn(starts, P)
         assert got.tolist() == expected, (fn.__name__, P, ids)
         assert got.dtype == dtype and got.device == starts.device, (
-            f"{fn.__name__} returned {got.dtype} on {got.device}, given {dtype} on {starts.device}")
-print(f"the Triton kernel and kvlab.page_to_token match the reference on {n_trials} random inputs")
+            f"{fn.__name__} returned {got.dtype} on {got.device}, given {dtype} on"
+            f" {starts.device}"
+        )
+print(
+    f"the Triton kernel and kvlab.page_to_token match the reference on {n_trials}"
+    " random inputs"
+)
 
 # %% [markdown]
 # A long input spans many programs; the last one is only partly full, so its mask matters:
@@ -309,10 +341,17 @@ P = 16
 n_pages = kvlab.base.runtime.pick(cpu=100, gpu=100_000)
 starts = torch.randperm(4 * n_pages, device=device)[:n_pages].to(torch.int64) * P
 out = page_to_token_triton_nb(starts, P, block=128)
-assert out.numel() == n_pages * P and torch.equal(out, kvlab.page_to_token(starts, P)), (
-    f"{out.numel()} slots, expected {n_pages * P}, or not the same as kvlab.page_to_token")
-print(f"{n_pages} pages -> {out.numel()} slots in {triton.cdiv(out.numel(), 128)} programs; "
-      f"the last program fills {out.numel() - 128 * (triton.cdiv(out.numel(), 128) - 1)} of its 128 lanes")
+assert out.numel() == n_pages * P and torch.equal(
+    out, kvlab.page_to_token(starts, P)
+), (
+    f"{out.numel()} slots, expected {n_pages * P}, or not the same as"
+    " kvlab.page_to_token"
+)
+print(
+    f"{n_pages} pages -> {out.numel()} slots in {triton.cdiv(out.numel(), 128)}"
+    " programs; the last program fills"
+    f" {out.numel() - 128 * (triton.cdiv(out.numel(), 128) - 1)} of its 128 lanes"
+)
 
 # %% [markdown]
 # ## Bad input
@@ -338,7 +377,9 @@ picked = random.Random(1).sample(range(16), 6)
 fig = pages_to_slots_figure(page_ids=picked, page_size=4, num_pages=16)
 plt.show()
 got = kvlab.page_to_token(torch.tensor([p * 4 for p in picked], device=device), 4)
-assert got.tolist() == page_to_token_ref([p * 4 for p in picked], 4), f"slots {got.tolist()} for pages {picked}"
+assert got.tolist() == page_to_token_ref(
+    [p * 4 for p in picked], 4
+), f"slots {got.tolist()} for pages {picked}"
 
 # %% [markdown]
 # ## Your turn
@@ -349,7 +390,9 @@ assert got.tolist() == page_to_token_ref([p * 4 for p in picked], 4), f"slots {g
 
 # %% alt="The checker's picture of the wrong answer: the expected slots 4 to 11 above the slots the transposed version returned, with the 6 wrong positions outlined in red."
 def transposed(page_starts, page_size):
-    offsets = torch.arange(page_size, dtype=page_starts.dtype, device=page_starts.device)
+    offsets = torch.arange(
+        page_size, dtype=page_starts.dtype, device=page_starts.device
+    )
     return (page_starts.unsqueeze(0) + offsets.unsqueeze(1)).flatten()
 
 
@@ -373,14 +416,18 @@ except kvlab.check.CheckFailed as err:
 
 # %%
 def my_page_to_token(page_starts: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Every slot of the pages starting at ``page_starts`` (page id * page_size), page after page.
+    """Every slot of the pages starting at ``page_starts`` (page id * page_size), page
+    after page.
 
-    Keep ``page_starts``' dtype and device; return ``page_starts`` itself when ``page_size == 1``.
+    Keep ``page_starts``' dtype and device; return ``page_starts`` itself when
+    ``page_size == 1``.
     """
     ### BEGIN SOLUTION
     if page_size == 1:
         return page_starts
-    offsets = torch.arange(page_size, dtype=page_starts.dtype, device=page_starts.device)
+    offsets = torch.arange(
+        page_size, dtype=page_starts.dtype, device=page_starts.device
+    )
     return (page_starts.unsqueeze(1) + offsets).flatten()
     ### END SOLUTION
     ### BEGIN STARTER
@@ -410,12 +457,22 @@ rng = random.Random(2)
 for _ in range(kvlab.base.runtime.pick(cpu=20, gpu=200)):
     P = rng.choice([1, 2, 4, 16, 64])
     dtype = rng.choice([torch.int32, torch.int64])
-    starts = torch.tensor([p * P for p in rng.sample(range(2048), rng.randint(0, 16))], dtype=dtype,
-                          device=device)
+    starts = torch.tensor(
+        [p * P for p in rng.sample(range(2048), rng.randint(0, 16))],
+        dtype=dtype,
+        device=device,
+    )
     assert torch.equal(my_version(starts, P), kvlab.page_to_token(starts, P)), (
-        f"page_size {P}, starts {starts.tolist()}: yours differs from kvlab.page_to_token")
-    assert torch.equal(page_to_token_triton_nb(starts, P), kvlab.alloc.paging.page_to_token_triton(starts, P)), (
-        f"page_size {P}, starts {starts.tolist()}: the notebook's kernel differs from kvlab's")
+        f"page_size {P}, starts {starts.tolist()}: yours differs from"
+        " kvlab.page_to_token"
+    )
+    assert torch.equal(
+        page_to_token_triton_nb(starts, P),
+        kvlab.alloc.paging.page_to_token_triton(starts, P),
+    ), (
+        f"page_size {P}, starts {starts.tolist()}: the notebook's kernel differs from"
+        " kvlab's"
+    )
 print("notebook == kvlab.page_to_token == kvlab.alloc.paging.page_to_token_triton")
 
 # %% [markdown]

@@ -35,7 +35,12 @@ from kvlab.course.viz import page_table_heatmap
 
 torch.manual_seed(0)
 device = kvlab.DEVICE
-print("device:", device, "| pinned host memory available:", kvlab.base.runtime.can_pin_memory())
+print(
+    "device:",
+    device,
+    "| pinned host memory available:",
+    kvlab.base.runtime.can_pin_memory(),
+)
 
 # %% [markdown]
 # ## The table's shape
@@ -63,12 +68,19 @@ print("device:", device, "| pinned host memory available:", kvlab.base.runtime.c
 
 # %%
 cuda_graph_max_bs = 160
-graph_batch_sizes = [1, 2, 4] + list(range(8, cuda_graph_max_bs + 1, 8))  # mini-sglang's list
-print("CUDA graphs recorded for batch sizes:", graph_batch_sizes[:8], "...", graph_batch_sizes[-2:])
+# mini-sglang's list
+graph_batch_sizes = [1, 2, 4] + list(range(8, cuda_graph_max_bs + 1, 8))
+print(
+    "CUDA graphs recorded for batch sizes:",
+    graph_batch_sizes[:8],
+    "...",
+    graph_batch_sizes[-2:],
+)
 
 
 def padded_size(bs):
-    """The recorded batch size a decode batch of ``bs`` requests runs as (the first one >= bs)."""
+    """The recorded batch size a decode batch of ``bs`` requests runs as (the first one
+    >= bs)."""
     return next(size for size in graph_batch_sizes if size >= bs)
 
 
@@ -100,10 +112,16 @@ max_running_req, max_seq_len, P = 4, 14, 4
 table = kvlab.new_page_table(max_running_req, max_seq_len, P)
 print("shape:", tuple(table.shape), "dtype:", table.dtype)
 print("rows    =", max_running_req, "+ 1 (dummy)")
-print("columns = div_ceil(14, 4) * 4 =", div_ceil(max_seq_len, P) * P,
-      f"(mini-sglang: 14 rounded up to a multiple of 32 entries = {(max_seq_len + 31) // 32 * 32})")
+print(
+    "columns = div_ceil(14, 4) * 4 =",
+    div_ceil(max_seq_len, P) * P,
+    "(mini-sglang: 14 rounded up to a multiple of 32 entries ="
+    f" {(max_seq_len + 31) // 32 * 32})",
+)
 assert table.shape == (max_running_req + 1, 16) and (table == kvlab.UNMAPPED).all(), (
-    f"table {tuple(table.shape)}: expected ({max_running_req + 1}, 16), every entry unmapped")
+    f"table {tuple(table.shape)}: expected ({max_running_req + 1}, 16), every entry"
+    " unmapped"
+)
 
 # %% [markdown]
 # ## Which pages does each request need? (`allocate_paged`)
@@ -129,12 +147,17 @@ for req in DEMO_REQUESTS:
 # %%
 allocation_info = []
 needed_pages = 0
-print(f"{'row':>3} {'cached':>6} {'device':>6} {'first_page':>10} {'last_page':>9}  new pages")
+print(
+    f"{'row':>3} {'cached':>6} {'device':>6} {'first_page':>10} {'last_page':>9}  new"
+    " pages"
+)
 for req in DEMO_REQUESTS:
     first_page = div_ceil(req.cached_len, P)
     last_page = div_ceil(req.device_len, P)
-    print(f"{req.table_idx:>3} {req.cached_len:>6} {req.device_len:>6} {first_page:>10} {last_page:>9}  "
-          f"{last_page - first_page}")
+    print(
+        f"{req.table_idx:>3} {req.cached_len:>6} {req.device_len:>6} {first_page:>10}"
+        f" {last_page:>9}  {last_page - first_page}"
+    )
     if last_page > first_page:
         needed_pages += last_page - first_page
         allocation_info.append((req.table_idx, first_page, last_page))
@@ -157,17 +180,23 @@ rng.shuffle(free_pages)
 for req in DEMO_REQUESTS:  # the pages earlier steps mapped
     old = div_ceil(req.cached_len, P)
     if old:
-        starts = torch.tensor([free_pages.pop() * P for _ in range(old)], dtype=torch.int32, device=device)
+        starts = torch.tensor(
+            [free_pages.pop() * P for _ in range(old)], dtype=torch.int32, device=device
+        )
         table[req.table_idx, : old * P] = kvlab.page_to_token(starts, P)
 before = table.clone()
 
-page_starts = torch.tensor([free_pages.pop() * P for _ in range(needed_pages)], dtype=torch.int32,
-                           device=device)
+page_starts = torch.tensor(
+    [free_pages.pop() * P for _ in range(needed_pages)],
+    dtype=torch.int32,
+    device=device,
+)
 allocated = kvlab.page_to_token(page_starts, P)
 print("new page starts:", page_starts.tolist())
 print("allocated slots:", allocated.tolist())
-assert allocated.numel() == sum((last - first) * P for _, first, last in allocation_info), (
-    f"{allocated.numel()} slots allocated for {allocation_info}")
+assert allocated.numel() == sum(
+    (last - first) * P for _, first, last in allocation_info
+), f"{allocated.numel()} slots allocated for {allocation_info}"
 
 # %% [markdown]
 # ## The host path: two index tensors and one scatter
@@ -194,7 +223,8 @@ assert allocated.numel() == sum((last - first) * P for _, first, last in allocat
 
 # %%
 def _write_page_table(page_table, allocated, allocation_info, page_size):
-    # lifted into kvlab.alloc.paging.write_page_table (which also validates every argument first)
+    # lifted into kvlab.alloc.paging.write_page_table (which also validates every
+    # argument first)
     needed_tokens = len(allocated)
     pin = kvlab.base.runtime.can_pin_memory()
     rows_host = torch.empty(needed_tokens, dtype=torch.int64, pin_memory=pin)
@@ -223,12 +253,17 @@ print("cols:", cols_host.tolist())
 # row 2 did not change; the dummy row stays empty.
 
 # %% alt="A page table before and after one write_page_table call: the 24 entries written into rows 0, 1 and 3 are outlined in red, while row 2 and the spare last row stay as they were."
-fig = before_after_figure(before, after_host, P, title=f"allocation_info = {allocation_info}")
+fig = before_after_figure(
+    before, after_host, P, title=f"allocation_info = {allocation_info}"
+)
 plt.show()
 expected = write_page_table_ref(before.tolist(), allocated.tolist(), allocation_info, P)
-assert after_host.tolist() == expected, "the host path wrote another table than the reference"
-assert torch.equal(after_host[2], before[2]) and (after_host[-1] == kvlab.UNMAPPED).all(), (
-    "row 2 changed, or the dummy row is mapped")
+assert (
+    after_host.tolist() == expected
+), "the host path wrote another table than the reference"
+assert (
+    torch.equal(after_host[2], before[2]) and (after_host[-1] == kvlab.UNMAPPED).all()
+), "row 2 changed, or the dummy row is mapped"
 
 # %% [markdown]
 # ## The Triton path: per-request metadata, one launch
@@ -239,18 +274,28 @@ assert torch.equal(after_host[2], before[2]) and (after_host[-1] == kvlab.UNMAPP
 # four numbers per request say everything:
 #
 # ```
-# meta[:, r] = (row, first_page, last_page, offset)      offset = where request r starts in allocated
-# program r:   page_table[row, first_page*P : last_page*P] = allocated[offset : offset + (last-first)*P]
+# meta[:, r] = (row, first_page, last_page, offset)  # offset: r's start in allocated
+# program r:
+#     n = (last_page - first_page) * P
+#     page_table[row, first_page*P : last_page*P] = allocated[offset : offset + n]
 # ```
 #
 # One [program](glossary.md#program) per request copies its run in blocks of `BLOCK` columns with a **runtime loop**
 # (`range(0, length, BLOCK)`): the trip count depends on the request's length, not on anything
 # compiled in, so one compilation serves every batch.
 
+
 # %%
 @triton.jit
-def write_page_table_kernel_nb(page_table_ptr, row_stride, allocated_ptr, meta_ptr, num_requests,
-                               page_size, BLOCK: tl.constexpr):
+def write_page_table_kernel_nb(
+    page_table_ptr,
+    row_stride,
+    allocated_ptr,
+    meta_ptr,
+    num_requests,
+    page_size,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)
     row = tl.load(meta_ptr + r)
     first_page = tl.load(meta_ptr + num_requests + r)
@@ -265,7 +310,9 @@ def write_page_table_kernel_nb(page_table_ptr, row_stride, allocated_ptr, meta_p
         tl.store(dst + k, slots.to(page_table_ptr.dtype.element_ty), mask=mask)
 
 
-def write_page_table_triton_nb(page_table, allocated, allocation_info, page_size, block=64):
+def write_page_table_triton_nb(
+    page_table, allocated, allocation_info, page_size, block=64
+):
     # lifted into kvlab.alloc.paging.write_page_table_triton
     meta_rows, offset = [], 0
     for table_idx, first_page, last_page in allocation_info:
@@ -273,7 +320,8 @@ def write_page_table_triton_nb(page_table, allocated, allocation_info, page_size
         offset += (last_page - first_page) * page_size
     if offset == 0:
         return None
-    meta = torch.tensor(meta_rows, dtype=torch.int64).T.contiguous()  # [4, num_requests]
+    # [4, num_requests]
+    meta = torch.tensor(meta_rows, dtype=torch.int64).T.contiguous()
     if kvlab.base.runtime.can_pin_memory():
         meta = meta.pin_memory()
     meta = meta.to(page_table.device, non_blocking=True)  # the only host->device copy
@@ -285,8 +333,12 @@ def write_page_table_triton_nb(page_table, allocated, allocation_info, page_size
 
 after_triton = before.clone()
 meta = write_page_table_triton_nb(after_triton, allocated, allocation_info, P)
-print("meta, one column per request (rows: row, first_page, last_page, offset):\n", meta)
-assert torch.equal(after_triton, after_host), "the Triton path wrote another table than the host path"
+print(
+    "meta, one column per request (rows: row, first_page, last_page, offset):\n", meta
+)
+assert torch.equal(
+    after_triton, after_host
+), "the Triton path wrote another table than the host path"
 print("the Triton path wrote exactly the same table as the host path")
 
 # %% [markdown]
@@ -298,13 +350,17 @@ print("the Triton path wrote exactly the same table as the host path")
 
 # %%
 def random_batch(rng, page_size, n_rows, pages_per_row):
-    width = pages_per_row * page_size + rng.randrange(page_size)  # sometimes not page-aligned
+    # sometimes not page-aligned
+    width = pages_per_row * page_size + rng.randrange(page_size)
     info = []
     for row in rng.sample(range(n_rows), rng.randint(0, n_rows)):
         first = rng.randint(0, pages_per_row)
         info.append((row, first, rng.randint(first, pages_per_row)))
     n_pages = sum(last - first for _, first, last in info)
-    starts = torch.tensor(rng.sample(range(4 * n_pages + 4), n_pages), dtype=torch.int64) * page_size
+    starts = (
+        torch.tensor(rng.sample(range(4 * n_pages + 4), n_pages), dtype=torch.int64)
+        * page_size
+    )
     allocated = kvlab.page_to_token(starts, page_size).to(torch.int32).to(device)
     start_table = torch.randint(-1, 100, (n_rows, width), dtype=torch.int32).to(device)
     return start_table, allocated, info
@@ -314,8 +370,12 @@ rng = random.Random(0)
 n_trials = kvlab.base.runtime.pick(cpu=30, gpu=300)
 for _ in range(n_trials):
     page_size = rng.choice([1, 2, 4, 16, 64])
-    start_table, allocated_r, info = random_batch(rng, page_size, rng.randint(1, 6), rng.randint(1, 4))
-    expected = write_page_table_ref(start_table.tolist(), allocated_r.tolist(), info, page_size)
+    start_table, allocated_r, info = random_batch(
+        rng, page_size, rng.randint(1, 6), rng.randint(1, 4)
+    )
+    expected = write_page_table_ref(
+        start_table.tolist(), allocated_r.tolist(), info, page_size
+    )
     host, tri = start_table.clone(), start_table.clone()
     _write_page_table(host, allocated_r, info, page_size)
     write_page_table_triton_nb(tri, allocated_r, info, page_size)
@@ -348,7 +408,9 @@ print("page table unchanged")
 # %%
 for info, n in [([(0, 0, 3), (1, 2, 4)], 19), ([(3, 2, 5)], 12)]:
     try:
-        kvlab.write_page_table_triton(table, torch.arange(n, dtype=torch.int32, device=device), info, P)
+        kvlab.write_page_table_triton(
+            table, torch.arange(n, dtype=torch.int32, device=device), info, P
+        )
     except ValueError as err:
         print(type(err).__name__, "->", err)
 assert torch.equal(table, snapshot), "a refused write changed the page table"
@@ -369,9 +431,14 @@ assert torch.equal(table, snapshot), "a refused write changed the page table"
 # `kvlab.check.hint("write_page_table", 1)` (up to 4); a solution:
 # `kvlab.solutions.show("write_page_table")`.
 
+
 # %%
-def my_write_page_table(page_table: torch.Tensor, allocated: torch.Tensor,
-                        allocation_info: list[tuple[int, int, int]], page_size: int) -> None:
+def my_write_page_table(
+    page_table: torch.Tensor,
+    allocated: torch.Tensor,
+    allocation_info: list[tuple[int, int, int]],
+    page_size: int,
+) -> None:
     """Write ``allocated`` into ``page_table`` in place.
 
     Entry ``(table_idx, first_page, last_page)`` of ``allocation_info`` takes the next
@@ -382,7 +449,9 @@ def my_write_page_table(page_table: torch.Tensor, allocated: torch.Tensor,
     offset = 0
     for table_idx, first_page, last_page in allocation_info:
         length = (last_page - first_page) * page_size
-        page_table[table_idx, first_page * page_size: last_page * page_size] = allocated[offset: offset + length]
+        page_table[table_idx, first_page * page_size : last_page * page_size] = (
+            allocated[offset : offset + length]
+        )
         offset += length
     ### END SOLUTION
     ### BEGIN STARTER
@@ -407,12 +476,20 @@ kvlab.check.hint("write_page_table", 1);
 # passed the checker (until then the package's stands in, and the cell says so).
 
 # %%
-my_version = kvlab.check.choose("write_page_table", my_write_page_table, kvlab.write_page_table)
+my_version = kvlab.check.choose(
+    "write_page_table", my_write_page_table, kvlab.write_page_table
+)
 rng = random.Random(1)
 for _ in range(kvlab.base.runtime.pick(cpu=15, gpu=200)):
     page_size = rng.choice([1, 2, 4, 16, 64])
-    start_table, allocated_r, info = random_batch(rng, page_size, rng.randint(1, 6), rng.randint(1, 4))
-    mine, mine_host, mine_tri = start_table.clone(), start_table.clone(), start_table.clone()
+    start_table, allocated_r, info = random_batch(
+        rng, page_size, rng.randint(1, 6), rng.randint(1, 4)
+    )
+    mine, mine_host, mine_tri = (
+        start_table.clone(),
+        start_table.clone(),
+        start_table.clone(),
+    )
     lib_host, lib_tri = start_table.clone(), start_table.clone()
     my_version(mine, allocated_r, info, page_size)
     _write_page_table(mine_host, allocated_r, info, page_size)
@@ -420,9 +497,13 @@ for _ in range(kvlab.base.runtime.pick(cpu=15, gpu=200)):
     kvlab.write_page_table(lib_host, allocated_r, info, page_size)
     kvlab.write_page_table_triton(lib_tri, allocated_r, info, page_size)
     assert torch.equal(mine, lib_host) and torch.equal(mine_host, lib_host), (
-        f"page_size {page_size}, allocation_info {info}: yours or the notebook's host path differs from kvlab's")
+        f"page_size {page_size}, allocation_info {info}: yours or the notebook's host"
+        " path differs from kvlab's"
+    )
     assert torch.equal(mine_tri, lib_tri) and torch.equal(lib_host, lib_tri), (
-        f"page_size {page_size}, allocation_info {info}: the Triton paths differ from kvlab's host path")
+        f"page_size {page_size}, allocation_info {info}: the Triton paths differ from"
+        " kvlab's host path"
+    )
 print("yours == notebook's == kvlab.write_page_table == kvlab.write_page_table_triton")
 
 # %% [markdown]
@@ -433,7 +514,9 @@ print("yours == notebook's == kvlab.write_page_table == kvlab.write_page_table_t
 def no_offset(page_table, allocated, allocation_info, page_size):
     for table_idx, first_page, last_page in allocation_info:
         length = (last_page - first_page) * page_size
-        page_table[table_idx, first_page * page_size: last_page * page_size] = allocated[:length]
+        page_table[table_idx, first_page * page_size : last_page * page_size] = (
+            allocated[:length]
+        )
 
 
 try:
@@ -461,12 +544,17 @@ for step in range(4):  # four batches, each growing some requests by some pages
             info.append((row, first, last))
             lengths[row] = last * P
     n_pages = sum(last - first for _, first, last in info)
-    starts = torch.tensor([free.pop() * P for _ in range(n_pages)], dtype=torch.int32, device=device)
+    starts = torch.tensor(
+        [free.pop() * P for _ in range(n_pages)], dtype=torch.int32, device=device
+    )
     kvlab.write_page_table_triton(big, kvlab.page_to_token(starts, P), info, P)
-ax = page_table_heatmap(big, P, title=f"after four batches: {rows} request slots x {width} positions")
+ax = page_table_heatmap(
+    big, P, title=f"after four batches: {rows} request slots x {width} positions"
+)
 plt.show()
-assert all((big[r] != kvlab.UNMAPPED).sum().item() == lengths[r] for r in range(rows)), (
-    "a row maps other than its length's positions")
+assert all(
+    (big[r] != kvlab.UNMAPPED).sum().item() == lengths[r] for r in range(rows)
+), "a row maps other than its length's positions"
 
 # %% [markdown]
 # ## Summary

@@ -39,11 +39,22 @@ import triton.language as tl
 
 import kvlab
 from kvlab.course.scenes.ch02_page_table import before_after_figure
-from kvlab.course.scenes.ch03_alloc_extend import (draw_logical, draw_page_reads, prefill_then_extend,
-                                            small_example, two_views_figure, worked_example)
+from kvlab.course.scenes.ch03_alloc_extend import (
+    draw_logical,
+    draw_page_reads,
+    prefill_then_extend,
+    small_example,
+    two_views_figure,
+    worked_example,
+)
 from kvlab.alloc.alloc_kernels import alloc_extend_kernel
-from kvlab.course.reference.alloc_ref import (alloc_extend_ref, kernel_page_reads_extend, pages_needed_extend,
-                                   part_lengths, unpack_ret_value)
+from kvlab.course.reference.alloc_ref import (
+    alloc_extend_ref,
+    kernel_page_reads_extend,
+    pages_needed_extend,
+    part_lengths,
+    unpack_ret_value,
+)
 
 torch.manual_seed(0)
 device = kvlab.DEVICE
@@ -69,8 +80,13 @@ print("device:", device)
 
 # %% alt="Two views of one alloc_extend for three requests on pages of 4 slots: the logical view gives each token position its physical slot, the physical view shows the same slots in the pool, coloured by prefix, part 1 (rest of the old page), part 2 (whole new pages) and part 3 (a new last page)."
 pic = small_example()
-fig = two_views_figure(pic, 12, ["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"], ["r0", "r1", "r2"],
-                       annotate=True)
+fig = two_views_figure(
+    pic,
+    12,
+    ["r0: 3 -> 9", "r1: 4 -> 12", "r2: 0 -> 2"],
+    ["r0", "r1", "r2"],
+    annotate=True,
+)
 plt.show()
 print("free_pages before the extend:", pic.free_before)
 print("out_indices:", pic.plan.out_indices)
@@ -105,14 +121,31 @@ for name, pre, seq in [("A", 70, 190), ("B", 128, 260)]:
     n2 = floor_seq - ceil_pre
     n3 = seq - floor_seq
     new_pages = -(-seq // P) - (-(-pre // P))
-    print(f"{name}: pre={pre:3d} seq={seq:3d}  ceil(pre/P)*P={ceil_pre:3d}  floor(seq/P)*P={floor_seq:3d}"
-          f"  ->  part1={n1:3d}  part2={n2:3d}  part3={n3:2d}   new pages={new_pages}")
+    print(
+        f"{name}: pre={pre:3d} seq={seq:3d}  ceil(pre/P)*P={ceil_pre:3d} "
+        f" floor(seq/P)*P={floor_seq:3d}  ->  part1={n1:3d}  part2={n2:3d} "
+        f" part3={n3:2d}   new pages={new_pages}"
+    )
     assert (n1, n2, n3) == part_lengths(pre, seq, P), (
-        f"{name}: parts ({n1}, {n2}, {n3}), the reference says {part_lengths(pre, seq, P)}")
+        f"{name}: parts ({n1}, {n2}, {n3}), the reference says"
+        f" {part_lengths(pre, seq, P)}"
+    )
 
-assert part_lengths(70, 190, 64) == (58, 0, 62), f"A: {part_lengths(70, 190, 64)}, expected (58, 0, 62)"
-assert part_lengths(128, 260, 64) == (0, 128, 4), f"B: {part_lengths(128, 260, 64)}, expected (0, 128, 4)"
-print("4 new pages in all; out_indices = [A 58 | A 62 | B 128 | B 4] =", 58 + 62 + 128 + 4, "slots")
+assert part_lengths(70, 190, 64) == (
+    58,
+    0,
+    62,
+), f"A: {part_lengths(70, 190, 64)}, expected (58, 0, 62)"
+assert part_lengths(128, 260, 64) == (
+    0,
+    128,
+    4,
+), f"B: {part_lengths(128, 260, 64)}, expected (0, 128, 4)"
+print(
+    "4 new pages in all; out_indices = [A 58 | A 62 | B 128 | B 4] =",
+    58 + 62 + 128 + 4,
+    "slots",
+)
 
 # %% [markdown]
 # A needs no new page for its first 58 tokens (they fill its old page up to offset 63) and one
@@ -154,11 +187,16 @@ for pid in range(bs):
     my_pages = int(new_pages_each[pid])
     output_start_loc = int((seq_m - pre_m).sum()) - my_len
     new_page_start_loc = int(new_pages_each.sum()) - my_pages
-    print(f"program {pid}: mask={mask.int().tolist()}  output_start_loc={output_start_loc:3d}  "
-          f"new_page_start_loc={new_page_start_loc}  (takes free_pages[{new_page_start_loc}:"
-          f"{new_page_start_loc + my_pages}])")
+    print(
+        f"program {pid}: mask={mask.int().tolist()} "
+        f" output_start_loc={output_start_loc:3d} "
+        f" new_page_start_loc={new_page_start_loc}  (takes"
+        f" free_pages[{new_page_start_loc}:{new_page_start_loc + my_pages}])"
+    )
 assert (output_start_loc, new_page_start_loc) == (120, 1), (
-    f"program 1 starts at {output_start_loc} and page {new_page_start_loc}, expected 120 and 1")
+    f"program 1 starts at {output_start_loc} and page {new_page_start_loc}, expected"
+    " 120 and 1"
+)
 
 # %% [markdown]
 # Every program re-sums *all* earlier requests: `bs` programs × `bs` [lanes](glossary.md#lane) = O(bs²) work for a
@@ -174,7 +212,9 @@ assert (output_start_loc, new_page_start_loc) == (120, 1), (
 def one_program(pid, pre_lens, seq_lens, last_loc, free_pages, out, P):
     pre, seq = pre_lens[pid], seq_lens[pid]
     out_start = sum(s - p for p, s in zip(pre_lens[:pid], seq_lens[:pid]))
-    page_start = sum(-(-s // P) - (-(-p // P)) for p, s in zip(pre_lens[:pid], seq_lens[:pid]))
+    page_start = sum(
+        -(-s // P) - (-(-p // P)) for p, s in zip(pre_lens[:pid], seq_lens[:pid])
+    )
     my_pages = -(-seq // P) - (-(-pre // P))
     # part 1: the rest of the old page, right after last_loc
     n1 = min(seq, -(-pre // P) * P) - pre
@@ -196,7 +236,12 @@ def one_program(pid, pre_lens, seq_lens, last_loc, free_pages, out, P):
 
 
 # the worked example: A's prefix ends at offset 5 of page 2, B's fills page 1
-ex_pre, ex_seq, ex_last, ex_free = [70, 128], [190, 260], [2 * 64 + 5, 1 * 64 + 63], [7, 3, 9, 5, 11, 12]
+ex_pre, ex_seq, ex_last, ex_free = (
+    [70, 128],
+    [190, 260],
+    [2 * 64 + 5, 1 * 64 + 63],
+    [7, 3, 9, 5, 11, 12],
+)
 out = [None] * sum(s - p for p, s in zip(ex_pre, ex_seq))
 for pid in reversed(range(2)):  # order does not matter
     one_program(pid, ex_pre, ex_seq, ex_last, ex_free, out, 64)
@@ -217,17 +262,19 @@ assert out == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
 #
 # ```python
 # pid = tl.program_id(0)                               # this program serves request pid
-# offs_bs = tl.arange(0, bs_upper)                     # bs_upper = next_power_of_2(bs): a constexpr
-# seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)   # requests 0..pid
+# offs_bs = tl.arange(0, bs_upper)       # bs_upper = next_power_of_2(bs): a constexpr
+# seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)  # 0..pid
 # pre_lens = tl.load(pre_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)
 # seq_len = tl.load(seq_lens_ptr + pid)
 # pre_len = tl.load(pre_lens_ptr + pid)
-# sum_extend_lens = tl.sum(seq_lens - pre_lens)                # new tokens of requests 0..pid
-# output_start_loc = sum_extend_lens - (seq_len - pre_len)     # ... of requests 0..pid-1
-# num_new_pages = (seq_lens + page_size - 1) // page_size - (pre_lens + page_size - 1) // page_size
-# num_new_pages_self = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
-# sum_num_new_pages = tl.sum(num_new_pages)                    # new pages of requests 0..pid
-# new_page_start_loc = sum_num_new_pages - num_new_pages_self  # my first page's index in free_pages
+# sum_extend_lens = tl.sum(seq_lens - pre_lens)             # new tokens of 0..pid
+# output_start_loc = sum_extend_lens - (seq_len - pre_len)  # ... of 0..pid-1
+# num_new_pages = ((seq_lens + page_size - 1) // page_size
+#                  - (pre_lens + page_size - 1) // page_size)
+# num_new_pages_self = ((seq_len + page_size - 1) // page_size
+#                       - (pre_len + page_size - 1) // page_size)
+# sum_num_new_pages = tl.sum(num_new_pages)                 # new pages of 0..pid
+# new_page_start_loc = sum_num_new_pages - num_new_pages_self  # my first free page
 # ```
 #
 # (The source calls `offs_bs` `load_offset` and `num_new_pages_self` `num_page_start_loc_self`;
@@ -257,21 +304,37 @@ def launch_extend(kernel, pre, seq, last, free_pages, P):
     out = torch.full((n_tokens,), -1, dtype=torch.int64, device=device)
     ret = torch.zeros(1, dtype=torch.int64, device=device)
     bs = len(pre)
-    kernel[(bs,)](as_t(pre), as_t(seq), as_t(last), as_t(free_pages), out, ret,
-                  triton.next_power_of_2(bs), P, max(1, triton.next_power_of_2(n_tokens)))
+    kernel[(bs,)](
+        as_t(pre),
+        as_t(seq),
+        as_t(last),
+        as_t(free_pages),
+        out,
+        ret,
+        triton.next_power_of_2(bs),
+        P,
+        max(1, triton.next_power_of_2(n_tokens)),
+    )
     return out.cpu(), int(ret.item())
 
 
 out, ret = launch_extend(alloc_extend_kernel, ex_pre, ex_seq, ex_last, ex_free, 64)
-assert out.tolist() == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices, (
-    "the kernel's slots differ from the reference's")
-assert out[:58].tolist() == list(range(2 * 64 + 6, 3 * 64)), (                     # A 58: old page 2
+assert (
+    out.tolist() == alloc_extend_ref(ex_pre, ex_seq, ex_last, ex_free, 64).out_indices
+), "the kernel's slots differ from the reference's"
+# A 58: old page 2
+assert out[:58].tolist() == list(range(2 * 64 + 6, 3 * 64)), (
     f"A's part 1: {out[:58].tolist()[:4]} ...")
-assert out[58:120].tolist() == list(range(7 * 64, 7 * 64 + 62)), (                 # A 62: new page 7
+# A 62: new page 7
+assert out[58:120].tolist() == list(range(7 * 64, 7 * 64 + 62)), (
     f"A's part 3: {out[58:120].tolist()[:4]} ...")
-assert out[120:248].tolist() == list(range(3 * 64, 4 * 64)) + list(range(9 * 64, 10 * 64)), (  # B 128
-    f"B's part 2: {out[120:248].tolist()[:4]} ...")
-assert out[248:].tolist() == [5 * 64 + k for k in range(4)], (                     # B 4: new page 5
+assert out[120:248].tolist() == list(range(3 * 64, 4 * 64)) + list(
+    range(9 * 64, 10 * 64)
+), (  # B 128
+    f"B's part 2: {out[120:248].tolist()[:4]} ..."
+)
+# B 4: new page 5
+assert out[248:].tolist() == [5 * 64 + k for k in range(4)], (
     f"B's part 3: {out[248:].tolist()}")
 print("the kernel reproduces [A 58 | A 62 | B 128 | B 4]")
 
@@ -287,7 +350,10 @@ print("the kernel reproduces [A 58 | A 62 | B 128 | B 4]")
 
 # %%
 pages, tokens = ret >> 32, ret & 0xFFFF_FFFF
-print(f"ret_values = {ret:#x} = {ret}  ->  pages = ret >> 32 = {pages}, tokens = ret & 0xFFFFFFFF = {tokens}")
+print(
+    f"ret_values = {ret:#x} = {ret}  ->  pages = ret >> 32 = {pages}, tokens = ret &"
+    f" 0xFFFFFFFF = {tokens}"
+)
 assert (pages, tokens) == unpack_ret_value(ret) == (4, 252), (
     f"pages {pages}, tokens {tokens}: expected 4 and 252")
 
@@ -301,13 +367,16 @@ assert (pages, tokens) == unpack_ret_value(ret) == (4, 252), (
 
 # %%
 def random_batch(rng, P, bs):
-    pre = [rng.choice([0, rng.randint(0, 3 * P), rng.randint(1, 3) * P]) for _ in range(bs)]
+    pre = [
+        rng.choice([0, rng.randint(0, 3 * P), rng.randint(1, 3) * P]) for _ in range(bs)
+    ]
     seq = [p + rng.choice([0, rng.randint(1, P), rng.randint(P, 3 * P)]) for p in pre]
     n_prefix_pages = sum(-(-p // P) for p in pre)
     pages = list(range(n_prefix_pages + pages_needed_extend(pre, seq, P) + 3))
     rng.shuffle(pages)
     last, at = [], 0
-    for p in pre:  # each prefix on pages of its own; last_loc at offset (p - 1) % P of its last page
+    # each prefix on pages of its own; last_loc at offset (p - 1) % P of its last page
+    for p in pre:
         n = -(-p // P)
         last.append(pages[at + n - 1] * P + (p - 1) % P if p else -1)
         at += n
@@ -324,7 +393,9 @@ for trial in range(n_trials):
     plan = alloc_extend_ref(pre, seq, last, free, P)
     assert got.tolist() == plan.out_indices, (P, pre, seq)
     assert unpack_ret_value(ret) == (plan.num_new_pages, len(plan.out_indices)), (
-        f"ret_values {unpack_ret_value(ret)}, expected ({plan.num_new_pages}, {len(plan.out_indices)})")
+        f"ret_values {unpack_ret_value(ret)}, expected ({plan.num_new_pages},"
+        f" {len(plan.out_indices)})"
+    )
     assert len(set(got.tolist())) == got.numel(), (  # no slot handed out twice
         f"a slot handed out twice in {got.tolist()}")
     seen["aligned"] += sum(p > 0 and p % P == 0 for p in pre)
@@ -352,17 +423,31 @@ assert all(v > 0 for v in seen.values()), f"some kind of request never came up: 
 
 # %%
 alloc = kvlab.PagedTokenAllocator(num_pages=12, page_size=4, impl="teaching")
-assert sorted(alloc.free_pages.tolist()) == list(range(12)), (  # page 0 too (SGLang: 1..num_pages)
+# page 0 too (SGLang: 1..num_pages)
+assert sorted(alloc.free_pages.tolist()) == list(range(12)), (
     "a new allocator should hold every page, page 0 included")
 alloc.free_pages = torch.tensor([5, 2, 9, 0, 7, 3, 10, 1, 8, 6, 4, 11], device=device)
-prefix = alloc.alloc_extend(torch.tensor([0, 0, 0], device=device), torch.tensor([3, 4, 0], device=device),
-                            torch.tensor([-1, -1, -1], device=device), extend_num_tokens=7)
+prefix = alloc.alloc_extend(
+    torch.tensor([0, 0, 0], device=device),
+    torch.tensor([3, 4, 0], device=device),
+    torch.tensor([-1, -1, -1], device=device),
+    extend_num_tokens=7,
+)
 print("prefix slots:", prefix.tolist(), "  free_pages:", alloc.free_pages.tolist())
-last_loc = torch.tensor([int(prefix[2]), int(prefix[6]), -1], device=device)  # r2 has no prefix
-out = alloc.alloc_extend(torch.tensor([3, 4, 0], device=device), torch.tensor([9, 12, 2], device=device),
-                         last_loc, extend_num_tokens=16)
+# r2 has no prefix
+last_loc = torch.tensor([int(prefix[2]), int(prefix[6]), -1], device=device)
+out = alloc.alloc_extend(
+    torch.tensor([3, 4, 0], device=device),
+    torch.tensor([9, 12, 2], device=device),
+    last_loc,
+    extend_num_tokens=16,
+)
 print("extend slots:", out.tolist())
-print("free_pages:", alloc.free_pages.tolist(), f"  available_size() = {alloc.available_size()} tokens")
+print(
+    "free_pages:",
+    alloc.free_pages.tolist(),
+    f"  available_size() = {alloc.available_size()} tokens",
+)
 
 # %% [markdown]
 # ### Into the page table
@@ -385,17 +470,27 @@ for r, (pre_r, seq_r) in enumerate(zip(pre_b, seq_b)):  # request r's run of out
     table[r, pre_r:seq_r] = out[at:at + seq_r - pre_r]
     at += seq_r - pre_r
 assert at == out.numel(), f"{at} slots written of {out.numel()}"
-fig = before_after_figure(table_before, table, 4,
-                          title="alloc_extend's out_indices written into the page table (page_size 4)")
+fig = before_after_figure(
+    table_before,
+    table,
+    4,
+    title="alloc_extend's out_indices written into the page table (page_size 4)",
+)
 plt.show()
-for r, n in enumerate(seq_b):  # every position mapped; each logical page in one physical page
+# every position mapped; each logical page in one physical page
+for r, n in enumerate(seq_b):
     row = table[r, :n]
     pos = torch.arange(n, device=row.device)
     assert (row >= 0).all() and (row // 4 == row[(pos // 4) * 4] // 4).all(), (
-        f"request {r}: a position unmapped, or a logical page over two physical pages: {row.tolist()}")
+        f"request {r}: a position unmapped, or a logical page over two physical pages:"
+        f" {row.tolist()}"
+    )
     assert (row % 4 == pos % 4).all(), (  # position t sits at offset t % P
         f"request {r}: a position not at its offset t % 4: {row.tolist()}")
-print("each row maps exactly its seq_len positions; position t sits at offset t % 4 of its page")
+print(
+    "each row maps exactly its seq_len positions; position t sits at offset t % 4 of"
+    " its page"
+)
 
 # %% [markdown]
 # ## Where the slots land
@@ -407,9 +502,14 @@ print("each row maps exactly its seq_len positions; position t sits at offset t 
 
 # %% alt="The worked example on pages of 64 slots, request A growing from 70 to 190 tokens and B from 128 to 260, in the logical and the physical view: part 1 continues A's old page, parts 2 and 3 take new pages anywhere in the pool."
 pic = worked_example()
-fig = two_views_figure(pic, 10, ["A: 70 -> 190", "B: 128 -> 260"], ["A", "B"],
-                       logical_title="logical view: row = request, column = token position (page_size 64)",
-                       pool_title="physical view: row = request, column = slot in the KV pool (10 pages)")
+fig = two_views_figure(
+    pic,
+    10,
+    ["A: 70 -> 190", "B: 128 -> 260"],
+    ["A", "B"],
+    logical_title="logical view: row = request, column = token position (page_size 64)",
+    pool_title="physical view: row = request, column = slot in the KV pool (10 pages)",
+)
 plt.show()
 
 # %% [markdown]
@@ -423,13 +523,26 @@ free_r = list(range(24))
 rng.shuffle(free_r)
 pic_r = prefill_then_extend(pre_r, seq_r, 16, free_r)
 fig, ax = plt.subplots(figsize=(8.4, 2.8))
-draw_logical(pic_r, ax, names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)],
-             title="logical view: row = request (pre -> seq), column = token position (page_size 16)")
+draw_logical(
+    pic_r,
+    ax,
+    names=[f"{p} -> {s}" for p, s in zip(pre_r, seq_r)],
+    title=(
+        "logical view: row = request (pre -> seq), column = token position"
+        " (page_size 16)"
+    ),
+)
 fig.tight_layout()
 plt.show()
-assert pic_r.plan.out_indices == alloc_extend_ref(pre_r, seq_r, [
-    int(pic_r.table[r, p - 1]) if p else -1 for r, p in enumerate(pre_r)], pic_r.free_before, 16).out_indices, (
-    "the picture's slots differ from the reference's")
+assert (
+    pic_r.plan.out_indices == alloc_extend_ref(
+        pre_r,
+        seq_r,
+        [int(pic_r.table[r, p - 1]) if p else -1 for r, p in enumerate(pre_r)],
+        pic_r.free_before,
+        16,
+    ).out_indices
+), "the picture's slots differ from the reference's"
 
 # %% [markdown]
 # ## When pages run out
@@ -449,7 +562,9 @@ short_pre, short_seq = [3, 4, 0], [9, 12, 10]
 short_free = [7, 3, 10, 1, 8]
 reads = kernel_page_reads_extend(short_pre, short_seq, 4)
 print("positions of free_pages each program reads:", reads)
-print("needed:", pages_needed_extend(short_pre, short_seq, 4), " free:", len(short_free))
+print(
+    "needed:", pages_needed_extend(short_pre, short_seq, 4), " free:", len(short_free)
+)
 draw_page_reads(short_pre, short_seq, 4, short_free, names=["r0", "r1", "r2"])
 plt.show()
 
@@ -463,12 +578,16 @@ plt.show()
 SENTINEL = -99
 padded = short_free + [SENTINEL] * 8  # the real list, then a tail we own
 short_last = [2 * 4 + 2, 5 * 4 + 3, -1]  # r0's prefix on page 2, r1's on page 5
-got, ret = launch_extend(alloc_extend_kernel, short_pre, short_seq, short_last, padded, 4)
+got, ret = launch_extend(
+    alloc_extend_kernel, short_pre, short_seq, short_last, padded, 4
+)
 print("out_indices:", got.tolist())
 print("ret_values says", ret >> 32, "pages were needed; only", len(short_free), "exist")
 bogus = [x for x in got.tolist() if x < 0]
 print("slots built from the sentinel:", bogus)
-assert bogus and all(x // 4 == SENTINEL for x in bogus), f"no slot built from the sentinel: {got.tolist()}"
+assert bogus and all(
+    x // 4 == SENTINEL for x in bogus
+), f"no slot built from the sentinel: {got.tolist()}"
 
 # %% [markdown]
 # **The fix is an ordering.** `PagedTokenAllocator` counts the pages on the host *before* the
@@ -479,10 +598,15 @@ assert bogus and all(x // 4 == SENTINEL for x in bogus), f"no slot built from th
 
 # %%
 alloc = kvlab.PagedTokenAllocator(num_pages=11, page_size=4)
-alloc.free_pages = torch.tensor([2, 5, 7, 3, 10, 1, 8], device=device)  # 7 of the 11 pages free
+# 7 of the 11 pages free
+alloc.free_pages = torch.tensor([2, 5, 7, 3, 10, 1, 8], device=device)
 # the prefixes take pages 2 and 5, so 5 pages stay free for the extend
-alloc.alloc_extend(torch.tensor([0, 0], device=device), torch.tensor([3, 4], device=device),
-                   torch.tensor([-1, -1], device=device), 7)
+alloc.alloc_extend(
+    torch.tensor([0, 0], device=device),
+    torch.tensor([3, 4], device=device),
+    torch.tensor([-1, -1], device=device),
+    7,
+)
 before = alloc.state()
 args = (torch.tensor(short_pre, device=device), torch.tensor(short_seq, device=device),
         torch.tensor(short_last, device=device), sum(short_seq) - sum(short_pre))
@@ -495,8 +619,13 @@ assert alloc.state().equals(before), "a refused alloc_extend changed the allocat
 print("free_pages unchanged:", alloc.free_pages.tolist())
 
 try:
-    alloc.alloc_extend(torch.tensor([3], device=device), torch.tensor([9], device=device),
-                       torch.tensor([5], device=device), 6)  # last_loc 5 is offset 1, but pre=3 needs offset 2
+    alloc.alloc_extend(
+        torch.tensor([3], device=device),
+        torch.tensor([9], device=device),
+        # last_loc 5 is offset 1, but pre=3 needs offset 2
+        torch.tensor([5], device=device),
+        6,
+    )
 except kvlab.InvalidArgument as err:
     print("InvalidArgument:", err)
 assert alloc.state().equals(before), "a refused alloc_extend changed the allocator"
@@ -554,11 +683,20 @@ assert alloc.state().equals(before), "a refused alloc_extend changed the allocat
 # `kvlab.check.hint("alloc_extend_part1", 1)` (then 2, 3, 4; the same for parts 2 and 3); each
 # part's reference: `kvlab.solutions.show("alloc_extend_part1")` shows part 1 only.
 
+
 # %%
 @triton.jit
-def my_alloc_extend_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
-                           ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,
-                           max_num_extend_tokens: tl.constexpr):
+def my_alloc_extend_kernel(
+    pre_lens_ptr,
+    seq_lens_ptr,
+    last_loc_ptr,
+    free_page_ptr,
+    out_indices,
+    ret_values,
+    bs_upper: tl.constexpr,
+    page_size: tl.constexpr,
+    max_num_extend_tokens: tl.constexpr,
+):
     """One program per request: write its new slots into out_indices, in three parts."""
     pid = tl.program_id(0)
     # --- given: where my slots start, and which free pages are mine ---
@@ -569,8 +707,12 @@ def my_alloc_extend_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_p
     pre_len = tl.load(pre_lens_ptr + pid)
     sum_extend_lens = tl.sum(seq_lens - pre_lens)
     output_start_loc = sum_extend_lens - (seq_len - pre_len)
-    num_new_pages = (seq_lens + page_size - 1) // page_size - (pre_lens + page_size - 1) // page_size
-    num_new_pages_self = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
+    num_new_pages = (seq_lens + page_size - 1) // page_size - (
+        pre_lens + page_size - 1
+    ) // page_size
+    num_new_pages_self = (seq_len + page_size - 1) // page_size - (
+        pre_len + page_size - 1
+    ) // page_size
     sum_num_new_pages = tl.sum(num_new_pages)
     new_page_start_loc = sum_num_new_pages - num_new_pages_self
     pre_page_end = (pre_len + page_size - 1) // page_size * page_size  # ceil(pre/P)*P
@@ -578,10 +720,13 @@ def my_alloc_extend_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_p
     offs_page = tl.arange(0, page_size)
 
     # --- part 3, first place: the last program stores the batch's totals in ret_values,
-    #     (new pages << 32) | new tokens, here, because parts 1 and 2 may return early ---
+    # (new pages << 32) | new tokens, here, because parts 1 and 2 may return early ---
     ### BEGIN SOLUTION
     if pid == tl.num_programs(0) - 1:
-        tl.store(ret_values, (sum_num_new_pages.to(tl.int64) << 32) | sum_extend_lens.to(tl.int64))
+        tl.store(
+            ret_values,
+            (sum_num_new_pages.to(tl.int64) << 32) | sum_extend_lens.to(tl.int64),
+        )
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: alloc_extend_part3 (ret_values)
@@ -596,7 +741,8 @@ def my_alloc_extend_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_p
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: alloc_extend_part1
-    num_part1 = 0  # replace: how many of my new tokens fit in my old page? Then store their slots.
+    # replace: how many of my new tokens fit in my old page? Then store their slots.
+    num_part1 = 0
     ### END STARTER
     if pre_len + num_part1 == seq_len:  # everything fitted in the old page
         return
@@ -605,13 +751,19 @@ def my_alloc_extend_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_p
     ### BEGIN SOLUTION
     num_part2 = seq_page_start - pre_page_end
     k = tl.arange(0, max_num_extend_tokens)
-    page = tl.load(free_page_ptr + new_page_start_loc + k // page_size, mask=k < num_part2, other=0)
-    tl.store(out_indices + output_start_loc + num_part1 + k, page * page_size + k % page_size,
-             mask=k < num_part2)
+    page = tl.load(
+        free_page_ptr + new_page_start_loc + k // page_size, mask=k < num_part2, other=0
+    )
+    tl.store(
+        out_indices + output_start_loc + num_part1 + k,
+        page * page_size + k % page_size,
+        mask=k < num_part2,
+    )
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: alloc_extend_part2
-    num_part2 = 0  # replace: how many of my new tokens fill whole new pages? Then store their slots.
+    # replace: how many of my new tokens fill whole new pages? Then store their slots.
+    num_part2 = 0
     ### END STARTER
     if pre_len + num_part1 + num_part2 == seq_len:  # ended on a page boundary
         return
@@ -636,7 +788,8 @@ kvlab.check.alloc_extend_part3(my_alloc_extend_kernel, n_random=n_random);
 
 # %%
 _ = kvlab.check.hint("alloc_extend_part1", 1)
-# kvlab.solutions.show("alloc_extend_part1")   # uncomment to read part 1 of the reference kernel
+# kvlab.solutions.show("alloc_extend_part1")   # uncomment to read part 1 of the
+# reference kernel
 
 # %% [markdown]
 # ## Lift
@@ -650,12 +803,20 @@ _ = kvlab.check.hint("alloc_extend_part1", 1)
 
 # %%
 parts = ["alloc_extend_part1", "alloc_extend_part2", "alloc_extend_part3"]
-chosen = [kvlab.check.choose(part, my_alloc_extend_kernel, alloc_extend_kernel) for part in parts]
-extend_kernel = my_alloc_extend_kernel if all(c is my_alloc_extend_kernel for c in chosen) else alloc_extend_kernel
+chosen = [
+    kvlab.check.choose(part, my_alloc_extend_kernel, alloc_extend_kernel)
+    for part in parts
+]
+extend_kernel = (
+    my_alloc_extend_kernel
+    if all(c is my_alloc_extend_kernel for c in chosen)
+    else alloc_extend_kernel
+)
 
 
 def my_alloc_extend(free_pages, pre, seq, last, P):
-    """The notebook's allocator step: check pages on the host, launch, slice. Returns (out, free)."""
+    """The notebook's allocator step: check pages on the host, launch, slice. Returns
+    (out, free)."""
     needed = pages_needed_extend(pre, seq, P)
     if needed > len(free_pages):
         raise kvlab.OutOfPages(needed, len(free_pages), "extend")
@@ -670,27 +831,47 @@ for trial in range(kvlab.base.runtime.pick(cpu=4, gpu=100)):
     got_kernel, _ = launch_extend(extend_kernel, pre, seq, last, free, P)
     want_kernel, _ = launch_extend(alloc_extend_kernel, pre, seq, last, free, P)
     assert torch.equal(got_kernel, want_kernel), (
-        f"page_size {P}, pre {pre}, seq {seq}: your kernel {got_kernel.tolist()}, the package's {want_kernel.tolist()}")
+        f"page_size {P}, pre {pre}, seq {seq}: your kernel {got_kernel.tolist()}, the"
+        f" package's {want_kernel.tolist()}"
+    )
 
     alloc = kvlab.PagedTokenAllocator(max(free + [x // P for x in last]) + 1, P)
     alloc.free_pages = torch.tensor(free, dtype=torch.int64, device=device)
     mine, my_free = my_alloc_extend(free, pre, seq, last, P)
-    theirs = alloc.alloc_extend(torch.tensor(pre, device=device), torch.tensor(seq, device=device),
-                                torch.tensor(last, device=device), sum(seq) - sum(pre))
+    theirs = alloc.alloc_extend(
+        torch.tensor(pre, device=device),
+        torch.tensor(seq, device=device),
+        torch.tensor(last, device=device),
+        sum(seq) - sum(pre),
+    )
     assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist(), (
-        f"page_size {P}, pre {pre}, seq {seq}: the notebook's step and PagedTokenAllocator differ")
-print("notebook kernel == kvlab.alloc.alloc_kernels.alloc_extend_kernel; notebook allocator step == PagedTokenAllocator")
+        f"page_size {P}, pre {pre}, seq {seq}: the notebook's step and"
+        " PagedTokenAllocator differ"
+    )
+print(
+    "notebook kernel == kvlab.alloc.alloc_kernels.alloc_extend_kernel; notebook"
+    " allocator step == PagedTokenAllocator"
+)
 
 # %% [markdown]
 # What does a mistake look like? This version forgets that part 3 lives on the request's
 # **last** new page and uses its first one instead. For B in the worked example that page is
 # already part 2's, so B's last 4 slots collide with its first 4:
 
+
 # %% alt="The checker's picture of the wrong part-3 kernel on the worked example: the expected slots above the slots the kernel returned, with the wrong positions outlined in red."
 @triton.jit
-def wrong_part3_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices,
-                       ret_values, bs_upper: tl.constexpr, page_size: tl.constexpr,
-                       max_num_extend_tokens: tl.constexpr):
+def wrong_part3_kernel(
+    pre_lens_ptr,
+    seq_lens_ptr,
+    last_loc_ptr,
+    free_page_ptr,
+    out_indices,
+    ret_values,
+    bs_upper: tl.constexpr,
+    page_size: tl.constexpr,
+    max_num_extend_tokens: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs_bs = tl.arange(0, bs_upper)
     seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=0)
@@ -698,16 +879,27 @@ def wrong_part3_kernel(pre_lens_ptr, seq_lens_ptr, last_loc_ptr, free_page_ptr, 
     seq_len = tl.load(seq_lens_ptr + pid)
     pre_len = tl.load(pre_lens_ptr + pid)
     output_start_loc = tl.sum(seq_lens - pre_lens) - (seq_len - pre_len)
-    num_new_pages_self = (seq_len + page_size - 1) // page_size - (pre_len + page_size - 1) // page_size
-    new_page_start_loc = tl.sum((seq_lens + page_size - 1) // page_size
-                                - (pre_lens + page_size - 1) // page_size) - num_new_pages_self
+    num_new_pages_self = (seq_len + page_size - 1) // page_size - (
+        pre_len + page_size - 1
+    ) // page_size
+    new_page_start_loc = (
+        tl.sum(
+            (seq_lens + page_size - 1) // page_size
+            - (pre_lens + page_size - 1) // page_size
+        )
+        - num_new_pages_self
+    )
     offs_page = tl.arange(0, page_size)
     num_done = seq_len // page_size * page_size - pre_len  # parts 1 and 2 together
     num_part3 = seq_len - seq_len // page_size * page_size
     if num_part3 > 0:
-        page = tl.load(free_page_ptr + new_page_start_loc)  # BUG: should be + num_new_pages_self - 1
-        tl.store(out_indices + output_start_loc + num_done + offs_page, page * page_size + offs_page,
-                 mask=offs_page < num_part3)
+        # BUG: should be + num_new_pages_self - 1
+        page = tl.load(free_page_ptr + new_page_start_loc)
+        tl.store(
+            out_indices + output_start_loc + num_done + offs_page,
+            page * page_size + offs_page,
+            mask=offs_page < num_part3,
+        )
 
 
 try:
@@ -715,7 +907,9 @@ try:
     raise AssertionError("the checker should have caught this")
 except kvlab.check.CheckFailed as err:
     print(err)
-    assert "request 1, part 3" in str(err), f"the checker blamed another request or part:\n{err}"
+    assert "request 1, part 3" in str(
+        err
+    ), f"the checker blamed another request or part:\n{err}"
 
 # %% [markdown]
 # ## Summary

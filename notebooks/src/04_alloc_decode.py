@@ -25,7 +25,11 @@ import triton
 import triton.language as tl
 
 import kvlab
-from kvlab.course.scenes.ch04_alloc_decode import decode_steps, draw_decode_steps, example_history
+from kvlab.course.scenes.ch04_alloc_decode import (
+    decode_steps,
+    draw_decode_steps,
+    example_history,
+)
 from kvlab.alloc.alloc_kernels import alloc_decode_kernel
 from kvlab.course.reference.alloc_ref import alloc_decode_ref
 from kvlab.course.viz import page_table_heatmap
@@ -43,7 +47,9 @@ print("device:", device)
 
 # %% alt="Five decode steps of three requests on pages of 4 slots, one panel per step: each request gets one new slot, orange where it is last_loc + 1 on the same page and green where it is the first slot of a new page taken from free_pages."
 history = example_history()
-fig, axes = plt.subplots(len(history), 1, figsize=(8.0, 1.5 * len(history) + 0.6), sharex=True)
+fig, axes = plt.subplots(
+    len(history), 1, figsize=(8.0, 1.5 * len(history) + 0.6), sharex=True
+)
 draw_decode_steps(history, 4, axes)
 fig.tight_layout()
 plt.show()
@@ -55,8 +61,8 @@ plt.show()
 # first of one: `t % P == 0`. With `t = seq - 1`:
 #
 # ```
-# new page  <=>  (seq - 1) % P == 0        slot = free_pages[k] * P    (k-th new page this step)
-# otherwise                                slot = last_loc + 1
+# new page  <=>  (seq - 1) % P == 0   slot = free_pages[k] * P  (k-th new page this step)
+# otherwise                           slot = last_loc + 1
 # ```
 #
 # The kernel says the same with chapter 03's page counts: new pages = `ceil(seq/P) - ceil(pre/P)`,
@@ -69,11 +75,18 @@ for seq in range(1, 11):
     pre = seq - 1
     by_count = -(-seq // P) - (-(-pre // P))
     by_rule = int((seq - 1) % P == 0)
-    assert by_count == by_rule, f"seq {seq}: the page count says {by_count}, the rule {by_rule}"
-    print(f"{seq:4d}  {seq - 1:5d}  {(seq - 1) % P:9d}  {by_count:23d}" + ("   <- new page" if by_rule else ""))
+    assert (
+        by_count == by_rule
+    ), f"seq {seq}: the page count says {by_count}, the rule {by_rule}"
+    print(
+        f"{seq:4d}  {seq - 1:5d}  {(seq - 1) % P:9d}  {by_count:23d}"
+        + ("   <- new page" if by_rule else "")
+    )
 for P_ in (1, 2, 16, 64):  # and for other page sizes, far out
-    assert all((-(-s // P_) - (-(-(s - 1) // P_))) == int((s - 1) % P_ == 0) for s in range(1, 5000)), (
-        f"page_size {P_}: the rule (seq - 1) % P == 0 disagrees with the page count")
+    assert all(
+        (-(-s // P_) - (-(-(s - 1) // P_))) == int((s - 1) % P_ == 0)
+        for s in range(1, 5000)
+    ), f"page_size {P_}: the rule (seq - 1) % P == 0 disagrees with the page count"
 
 # %% [markdown]
 # `page_size = 1` is the extreme: every token is the first of its page, so every request takes a
@@ -95,7 +108,8 @@ for pid in range(bs):
     mask = load_offset <= pid
     seq_m = torch.zeros(len(load_offset), dtype=torch.int64)
     seq_m[mask] = seq_lens[: pid + 1]
-    pre_m = torch.where(mask, seq_m - 1, seq_m)  # masked lanes: pre == seq (== 0), so no new page
+    # masked lanes: pre == seq (== 0), so no new page
+    pre_m = torch.where(mask, seq_m - 1, seq_m)
     new_each = (seq_m + P - 1) // P - (pre_m + P - 1) // P
     mine = int(new_each[pid])
     k = int(new_each.sum()) - mine
@@ -122,7 +136,8 @@ def launch_decode(kernel, seq, last, free_pages, P):
     return out.cpu(), int(ret.item())
 
 
-# the batch above: tokens 4, 6, 8, 0, 5 on pages of 4; previous tokens on pages 2, 5, 9, -, 1
+# the batch above: tokens 4, 6, 8, 0, 5 on pages of 4; previous tokens on pages 2, 5, 9,
+# -, 1
 seq = [5, 7, 9, 1, 6]
 last = [2 * 4 + 3, 5 * 4 + 1, 9 * 4 + 3, -1, 1 * 4 + 0]
 free = [6, 0, 8, 3]
@@ -143,8 +158,12 @@ assert out.tolist() == alloc_decode_ref(seq, last, free, 4).out_indices, (
 
 # %%
 def random_decode_batch(rng, P, bs):
-    """seq_lens after the token, last_loc on pages of each request's own, a shuffled free list."""
-    seq = [rng.choice([1, rng.randint(1, 3 * P + 1), rng.randint(0, 3) * P + 1]) for _ in range(bs)]
+    """seq_lens after the token, last_loc on pages of each request's own, a shuffled
+    free list."""
+    seq = [
+        rng.choice([1, rng.randint(1, 3 * P + 1), rng.randint(0, 3) * P + 1])
+        for _ in range(bs)
+    ]
     n_old = sum(-(-(s - 1) // P) for s in seq)
     pages = list(range(n_old + bs + 2))
     rng.shuffle(pages)
@@ -164,21 +183,31 @@ for trial in range(n_trials):
     seq, last, free = random_decode_batch(rng, P, rng.randint(1, 8))
     got, ret = launch_decode(alloc_decode_kernel, seq, last, free, P)
     plan = alloc_decode_ref(seq, last, free, P)
-    assert got.tolist() == plan.out_indices and ret == plan.num_new_pages, (P, seq, last)
+    assert got.tolist() == plan.out_indices and ret == plan.num_new_pages, (
+        P,
+        seq,
+        last,
+    )
     crossings += plan.num_new_pages
 print(f"kernel == reference on {n_trials} random batches ({crossings} page crossings)")
 
 # %%
 P = 16
 num_pages = kvlab.base.runtime.pick(cpu=24, gpu=1024)
-alloc = kvlab.PagedTokenAllocator(num_pages=num_pages, page_size=P, impl="teaching")  # this chapter's kernel
-alloc.free_pages = torch.tensor(random.Random(2).sample(range(num_pages), num_pages), device=device)
+# this chapter's kernel
+alloc = kvlab.PagedTokenAllocator(num_pages=num_pages, page_size=P, impl="teaching")
+alloc.free_pages = torch.tensor(
+    random.Random(2).sample(range(num_pages), num_pages), device=device
+)
 rng = random.Random(1)
 bs = kvlab.base.runtime.pick(cpu=4, gpu=32)
 prompt = [rng.randint(1, 40) for _ in range(bs)]
-slots = alloc.alloc_extend(torch.zeros(bs, dtype=torch.int64, device=device),
-                           torch.tensor(prompt, device=device), torch.full((bs,), -1, device=device),
-                           sum(prompt)).tolist()
+slots = alloc.alloc_extend(
+    torch.zeros(bs, dtype=torch.int64, device=device),
+    torch.tensor(prompt, device=device),
+    torch.full((bs,), -1, device=device),
+    sum(prompt),
+).tolist()
 owned = []  # every request's slots so far
 at = 0
 for n in prompt:
@@ -189,21 +218,32 @@ for step in range(n_steps):
     seq = [len(s) + 1 for s in owned]
     last = [s[-1] for s in owned]
     free_before = alloc.free_pages.tolist()
-    out = alloc.alloc_decode(torch.tensor(seq, device=device), torch.tensor(last, device=device)).tolist()
+    out = alloc.alloc_decode(
+        torch.tensor(seq, device=device), torch.tensor(last, device=device)
+    ).tolist()
     plan = alloc_decode_ref(seq, last, free_before, P)
-    assert out == plan.out_indices and len(set(out)) == bs, (
-        f"step {step}: slots {out} (the reference: {plan.out_indices}), or a slot twice")
-    assert alloc.free_pages.tolist() == free_before[plan.num_new_pages:], (
-        f"step {step}: the free list is not what is left after {plan.num_new_pages} new pages")
+    assert (
+        out == plan.out_indices and len(set(out)) == bs
+    ), f"step {step}: slots {out} (the reference: {plan.out_indices}), or a slot twice"
+    assert alloc.free_pages.tolist() == free_before[plan.num_new_pages :], (
+        f"step {step}: the free list is not what is left after {plan.num_new_pages} new"
+        " pages"
+    )
     for r, x in enumerate(out):
         others = {y // P for q, s in enumerate(owned) if q != r for y in s}
-        assert x // P not in others, (                      # never another request's page
+        # never another request's page
+        assert x // P not in others, (
             f"step {step}: request {r} got slot {x}, on another request's page")
-        assert (x % P == 0) == plan.takes_new_page[r], (     # a new page is entered at offset 0
-            f"step {step}: request {r} got slot {x}: a new page starts at offset 0, an old one does not")
+        # a new page is entered at offset 0
+        assert (x % P == 0) == plan.takes_new_page[r], (
+            f"step {step}: request {r} got slot {x}: a new page starts at offset 0, an"
+            " old one does not"
+        )
         owned[r].append(x)
-print(f"{n_steps} decode steps for {bs} requests: allocator == reference at every step; "
-      f"lengths now {[len(s) for s in owned]}, {alloc.num_free_pages} pages free")
+print(
+    f"{n_steps} decode steps for {bs} requests: allocator == reference at every step; "
+    f"lengths now {[len(s) for s in owned]}, {alloc.num_free_pages} pages free"
+)
 
 # %% [markdown]
 # ### Into the page table
@@ -218,13 +258,16 @@ width = kvlab.div_ceil(max(len(s) for s in owned), P) * P
 table = kvlab.new_page_table(bs, width, P)
 decoded = torch.zeros(table.shape, dtype=torch.bool)
 for r, row_slots in enumerate(owned):
-    table[r, :len(row_slots)] = torch.tensor(row_slots, dtype=table.dtype, device=table.device)
+    table[r, : len(row_slots)] = torch.tensor(
+        row_slots, dtype=table.dtype, device=table.device
+    )
     decoded[r, prompt[r]:len(row_slots)] = True  # written by the decode steps
 ax = page_table_heatmap(table, P, highlight=decoded, rows=slice(0, bs),
                         title=f"prefill then {n_steps} decode steps, page_size {P} "
                               "(outlined: written by decode steps)")
 plt.show()
-for r, row_slots in enumerate(owned):  # position t at offset t % P; one physical page per logical page
+# position t at offset t % P; one physical page per logical page
+for r, row_slots in enumerate(owned):
     row = torch.tensor(row_slots)
     assert (row % P == torch.arange(len(row)) % P).all(), (
         f"request {r}: a position not at its offset t % P: {row.tolist()}")
@@ -239,7 +282,9 @@ for r, row_slots in enumerate(owned):  # position t at offset t % P; one physica
 
 # %% alt="Eight decode steps of four requests on pages of 4 slots, one panel per step: each step gives every request one slot, orange on its current page and green when it crosses into a new page."
 hist = decode_steps([2, 4, 7, 1], 8, 4, random.Random(5).sample(range(24), 24))
-fig, axes = plt.subplots(len(hist), 1, figsize=(8.0, 1.3 * len(hist) + 0.6), sharex=True)
+fig, axes = plt.subplots(
+    len(hist), 1, figsize=(8.0, 1.3 * len(hist) + 0.6), sharex=True
+)
 draw_decode_steps(hist, 4, axes)
 fig.tight_layout()
 plt.show()
@@ -262,7 +307,9 @@ def show_step(step=1):
     plt.show()
 
 
-widgets.interact(show_step, step=widgets.IntSlider(value=1, min=1, max=len(hist), description="step"));
+widgets.interact(
+    show_step, step=widgets.IntSlider(value=1, min=1, max=len(hist), description="step")
+)
 
 # %% [markdown]
 # ## When pages run out
@@ -273,18 +320,30 @@ widgets.interact(show_step, step=widgets.IntSlider(value=1, min=1, max=len(hist)
 
 # %%
 small = kvlab.PagedTokenAllocator(num_pages=3, page_size=4)
-first = small.alloc_extend(torch.tensor([0, 0], device=device), torch.tensor([4, 4], device=device),
-                           torch.tensor([-1, -1], device=device), 8)
+first = small.alloc_extend(
+    torch.tensor([0, 0], device=device),
+    torch.tensor([4, 4], device=device),
+    torch.tensor([-1, -1], device=device),
+    8,
+)
 print("after the prefill:", small)
 before = small.state()
 try:
-    small.alloc_decode(torch.tensor([5, 5], device=device), torch.tensor([int(first[3]), int(first[7])], device=device))
+    small.alloc_decode(
+        torch.tensor([5, 5], device=device),
+        torch.tensor([int(first[3]), int(first[7])], device=device),
+    )
     raise AssertionError("should have been refused")
 except kvlab.OutOfPages as err:
     print("OutOfPages:", err)
 assert small.state().equals(before), "a refused alloc_decode changed the allocator"
 # with one request it fits
-print("one request:", small.alloc_decode(torch.tensor([5], device=device), torch.tensor([int(first[3])], device=device)).tolist())
+print(
+    "one request:",
+    small.alloc_decode(
+        torch.tensor([5], device=device), torch.tensor([int(first[3])], device=device)
+    ).tolist(),
+)
 
 # %% [markdown]
 # ## Your turn
@@ -310,13 +369,22 @@ print("one request:", small.alloc_decode(torch.tensor([5], device=device), torch
 # `not attempted yet`. Hints: `kvlab.check.hint("alloc_decode", 1)` (up to 4); the reference:
 # `kvlab.solutions.show("alloc_decode")`.
 
+
 # %%
 @triton.jit
-def my_alloc_decode_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices, ret_values,
-                           bs_upper: tl.constexpr, page_size: tl.constexpr):
+def my_alloc_decode_kernel(
+    seq_lens_ptr,
+    last_loc_ptr,
+    free_page_ptr,
+    out_indices,
+    ret_values,
+    bs_upper: tl.constexpr,
+    page_size: tl.constexpr,
+):
     """One program per request: out_indices[pid] = the slot of request pid's new token.
 
-    seq_lens are lengths after the token; bs_upper = next_power_of_2(bs). The last program
+    seq_lens are lengths after the token; bs_upper = next_power_of_2(bs). The last
+    program
     stores the number of requests that took a new page in ret_values.
     """
     pid = tl.program_id(0)
@@ -330,7 +398,8 @@ def my_alloc_decode_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indice
     if pid == tl.num_programs(0) - 1:
         tl.store(ret_values, n_before_and_me.to(tl.int64))
     if (seq_len - 1) % page_size == 0:
-        page = tl.load(free_page_ptr + n_before_and_me - 1)  # k = n_before_and_me - 1 before me
+        # k = n_before_and_me - 1 before me
+        page = tl.load(free_page_ptr + n_before_and_me - 1)
         tl.store(out_indices + pid, page * page_size)
     else:
         tl.store(out_indices + pid, tl.load(last_loc_ptr + pid) + 1)
@@ -341,7 +410,9 @@ def my_alloc_decode_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indice
     ### END STARTER
 
 
-kvlab.check.alloc_decode(my_alloc_decode_kernel, n_random=kvlab.base.runtime.pick(cpu=3, gpu=20));
+kvlab.check.alloc_decode(
+    my_alloc_decode_kernel, n_random=kvlab.base.runtime.pick(cpu=3, gpu=20)
+)
 
 # %%
 _ = kvlab.check.hint("alloc_decode", 1)
@@ -357,11 +428,14 @@ _ = kvlab.check.hint("alloc_decode", 1)
 # in, and the cell says so.
 
 # %%
-decode_kernel = kvlab.check.choose("alloc_decode", my_alloc_decode_kernel, alloc_decode_kernel)
+decode_kernel = kvlab.check.choose(
+    "alloc_decode", my_alloc_decode_kernel, alloc_decode_kernel
+)
 
 
 def my_alloc_decode(free_pages, seq, last, P):
-    """The notebook's decode step: check pages on the host, launch, slice. Returns (out, free)."""
+    """The notebook's decode step: check pages on the host, launch, slice. Returns (out,
+    free)."""
     needed = sum((s - 1) % P == 0 for s in seq)
     if needed > len(free_pages):
         raise kvlab.OutOfPages(needed, len(free_pages), "decode step")
@@ -379,24 +453,38 @@ for trial in range(kvlab.base.runtime.pick(cpu=8, gpu=100)):
     alloc = kvlab.PagedTokenAllocator(max(free + [x // P for x in last]) + 1, P)
     alloc.free_pages = torch.tensor(free, dtype=torch.int64, device=device)
     mine, my_free = my_alloc_decode(free, seq, last, P)
-    theirs = alloc.alloc_decode(torch.tensor(seq, device=device), torch.tensor(last, device=device))
+    theirs = alloc.alloc_decode(
+        torch.tensor(seq, device=device), torch.tensor(last, device=device)
+    )
     assert torch.equal(mine, theirs.cpu()) and my_free == alloc.free_pages.tolist(), (
         f"page_size {P}, seq {seq}: the notebook's step and PagedTokenAllocator differ")
-print("notebook kernel == kvlab.alloc.alloc_kernels.alloc_decode_kernel; notebook decode step == PagedTokenAllocator")
+print(
+    "notebook kernel == kvlab.alloc.alloc_kernels.alloc_decode_kernel; notebook decode"
+    " step == PagedTokenAllocator"
+)
 
 # %% [markdown]
 # What does the checker say about a wrong kernel? A classic slip: testing `seq % page_size == 0`
 # (the token *after* this one would start a page) instead of `(seq - 1) % page_size == 0`. The
 # checker's edge cases catch it at once:
 
+
 # %% alt="The checker's picture of the off-by-one kernel on a request crossing into a new page: expected slot 4, got slot 16, outlined in red."
 @triton.jit
-def off_by_one_kernel(seq_lens_ptr, last_loc_ptr, free_page_ptr, out_indices, ret_values,
-                      bs_upper: tl.constexpr, page_size: tl.constexpr):
+def off_by_one_kernel(
+    seq_lens_ptr,
+    last_loc_ptr,
+    free_page_ptr,
+    out_indices,
+    ret_values,
+    bs_upper: tl.constexpr,
+    page_size: tl.constexpr,
+):
     pid = tl.program_id(0)
     offs_bs = tl.arange(0, bs_upper)
     seq_lens = tl.load(seq_lens_ptr + offs_bs, mask=offs_bs <= pid, other=1)
-    starts_page = (seq_lens % page_size == 0) & (offs_bs <= pid)   # BUG: should be (seq_lens - 1)
+    # BUG: should be (seq_lens - 1)
+    starts_page = (seq_lens % page_size == 0) & (offs_bs <= pid)
     n = tl.sum(starts_page.to(tl.int32))
     seq_len = tl.load(seq_lens_ptr + pid)
     if pid == tl.num_programs(0) - 1:

@@ -57,10 +57,10 @@ plt.show()
 # `[1 2 3 4 5 6 7]`, whose KV it had computed into slots `6..12` (page size 2):
 #
 # ```
-# P = 2, cached prompt [1 2 3 4 5 6 7]          key (prefix up to page end)  ->  page's slots
-#                                                (1, 2)                          [6, 7]
-# only whole pages: the 7th token is not cached  (1, 2, 3, 4)                    [8, 9]
-#                                                (1, 2, 3, 4, 5, 6)              [10, 11]
+# P = 2, cached prompt [1 2 3 4 5 6 7]          key (prefix to page end) -> slots
+#                                                (1, 2)                      [6, 7]
+# only whole pages: the 7th token is not cached  (1, 2, 3, 4)                [8, 9]
+#                                                (1, 2, 3, 4, 5, 6)          [10, 11]
 # ```
 #
 # Matching a new prompt against it walks page by page from the start, as long as the prefix
@@ -74,14 +74,25 @@ store = {(1, 2): [6, 7], (1, 2, 3, 4): [8, 9], (1, 2, 3, 4, 5, 6): [10, 11]}
 def page_store_match(store: dict, input_ids: list, page_size: int) -> int:
     """Longest cached prefix of input_ids, in whole pages."""
     matched = 0
-    while matched + page_size <= len(input_ids) and tuple(input_ids[:matched + page_size]) in store:
+    while (
+        matched + page_size <= len(input_ids)
+        and tuple(input_ids[: matched + page_size]) in store
+    ):
         matched += page_size
     return matched
 
 
 print("match [1 2 3 4 5 6 0]:", page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P))
-print("match [1 2 3]        :", page_store_match(store, [1, 2, 3], P), " (a lone half page never matches)")
-print("match [9 2 3 4]      :", page_store_match(store, [9, 2, 3, 4], P), " (the first page differs: nothing)")
+print(
+    "match [1 2 3]        :",
+    page_store_match(store, [1, 2, 3], P),
+    " (a lone half page never matches)",
+)
+print(
+    "match [9 2 3 4]      :",
+    page_store_match(store, [9, 2, 3, 4], P),
+    " (the first page differs: nothing)",
+)
 assert page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P) == 6, (
     f"matched {page_store_match(store, [1, 2, 3, 4, 5, 6, 0], P)}, expected 6")
 assert page_store_match(store, [1, 2, 3], P) == 2, (
@@ -129,15 +140,33 @@ assert page_store_match(store, [1, 2, 3, 4, 8, 9, 10], P) == 6, (
 # %% alt="A radix tree on pages of 2 tokens: under the root, the shared node [1 2|3 4] on pages 3 and 4 branches into the leaves [5 6] and [8 9]; no node is locked and all 8 tokens are evictable."
 cache = RadixPrefixCache(page_size=2, device="cpu")
 r = cache.insert_prefix([1, 2, 3, 4, 5, 6, 7], torch.arange(6, 13, dtype=torch.int32))
-print("already cached:", r.cached_len, "| the handle covers", r.handle.cached_len, "tokens:",
-      r.handle.get_matched_indices().tolist())
+print(
+    "already cached:",
+    r.cached_len,
+    "| the handle covers",
+    r.handle.cached_len,
+    "tokens:",
+    r.handle.get_matched_indices().tolist(),
+)
 r = cache.insert_prefix([1, 2, 3, 4, 8, 9, 10], torch.arange(20, 27, dtype=torch.int32))
-print("already cached:", r.cached_len, "| the handle covers", r.handle.cached_len, "tokens:",
-      r.handle.get_matched_indices().tolist())
+print(
+    "already cached:",
+    r.cached_len,
+    "| the handle covers",
+    r.handle.cached_len,
+    "tokens:",
+    r.handle.get_matched_indices().tolist(),
+)
 for node in cache.nodes():
     print(f"  node {node.uid}: key {list(node.key)}, slots {node.value.tolist()}")
-assert r.cached_len == 4 and r.handle.get_matched_indices().tolist() == [6, 7, 8, 9, 24, 25], (
-    f"already cached {r.cached_len}, slots {r.handle.get_matched_indices().tolist()}")
+assert r.cached_len == 4 and r.handle.get_matched_indices().tolist() == [
+    6,
+    7,
+    8,
+    9,
+    24,
+    25,
+], f"already cached {r.cached_len}, slots {r.handle.get_matched_indices().tolist()}"
 draw_tree(cache)
 plt.show()
 
@@ -173,15 +202,26 @@ def stamps(cache):
 before = stamps(cache)
 m = cache.match_prefix([1, 2, 3, 4, 5, 0, 0])
 after = stamps(cache)
-print("cached_len:", m.cached_len, "slots:", m.handle.get_matched_indices().tolist(), "| clock now", cache.clock)
+print(
+    "cached_len:",
+    m.cached_len,
+    "slots:",
+    m.handle.get_matched_indices().tolist(),
+    "| clock now",
+    cache.clock,
+)
 for key in after:
     print(f"  node {list(key)}: last_access {before[key]} -> {after[key]}")
-assert m.cached_len == 4, f"matched {m.cached_len}, expected 4"  # [5 0] is a different page from [5 6]
+# [5 0] is a different page from [5 6]
+assert m.cached_len == 4, f"matched {m.cached_len}, expected 4"
 assert after[(1, 2, 3, 4)] == cache.clock, (  # used: stamped
     f"the node used has stamp {after[(1, 2, 3, 4)]}, the clock is {cache.clock}")
-assert after[(5, 6)] == before[(5, 6)] and after[(8, 9)] == before[(8, 9)], (  # not entered: unchanged
+# not entered: unchanged
+assert after[(5, 6)] == before[(5, 6)] and after[(8, 9)] == before[(8, 9)], (
     f"a node the match never entered was stamped: {before} -> {after}")
-assert cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).cached_len == 6, "[1 2 3 4 5 6 7 8] should match 6 tokens"
+assert (
+    cache.match_prefix([1, 2, 3, 4, 5, 6, 7, 8]).cached_len == 6
+), "[1 2 3 4 5 6 7 8] should match 6 tokens"
 
 # %% [markdown]
 # Now a match that ends *inside* a node. In a fresh cache holding one three-page node,
@@ -219,13 +259,15 @@ assert stamps(small) == {(1, 2, 3, 4): small.clock, (5, 6): old_stamp}, (
 # %%
 clocked = RadixPrefixCache(page_size=2, device="cpu")
 ticks = []
-for ids in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]):  # new, one more page, nothing new
+# new, one more page, nothing new
+for ids in ([1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]):
     before_clock = clocked.clock
     clocked.insert_prefix(ids, torch.arange(len(ids), dtype=torch.int32))
     ticks.append(clocked.clock - before_clock)
 print("clock ticks per insert:", ticks, "| stamps:", stamps(clocked))
 assert ticks == [2, 2, 1], f"clock ticks per insert {ticks}, expected [2, 2, 1]"
-assert stamps(clocked) == {(1, 2, 3, 4): 5, (5, 6): 5}, (  # the third insert's walk stamped both
+# the third insert's walk stamped both
+assert stamps(clocked) == {(1, 2, 3, 4): 5, (5, 6): 5}, (
     f"stamps {stamps(clocked)}, expected 5 for both nodes")
 
 # %% [markdown]
@@ -248,8 +290,11 @@ cm = CacheManager(num_pages=16, page_size=2,
 cm.prefix_cache.insert_prefix([1, 2, 3, 4, 5, 6], torch.arange(6, dtype=torch.int32))
 for prompt in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]):
     hit = cm.match_req(Req(prompt, table_idx=0)).cached_len
-    print(f"prompt {prompt}: full match {cm.prefix_cache.match_prefix(prompt).cached_len}, "
-          f"match_req {hit}, tokens to compute {len(prompt) - hit}")
+    print(
+        f"prompt {prompt}: full match"
+        f" {cm.prefix_cache.match_prefix(prompt).cached_len}, match_req {hit}, tokens"
+        f" to compute {len(prompt) - hit}"
+    )
     assert len(prompt) - hit >= 1, f"prompt {prompt}: nothing left to compute"
 assert cm.match_req(Req([1, 2, 3, 4, 5, 6], 0)).cached_len == 4, (
     "match_req should leave the last page of a fully cached prompt to compute")
@@ -281,12 +326,18 @@ assert cm.match_req(Req([1, 2, 3, 4, 5, 6], 0)).cached_len == 4, (
 
 # %% alt="Eight snapshots of a radix tree, one per step of the story: inserting A and D, inserting B (which splits a node), locking B, matching C, evicting the least recently used leaf, unlocking B and evicting again, with new nodes outlined in green, locked nodes in orange and evicted ones greyed."
 story = RadixPrefixCache(page_size=2, device="cpu")
-A, B, C, D = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9, 10, 11], [1, 2, 3, 4, 5, 6, 12, 13], [20, 21, 22, 23, 24]
+A, B, C, D = (
+    [1, 2, 3, 4, 5, 6, 7],
+    [1, 2, 3, 4, 8, 9, 10, 11],
+    [1, 2, 3, 4, 5, 6, 12, 13],
+    [20, 21, 22, 23, 24],
+)
 next_page = 3
 
 
 def fresh_slots(n):
-    """Slots of n tokens on new whole pages, handed out in order (the page allocator's job)."""
+    """Slots of n tokens on new whole pages, handed out in order (the page allocator's
+    job)."""
     global next_page
     start = next_page * story.page_size
     next_page += -(-n // story.page_size)
@@ -299,9 +350,16 @@ steps = []
 def record(title):
     steps.append((title, story.snapshot()))
     info = story.size_info
-    leaves = [f"{list(n.key)}@{n.last_access}" for n in story.nodes() if n.is_leaf() and n.ref_count == 0]
-    print(f"{title:38s} evictable {info.evictable_size:2d}  locked {info.protected_size:2d}  "
-          f"unlocked leaves (key@last_access): {', '.join(leaves)}")
+    leaves = [
+        f"{list(n.key)}@{n.last_access}"
+        for n in story.nodes()
+        if n.is_leaf() and n.ref_count == 0
+    ]
+    print(
+        f"{title:38s} evictable {info.evictable_size:2d}  locked"
+        f" {info.protected_size:2d}  unlocked leaves (key@last_access):"
+        f" {', '.join(leaves)}"
+    )
 
 
 story.insert_prefix(A, fresh_slots(len(A)))
@@ -309,9 +367,13 @@ record("insert A (7 tokens): 3 whole pages")
 story.insert_prefix(D, fresh_slots(len(D)))
 record("insert D: a second branch")
 
-hit_b = story.match_prefix(B[:-1])  # B is admitted: its match splits A's node after [1 2|3 4]
-slots_b = torch.cat([hit_b.handle.get_matched_indices(), fresh_slots(len(B) - hit_b.cached_len)])
-_, handle_b = story.insert_prefix(B, slots_b)  # after its prefill, B's whole pages are cached
+# B is admitted: its match splits A's node after [1 2|3 4]
+hit_b = story.match_prefix(B[:-1])
+slots_b = torch.cat(
+    [hit_b.handle.get_matched_indices(), fresh_slots(len(B) - hit_b.cached_len)]
+)
+# after its prefill, B's whole pages are cached
+_, handle_b = story.insert_prefix(B, slots_b)
 record("insert B: split after [1 2|3 4]")
 story.lock_handle(handle_b, owner="B")  # B keeps running: its prefix must stay
 record("lock B (owner B; B is running)")
@@ -325,9 +387,14 @@ record("B finishes: unlock (owner B)")
 freed_2 = story.evict(4)
 record("evict(4): B's leaf is older than [5 6]")
 
-print("evict(1) freed slots", freed_1.tolist(), "| evict(4) freed slots", freed_2.tolist())
-assert freed_1.numel() == 4 and freed_2.numel() == 4, (  # a leaf goes whole: 4 tokens for evict(1)
-    f"evict freed {freed_1.numel()} and {freed_2.numel()} slots, expected a whole leaf (4) each")
+print(
+    "evict(1) freed slots", freed_1.tolist(), "| evict(4) freed slots", freed_2.tolist()
+)
+# a leaf goes whole: 4 tokens for evict(1)
+assert freed_1.numel() == 4 and freed_2.numel() == 4, (
+    f"evict freed {freed_1.numel()} and {freed_2.numel()} slots, expected a whole leaf"
+    " (4) each"
+)
 draw_tree_steps(steps, ncols=2)
 plt.show()
 
@@ -350,8 +417,11 @@ info_before = story.size_info
 freed = story.evict(100)  # more than is evictable: kvlab's evict frees what it can
 print("freed slots:", freed.tolist())
 print("size before:", info_before, "after:", story.size_info)
-assert story.size_info.protected_size == info_before.protected_size == 4, (  # locked: untouched
-    f"protected {story.size_info.protected_size} of {info_before.protected_size}: a locked node was evicted")
+# locked: untouched
+assert story.size_info.protected_size == info_before.protected_size == 4, (
+    f"protected {story.size_info.protected_size} of {info_before.protected_size}: a"
+    " locked node was evicted"
+)
 assert story.size_info.evictable_size == 0, (
     f"{story.size_info.evictable_size} tokens still evictable after evict(100)")
 assert freed.numel() == info_before.evictable_size, (
@@ -380,7 +450,8 @@ except kvlab.CacheMisuse as e:
     print("CacheMisuse:", e)
 else:
     raise AssertionError("an unlock by a request that holds no lock must be refused")
-assert story.size_info == info_before and keep.node.ref_count == 1, (  # E's lock is untouched
+# E's lock is untouched
+assert story.size_info == info_before and keep.node.ref_count == 1, (
     "a refused unlock changed the sizes or E's lock")
 story.lock_handle(keep, unlock=True, owner="E")  # the holder may unlock
 assert story.size_info.protected_size == 0, (
@@ -410,27 +481,49 @@ for page_size in (1, 2, 4):
     first_slots, next_slot = {}, 0
     beginnings = [[rng.randrange(4) for _ in range(8)] for _ in range(3)]
     for _ in range(40):
-        ids = rng.choice(beginnings)[: rng.randrange(0, 9)] + [rng.randrange(4) for _ in range(rng.randrange(0, 6))]
+        ids = rng.choice(beginnings)[: rng.randrange(0, 9)] + [
+            rng.randrange(4) for _ in range(rng.randrange(0, 6))
+        ]
         slots = torch.arange(next_slot, next_slot + len(ids), dtype=torch.int32)
         next_slot += -(-len(ids) // page_size) * page_size
         if rng.random() < 0.5:  # insert
             already_ref, insert_len = ref.insert(ids)
             already, handle = tree.insert_prefix(ids, slots)
             assert (already, handle.cached_len) == (already_ref, insert_len), (
-                f"page_size {page_size}, insert {ids}: tree says {(already, handle.cached_len)}, the reference {(already_ref, insert_len)}")
+                f"page_size {page_size}, insert {ids}: tree says"
+                f" {(already, handle.cached_len)}, the reference"
+                f" {(already_ref, insert_len)}"
+            )
             for k in range(already, insert_len, page_size):
-                first_slots[tuple(ids[:k + page_size])] = slots[k:k + page_size].tolist()
+                first_slots[tuple(ids[: k + page_size])] = slots[
+                    k : k + page_size
+                ].tolist()
         else:  # match
             m = tree.match_prefix(ids)
-            assert m.cached_len == ref.match_len(ids) == page_aligned_len(m.cached_len, page_size), (
-                f"page_size {page_size}, match {ids}: tree {m.cached_len}, the reference {ref.match_len(ids)}")
-            expect = [s for k in range(0, m.cached_len, page_size) for s in first_slots[tuple(ids[:k + page_size])]]
+            assert (
+                m.cached_len
+                == ref.match_len(ids)
+                == page_aligned_len(m.cached_len, page_size)
+            ), (
+                f"page_size {page_size}, match {ids}: tree {m.cached_len}, the"
+                f" reference {ref.match_len(ids)}"
+            )
+            expect = [
+                s
+                for k in range(0, m.cached_len, page_size)
+                for s in first_slots[tuple(ids[: k + page_size])]
+            ]
             assert m.handle.get_matched_indices().tolist() == expect, (
-                f"page_size {page_size}, match {ids}: slots {m.handle.get_matched_indices().tolist()}, expected {expect}")
+                f"page_size {page_size}, match {ids}: slots"
+                f" {m.handle.get_matched_indices().tolist()}, expected {expect}"
+            )
         tree.check_integrity()
-    print(f"page_size {page_size}: 40 random operations agree with the reference; "
-          f"{len(tree.nodes())} nodes hold {tree.size_info.total_size} tokens "
-          f"(the page store would need {len(first_slots)} keys of up to {max(map(len, first_slots), default=0)} tokens)")
+    print(
+        f"page_size {page_size}: 40 random operations agree with the reference;"
+        f" {len(tree.nodes())} nodes hold {tree.size_info.total_size} tokens (the page"
+        f" store would need {len(first_slots)} keys of up to"
+        f" {max(map(len, first_slots), default=0)} tokens)"
+    )
 
 # %% [markdown]
 # ## The picture: which rows share which pages
@@ -456,7 +549,12 @@ P4 = 4
 cm = CacheManager(num_pages=24, page_size=P4,
                   page_table=kvlab.alloc.paging.new_page_table(4, 24, P4))
 system_a, system_b = list(range(100, 110)), list(range(200, 206))
-prompts = [system_a + [1, 2, 3], system_b + [4, 5, 6, 7, 8], system_a + [9, 9, 9, 9, 9, 9], system_b + [4, 5, 6, 7, 1]]
+prompts = [
+    system_a + [1, 2, 3],
+    system_b + [4, 5, 6, 7, 8],
+    system_a + [9, 9, 9, 9, 9, 9],
+    system_b + [4, 5, 6, 7, 1],
+]
 for row, prompt in enumerate(prompts):
     req = Req(prompt, table_idx=row)
     hit = cm.admit(req).cached_len
@@ -465,11 +563,15 @@ for row, prompt in enumerate(prompts):
     cm.cache_req(req, finished=False)
     print(f"row {row}: {len(prompt)} tokens, {hit} from the cache")
 cm.check_integrity()
-kvlab.course.viz.page_table_heatmap(cm.page_table[:4, :20], P4, title="shared pages across rows")
+kvlab.course.viz.page_table_heatmap(
+    cm.page_table[:4, :20], P4, title="shared pages across rows"
+)
 plt.show()
-assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8]), (  # system_a's 2 whole pages
+# system_a's 2 whole pages
+assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8]), (
     "rows 0 and 2 should share system_a's two pages")
-assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (  # system_b + [4 5]: 2 pages
+# system_b + [4 5]: 2 pages
+assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (
     "rows 1 and 3 should share two pages")
 
 # %% [markdown]
@@ -480,7 +582,8 @@ assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (  # system_b + 
 # in the second exercise, matching the whole prompt, is caught with the case it failed on.
 
 # %%
-def match_whole_prompt(prefix_cache, input_ids):  # the slip: the last token is matched too
+# the slip: the last token is matched too
+def match_whole_prompt(prefix_cache, input_ids):
     return prefix_cache.match_prefix(input_ids)
 
 
@@ -503,7 +606,8 @@ else:
 def my_match_prefix(cache, input_ids):
     """The page-aligned length of the longest prefix of input_ids that the tree holds.
 
-    Start at cache.root; a child is node.children.get(tuple(<the next P tokens>)); compare
+    Start at cache.root; a child is node.children.get(tuple(<the next P tokens>));
+    compare
     child.key with the prompt token by token, round down to whole pages, stop when the
     prompt leaves the tree. Return an int. Do not change the tree.
     """
@@ -515,7 +619,11 @@ def my_match_prefix(cache, input_ids):
         if child is None:
             break
         n = 0
-        while n < child.length and matched + n < len(input_ids) and child.key[n] == input_ids[matched + n]:
+        while (
+            n < child.length
+            and matched + n < len(input_ids)
+            and child.key[n] == input_ids[matched + n]
+        ):
             n += 1
         n = n // P * P
         matched += n
@@ -548,7 +656,8 @@ kvlab.check.hint("match_prefix", 1);
 def my_match_req(prefix_cache, input_ids):
     """Match a new request's prompt the way CacheManager.match_req does."""
     ### BEGIN SOLUTION
-    return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])  # the last token is computed
+    # the last token is computed
+    return prefix_cache.match_prefix(input_ids[: len(input_ids) - 1])
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: match_req
@@ -570,19 +679,27 @@ kvlab.check.match_req(my_match_req);
 
 # %%
 def my_page_store_insert(store: dict, input_ids: list, indices: list, page_size: int):
-    """Insert the whole pages of input_ids; return (cached_len, new_entries), store unchanged."""
+    """Insert the whole pages of input_ids; return (cached_len, new_entries), store
+    unchanged."""
     ### BEGIN SOLUTION
     insert_len = len(input_ids) // page_size * page_size  # only whole pages
     cached_len = 0
-    while cached_len < insert_len and tuple(input_ids[:cached_len + page_size]) in store:
-        cached_len += page_size  # already cached: the caller's slots here are duplicates
-    new_entries = {tuple(input_ids[:start + page_size]): list(indices[start:start + page_size])
-                   for start in range(cached_len, insert_len, page_size)}
+    while (
+        cached_len < insert_len and tuple(input_ids[: cached_len + page_size]) in store
+    ):
+        # already cached: the caller's slots here are duplicates
+        cached_len += page_size
+    new_entries = {
+        tuple(input_ids[: start + page_size]): list(indices[start : start + page_size])
+        for start in range(cached_len, insert_len, page_size)
+    }
     return cached_len, new_entries
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: insert_prefix
-    raise NotImplementedError("walk the whole pages: which are in the store already, which are new?")
+    raise NotImplementedError(
+        "walk the whole pages: which are in the store already, which are new?"
+    )
     ### END STARTER
 
 
@@ -597,33 +714,62 @@ kvlab.check.insert_prefix(my_page_store_insert);
 # passes its checker, this cell uses the reference solution in its place (and says so).
 
 # %%
-match_prefix_fn = kvlab.check.choose("match_prefix", my_match_prefix, kvlab.solutions.get("match_prefix"))
-match_req_fn = kvlab.check.choose("match_req", my_match_req, kvlab.solutions.get("match_req"))
-insert_fn = kvlab.check.choose("insert_prefix", my_page_store_insert, kvlab.solutions.get("insert_prefix"))
+match_prefix_fn = kvlab.check.choose(
+    "match_prefix", my_match_prefix, kvlab.solutions.get("match_prefix")
+)
+match_req_fn = kvlab.check.choose(
+    "match_req", my_match_req, kvlab.solutions.get("match_req")
+)
+insert_fn = kvlab.check.choose(
+    "insert_prefix", my_page_store_insert, kvlab.solutions.get("insert_prefix")
+)
 
 rng = random.Random(11)
 for page_size in (1, 2, 4, 16):
     tree, page_store, next_slot = RadixPrefixCache(page_size, device="cpu"), {}, 0
     beginnings = [[rng.randrange(3) for _ in range(3 * page_size)] for _ in range(2)]
     for _ in range(25):
-        ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [rng.randrange(3) for _ in range(rng.randrange(0, 2 * page_size))]
+        ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [
+            rng.randrange(3) for _ in range(rng.randrange(0, 2 * page_size))
+        ]
         said = f"page_size {page_size}, prompt {ids}"
-        # the checkers take a length as an int or a one-element tensor, a match as a MatchResult
-        # or its length, new entries keyed by any sequence of tokens: compare them as ints and lists
-        mine, theirs = int(match_prefix_fn(tree, ids)), tree.match_prefix(ids).cached_len
+        # the checkers take a length as an int or a one-element tensor, a match as a
+        # MatchResult
+        # or its length, new entries keyed by any sequence of tokens: compare them as
+        # ints and lists
+        mine, theirs = (
+            int(match_prefix_fn(tree, ids)),
+            tree.match_prefix(ids).cached_len,
+        )
         assert mine == theirs == page_store_match(page_store, ids, page_size), (
-            f"{said}: your match_prefix {mine}, kvlab's {theirs}, the page store's {page_store_match(page_store, ids, page_size)}")
+            f"{said}: your match_prefix {mine}, kvlab's {theirs}, the page store's"
+            f" {page_store_match(page_store, ids, page_size)}"
+        )
         if ids:  # a request has at least one token
-            manager = CacheManager(1, page_size, kvlab.alloc.paging.new_page_table(1, 8, page_size), prefix_cache=tree)
+            manager = CacheManager(
+                1,
+                page_size,
+                kvlab.alloc.paging.new_page_table(1, 8, page_size),
+                prefix_cache=tree,
+            )
             got = match_req_fn(tree, ids)
-            mine, theirs = int(getattr(got, "cached_len", got)), manager.match_req(Req(ids, 0)).cached_len
-            assert mine == theirs, f"{said}: your match_req {mine}, CacheManager.match_req {theirs}"
+            mine, theirs = (
+                int(getattr(got, "cached_len", got)),
+                manager.match_req(Req(ids, 0)).cached_len,
+            )
+            assert (
+                mine == theirs
+            ), f"{said}: your match_req {mine}, CacheManager.match_req {theirs}"
         slots = list(range(next_slot, next_slot + len(ids)))
         next_slot += -(-len(ids) // page_size) * page_size
         mine, new_entries = insert_fn(page_store, ids, slots, page_size)
-        page_store.update({tuple(k): [int(x) for x in v] for k, v in dict(new_entries).items()})
+        page_store.update(
+            {tuple(k): [int(x) for x in v] for k, v in dict(new_entries).items()}
+        )
         theirs = tree.insert_prefix(ids, torch.tensor(slots, dtype=torch.int32))
-        assert int(mine) == theirs.cached_len, f"{said}: your insert found {int(mine)} cached, kvlab's {theirs.cached_len}"
+        assert (
+            int(mine) == theirs.cached_len
+        ), f"{said}: your insert found {int(mine)} cached, kvlab's {theirs.cached_len}"
 print("match_prefix, match_req and the page-store insert agree with kvlab")
 
 # %% [markdown]

@@ -23,7 +23,12 @@ from kvlab import CacheManager, Req
 from kvlab.alloc.paging import new_page_table
 from kvlab.course.scenes.ch06_cache_req import scenarios
 from kvlab.course.reference import cache_req_regions_ref
-from kvlab.course.viz import page_owner_strip, page_table_heatmap, region_bar, region_bars
+from kvlab.course.viz import (
+    page_owner_strip,
+    page_table_heatmap,
+    region_bar,
+    region_bars,
+)
 
 torch.manual_seed(0)
 random.seed(0)
@@ -101,7 +106,9 @@ SYSTEM = list(range(100, 108))  # two pages of shared system prompt
 
 def new_manager(num_pages, rows=4, remap_duplicates=True):
     """This chapter's managers: page_size 4, `rows` request rows of 32 positions."""
-    return CacheManager(num_pages, P, new_page_table(rows, 32, P), remap_duplicates=remap_duplicates)
+    return CacheManager(
+        num_pages, P, new_page_table(rows, 32, P), remap_duplicates=remap_duplicates
+    )
 
 
 cm = new_manager(num_pages=12)
@@ -111,7 +118,10 @@ cm.check_integrity()
 
 a = Req(SYSTEM + [1, 2], table_idx=0)  # 10 tokens
 match = cm.admit(a)  # match_req + lock the hit (owner: a) + map it into the row
-print(f"admit A: {match.cached_len} tokens hit; cached_len={a.cached_len}, device_len={a.device_len}")
+print(
+    f"admit A: {match.cached_len} tokens hit; cached_len={a.cached_len},"
+    f" device_len={a.device_len}"
+)
 cm.allocate_paged([a])
 print("A's row:", cm.page_table[0, :12].tolist())
 print("free_slots now:", cm.free_slots.tolist())
@@ -145,12 +155,25 @@ scratch = copy.deepcopy(cm.prefix_cache)
 row = cm.page_table[0, : a.cached_len].clone()
 old_len = a.cache_handle.cached_len
 already, new_handle = scratch.insert_prefix(a.input_ids[: a.cached_len], row)
-print(f"old={old_len}  already={already}  new={new_handle.cached_len}  req={a.cached_len}")
+print(
+    f"old={old_len}  already={already}  new={new_handle.cached_len}  req={a.cached_len}"
+)
 duplicate_pages = row[old_len:already][::P]
 tail = row[new_handle.cached_len:]
-print("duplicate pages to free:", duplicate_pages.tolist(), "| tail slots (kept, unfinished):", tail.tolist())
-assert (old_len, already, new_handle.cached_len) == (0, 0, 8) and duplicate_pages.numel() == 0, (
-    f"old {old_len}, already {already}, cached {new_handle.cached_len}, duplicates {duplicate_pages.tolist()}")
+print(
+    "duplicate pages to free:",
+    duplicate_pages.tolist(),
+    "| tail slots (kept, unfinished):",
+    tail.tolist(),
+)
+assert (old_len, already, new_handle.cached_len) == (
+    0,
+    0,
+    8,
+) and duplicate_pages.numel() == 0, (
+    f"old {old_len}, already {already}, cached {new_handle.cached_len}, duplicates"
+    f" {duplicate_pages.tolist()}"
+)
 
 # %% [markdown]
 # Nothing was cached before, so A's first two pages become the cache's and the 2-token tail
@@ -172,8 +195,14 @@ assert (old_len, already, new_handle.cached_len) == (0, 0, 8) and duplicate_page
 regions_a = cm.cache_req(a, finished=False)
 print(regions_a)
 cm.check_integrity()
-assert (regions_a.hit, regions_a.inserted, regions_a.tail) == ((0, 0), (0, 8), (8, 10)), str(regions_a)
-page_owner_strip(cm, title="after A: two pages cached (locked by A), A owns its tail page")
+assert (regions_a.hit, regions_a.inserted, regions_a.tail) == (
+    (0, 0),
+    (0, 8),
+    (8, 10),
+), str(regions_a)
+page_owner_strip(
+    cm, title="after A: two pages cached (locked by A), A owns its tail page"
+)
 plt.show()
 
 # %% [markdown]
@@ -231,7 +260,8 @@ cm.check_integrity()
 
 # %%
 def write_kv(cm, req, kv):
-    """Pretend to run the model: the slot of position p gets 'the KV of tokens [0, p]'."""
+    """Pretend to run the model: the slot of position p gets 'the KV of tokens [0, p]'.
+    """
     if kv is None:
         return
     row = cm.page_table[req.table_idx, : req.device_len].tolist()
@@ -240,7 +270,8 @@ def write_kv(cm, req, kv):
 
 
 def run_prefill(cm, reqs, kv=None):
-    """One prefill batch: admit every request, one allocation, the model step, complete_one."""
+    """One prefill batch: admit every request, one allocation, the model step,
+    complete_one."""
     for r in reqs:
         cm.admit(r)
     cm.allocate_paged(reqs)
@@ -260,10 +291,12 @@ print(regions_d, "| freed pages:", regions_d.freed_pages.tolist())
 print("D's row after: ", cm.page_table[3, :16].tolist())
 cm.check_integrity()
 assert regions_d.duplicate == (8, 12) and regions_d.remapped, str(regions_d)
-assert torch.equal(cm.page_table[3, :12], cm.page_table[2, :12]), (  # D now reads C's cached pages
+# D now reads C's cached pages
+assert torch.equal(cm.page_table[3, :12], cm.page_table[2, :12]), (
     "D should read C's cached pages")
 free_pages = set(cm.free_slots.tolist())
-assert not {s - s % P for s in cm.page_table[3, :13].tolist()} & free_pages, (  # no freed page in D's row
+# no freed page in D's row
+assert not {s - s % P for s in cm.page_table[3, :13].tolist()} & free_pages, (
     "a freed page is still in D's row")
 
 # %% [markdown]
@@ -291,20 +324,34 @@ assert not {s - s % P for s in cm.page_table[3, :13].tolist()} & free_pages, (  
 def wrong_reads(cm, kv, prompt, row):
     """Positions of `row` (over the prompt) whose slot holds KV of other tokens."""
     slots = cm.page_table[row, : len(prompt)].tolist()
-    return torch.tensor([kv.get(s) != tuple(prompt[: p + 1]) for p, s in enumerate(slots)])
+    return torch.tensor(
+        [kv.get(s) != tuple(prompt[: p + 1]) for p, s in enumerate(slots)]
+    )
 
 
 def stale_row_story(remap_duplicates):
-    manager, kv = new_manager(num_pages=6, rows=3, remap_duplicates=remap_duplicates), {}
+    manager, kv = (
+        new_manager(num_pages=6, rows=3, remap_duplicates=remap_duplicates),
+        {},
+    )
     prompt = SYSTEM + [1, 2]
     first, second = Req(prompt, 0), Req(list(prompt), 1)
-    run_prefill(manager, [first, second], kv)  # one batch: neither found the other in the cache
-    print("  rows 0 and 1 after the prefill:", manager.page_table[0, :10].tolist(), manager.page_table[1, :10].tolist())
+    # one batch: neither found the other in the cache
+    run_prefill(manager, [first, second], kv)
+    print(
+        "  rows 0 and 1 after the prefill:",
+        manager.page_table[0, :10].tolist(),
+        manager.page_table[1, :10].tolist(),
+    )
     manager.cache_req(first, finished=False)
     regions = manager.cache_req(second, finished=False)
-    print(f"  row 1 cached: duplicate {tuple(regions.duplicate)}, freed pages {regions.freed_pages.tolist()}; "
-          f"row 1 now {manager.page_table[1, :10].tolist()}")
-    newcomer = Req([50 + i for i in range(8)], 2)  # needs two pages: exactly the ones row 1 gave back
+    print(
+        f"  row 1 cached: duplicate {tuple(regions.duplicate)}, freed pages"
+        f" {regions.freed_pages.tolist()}; row 1 now"
+        f" {manager.page_table[1, :10].tolist()}"
+    )
+    # needs two pages: exactly the ones row 1 gave back
+    newcomer = Req([50 + i for i in range(8)], 2)
     run_prefill(manager, [newcomer], kv)
     print("  the newcomer's row 2:", manager.page_table[2, :8].tolist())
     return manager, kv, prompt
@@ -313,7 +360,10 @@ def stale_row_story(remap_duplicates):
 print("source design (remap_duplicates=False):")
 cm_src, kv_src, prompt = stale_row_story(remap_duplicates=False)
 bad = wrong_reads(cm_src, kv_src, prompt, row=1)
-print("positions of row 1 whose slot now holds another request's KV:", bad.nonzero().flatten().tolist())
+print(
+    "positions of row 1 whose slot now holds another request's KV:",
+    bad.nonzero().flatten().tolist(),
+)
 assert bad.any(), "the source design's row should read another request's KV here"
 try:
     cm_src.check_integrity()
@@ -336,11 +386,21 @@ assert not wrong_reads(cm_fix, kv_fix, prompt, row=1).any(), (
 cm_fix.check_integrity()
 
 fig, axes = plt.subplots(2, 1, figsize=(8, 4.2))
-for ax, (name, manager, kv) in zip(axes, [("source design", cm_src, kv_src), ("kvlab", cm_fix, kv_fix)]):
+for ax, (name, manager, kv) in zip(
+    axes, [("source design", cm_src, kv_src), ("kvlab", cm_fix, kv_fix)]
+):
     wrong = torch.zeros(3, 12, dtype=torch.bool)
     wrong[1, : len(prompt)] = wrong_reads(manager, kv, prompt, row=1)
-    page_table_heatmap(manager.page_table[:3, :12], P, ax=ax, highlight=wrong, page_range=(0, 5),
-                       title=f"{name}: {int(wrong.sum())} positions of row 1 read another request's KV")
+    page_table_heatmap(
+        manager.page_table[:3, :12],
+        P,
+        ax=ax,
+        highlight=wrong,
+        page_range=(0, 5),
+        title=(
+            f"{name}: {int(wrong.sum())} positions of row 1 read another request's KV"
+        ),
+    )
 fig.tight_layout()
 plt.show()
 
@@ -355,14 +415,24 @@ plt.show()
 # %% alt="The regions of request B when it finishes after two decode steps: positions 0 to 7 are a hit, 8 to 11 newly inserted, and the partial last page, position 12, is a tail returned to the free list."
 for token in (9, 10):
     b.append_token(token)
-    cm.allocate_paged([b])  # maps a new page only when device_len crosses a page boundary
+    # maps a new page only when device_len crosses a page boundary
+    cm.allocate_paged([b])
     b.complete_one()
 free_before = cm.num_free_pages
 regions_fin = cm.cache_req(b, finished=True)
 print(regions_fin, "| freed pages:", regions_fin.freed_pages.tolist())
-print("free pages:", free_before, "->", cm.num_free_pages, "| B still running?", b in cm.running)
+print(
+    "free pages:",
+    free_before,
+    "->",
+    cm.num_free_pages,
+    "| B still running?",
+    b in cm.running,
+)
 cm.check_integrity()
-assert regions_fin.tail == (12, 13) and regions_fin.tail_freed and b not in cm.running, str(regions_fin)
+assert (
+    regions_fin.tail == (12, 13) and regions_fin.tail_freed and b not in cm.running
+), str(regions_fin)
 region_bar(regions_fin)
 plt.show()
 
@@ -397,9 +467,13 @@ else:
 # error, with every piece of state unchanged, asserts or not.
 
 # %% alt="The page pool after a refused allocation, unchanged: cached and locked pages, each row's own pages, one evictable page and the free pages, each in its own colour, none lost or owned twice."
-big = Req(list(range(300, 330)), table_idx=1)  # B's row is free again; 30 tokens = 8 pages
+# B's row is free again; 30 tokens = 8 pages
+big = Req(list(range(300, 330)), table_idx=1)
 cm.admit(big)
-print(f"free pages {cm.num_free_pages}, evictable pages {cm.prefix_cache.size_info.evictable_size // P}")
+print(
+    f"free pages {cm.num_free_pages}, evictable pages"
+    f" {cm.prefix_cache.size_info.evictable_size // P}"
+)
 state = (cm.free_slots.clone(), cm.page_table.clone(), cm.prefix_cache.size_info)
 try:
     cm.allocate_paged([big])
@@ -409,7 +483,9 @@ else:
     raise AssertionError("8 pages cannot fit")
 assert torch.equal(state[0], cm.free_slots) and torch.equal(state[1], cm.page_table), (
     "a refused allocate_paged changed the free slots or the page table")
-assert state[2] == cm.prefix_cache.size_info, "a refused allocate_paged changed the cache's sizes"
+assert (
+    state[2] == cm.prefix_cache.size_info
+), "a refused allocate_paged changed the cache's sizes"
 cm.release_req(big)  # give up on it: unlock its handle (as big), free its pages (none)
 cm.check_integrity()
 page_owner_strip(cm, title="after the refused allocation: nothing moved")
@@ -430,7 +506,9 @@ def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
     cm = CacheManager(4 * 16 // page_size, page_size,
                       kvlab.alloc.paging.new_page_table(4, 64, page_size),
                       remap_duplicates=remap)
-    prompts = [[rng.randrange(3) for _ in range(rng.randrange(4, 30))] for _ in range(3)]
+    prompts = [
+        [rng.randrange(3) for _ in range(rng.randrange(4, 30))] for _ in range(3)
+    ]
     kv, calls, evictions = {}, 0, 0
 
     def cache(req, finished):
@@ -438,23 +516,47 @@ def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
         mapped = cm.allocated_pages(req) * page_size  # positions mapped before the call
         row = cm.page_table[req.table_idx, :mapped].tolist()
         regions = cm.cache_req(req, finished=finished)
-        ref = cache_req_regions_ref(regions.old_cached_len, regions.already_cached_len,
-                                    regions.new_cached_len, regions.req_cached_len, finished)
+        ref = cache_req_regions_ref(
+            regions.old_cached_len,
+            regions.already_cached_len,
+            regions.new_cached_len,
+            regions.req_cached_len,
+            finished,
+        )
         assert (regions.hit, regions.duplicate, regions.inserted, regions.tail) == (
-            ref.hit, ref.duplicate, ref.inserted, ref.tail), f"regions {regions}, the reference {ref}"
+            ref.hit,
+            ref.duplicate,
+            ref.inserted,
+            ref.tail,
+        ), f"regions {regions}, the reference {ref}"
         freed = [row[p] for s, e in ref.freed for p in range(s, e, page_size)]
-        if finished:  # pages mapped past the tail's page (a decode step's new page) go too
-            freed += row[kvlab.div_ceil(req.cached_len, page_size) * page_size::page_size]
+        # pages mapped past the tail's page (a decode step's new page) go too
+        if finished:
+            freed += row[
+                kvlab.div_ceil(req.cached_len, page_size) * page_size :: page_size
+            ]
         assert sorted(freed) == sorted(regions.freed_pages.tolist()), (
             f"freed {sorted(regions.freed_pages.tolist())}, expected {sorted(freed)}")
         calls += 1
 
     for _ in range(steps):
         running = cm.running
-        op = rng.choice(["prefill", "prefill", "decode", "decode", "finish", "abort"]) if running else "prefill"
+        op = (
+            rng.choice(["prefill", "prefill", "decode", "decode", "finish", "abort"])
+            if running
+            else "prefill"
+        )
         if op == "prefill":
-            rows = sorted(set(range(4)) - {r.table_idx for r in running})[: rng.randrange(1, 3)]
-            batch = [Req(rng.choice(prompts)[: rng.randrange(1, 30)] + [rng.randrange(9)], row) for row in rows]
+            rows = sorted(set(range(4)) - {r.table_idx for r in running})[
+                : rng.randrange(1, 3)
+            ]
+            batch = [
+                Req(
+                    rng.choice(prompts)[: rng.randrange(1, 30)] + [rng.randrange(9)],
+                    row,
+                )
+                for row in rows
+            ]
             for r in batch:
                 cm.admit(r)
             before = cm.prefix_cache.size_info.total_size
@@ -491,13 +593,17 @@ def run_trace(seed: int, page_size: int, steps: int = 40, remap: bool = True):
         cm.check_integrity()
         for r in cm.running:  # every running request reads the KV of its own tokens
             row = cm.page_table[r.table_idx].tolist()
-            assert all(kv[row[p]] == tuple(r.input_ids[: p + 1]) for p in range(r.cached_len)), (
-                f"row {r.table_idx} reads KV of other tokens")
+            assert all(
+                kv[row[p]] == tuple(r.input_ids[: p + 1]) for p in range(r.cached_len)
+            ), f"row {r.table_idx} reads KV of other tokens"
     for r in cm.running:
         cache(r, True)
     info = cm.prefix_cache.size_info
-    assert info.protected_size == 0 and cm.num_free_pages * page_size + info.evictable_size == cm.num_pages * page_size, (
-        f"after the trace: {info}, {cm.num_free_pages} free pages of {cm.num_pages}")
+    assert (
+        info.protected_size == 0
+        and cm.num_free_pages * page_size + info.evictable_size
+        == cm.num_pages * page_size
+    ), f"after the trace: {info}, {cm.num_free_pages} free pages of {cm.num_pages}"
     return calls, evictions
 
 
@@ -528,21 +634,31 @@ for page_size in (1, 4, 16):
 # `kvlab.check.hint("cache_req_regions", 1)` (then 2, 3); a solution:
 # `kvlab.solutions.show("cache_req_regions")`.
 
+
 # %%
-def my_cache_req_regions(row_slots, old_cached_len, already_cached_len, req_cached_len, page_size, finished):
-    """The four regions of [0, req_cached_len) as (start, end) pairs, and the page starts to free."""
+def my_cache_req_regions(
+    row_slots, old_cached_len, already_cached_len, req_cached_len, page_size, finished
+):
+    """The four regions of [0, req_cached_len) as (start, end) pairs, and the page
+    starts to free."""
     ### BEGIN SOLUTION
     new_cached_len = req_cached_len // page_size * page_size
     free = list(row_slots[old_cached_len:already_cached_len:page_size])
     if finished:
         free += list(row_slots[new_cached_len:req_cached_len:page_size])
-    return {"hit": (0, old_cached_len), "duplicate": (old_cached_len, already_cached_len),
-            "inserted": (already_cached_len, new_cached_len), "tail": (new_cached_len, req_cached_len),
-            "free": free}
+    return {
+        "hit": (0, old_cached_len),
+        "duplicate": (old_cached_len, already_cached_len),
+        "inserted": (already_cached_len, new_cached_len),
+        "tail": (new_cached_len, req_cached_len),
+        "free": free,
+    }
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: cache_req_regions
-    raise NotImplementedError("find new_cached_len, the four regions, and the pages to free")
+    raise NotImplementedError(
+        "find new_cached_len, the four regions, and the pages to free"
+    )
     ### END STARTER
 
 
@@ -568,9 +684,15 @@ kvlab.check.hint("cache_req_regions", 1);
 # region by region. This is what it says about the source design's behaviour, which frees
 # the duplicate pages and leaves the row as it was:
 
+
 # %% alt="The checker's picture of the wrong answer: the expected and the returned page-table row of a request whose prompt was prefilled twice, with the 8 wrong duplicate positions outlined in red."
-def free_without_remap(row_slots, cached_slots, old_cached_len, already_cached_len, page_size):
-    return {"free": list(row_slots[old_cached_len:already_cached_len:page_size]), "row": list(row_slots)}
+def free_without_remap(
+    row_slots, cached_slots, old_cached_len, already_cached_len, page_size
+):
+    return {
+        "free": list(row_slots[old_cached_len:already_cached_len:page_size]),
+        "row": list(row_slots),
+    }
 
 
 try:
@@ -584,18 +706,26 @@ else:
 # Your turn. Hints: `kvlab.check.hint("cache_req_remap", 1)`; a solution:
 # `kvlab.solutions.show("cache_req_remap")`.
 
+
 # %%
-def my_cache_req_remap(row_slots, cached_slots, old_cached_len, already_cached_len, page_size):
-    """Free the duplicate region's pages; return them and the row the request reads afterwards."""
+def my_cache_req_remap(
+    row_slots, cached_slots, old_cached_len, already_cached_len, page_size
+):
+    """Free the duplicate region's pages; return them and the row the request reads
+    afterwards."""
     ### BEGIN SOLUTION
     free = list(row_slots[old_cached_len:already_cached_len:page_size])
     row = list(row_slots)
-    row[old_cached_len:already_cached_len] = cached_slots[old_cached_len:already_cached_len]
+    row[old_cached_len:already_cached_len] = cached_slots[
+        old_cached_len:already_cached_len
+    ]
     return {"free": free, "row": row}
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: cache_req_remap
-    raise NotImplementedError("free the duplicate pages, and make the row stop pointing at them")
+    raise NotImplementedError(
+        "free the duplicate pages, and make the row stop pointing at them"
+    )
     ### END STARTER
 
 
@@ -611,43 +741,86 @@ kvlab.check.cache_req_remap(my_cache_req_remap);
 # an exercise passes its checker, the reference solution stands in for it (the cell says so).
 
 # %%
-regions_fn = kvlab.check.choose("cache_req_regions", my_cache_req_regions, kvlab.solutions.get("cache_req_regions"))
-remap_fn = kvlab.check.choose("cache_req_remap", my_cache_req_remap, kvlab.solutions.get("cache_req_remap"))
+regions_fn = kvlab.check.choose(
+    "cache_req_regions", my_cache_req_regions, kvlab.solutions.get("cache_req_regions")
+)
+remap_fn = kvlab.check.choose(
+    "cache_req_remap", my_cache_req_remap, kvlab.solutions.get("cache_req_remap")
+)
 
 rng = random.Random(21)
 checked = remapped = 0
 for page_size in (1, 2, 4, 16):
-    cm = CacheManager(64 // page_size * 4, page_size, kvlab.alloc.paging.new_page_table(4, 96, page_size))
-    prompts = [[rng.randrange(2) for _ in range(rng.randrange(2, 40))] for _ in range(2)]
+    cm = CacheManager(
+        64 // page_size * 4,
+        page_size,
+        kvlab.alloc.paging.new_page_table(4, 96, page_size),
+    )
+    prompts = [
+        [rng.randrange(2) for _ in range(rng.randrange(2, 40))] for _ in range(2)
+    ]
     for _ in range(8):
-        batch = [Req(rng.choice(prompts)[: rng.randrange(1, 40)] + [7], row) for row in range(rng.randrange(1, 5))]
+        batch = [
+            Req(rng.choice(prompts)[: rng.randrange(1, 40)] + [7], row)
+            for row in range(rng.randrange(1, 5))
+        ]
         run_prefill(cm, batch)
         for r in batch:
             finished = rng.random() < 0.5
             got = cm.cache_req(r, finished=finished)
             if not finished:
-                mine_row = remap_fn(got.row_before.tolist(), r.cache_handle.get_matched_indices().tolist(),
-                                    got.old_cached_len, got.already_cached_len, page_size)
-                # the checker takes the row and the pages as any sequence of ints: compare as lists
-                row, free = [int(x) for x in mine_row["row"]], sorted(int(x) for x in mine_row["free"])
+                mine_row = remap_fn(
+                    got.row_before.tolist(),
+                    r.cache_handle.get_matched_indices().tolist(),
+                    got.old_cached_len,
+                    got.already_cached_len,
+                    page_size,
+                )
+                # the checker takes the row and the pages as any sequence of ints:
+                # compare as lists
+                row, free = [int(x) for x in mine_row["row"]], sorted(
+                    int(x) for x in mine_row["free"]
+                )
                 said = f"page_size {page_size}, row {r.table_idx}"
-                assert row == got.row_after.tolist(), f"{said}: your row {row}, cache_req's {got.row_after.tolist()}"
+                assert (
+                    row == got.row_after.tolist()
+                ), f"{said}: your row {row}, cache_req's {got.row_after.tolist()}"
                 assert free == sorted(got.freed_pages.tolist()), (
-                    f"{said}: you free {free}, cache_req frees {sorted(got.freed_pages.tolist())}")
+                    f"{said}: you free {free}, cache_req frees"
+                    f" {sorted(got.freed_pages.tolist())}"
+                )
                 remapped += got.remapped
                 cm.cache_req(r, finished=True)
-            mine = regions_fn(got.row_before.tolist(), got.old_cached_len, got.already_cached_len,
-                              got.req_cached_len, page_size, finished)
+            mine = regions_fn(
+                got.row_before.tolist(),
+                got.old_cached_len,
+                got.already_cached_len,
+                got.req_cached_len,
+                page_size,
+                finished,
+            )
             said = f"page_size {page_size}, row {r.table_idx}, finished={finished}"
-            differ = {k: (tuple(int(x) for x in mine[k]), tuple(v)) for k, v in got.regions().items()
-                      if tuple(int(x) for x in mine[k]) != tuple(v)}
+            differ = {
+                k: (tuple(int(x) for x in mine[k]), tuple(v))
+                for k, v in got.regions().items()
+                if tuple(int(x) for x in mine[k]) != tuple(v)
+            }
             assert not differ, f"{said}: regions (yours, cache_req's): {differ}"
-            own_tail = got.row_before[got.new_cached_len:][::page_size].tolist() if finished else []
+            own_tail = (
+                got.row_before[got.new_cached_len :][::page_size].tolist()
+                if finished
+                else []
+            )
             free = sorted(int(x) for x in mine["free"])
-            assert free == sorted(got.duplicate_slots[::page_size].tolist() + own_tail), (
+            assert free == sorted(
+                got.duplicate_slots[::page_size].tolist() + own_tail
+            ), (
                 f"{said}: you free {free}, the duplicates and the tail are "
-                f"{sorted(got.duplicate_slots[::page_size].tolist() + own_tail)}")
-            assert set(free) <= set(got.freed_pages.tolist()), f"{said}: you free {free}, cache_req {got.freed_pages.tolist()}"
+                f"{sorted(got.duplicate_slots[::page_size].tolist() + own_tail)}"
+            )
+            assert set(free) <= set(
+                got.freed_pages.tolist()
+            ), f"{said}: you free {free}, cache_req {got.freed_pages.tolist()}"
             checked += 1
         cm.check_integrity()
 print(f"the regions agree with kvlab.CacheManager.cache_req on {checked} calls; "

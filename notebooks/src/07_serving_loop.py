@@ -22,11 +22,28 @@ import torch
 
 import kvlab
 from kvlab import CacheManager, Req
-from kvlab.course.scenes.ch07_serving_loop import page_size_runs, pressured_run, step_views_figure
+from kvlab.course.scenes.ch07_serving_loop import (
+    page_size_runs,
+    pressured_run,
+    step_views_figure,
+)
 from kvlab.alloc.paging import div_ceil, new_page_table
-from kvlab.serving.sim import (RequestSpec, SimConfig, SimIntegrityError, Simulator, Workload,
-                       make_workload, multi_turn_chat, shared_system_prompt, simulate)
-from kvlab.course.viz.dashboard import compare_page_sizes, describe_step, timeline_dashboard
+from kvlab.serving.sim import (
+    RequestSpec,
+    SimConfig,
+    SimIntegrityError,
+    Simulator,
+    Workload,
+    make_workload,
+    multi_turn_chat,
+    shared_system_prompt,
+    simulate,
+)
+from kvlab.course.viz.dashboard import (
+    compare_page_sizes,
+    describe_step,
+    timeline_dashboard,
+)
 
 torch.manual_seed(0)
 random.seed(0)
@@ -46,10 +63,12 @@ random.seed(0)
 #             arrivals ──► waiting queue ──admit──► running ──finish──► prefix cache
 #                           (FIFO)        │          │  ▲                (pages stay,
 #                                         │          │  └─ decode: +1 token per step
-#   admit  = match_req + lock the hit     │          │     (a new page at each page boundary)
-#            + map the hit into its row   │          └─ kvlab.serving.sim only: preempted when a decode
-#   prefill = allocate_paged(batch)       │             needs a page and none is left: back
-#            then cache_req(finished=False)             to the queue (see "The simulator")
+#   admit  = match_req + lock the hit     │          │     (a new page at each page
+#            + map the hit into its row   │          │      boundary)
+#   prefill = allocate_paged(batch)       │          └─ kvlab.serving.sim only: preempted
+#            then cache_req(finished=False)             when a decode needs a page and
+#                                                       none is left: back to the queue
+#                                                       (see "The simulator")
 # ```
 #
 # Here is what that looks like for a mixed workload squeezed into 24 pages of 4 [slots](glossary.md#token-slot). Every
@@ -73,17 +92,23 @@ plt.show()
 # step. The generators are seeded, so the same call always gives the same traffic.
 
 # %%
-w = shared_system_prompt(seed=0, n_requests=5, system_len=12, user_len=(3, 6), output_len=(5, 8))
+w = shared_system_prompt(
+    seed=0, n_requests=5, system_len=12, user_len=(3, 6), output_len=(5, 8)
+)
 for r in w.requests:
-    print(f"request {r.rid}: arrives at step {r.arrival}, prompt {len(r.prompt):2d} tokens "
-          f"{list(r.prompt[:14])}..., answers {len(r.output)} tokens")
-assert all(r.prompt[:12] == w.requests[0].prompt[:12] for r in w.requests), (  # the shared system prompt
+    print(
+        f"request {r.rid}: arrives at step {r.arrival}, prompt {len(r.prompt):2d}"
+        f" tokens {list(r.prompt[:14])}..., answers {len(r.output)} tokens"
+    )
+# the shared system prompt
+assert all(r.prompt[:12] == w.requests[0].prompt[:12] for r in w.requests), (
     "every request should start with the same 12-token system prompt")
 
 chat = multi_turn_chat(seed=0, n_conversations=1, turns=3)
 for r in chat.requests:
     print(f"{r.tag}: prompt {len(r.prompt)} tokens, after request {r.after}")
-# each turn's prompt is the whole conversation so far: the previous prompt + its answer + more
+# each turn's prompt is the whole conversation so far: the previous prompt + its answer
+# + more
 for prev, nxt in zip(chat.requests, chat.requests[1:]):
     assert nxt.prompt[:prev.total_len] == prev.prompt + prev.output, (
         f"{nxt.tag}: its prompt does not start with {prev.tag}'s prompt and answer")
@@ -107,24 +132,35 @@ for prev, nxt in zip(chat.requests, chat.requests[1:]):
 # %%
 P = 4
 table = new_page_table(max_running_req=2, max_seq_len=32, page_size=P)
-manager = CacheManager(num_pages=8, page_size=P, page_table=table, page_table_writer="host")
+manager = CacheManager(
+    num_pages=8, page_size=P, page_table=table, page_table_writer="host"
+)
 spec = w.requests[0]
 req = Req(list(spec.prompt), table_idx=0)
 
 manager.admit(req)
-print(f"admitted: cached_len={req.cached_len} (cache is empty), device_len={req.device_len}")
+print(
+    f"admitted: cached_len={req.cached_len} (cache is empty),"
+    f" device_len={req.device_len}"
+)
 manager.allocate_paged([req])
 req.append_token(spec.output[0])
 req.complete_one()
 regions = manager.cache_req(req, finished=False)
-print(f"after prefill: cached_len={req.cached_len}, device_len={req.device_len}, {regions}")
+print(
+    f"after prefill: cached_len={req.cached_len}, device_len={req.device_len},"
+    f" {regions}"
+)
 manager.check_integrity()
 
 for token in spec.output[1:]:
     pages_before = manager.num_free_pages
     manager.allocate_paged([req])  # a new page only when cached_len % P == 0
-    print(f"decode position {req.device_len - 1} (cached_len={req.cached_len:2d}): "
-          f"{pages_before - manager.num_free_pages} new page(s), row {table[0, :req.device_len].tolist()}")
+    print(
+        f"decode position {req.device_len - 1} (cached_len={req.cached_len:2d}):"
+        f" {pages_before - manager.num_free_pages} new page(s), row"
+        f" {table[0, :req.device_len].tolist()}"
+    )
     req.append_token(token)
     req.complete_one()
     manager.check_integrity()
@@ -145,11 +181,16 @@ assert manager.running == [] and (table[0] == -1).all(), (
 spec2 = w.requests[1]
 req2 = Req(list(spec2.prompt), table_idx=1)
 manager.admit(req2)
-print(f"request 1: prompt {len(spec2.prompt)} tokens, hit {req2.cached_len} -> computes "
-      f"{req2.device_len - req2.cached_len}")
+print(
+    f"request 1: prompt {len(spec2.prompt)} tokens, hit {req2.cached_len} -> computes "
+    f"{req2.device_len - req2.cached_len}"
+)
 print("its row starts with the cached slots:", table[1, :req2.cached_len].tolist())
-assert req2.cached_len == 12, f"request 1 hit {req2.cached_len} tokens, expected the 12 of the system prompt"
-assert table[1, :12].tolist() == regions.row_before[:12].tolist(), (  # the very slots request 0 wrote
+assert (
+    req2.cached_len == 12
+), f"request 1 hit {req2.cached_len} tokens, expected the 12 of the system prompt"
+# the very slots request 0 wrote
+assert table[1, :12].tolist() == regions.row_before[:12].tolist(), (
     "request 1 should map the very slots request 0 wrote")
 manager.release_req(req2)  # (abort it: we only wanted to see the hit)
 manager.check_integrity()
@@ -173,7 +214,8 @@ manager.check_integrity()
 def my_decode_step(manager, reqs, next_tokens, done):
     """One decode step for a batch of running requests; the done ones finish."""
     ### BEGIN SOLUTION
-    manager.allocate_paged(reqs)              # pages first: decided from the lengths before the step
+    # pages first: decided from the lengths before the step
+    manager.allocate_paged(reqs)
     for req, token in zip(reqs, next_tokens):
         req.append_token(token)
         req.complete_one()
@@ -204,20 +246,28 @@ kvlab.check.hint("decode_step", 1);
 # eviction-aware admission and preemption.)
 
 # %%
-decode_step = kvlab.check.choose("decode_step", my_decode_step, kvlab.solutions.get("decode_step"))
+decode_step = kvlab.check.choose(
+    "decode_step", my_decode_step, kvlab.solutions.get("decode_step")
+)
 
 
 def run_by_hand(workload, page_size, num_pages, max_running):
-    """The serving loop with plenty of memory; returns (page table, free list) after each step."""
+    """The serving loop with plenty of memory; returns (page table, free list) after
+    each step."""
     table = new_page_table(max_running, workload.max_total_len, page_size)
     manager = CacheManager(num_pages, page_size, table, page_table_writer="host")
-    pending, waiting, running = list(workload.requests), [], {}   # running: rid -> [spec, req, generated]
+    # running: rid -> [spec, req, generated]
+    pending, waiting, running = list(workload.requests), [], {}
     free_rows, finished_at, snapshots, step = list(range(max_running)), {}, [], 0
     while pending or waiting or running:
         # 1. arrivals (a chat turn arrives some steps after the previous turn finished)
         for spec in list(pending):
-            ready = (spec.arrival <= step if spec.after is None
-                     else spec.after in finished_at and finished_at[spec.after] + spec.arrival <= step)
+            ready = (
+                spec.arrival <= step
+                if spec.after is None
+                else spec.after in finished_at
+                and finished_at[spec.after] + spec.arrival <= step
+            )
             if ready:
                 pending.remove(spec)
                 waiting.append([spec, None, 0])
@@ -225,7 +275,12 @@ def run_by_hand(workload, page_size, num_pages, max_running):
         live = list(running.values())
         if live:
             done = [g + 1 == len(s.output) for s, _, g in live]
-            decode_step(manager, [r for _, r, _ in live], [s.output[g] for s, _, g in live], done)
+            decode_step(
+                manager,
+                [r for _, r, _ in live],
+                [s.output[g] for s, _, g in live],
+                done,
+            )
             for entry, finished in zip(live, done):
                 entry[2] += 1
                 if finished:
@@ -300,7 +355,9 @@ print(f"{len(steps)} steps; free pages at the end: {len(steps[-1][1])} of 64 "
 # Let us step through the pressured run for a few steps, then run it to the end.
 
 # %%
-sim = Simulator(make_workload("mixed", seed=0), SimConfig(page_size=4, num_pages=24, max_running=4))
+sim = Simulator(
+    make_workload("mixed", seed=0), SimConfig(page_size=4, num_pages=24, max_running=4)
+)
 for _ in range(6):
     print(describe_step(sim.step()))
 timeline = sim.run()
@@ -335,28 +392,44 @@ def check_timeline(tl, workload):
         assert s.memory.total == tl.num_pages, f"step {s.step}"
         free = set(s.free_pages)
         cached = [p for node in s.tree.nodes for p in node.page_ids]
-        assert len(cached) == len(set(cached)) and not free & set(cached), f"step {s.step}"
+        assert len(cached) == len(set(cached)) and not free & set(
+            cached
+        ), f"step {s.step}"
         for row, rid in enumerate(s.row_rids):
             mapped = s.page_table[row][s.page_table[row] >= 0]
             if rid < 0:
                 assert mapped.numel() == 0, f"step {s.step}: free row {row} maps slots"
             else:
-                assert not free & set((mapped // tl.page_size).tolist()), f"step {s.step}: req {rid}"
+                assert not free & set(
+                    (mapped // tl.page_size).tolist()
+                ), f"step {s.step}: req {rid}"
     last = tl[-1]
-    assert last.memory.in_use == 0 and last.memory.free + last.memory.cached_evictable == tl.num_pages, (
-        f"at the end: {last.memory} of {tl.num_pages} pages")
+    assert (
+        last.memory.in_use == 0
+        and last.memory.free + last.memory.cached_evictable == tl.num_pages
+    ), f"at the end: {last.memory} of {tl.num_pages} pages"
     ended = sorted(r for s in tl.steps for r in s.finished + s.aborted)
     assert ended == list(range(len(workload))), f"requests that ended: {ended}"
 
 
 check_timeline(timeline, make_workload("mixed", seed=0))
 for seed in range(3):
-    for name in ["shared_system_prompt", "multi_turn_chat", "few_shot", "random_prompts", "mixed"]:
+    for name in [
+        "shared_system_prompt",
+        "multi_turn_chat",
+        "few_shot",
+        "random_prompts",
+        "mixed",
+    ]:
         for P in (1, 16, 64):
             wl = make_workload(name, seed=seed)
-            tight = div_ceil(wl.max_total_len, P) + 2           # barely room for two requests
+            # barely room for two requests
+            tight = div_ceil(wl.max_total_len, P) + 2
             check_timeline(simulate(wl, page_size=P, num_pages=tight), wl)
-print("invariants hold on 45 runs (5 workloads x 3 page sizes x 3 seeds), all under memory pressure")
+print(
+    "invariants hold on 45 runs (5 workloads x 3 page sizes x 3 seeds), all under"
+    " memory pressure"
+)
 
 # %% [markdown]
 # What does it look like when an invariant breaks? The [source design](glossary.md#source-design)'s hazard from chapter 06:
@@ -367,9 +440,13 @@ print("invariants hold on 45 runs (5 workloads x 3 page sizes x 3 seeds), all un
 
 # %%
 prompt = tuple(range(100, 120))
-twins = Workload("twins", "the same prompt twice, at once",
-                 (RequestSpec(0, prompt, (1, 2, 3), 0), RequestSpec(1, prompt, (4, 5, 6), 0)))
-check_timeline(simulate(twins, page_size=4, num_pages=20), twins)  # kvlab remaps the row: fine
+twins = Workload(
+    "twins",
+    "the same prompt twice, at once",
+    (RequestSpec(0, prompt, (1, 2, 3), 0), RequestSpec(1, prompt, (4, 5, 6), 0)),
+)
+# kvlab remaps the row: fine
+check_timeline(simulate(twins, page_size=4, num_pages=20), twins)
 try:
     simulate(twins, page_size=4, num_pages=20, remap_duplicates=False)
     raise AssertionError("the stale row should have been caught")
@@ -393,12 +470,25 @@ compare_page_sizes(runs)
 plt.show()
 for P, tl in runs.items():
     s = tl.summary()
-    print(f"P={P:2d}: hit rate {s.hit_rate:4.0%}, prompt tokens computed {s.prefill_tokens}, "
-          f"mean empty slots in part-filled pages {s.mean_wasted_slots:.1f}")
-assert runs[1].summary().hit_rate > runs[16].summary().hit_rate > runs[64].summary().hit_rate, (
-    f"hit rates {[runs[p].summary().hit_rate for p in (1, 16, 64)]} for pages of 1, 16, 64")
-assert runs[1].summary().mean_wasted_slots == 0 < runs[16].summary().mean_wasted_slots, (
-    f"empty slots {[runs[p].summary().mean_wasted_slots for p in (1, 16)]} for pages of 1, 16")
+    print(
+        f"P={P:2d}: hit rate {s.hit_rate:4.0%}, prompt tokens computed"
+        f" {s.prefill_tokens}, mean empty slots in part-filled pages"
+        f" {s.mean_wasted_slots:.1f}"
+    )
+assert (
+    runs[1].summary().hit_rate
+    > runs[16].summary().hit_rate
+    > runs[64].summary().hit_rate
+), (
+    f"hit rates {[runs[p].summary().hit_rate for p in (1, 16, 64)]} for pages of 1,"
+    " 16, 64"
+)
+assert (
+    runs[1].summary().mean_wasted_slots == 0 < runs[16].summary().mean_wasted_slots
+), (
+    f"empty slots {[runs[p].summary().mean_wasted_slots for p in (1, 16)]} for pages of"
+    " 1, 16"
+)
 
 # %% [markdown]
 # ## Scrub through the run
@@ -437,12 +527,16 @@ plt.show()
 # %%
 rng = random.Random(7)
 for trial in range(6):
-    name = rng.choice(["shared_system_prompt", "multi_turn_chat", "few_shot", "random_prompts"])
+    name = rng.choice(
+        ["shared_system_prompt", "multi_turn_chat", "few_shot", "random_prompts"]
+    )
     wl = make_workload(name, seed=rng.randrange(1000))
     P = rng.choice([1, 4, 16])
     pages = 8 * div_ceil(wl.max_total_len, P) * 4
     by_hand = run_by_hand(wl, P, pages, max_running=4)
-    lifted = simulate(wl, page_size=P, num_pages=pages, max_running=4, prefill_budget=10**6)
+    lifted = simulate(
+        wl, page_size=P, num_pages=pages, max_running=4, prefill_budget=10**6
+    )
     assert len(by_hand) == len(lifted), (name, len(by_hand), len(lifted))
     for (table_h, free_h), rec in zip(by_hand, lifted.steps):
         assert torch.equal(table_h.cpu(), rec.page_table), (name, rec.step)
@@ -492,9 +586,14 @@ for trial in range(6):
 sizes = page_size_runs(page_sizes=(1, 4, 16, 32, 64))
 for P_, tl in sizes.items():
     s_ = tl.summary()
-    entries = max(div_ceil(r.prompt_len + r.output_len, P_) for r in tl.requests.values())
-    print(f"P={P_:2d}: hit rate {s_.hit_rate:4.0%}, prompt tokens computed {s_.prefill_tokens:4d}, "
-          f"mean empty slots {s_.mean_wasted_slots:5.1f}, pages of the longest request {entries:3d}")
+    entries = max(
+        div_ceil(r.prompt_len + r.output_len, P_) for r in tl.requests.values()
+    )
+    print(
+        f"P={P_:2d}: hit rate {s_.hit_rate:4.0%}, prompt tokens computed"
+        f" {s_.prefill_tokens:4d}, mean empty slots {s_.mean_wasted_slots:5.1f}, pages"
+        f" of the longest request {entries:3d}"
+    )
 
 # %% [markdown] tags=["solution"]
 # The 40-token system prompt decides most of it: any `P` that divides 40 caches all of it

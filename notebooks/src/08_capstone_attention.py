@@ -25,11 +25,24 @@ import triton.language as tl
 
 import kvlab
 from kvlab import CacheManager, InvalidArgument, Req
-from kvlab.attention.paged_attention import causal_attention, check_paged_attention_inputs, paged_decode_attention
-from kvlab.serving.tiny_engine import PagedEngine, TinyConfig, TinyTransformer, generate_contiguous
+from kvlab.attention.paged_attention import (
+    causal_attention,
+    check_paged_attention_inputs,
+    paged_decode_attention,
+)
+from kvlab.serving.tiny_engine import (
+    PagedEngine,
+    TinyConfig,
+    TinyTransformer,
+    generate_contiguous,
+)
 from kvlab.attention.kv_pool import KVPool, random_paged_layout
 from kvlab.course.reference import paged_decode_attention_reference
-from kvlab.course.scenes.ch08_attention import gather_figure, prefill_bars, shared_prompt_batches
+from kvlab.course.scenes.ch08_attention import (
+    gather_figure,
+    prefill_bars,
+    shared_prompt_batches,
+)
 from kvlab.alloc.paging import new_page_table
 from kvlab.course.viz import page_table_heatmap
 
@@ -103,7 +116,8 @@ q = torch.randn(HEADS, HEAD_DIM, generator=g).to(DEVICE)
 for req, (k, v) in zip(reqs, contiguous_kv):
     n = req.device_len
     paged = gathered_attention(q, pool.k[0], pool.v[0], table[req.table_idx, :n])
-    plain = causal_attention(q[None], k, v, q_offset=n - 1)[0]   # the query sits at the last position
+    # the query sits at the last position
+    plain = causal_attention(q[None], k, v, q_offset=n - 1)[0]
     torch.testing.assert_close(paged, plain)
 print("attention through the page table == attention over the contiguous K/V")
 
@@ -122,19 +136,24 @@ print("attention through the page table == attention over the contiguous K/V")
 
 # %%
 def my_paged_attention_torch(q, k_pool, v_pool, page_table, table_idx, seq_lens):
-    """Decode attention for a batch: request b attends to positions [0, seq_lens[b]) of row table_idx[b]."""
+    """Decode attention for a batch: request b attends to positions [0, seq_lens[b]) of
+    row table_idx[b]."""
     ### BEGIN SOLUTION
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for b in range(q.shape[0]):
         slots = page_table[int(table_idx[b]), :int(seq_lens[b])].long()
         k, v = k_pool[slots], v_pool[slots]
-        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[b], k) / math.sqrt(q.shape[-1]), dim=-1)
+        weights = torch.softmax(
+            torch.einsum("hd,nhd->hn", q[b], k) / math.sqrt(q.shape[-1]), dim=-1
+        )
         out[b] = torch.einsum("hn,nhd->hd", weights, v)
     return out
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: paged_attention
-    raise NotImplementedError("one request at a time: its row, its length, gather, attend")
+    raise NotImplementedError(
+        "one request at a time: its row, its length, gather, attend"
+    )
     ### END STARTER
 
 
@@ -163,7 +182,8 @@ def online_softmax_attention(q, k_pool, v_pool, row_slots, block_n=4):
         slots = row_slots[start:start + block_n].long()
         scores = (k_pool[slots] @ q) / math.sqrt(q.shape[-1])       # [block]
         m_new = max(m, float(scores.max()))
-        alpha = math.exp(m - m_new)                                 # rescale what came before
+        # rescale what came before
+        alpha = math.exp(m - m_new)
         p = torch.exp(scores - m_new)
         acc = acc * alpha + p @ v_pool[slots]
         l = l * alpha + float(p.sum())
@@ -173,21 +193,26 @@ def online_softmax_attention(q, k_pool, v_pool, row_slots, block_n=4):
 
 head = 1
 row = table[0, :reqs[0].device_len]
-blocked = online_softmax_attention(q[head], pool.k[0][:, head], pool.v[0][:, head], row, block_n=4)
+blocked = online_softmax_attention(
+    q[head], pool.k[0][:, head], pool.v[0][:, head], row, block_n=4
+)
 whole = gathered_attention(q, pool.k[0], pool.v[0], row)[head]
 print("block by block:", blocked[:4].tolist())
 print("all at once:   ", whole[:4].tolist())
 torch.testing.assert_close(blocked, whole)
 
 k_toy = torch.zeros(8, HEAD_DIM)
-k_toy[:, 0] = torch.tensor([1.0, 2.0, 0.0, 1.0, 90.0, 91.0, 89.0, 92.0])  # block 2's scores are huge
+# block 2's scores are huge
+k_toy[:, 0] = torch.tensor([1.0, 2.0, 0.0, 1.0, 90.0, 91.0, 89.0, 92.0])
 q_toy = torch.zeros(HEAD_DIM)
 q_toy[0] = math.sqrt(HEAD_DIM)  # so that score = k[:, 0]
 v_toy = torch.randn(8, HEAD_DIM, generator=g)
 slots_toy = torch.arange(8)
 print("naive exp of the scores:", torch.exp(k_toy[:, 0]).tolist()[4:], "(overflow)")
-torch.testing.assert_close(online_softmax_attention(q_toy, k_toy, v_toy, slots_toy, block_n=4),
-                           torch.softmax(k_toy[:, 0], 0) @ v_toy)
+torch.testing.assert_close(
+    online_softmax_attention(q_toy, k_toy, v_toy, slots_toy, block_n=4),
+    torch.softmax(k_toy[:, 0], 0) @ v_toy,
+)
 print("online softmax with a rescale between the blocks: no overflow, same answer")
 
 # %% [markdown]
@@ -205,7 +230,7 @@ print("online softmax with a rescale between the blocks: no overflow, same answe
 # ```
 # offs_n   = [ 8     9     10    11   ]      start + tl.arange(0, BLOCK_N)
 # mask_n   = [ T     F     F     F    ]      offs_n < seq_len
-# slots    = [ 41    0     0     0    ]      page_table[row, offs_n] (other=0 where masked)
+# slots    = [ 41    0     0     0    ]      page_table[row, offs_n] (0 where masked)
 # scores   = [ 0.7  -inf  -inf  -inf  ]      q . k * scale, -inf where masked
 # v        = [ v41   0     0     0    ]      one row of head_dim per lane
 # ```
@@ -224,26 +249,49 @@ print("online softmax with a rescale between the blocks: no overflow, same answe
 # `kvlab.check.hint("paged_attention_kernel", 1)` (up to 3); the reference:
 # `kvlab.solutions.show("paged_attention_kernel")`.
 
+
 # %%
 @triton.jit
-def my_paged_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, table_idx_ptr,
-                              seq_lens_ptr, out_ptr, scale, stride_q_b, stride_q_h,
-                              stride_kv_s, stride_kv_h, stride_pt_row, stride_o_b, stride_o_h,
-                              head_dim, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def my_paged_attention_kernel(
+    q_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    page_table_ptr,
+    table_idx_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    scale,
+    stride_q_b,
+    stride_q_h,
+    stride_kv_s,
+    stride_kv_h,
+    stride_pt_row,
+    stride_o_b,
+    stride_o_h,
+    head_dim,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     row = tl.load(table_idx_ptr + b).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
-    q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d, mask=mask_d, other=0.0)
+    q = tl.load(
+        q_ptr + b.to(tl.int64) * stride_q_b + h * stride_q_h + offs_d,
+        mask=mask_d,
+        other=0.0,
+    )
     m_i = -float("inf")  # running max of the scores so far
     l_i = 0.0  # running sum of exp(score - m_i)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # running sum of exp(score - m_i) * v
     for start in range(0, seq_len, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         mask_n = offs_n < seq_len
-        slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
+        slots = tl.load(
+            page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0
+        ).to(tl.int64)
         kv_offs = slots[:, None] * stride_kv_s + h * stride_kv_h + offs_d[None, :]
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_pool_ptr + kv_offs, mask=kv_mask, other=0.0)
@@ -259,23 +307,44 @@ def my_paged_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, tab
         ### END SOLUTION
         ### BEGIN STARTER
         # YOUR CODE HERE: paged_attention_kernel
-        # the online-softmax update: m_new, alpha and p from scores; then acc, l_i and m_i
+        # the online-softmax update: m_new, alpha and p from scores; then acc, l_i and
+        # m_i
         ### END STARTER
-    tl.store(out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h + offs_d, acc / l_i, mask=mask_d)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_o_b + h * stride_o_h + offs_d,
+        acc / l_i,
+        mask=mask_d,
+    )
 
 
 def my_paged_attention(q, k_pool, v_pool, page_table, table_idx, seq_lens, block_n=16):
-    check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)  # before launch
+    # before launch
+    check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_lens)
     batch, heads, head_dim = q.shape
     dev = q.device
     out = torch.empty(batch, heads, head_dim, dtype=torch.float32, device=dev)
     table_idx = torch.as_tensor(table_idx).to(dev, torch.int64)
     seq_lens = torch.as_tensor(seq_lens).to(dev, torch.int64)
     my_paged_attention_kernel[(batch, heads)](
-        q, k_pool, v_pool, page_table, table_idx, seq_lens, out, 1.0 / math.sqrt(head_dim),
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
-        out.stride(0), out.stride(1), head_dim,
-        BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)))
+        q,
+        k_pool,
+        v_pool,
+        page_table,
+        table_idx,
+        seq_lens,
+        out,
+        1.0 / math.sqrt(head_dim),
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        page_table.stride(0),
+        out.stride(0),
+        out.stride(1),
+        head_dim,
+        BLOCK_N=block_n,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+    )
     return out
 
 
@@ -283,7 +352,8 @@ kvlab.check.paged_attention_kernel(my_paged_attention_kernel);
 
 # %%
 kvlab.check.hint("paged_attention_kernel", 1);
-# kvlab.solutions.show("paged_attention_kernel")   # uncomment to read the reference solution
+# kvlab.solutions.show("paged_attention_kernel")   # uncomment to read the reference
+# solution
 
 # %% [markdown]
 # ## Validate against `kvlab.course.reference`
@@ -296,12 +366,17 @@ kvlab.check.hint("paged_attention_kernel", 1);
 # kvlab's `paged_decode_attention` stands in (the next cell says which one runs).
 
 # %%
-attend = kvlab.check.choose("paged_attention_kernel", my_paged_attention, paged_decode_attention)
+attend = kvlab.check.choose(
+    "paged_attention_kernel", my_paged_attention, paged_decode_attention
+)
 
 
 def random_layout(seed, page_size, seq_lens, heads=2, head_dim=16):
-    """Random K/V; each request's tokens on shuffled, disjoint pages; rows in shuffled order."""
-    return random_paged_layout(seed, page_size, seq_lens, heads=heads, head_dim=head_dim, device=DEVICE)
+    """Random K/V; each request's tokens on shuffled, disjoint pages; rows in shuffled
+    order."""
+    return random_paged_layout(
+        seed, page_size, seq_lens, heads=heads, head_dim=head_dim, device=DEVICE
+    )
 
 
 edge_cases = {
@@ -315,16 +390,24 @@ edge_cases = {
 }
 for name, (page_size, seq_lens, head_dim, block_n) in edge_cases.items():
     args = random_layout(0, page_size, seq_lens, head_dim=head_dim)
-    torch.testing.assert_close(attend(*args, block_n=block_n),
-                               paged_decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        attend(*args, block_n=block_n),
+        paged_decode_attention_reference(*args),
+        atol=1e-5,
+        rtol=1e-5,
+    )
     print(f"✓ {name}")
 rng = random.Random(1)
 for i in range(N_RANDOM):
     page_size = rng.choice([1, 2, 4, 16])
     seq_lens = [rng.randint(1, 40) for _ in range(rng.randint(1, 4))]
     args = random_layout(100 + i, page_size, seq_lens)
-    torch.testing.assert_close(attend(*args, block_n=rng.choice([4, 16])),
-                               paged_decode_attention_reference(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        attend(*args, block_n=rng.choice([4, 16])),
+        paged_decode_attention_reference(*args),
+        atol=1e-5,
+        rtol=1e-5,
+    )
 print(f"✓ {N_RANDOM} random layouts")
 
 # %% [markdown]
@@ -359,21 +442,33 @@ except InvalidArgument as err:
 # with the baseline. The page table is photographed after the second batch's prefill.
 
 # %%
-model = TinyTransformer(TinyConfig(vocab_size=96, num_layers=2, num_heads=2, head_dim=16, seed=0))
+model = TinyTransformer(
+    TinyConfig(vocab_size=96, num_layers=2, num_heads=2, head_dim=16, seed=0)
+)
 first, second = shared_prompt_batches(n=N_REQ)
 engine = PagedEngine(model, page_size=4, num_pages=16 * N_REQ, max_running=N_REQ,
                      max_seq_len=64)
 photos = {}
-paged = [engine.generate(first, NEW_TOKENS),
-         engine.generate(second, NEW_TOKENS,
-                         on_step=lambda phase, reqs: photos.setdefault(phase, engine.page_table.clone()))]
-contiguous = [generate_contiguous(model, first, NEW_TOKENS), generate_contiguous(model, second, NEW_TOKENS)]
+paged = [
+    engine.generate(first, NEW_TOKENS),
+    engine.generate(
+        second,
+        NEW_TOKENS,
+        on_step=lambda phase, reqs: photos.setdefault(phase, engine.page_table.clone()),
+    ),
+]
+contiguous = [
+    generate_contiguous(model, first, NEW_TOKENS),
+    generate_contiguous(model, second, NEW_TOKENS),
+]
 
 for i, (c, p) in enumerate(zip(contiguous, paged)):
     print(f"batch {i + 1}: tokens contiguous {c.tokens}")
     print(f"         tokens paged      {p.tokens}")
-    print(f"         prompt tokens computed: contiguous {c.prefill_tokens}, paged {p.prefill_tokens} "
-          f"(cache hits per request: {p.hit_tokens})")
+    print(
+        f"         prompt tokens computed: contiguous {c.prefill_tokens}, paged"
+        f" {p.prefill_tokens} (cache hits per request: {p.hit_tokens})"
+    )
 
 # %% [markdown]
 # ## Validate: the whole memory manager, end to end
@@ -387,7 +482,9 @@ for i, (c, p) in enumerate(zip(contiguous, paged)):
 # %%
 worst = 0.0
 for c, p in zip(contiguous, paged):
-    assert p.tokens == c.tokens, f"the paged engine's tokens {p.tokens}, the contiguous one's {c.tokens}"
+    assert (
+        p.tokens == c.tokens
+    ), f"the paged engine's tokens {p.tokens}, the contiguous one's {c.tokens}"
     for a, b in zip(p.logits, c.logits):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
         worst = max(worst, float((a - b).abs().max()))
@@ -399,7 +496,9 @@ assert all(h == 12 for h in paged[1].hit_tokens), (
 assert paged[1].prefill_tokens < contiguous[1].prefill_tokens, (
     "the second batch computed no fewer prompt tokens with the cache")
 assert paged[1].prefill_tokens == contiguous[1].prefill_tokens - 12 * N_REQ, (
-    f"computed {paged[1].prefill_tokens}, expected {contiguous[1].prefill_tokens - 12 * N_REQ}")
+    f"computed {paged[1].prefill_tokens}, expected"
+    f" {contiguous[1].prefill_tokens - 12 * N_REQ}"
+)
 engine.manager.check_integrity()
 assert engine.manager.running == [], f"still running: {engine.manager.running}"
 
@@ -412,11 +511,19 @@ assert engine.manager.running == [], f"still running: {engine.manager.running}"
 # of its own.
 
 # %% alt="Left: batch 2's page table after prefill, three rows sharing their first three pages before pages of their own; right: bars of the prompt tokens computed in each batch, equal in batch 1 and far fewer with the prefix cache in batch 2, with the same generated tokens."
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8.4, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1]))
+fig, (ax1, ax2) = plt.subplots(
+    1, 2, figsize=(8.4, 3.0), gridspec_kw=dict(width_ratios=[1.6, 1])
+)
 cols = max(len(p) for p in second) + NEW_TOKENS
 cols = -(-cols // 4) * 4
-page_table_heatmap(photos["prefill"][:N_REQ].cpu(), 4, cols=slice(0, cols), ax=ax1, colorbar=False,
-                   title="batch 2 after prefill: three shared pages,\nthen each request's own")
+page_table_heatmap(
+    photos["prefill"][:N_REQ].cpu(),
+    4,
+    cols=slice(0, cols),
+    ax=ax1,
+    colorbar=False,
+    title="batch 2 after prefill: three shared pages,\nthen each request's own",
+)
 prefill_bars(contiguous, paged, ax2)
 fig.tight_layout()
 plt.show()
@@ -433,19 +540,32 @@ assert (shared == shared[0]).all(), (   # every row maps the same 12 cached slot
 # reference (each one stands in for yours until yours has passed its checker).
 
 # %%
-attention_torch = kvlab.check.choose("paged_attention", my_paged_attention_torch, paged_decode_attention_reference)
+attention_torch = kvlab.check.choose(
+    "paged_attention", my_paged_attention_torch, paged_decode_attention_reference
+)
 rng = random.Random(2)
 for i in range(N_RANDOM):
     page_size = rng.choice([1, 4, 16])
-    args = random_layout(500 + i, page_size, [rng.randint(1, 48) for _ in range(rng.randint(1, 3))])
+    args = random_layout(
+        500 + i, page_size, [rng.randint(1, 48) for _ in range(rng.randint(1, 3))]
+    )
     ours = attend(*args, block_n=16)
     lifted = paged_decode_attention(*args)
-    torch.testing.assert_close(ours, lifted, atol=1e-5, rtol=1e-5, msg=lambda m: f"layout {i}, kernels: {m}")
+    torch.testing.assert_close(
+        ours, lifted, atol=1e-5, rtol=1e-5, msg=lambda m: f"layout {i}, kernels: {m}"
+    )
     # the checker takes any float dtype from the torch version: compare in float32
-    torch.testing.assert_close(attention_torch(*args).float(), paged_decode_attention_reference(*args),
-                               atol=1e-5, rtol=1e-5, msg=lambda m: f"layout {i}, torch versions: {m}")
-print(f"✓ the notebook's kernel == kvlab's kernel, the torch version == kvlab's reference, "
-      f"on {N_RANDOM} random layouts")
+    torch.testing.assert_close(
+        attention_torch(*args).float(),
+        paged_decode_attention_reference(*args),
+        atol=1e-5,
+        rtol=1e-5,
+        msg=lambda m: f"layout {i}, torch versions: {m}",
+    )
+print(
+    "✓ the notebook's kernel == kvlab's kernel, the torch version == kvlab's"
+    f" reference, on {N_RANDOM} random layouts"
+)
 
 # %% [markdown]
 # ## K/V in 16 bits, as servers keep them
@@ -470,12 +590,20 @@ print("16-bit K/V here:", kvlab.base.runtime.half_note(HALF))
 q_f, k_f, v_f, table_f, rows_f, lens_f = random_layout(7, 4, [9, 14, 3])
 k_h, v_h = k_f.to(HALF), v_f.to(HALF)
 out_h = paged_decode_attention(q_f, k_h, v_h, table_f, rows_f, lens_f)
-# the kernel read the 16-bit numbers exactly: the reference on the same numbers agrees closely
+# the kernel read the 16-bit numbers exactly: the reference on the same numbers agrees
+# closely
 torch.testing.assert_close(out_h, paged_decode_attention_reference(
     q_f, k_h.float(), v_h.float(), table_f, rows_f, lens_f), atol=1e-5, rtol=1e-5)
 # and the pool's rounding moves the output a little from the float32 pool's
-gap = (out_h - paged_decode_attention_reference(q_f, k_f, v_f, table_f, rows_f, lens_f)).abs().max().item()
-assert out_h.dtype == torch.float32 and gap < 5e-2, f"the 16-bit pool moved the output by {gap}"
+gap = (
+    (out_h - paged_decode_attention_reference(q_f, k_f, v_f, table_f, rows_f, lens_f))
+    .abs()
+    .max()
+    .item()
+)
+assert (
+    out_h.dtype == torch.float32 and gap < 5e-2
+), f"the 16-bit pool moved the output by {gap}"
 print(f"✓ {k_h.element_size()} bytes per number instead of {k_f.element_size()}: "
       f"{k_h.nbytes + v_h.nbytes} bytes of K/V instead of {k_f.nbytes + v_f.nbytes}; "
       f"the output moves by at most {gap:.1e}")

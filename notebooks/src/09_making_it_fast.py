@@ -56,7 +56,11 @@ from kvlab.bench.cases import make_extend_batch
 from kvlab.course.scenes.ch09_making_it_fast import fill_mapping_figure, load_bench
 from kvlab.alloc import fast_alloc_kernels as fast_alloc
 from kvlab.alloc.fast_alloc import alloc_decode_fast, alloc_extend_fast
-from kvlab.course.reference.alloc_ref import alloc_decode_ref, alloc_extend_ref, pages_for
+from kvlab.course.reference.alloc_ref import (
+    alloc_decode_ref,
+    alloc_extend_ref,
+    pages_for,
+)
 
 torch.manual_seed(0)
 rng = random.Random(0)
@@ -64,7 +68,10 @@ device = kvlab.DEVICE
 bench = load_bench()
 meta = bench["meta"]
 print("device:", device)
-print(f"saved benchmark: {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, {meta['date']}")
+print(
+    f"saved benchmark: {meta['device']}, torch {meta['torch']}, triton"
+    f" {meta['triton']}, {meta['date']}"
+)
 
 # %% [markdown]
 # ## The picture: where the time goes
@@ -97,11 +104,16 @@ plt.show()
 # %%
 def teaching_compile_key(bs: int, extend_num_tokens: int, page_size: int):
     """The constexpr values the teaching extend kernel is compiled for."""
-    return (triton.next_power_of_2(bs), page_size, triton.next_power_of_2(extend_num_tokens))
+    return (
+        triton.next_power_of_2(bs),
+        page_size,
+        triton.next_power_of_2(extend_num_tokens),
+    )
 
 
 keys, first_seen = set(), []
-for step in range(2000):  # a stream of prefill batches: 1-64 requests, 16-4096 new tokens each
+# a stream of prefill batches: 1-64 requests, 16-4096 new tokens each
+for step in range(2000):
     bs = rng.randint(1, 64)
     tokens = sum(rng.randint(16, 4096) for _ in range(bs))
     key = teaching_compile_key(bs, tokens, 64)
@@ -121,7 +133,9 @@ print("a few of them (bs_upper, page_size, lanes):", sorted(keys)[:4], "...")
 # %% alt="A log-scale bar chart of the first call's time on each new batch shape: the teaching kernel compiles again for every power of two and lands far above the 20 ms target line, the fast kernel compiles once per page size and stays below it."
 fig = bench_plots.plot_recompile(bench)
 plt.show()
-teach_ms = [r["teaching_first_call_ms"] for r in bench["cold"] if r["teaching_first_call_ms"]]
+teach_ms = [
+    r["teaching_first_call_ms"] for r in bench["cold"] if r["teaching_first_call_ms"]
+]
 fast_ms = [r["fast_first_call_ms"] for r in bench["cold"] if r["fast_compiled_before"]]
 print(f"teaching first calls: {min(teach_ms):.0f} .. {max(teach_ms):.0f} ms")
 print(f"fast first calls on unseen shapes: {min(fast_ms):.2f} .. {max(fast_ms):.2f} ms")
@@ -143,7 +157,8 @@ print(f"fast first calls on unseen shapes: {min(fast_ms):.2f} .. {max(fast_ms):.
 # %%
 def lengths_loaded(bs: int) -> tuple[int, int]:
     teaching = bs * triton.next_power_of_2(bs) * 2  # every program: two masked vectors
-    scan = bs * 2                                    # one pass over prefix_lens and seq_lens
+    # one pass over prefix_lens and seq_lens
+    scan = bs * 2
     return teaching, scan
 
 
@@ -180,9 +195,12 @@ for row in bench["extend"]:
         continue
     p = row["paths"]
     teach = p["teaching"].get("loop_us")
-    print(f"{row['case']:>9} ({row['tokens']:>7} tokens): "
-          f"teaching {('%.0f' % teach) if teach else 'skipped':>7} us | "
-          f"fast, no sync {p['fast']['loop_us']:5.0f} us | fast, one sync {p['fast_sync']['loop_us']:5.0f} us")
+    print(
+        f"{row['case']:>9} ({row['tokens']:>7} tokens): teaching"
+        f" {('%.0f' % teach) if teach else 'skipped':>7} us | fast, no sync"
+        f" {p['fast']['loop_us']:5.0f} us | fast, one sync"
+        f" {p['fast_sync']['loop_us']:5.0f} us"
+    )
 
 # %% [markdown]
 # ## Build it: one formula per token
@@ -205,19 +223,24 @@ for row in bench["extend"]:
 P = 64
 pre = torch.tensor([70, 128])
 seq = torch.tensor([190, 260])
-last_loc = torch.tensor([1 * P + 5, 2 * P + 63])    # A's prefix ends at offset 5 of page 1
+# A's prefix ends at offset 5 of page 1
+last_loc = torch.tensor([1 * P + 5, 2 * P + 63])
 free_pages = torch.tensor([7, 3, 9, 5, 11])
 
 extend = seq - pre
 new_pages = (seq + P - 1) // P - (pre + P - 1) // P
-token_start = torch.cumsum(extend, 0) - extend       # exclusive prefix sums: computed once
+# exclusive prefix sums: computed once
+token_start = torch.cumsum(extend, 0) - extend
 page_start = torch.cumsum(new_pages, 0) - new_pages
 T = int(extend.sum())
 print("extend", extend.tolist(), " new_pages", new_pages.tolist())
-print("token_start", token_start.tolist(), " page_start", page_start.tolist(), " T =", T)
+print(
+    "token_start", token_start.tolist(), " page_start", page_start.tolist(), " T =", T
+)
 
 t = torch.arange(T)                                   # every output position
-r = torch.searchsorted(token_start, t, right=True) - 1  # its request: last r with start <= t
+# its request: last r with start <= t
+r = torch.searchsorted(token_start, t, right=True) - 1
 k = t - token_start[r]
 pos = pre[r] + k
 old_end = (pre[r] + P - 1) // P * P
@@ -227,10 +250,22 @@ page = free_pages[torch.where(on_old, 0, page_start[r] + j)]
 slots = torch.where(on_old, last_loc[r] + 1 + k, page * P + pos % P)
 print("r", tuple(r.shape), " slots", tuple(slots.shape))
 
-ref = alloc_extend_ref(pre.tolist(), seq.tolist(), last_loc.tolist(), free_pages.tolist(), P)
-assert slots.tolist() == ref.out_indices, "the torch build-up's slots differ from the reference's"
-print("A:", slots[:3].tolist(), "...", slots[57:60].tolist(), "... | B:", slots[120:122].tolist(), "...",
-      slots[-4:].tolist())
+ref = alloc_extend_ref(
+    pre.tolist(), seq.tolist(), last_loc.tolist(), free_pages.tolist(), P
+)
+assert (
+    slots.tolist() == ref.out_indices
+), "the torch build-up's slots differ from the reference's"
+print(
+    "A:",
+    slots[:3].tolist(),
+    "...",
+    slots[57:60].tolist(),
+    "... | B:",
+    slots[120:122].tolist(),
+    "...",
+    slots[-4:].tolist(),
+)
 
 # %% [markdown]
 # `out_indices` is one flat list; what it means shows in the [page table](glossary.md#page-table). Put each request's
@@ -242,21 +277,34 @@ print("A:", slots[:3].tolist(), "...", slots[57:60].tolist(), "... | B:", slots[
 
 # %% alt="The worked example written into a page table on pages of 64 slots: requests A and B, each row coloured by physical page, their prefix pages first, then the pages out_indices gave them."
 rows = torch.full((2, int(seq.max())), -1, dtype=torch.int64)
-rows[0, :70] = torch.cat([0 * P + torch.arange(64), 1 * P + torch.arange(6)])    # A's prefix: pages 0, 1
-rows[1, :128] = torch.cat([4 * P + torch.arange(64), 2 * P + torch.arange(64)])  # B's prefix: pages 4, 2
+# A's prefix: pages 0, 1
+rows[0, :70] = torch.cat([0 * P + torch.arange(64), 1 * P + torch.arange(6)])
+# B's prefix: pages 4, 2
+rows[1, :128] = torch.cat([4 * P + torch.arange(64), 2 * P + torch.arange(64)])
 assert [int(rows[0, 69]), int(rows[1, 127])] == last_loc.tolist(), (
-    f"last prefix slots {[int(rows[0, 69]), int(rows[1, 127])]}, last_loc {last_loc.tolist()}")
+    f"last prefix slots {[int(rows[0, 69]), int(rows[1, 127])]}, last_loc"
+    f" {last_loc.tolist()}"
+)
 for r_ in range(2):
     n_new = int(extend[r_])
-    rows[r_, int(pre[r_]):int(seq[r_])] = slots[int(token_start[r_]):int(token_start[r_]) + n_new]
+    rows[r_, int(pre[r_]) : int(seq[r_])] = slots[
+        int(token_start[r_]) : int(token_start[r_]) + n_new
+    ]
 mapped = rows >= 0
 assert bool(((rows % P) == (torch.arange(rows.shape[1]) % P))[mapped].all()), (
     "a position is not at its offset t % P")
 for r_, name in enumerate("AB"):
     print(f"{name}'s row, page by page:", (rows[r_, : int(seq[r_])][::P] // P).tolist())
 fig, ax = plt.subplots(figsize=(8.4, 1.8))
-kvlab.course.viz.page_table_heatmap(rows, P, ax=ax, row_label="request (A, B)",
-                             title="the worked example written into a page table: prefix pages, then out_indices")
+kvlab.course.viz.page_table_heatmap(
+    rows,
+    P,
+    ax=ax,
+    row_label="request (A, B)",
+    title=(
+        "the worked example written into a page table: prefix pages, then out_indices"
+    ),
+)
 plt.show()
 
 # %% [markdown]
@@ -270,9 +318,11 @@ plt.show()
 
 # %%
 def extend_slots_torch(pre, seq, last_loc, free_pages, page_size, starts=None):
-    """Slots of a batched extend: one formula per output token (this chapter's build-up).
+    """Slots of a batched extend: one formula per output token (this chapter's
+    build-up).
 
-    ``starts``: ``(token_start, page_start)`` from elsewhere (a scan kernel); default: cumsum.
+    ``starts``: ``(token_start, page_start)`` from elsewhere (a scan kernel); default:
+    cumsum.
     """
     P = page_size
     extend = seq - pre
@@ -319,7 +369,9 @@ print(inspect.getsource(fast_alloc._fill_tokens.fn))
 
 # %%
 src = inspect.getsource(alloc_extend_fast)
-print(src[src.index("    if prefix_lens_cpu is not None:"):src.index("    if bs == 0:")])
+print(
+    src[src.index("    if prefix_lens_cpu is not None:") : src.index("    if bs == 0:")]
+)
 
 # %% [markdown]
 # ## Validate against the reference
@@ -350,18 +402,31 @@ for trial in range(n_trials):
     pre_l, seq_l, last_l, free_l = random_extend_batch(rng, P)
     ref = alloc_extend_ref(pre_l, seq_l, last_l, free_l, P)
     modes = {
-        "counts": dict(extend_num_tokens=ref.num_extend_tokens, num_new_pages=ref.num_new_pages),
+        "counts": dict(
+            extend_num_tokens=ref.num_extend_tokens, num_new_pages=ref.num_new_pages
+        ),
         "host lengths": dict(prefix_lens_cpu=pre_l, seq_lens_cpu=seq_l),
         "one sync": {},
     }
     for mode, kw in modes.items():
-        got = alloc_extend_fast(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P, **kw)
+        got = alloc_extend_fast(
+            as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P, **kw
+        )
         assert got.out_indices.tolist() == ref.out_indices, (trial, mode)
         assert got.num_new_pages == ref.num_new_pages, (
-            f"trial {trial}, {mode}: {got.num_new_pages} new pages, expected {ref.num_new_pages}")
-    assert extend_slots_torch(as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P).tolist() == ref.out_indices, (
-        f"trial {trial}: the torch build-up's slots differ from the reference's")
-print(f"fast extend == reference on {n_trials} random batches x 3 modes (and the torch build-up)")
+            f"trial {trial}, {mode}: {got.num_new_pages} new pages, expected"
+            f" {ref.num_new_pages}"
+        )
+    assert (
+        extend_slots_torch(
+            as_t(pre_l), as_t(seq_l), as_t(last_l), as_t(free_l), P
+        ).tolist()
+        == ref.out_indices
+    ), f"trial {trial}: the torch build-up's slots differ from the reference's"
+print(
+    f"fast extend == reference on {n_trials} random batches x 3 modes (and the torch"
+    " build-up)"
+)
 
 # %% [markdown]
 # Out of pages must be refused before any kernel reads `free_pages`, with nothing changed:
@@ -370,11 +435,21 @@ print(f"fast extend == reference on {n_trials} random batches x 3 modes (and the
 pre_l, seq_l, last_l = [0, 3], [40, 50], [-1, 2]
 short = as_t(list(range(5)))  # 6 pages are needed at P = 16
 try:
-    alloc_extend_fast(as_t(pre_l), as_t(seq_l), as_t(last_l), short, 16, prefix_lens_cpu=pre_l, seq_lens_cpu=seq_l)
+    alloc_extend_fast(
+        as_t(pre_l),
+        as_t(seq_l),
+        as_t(last_l),
+        short,
+        16,
+        prefix_lens_cpu=pre_l,
+        seq_lens_cpu=seq_l,
+    )
     raise AssertionError("should have raised")
 except kvlab.OutOfPages as err:
     print("refused:", err)
-assert short.tolist() == list(range(5)), f"a refused call changed free_pages: {short.tolist()}"
+assert short.tolist() == list(
+    range(5)
+), f"a refused call changed free_pages: {short.tolist()}"
 
 # %% [markdown]
 # Decode gets the same treatment: one program, a vector of requests, one scan over "does this
@@ -383,16 +458,22 @@ assert short.tolist() == list(range(5)), f"a refused call changed free_pages: {s
 # %%
 for trial in range(n_trials):
     P = rng.choice([1, 16, 64])
-    seq_l = [rng.choice([1, P + 1, rng.randint(1, 4 * P)]) for _ in range(rng.randint(1, 40))]
+    seq_l = [
+        rng.choice([1, P + 1, rng.randint(1, 4 * P)]) for _ in range(rng.randint(1, 40))
+    ]
     last_l, page = [], 0
     for s in seq_l:
         page += pages_for(s - 1, P)
         last_l.append((page - 1) * P + (s - 2) % P if s > 1 else -1)
     free_l = list(range(page, page + len(seq_l)))
     ref = alloc_decode_ref(seq_l, last_l, free_l, P)
-    got = alloc_decode_fast(as_t(seq_l), as_t(last_l), as_t(free_l), P, seq_lens_cpu=seq_l)
-    assert got.out_indices.tolist() == ref.out_indices and got.num_new_pages == ref.num_new_pages, (
-        f"trial {trial}: fast decode's slots or page count differ from the reference's")
+    got = alloc_decode_fast(
+        as_t(seq_l), as_t(last_l), as_t(free_l), P, seq_lens_cpu=seq_l
+    )
+    assert (
+        got.out_indices.tolist() == ref.out_indices
+        and got.num_new_pages == ref.num_new_pages
+    ), f"trial {trial}: fast decode's slots or page count differ from the reference's"
 print(f"fast decode == reference on {n_trials} random steps")
 
 # %% [markdown]
@@ -422,7 +503,10 @@ else:
         b = make_extend_batch(bs, mean, 64)
         teach = loop_us(lambda: bench_paths.teaching_extend(b), smoke=False)
         fast = loop_us(lambda: bench_paths.fast_extend(b), smoke=False)
-        print(f"{bs}x{mean}: teaching {teach:6.1f} us, fast {fast:6.1f} us, fast/teaching {fast / teach:.2f}")
+        print(
+            f"{bs}x{mean}: teaching {teach:6.1f} us, fast {fast:6.1f} us, fast/teaching"
+            f" {fast / teach:.2f}"
+        )
 
 # %% [markdown]
 # ## Your turn: the scan with a carry
@@ -436,9 +520,10 @@ else:
 # page_start[r]  = sum of (ceil(seq/P) - ceil(pre/P)) over requests before r
 #
 # BLOCK = 4, extend = [5 0 3 7 | 2 4]
-#   block 0: cumsum [5 5 8 15] - extend -> [0 5 5 8],   + carry 0   -> token_start[0:4]
+#   block 0: cumsum [5 5 8 15] - extend -> [0 5 5 8], + carry 0  -> token_start[0:4]
 #            carry = 0 + 15
-#   block 1: cumsum [2 6]      - extend -> [0 2],       + carry 15  -> token_start[4:6] = [15 17]
+#   block 1: cumsum [2 6]      - extend -> [0 2],     + carry 15 -> token_start[4:6]
+#                                                                   = [15 17]
 # ```
 #
 # **The carry is an int64 scalar, from the start.** A value carried from one loop iteration
@@ -469,7 +554,8 @@ import triton.language as tl  # noqa: E402
 @triton.jit
 def my_extend_scan(prefix_lens_ptr, seq_lens_ptr, token_start_ptr, page_start_ptr, bs,
                    page_size: tl.constexpr, BLOCK: tl.constexpr):
-    """Exclusive prefix sums of extend lengths and of new pages, BLOCK requests at a time."""
+    """Exclusive prefix sums of extend lengths and of new pages, BLOCK requests at a
+    time."""
     ### BEGIN SOLUTION
     lanes = tl.arange(0, BLOCK)
     carry_tokens = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
@@ -481,8 +567,16 @@ def my_extend_scan(prefix_lens_ptr, seq_lens_ptr, token_start_ptr, page_start_pt
         seq = tl.load(seq_lens_ptr + offs, mask=mask, other=0).to(tl.int64)
         extend = seq - pre
         pages = (seq + page_size - 1) // page_size - (pre + page_size - 1) // page_size
-        tl.store(token_start_ptr + offs, carry_tokens + tl.cumsum(extend, axis=0) - extend, mask=mask)
-        tl.store(page_start_ptr + offs, carry_pages + tl.cumsum(pages, axis=0) - pages, mask=mask)
+        tl.store(
+            token_start_ptr + offs,
+            carry_tokens + tl.cumsum(extend, axis=0) - extend,
+            mask=mask,
+        )
+        tl.store(
+            page_start_ptr + offs,
+            carry_pages + tl.cumsum(pages, axis=0) - pages,
+            mask=mask,
+        )
         carry_tokens += tl.sum(extend, axis=0)
         carry_pages += tl.sum(pages, axis=0)
     ### END SOLUTION
@@ -508,11 +602,14 @@ kvlab.check.hint("extend_scan", 1);
 # in for it, and the cell says so.
 
 # %%
-scan_kernel = kvlab.check.choose("extend_scan", my_extend_scan, kvlab.solutions.get("extend_scan"))
+scan_kernel = kvlab.check.choose(
+    "extend_scan", my_extend_scan, kvlab.solutions.get("extend_scan")
+)
 
 
 def scan_starts(kernel, pre, seq, page_size, block=8):
-    """(token_start, page_start) of a batch, from a scan kernel: one program, BLOCK requests at a time."""
+    """(token_start, page_start) of a batch, from a scan kernel: one program, BLOCK
+    requests at a time."""
     token_start, page_start = torch.empty_like(pre), torch.empty_like(pre)
     kernel[(1,)](pre, seq, token_start, page_start, len(pre), page_size, BLOCK=block)
     return token_start, page_start
@@ -525,14 +622,22 @@ for trial in range(kvlab.base.runtime.pick(cpu=5, gpu=100)):
     starts = scan_starts(scan_kernel, pre_t, seq_t, P)
     extend, new_pages = seq_t - pre_t, (seq_t + P - 1) // P - (pre_t + P - 1) // P
     assert torch.equal(starts[0], torch.cumsum(extend, 0) - extend), (
-        f"page_size {P}: token starts {starts[0].tolist()}, expected {(torch.cumsum(extend, 0) - extend).tolist()}")
+        f"page_size {P}: token starts {starts[0].tolist()}, expected"
+        f" {(torch.cumsum(extend, 0) - extend).tolist()}"
+    )
     assert torch.equal(starts[1], torch.cumsum(new_pages, 0) - new_pages), (
-        f"page_size {P}: page starts {starts[1].tolist()}, expected {(torch.cumsum(new_pages, 0) - new_pages).tolist()}")
-    mine = extend_slots_torch(pre_t, seq_t, as_t(last_l), as_t(free_l), P, starts=starts)
+        f"page_size {P}: page starts {starts[1].tolist()}, expected"
+        f" {(torch.cumsum(new_pages, 0) - new_pages).tolist()}"
+    )
+    mine = extend_slots_torch(
+        pre_t, seq_t, as_t(last_l), as_t(free_l), P, starts=starts
+    )
     theirs = alloc_extend_fast(pre_t, seq_t, as_t(last_l), as_t(free_l), P,
                                prefix_lens_cpu=pre_l, seq_lens_cpu=seq_l)
     assert torch.equal(mine, theirs.out_indices), (
-        f"page_size {P}, pre {pre_l}, seq {seq_l}: the slots from your scan differ from alloc_extend_fast's")
+        f"page_size {P}, pre {pre_l}, seq {seq_l}: the slots from your scan differ from"
+        " alloc_extend_fast's"
+    )
 print("your scan + the notebook's extend_slots_torch == kvlab's alloc_extend_fast")
 
 # %% [markdown]
@@ -566,13 +671,18 @@ print("your scan + the notebook's extend_slots_torch == kvlab's alloc_extend_fas
 att = bench["attention"]
 bw = att["bandwidth"]
 print(f"copy bandwidth: {bw['gb_per_s']:.0f} GB/s on {att['meta']['device']}")
-print(f"{'batch':>5} {'context':>7} {'floor µs':>9} {'chapter 08':>11} {'x floor':>8} {'chapter 09':>11} {'x floor':>8}")
+print(
+    f"{'batch':>5} {'context':>7} {'floor µs':>9} {'chapter 08':>11} {'x floor':>8}"
+    f" {'chapter 09':>11} {'x floor':>8}"
+)
 for r in att["kernel"]:
     if r.get("skipped"):
         continue
     t, f = r["paths"]["teaching"], r["paths"]["fast"]
-    print(f"{r['batch']:>5} {r['ctx']:>7} {r['floor_us']:>9.1f} {t['us']:>11.1f} {t['ratio_to_floor']:>8.1f}"
-          f" {f['us']:>11.1f} {f['ratio_to_floor']:>8.2f}")
+    print(
+        f"{r['batch']:>5} {r['ctx']:>7} {r['floor_us']:>9.1f} {t['us']:>11.1f}"
+        f" {t['ratio_to_floor']:>8.1f} {f['us']:>11.1f} {f['ratio_to_floor']:>8.2f}"
+    )
 
 # %% [markdown]
 # Chapter 08's kernel stays several times above the floor at every shape, and worst for one long
@@ -586,9 +696,11 @@ shape = att["shape"]
 group = shape["heads"] // shape["kv_heads"]
 r = next(r for r in att["kernel"] if (r["batch"], r["ctx"]) == (64, 4096))
 b = r["bytes"]
-print(f"batch 64, context 4096: K/V {b['kv'] / 1e6:.0f} MB; chapter 08's programs read "
-      f"{b['teaching_design'] / 1e6:.0f} MB by design ({group} query heads per K/V head), chapter 09's "
-      f"{b['fast_design'] / 1e6:.0f} MB")
+print(
+    f"batch 64, context 4096: K/V {b['kv'] / 1e6:.0f} MB; chapter 08's programs read"
+    f" {b['teaching_design'] / 1e6:.0f} MB by design ({group} query heads per K/V"
+    f" head), chapter 09's {b['fast_design'] / 1e6:.0f} MB"
+)
 
 # %% [markdown]
 # ### The picture: which program reads which pages
@@ -620,19 +732,39 @@ plt.show()
 # %%
 from kvlab.serving.hf.attention_steps import paged_attention_reference
 from kvlab.attention.kv_pool import random_paged_layout
-from kvlab.course.reference.attention_ref import (merge_splits_reference, split_partials_reference,
-                                       split_ranges_reference)
+from kvlab.course.reference.attention_ref import (
+    merge_splits_reference,
+    split_partials_reference,
+    split_ranges_reference,
+)
 
-q, k_pool, v_pool, table, rows_, lens = random_paged_layout(0, 3, [14], heads=8, kv_heads=2, head_dim=16)
-g, grp = 1, 4                                                        # K/V head 1: query heads 4..7
+q, k_pool, v_pool, table, rows_, lens = random_paged_layout(
+    0, 3, [14], heads=8, kv_heads=2, head_dim=16
+)
+# K/V head 1: query heads 4..7
+g, grp = 1, 4
 slots = table[int(rows_[0]), :14].long()
 q_group = q[0, g * grp:(g + 1) * grp]                                # [group, head_dim]
-k_rows, v_rows = k_pool[slots, g], v_pool[slots, g]                  # [n, head_dim]: read once
+# [n, head_dim]: read once
+k_rows, v_rows = k_pool[slots, g], v_pool[slots, g]
 scores = q_group @ k_rows.T / 4.0                                    # [group, n]
 together = torch.softmax(scores, -1) @ v_rows                        # [group, head_dim]
-print("q_group", tuple(q_group.shape), "K rows", tuple(k_rows.shape), "scores", tuple(scores.shape))
-one_by_one = torch.stack([torch.softmax(q[0, h] @ k_pool[slots, h // grp].T / 4.0, -1) @ v_pool[slots, h // grp]
-                          for h in range(g * grp, (g + 1) * grp)])   # chapter 08: a head at a time
+print(
+    "q_group",
+    tuple(q_group.shape),
+    "K rows",
+    tuple(k_rows.shape),
+    "scores",
+    tuple(scores.shape),
+)
+one_by_one = torch.stack(
+    [
+        torch.softmax(q[0, h] @ k_pool[slots, h // grp].T / 4.0, -1)
+        @ v_pool[slots, h // grp]
+        # chapter 08: a head at a time
+        for h in range(g * grp, (g + 1) * grp)
+    ]
+)
 torch.testing.assert_close(together, one_by_one)
 print("the group's heads in one product == one head at a time")
 
@@ -660,17 +792,31 @@ print("the group's heads in one product == one head at a time")
 # from its request's own length. In torch, with scores large enough to overflow:
 
 # %%
-print("splits of a 300-token request, 4 splits, blocks of 64:", split_ranges_reference(300, 4, 64))
-q, k_pool, v_pool, table, rows_, lens = random_paged_layout(1, 3, [40, 7], heads=8, kv_heads=2, head_dim=16)
+print(
+    "splits of a 300-token request, 4 splits, blocks of 64:",
+    split_ranges_reference(300, 4, 64),
+)
+q, k_pool, v_pool, table, rows_, lens = random_paged_layout(
+    1, 3, [40, 7], heads=8, kv_heads=2, head_dim=16
+)
 q = q * 60                                                        # scores of hundreds
-o, lse = split_partials_reference(q, k_pool, v_pool, table, rows_, lens, num_splits=3, block_n=16)
+o, lse = split_partials_reference(
+    q, k_pool, v_pool, table, rows_, lens, num_splits=3, block_n=16
+)
 live = [len(split_ranges_reference(int(n), 3, 16)) for n in lens]
 print("o", tuple(o.shape), "lse", tuple(lse.shape), "live splits per request", live)
 print("lse of request 0, head 0:", [round(float(x), 1) for x in lse[0, 0, :live[0]]])
 w = torch.exp(lse[0, 0, :live[0]])
-print("exp(lse) without the max:", w.tolist(), "->", (w[:, None] * o[0, 0, :live[0]]).sum(0)[:2] / w.sum())
+print(
+    "exp(lse) without the max:",
+    w.tolist(),
+    "->",
+    (w[:, None] * o[0, 0, : live[0]]).sum(0)[:2] / w.sum(),
+)
 merged = merge_splits_reference(o, lse, live)
-torch.testing.assert_close(merged, paged_attention_reference(q, k_pool, v_pool, table, rows_, lens))
+torch.testing.assert_close(
+    merged, paged_attention_reference(q, k_pool, v_pool, table, rows_, lens)
+)
 print("with the max subtracted: the merge == attention over all positions at once")
 
 # %% [markdown]
@@ -688,7 +834,14 @@ print("with the max subtracted: the merge == attention over all positions at onc
 # %%
 from kvlab.attention.paged_attention import choose_num_splits
 
-for batch, context in [(1, 32768), (1, 4096), (1, 512), (16, 4096), (64, 4096), (256, 32768)]:
+for batch, context in [
+    (1, 32768),
+    (1, 4096),
+    (1, 512),
+    (16, 4096),
+    (64, 4096),
+    (256, 32768),
+]:
     print(f"batch {batch:>3}, 8 K/V heads, context {context:>5}: "
           f"{choose_num_splits(batch, 8, context, sms=132):>2} split(s)")
 
@@ -717,14 +870,36 @@ for batch, context in [(1, 32768), (1, 4096), (1, 512), (16, 4096), (64, 4096), 
 # Only `o` and `lse` are written. Hints: `kvlab.check.hint("split_attention", 1)` (up to 3);
 # the reference: `kvlab.solutions.show("split_attention")`.
 
+
 # %%
 @triton.jit
-def my_split_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, table_idx_ptr,
-                              seq_lens_ptr, o_ptr, lse_ptr, scale, num_splits, stride_q_b,
-                              stride_q_h, stride_kv_s, stride_kv_h, stride_pt_row, stride_o_b,
-                              stride_o_h, stride_o_s, stride_l_b, stride_l_h, head_dim,
-                              GROUP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_D: tl.constexpr):
+def my_split_attention_kernel(
+    q_ptr,
+    k_pool_ptr,
+    v_pool_ptr,
+    page_table_ptr,
+    table_idx_ptr,
+    seq_lens_ptr,
+    o_ptr,
+    lse_ptr,
+    scale,
+    num_splits,
+    stride_q_b,
+    stride_q_h,
+    stride_kv_s,
+    stride_kv_h,
+    stride_pt_row,
+    stride_o_b,
+    stride_o_h,
+    stride_o_s,
+    stride_l_b,
+    stride_l_h,
+    head_dim,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0)
     g = tl.program_id(1)  # the K/V head: its GROUP query heads share it
     s = tl.program_id(2)  # the split
@@ -739,8 +914,14 @@ def my_split_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, tab
         heads = g * GROUP + offs_h  # the query heads of this program
         offs_d = tl.arange(0, BLOCK_D)
         mask_d = offs_d < head_dim
-        q = tl.load(q_ptr + b.to(tl.int64) * stride_q_b + heads[:, None] * stride_q_h + offs_d[None, :],
-                    mask=mask_h[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        q = tl.load(
+            q_ptr
+            + b.to(tl.int64) * stride_q_b
+            + heads[:, None] * stride_q_h
+            + offs_d[None, :],
+            mask=mask_h[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(tl.float32)
         m_i = tl.zeros([BLOCK_H], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
@@ -748,16 +929,30 @@ def my_split_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, tab
             offs_n = n0 + tl.arange(0, BLOCK_N)
             mask_n = offs_n < end
             ### BEGIN SOLUTION
-            slots = tl.load(page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0).to(tl.int64)
-            kv = slots * stride_kv_s + g * stride_kv_h  # each position's row of K/V head g
-            k = tl.load(k_pool_ptr + kv[None, :] + offs_d[:, None], mask=mask_n[None, :] & mask_d[:, None],
-                        other=0.0).to(tl.float32)  # [BLOCK_D, BLOCK_N]
-            v = tl.load(v_pool_ptr + kv[:, None] + offs_d[None, :], mask=mask_n[:, None] & mask_d[None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_D]
+            slots = tl.load(
+                page_table_ptr + row * stride_pt_row + offs_n, mask=mask_n, other=0
+            ).to(tl.int64)
+            # each position's row of K/V head g
+            kv = slots * stride_kv_s + g * stride_kv_h
+            k = tl.load(
+                k_pool_ptr + kv[None, :] + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            ).to(
+                tl.float32
+            )  # [BLOCK_D, BLOCK_N]
+            v = tl.load(
+                v_pool_ptr + kv[:, None] + offs_d[None, :],
+                mask=mask_n[:, None] & mask_d[None, :],
+                other=0.0,
+            ).to(
+                tl.float32
+            )  # [BLOCK_N, BLOCK_D]
             ### END SOLUTION
             ### BEGIN STARTER
             # YOUR CODE HERE: split_attention
-            # slots of the block (one per position), then k [BLOCK_D, BLOCK_N] and v [BLOCK_N, BLOCK_D]
+            # slots of the block (one per position), then k [BLOCK_D, BLOCK_N] and v
+            # [BLOCK_N, BLOCK_D]
             ### END STARTER
             scores = tl.dot(q, k, input_precision="ieee") * scale  # [BLOCK_H, BLOCK_N]
             scores = tl.where(mask_n[None, :], scores, -float("inf"))
@@ -767,9 +962,20 @@ def my_split_attention_kernel(q_ptr, k_pool_ptr, v_pool_ptr, page_table_ptr, tab
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             l_i = l_i * alpha + tl.sum(p, 1)
             m_i = m_new
-        out = b.to(tl.int64) * stride_o_b + heads[:, None] * stride_o_h + s * stride_o_s + offs_d[None, :]
-        tl.store(o_ptr + out, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :])
-        tl.store(lse_ptr + b.to(tl.int64) * stride_l_b + heads * stride_l_h + s, m_i + tl.log(l_i), mask=mask_h)
+        out = (
+            b.to(tl.int64) * stride_o_b
+            + heads[:, None] * stride_o_h
+            + s * stride_o_s
+            + offs_d[None, :]
+        )
+        tl.store(
+            o_ptr + out, acc / l_i[:, None], mask=mask_h[:, None] & mask_d[None, :]
+        )
+        tl.store(
+            lse_ptr + b.to(tl.int64) * stride_l_b + heads * stride_l_h + s,
+            m_i + tl.log(l_i),
+            mask=mask_h,
+        )
 
 
 kvlab.check.split_attention(my_split_attention_kernel);
@@ -792,15 +998,31 @@ kvlab.check.hint("split_attention", 1);
 # are read-only. Hints: `kvlab.check.hint("merge_splits", 1)` (up to
 # 3); the reference: `kvlab.solutions.show("merge_splits")`.
 
+
 # %%
 @triton.jit
-def my_merge_splits_kernel(o_ptr, lse_ptr, seq_lens_ptr, out_ptr, num_splits, stride_o_b, stride_o_h,
-                           stride_o_s, stride_l_b, stride_l_h, stride_out_b, stride_out_h, head_dim,
-                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def my_merge_splits_kernel(
+    o_ptr,
+    lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    num_splits,
+    stride_o_b,
+    stride_o_h,
+    stride_o_s,
+    stride_l_b,
+    stride_l_h,
+    stride_out_b,
+    stride_out_h,
+    head_dim,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + b).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N  # as the first pass
+    # as the first pass
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     live = tl.cdiv(seq_len, split_len)  # the splits that hold positions of this request
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < head_dim
@@ -809,10 +1031,15 @@ def my_merge_splits_kernel(o_ptr, lse_ptr, seq_lens_ptr, out_ptr, num_splits, st
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)  # sum of exp(lse_s - m) * o_s
     for s in range(0, live):
         lse = tl.load(lse_ptr + b * stride_l_b + h * stride_l_h + s)
-        o = tl.load(o_ptr + b * stride_o_b + h * stride_o_h + s * stride_o_s + offs_d, mask=mask_d, other=0.0)
+        o = tl.load(
+            o_ptr + b * stride_o_b + h * stride_o_h + s * stride_o_s + offs_d,
+            mask=mask_d,
+            other=0.0,
+        )
         ### BEGIN SOLUTION
         m_new = tl.maximum(m, lse)
-        alpha = tl.exp(m - m_new)  # rescales what was summed under the old max (0 at first)
+        # rescales what was summed under the old max (0 at first)
+        alpha = tl.exp(m - m_new)
         w = tl.exp(lse - m_new)  # this split's weight, at most 1
         acc = acc * alpha + w * o
         total = total * alpha + w
@@ -822,7 +1049,9 @@ def my_merge_splits_kernel(o_ptr, lse_ptr, seq_lens_ptr, out_ptr, num_splits, st
         # YOUR CODE HERE: merge_splits
         # m_new, alpha and w from lse; then acc, total and m
         ### END STARTER
-    tl.store(out_ptr + b * stride_out_b + h * stride_out_h + offs_d, acc / total, mask=mask_d)
+    tl.store(
+        out_ptr + b * stride_out_b + h * stride_out_h + offs_d, acc / total, mask=mask_d
+    )
 
 
 kvlab.check.merge_splits(my_merge_splits_kernel);
@@ -847,11 +1076,17 @@ kvlab.check.hint("merge_splits", 1);
 # %%
 from kvlab.attention.paged_attention import FastConfig, fast_paged_decode_attention
 
-split_kernel = kvlab.check.choose("split_attention", my_split_attention_kernel, kvlab.solutions.get("split_attention"))
-merge_kernel = kvlab.check.choose("merge_splits", my_merge_splits_kernel, kvlab.solutions.get("merge_splits"))
+split_kernel = kvlab.check.choose(
+    "split_attention", my_split_attention_kernel, kvlab.solutions.get("split_attention")
+)
+merge_kernel = kvlab.check.choose(
+    "merge_splits", my_merge_splits_kernel, kvlab.solutions.get("merge_splits")
+)
 
 
-def notebook_fast_attention(q, k_pool, v_pool, page_table, rows, lens, num_splits, block_n=16):
+def notebook_fast_attention(
+    q, k_pool, v_pool, page_table, rows, lens, num_splits, block_n=16
+):
     """The two passes of this section: partial results per split, then their merge."""
     batch, heads, head_dim = q.shape
     kv_heads = k_pool.shape[1]
@@ -861,14 +1096,49 @@ def notebook_fast_attention(q, k_pool, v_pool, page_table, rows, lens, num_split
     rows, lens = rows.to(q.device, torch.int64), lens.to(q.device, torch.int64)
     block_d = max(16, triton.next_power_of_2(head_dim))
     split_kernel[(batch, kv_heads, num_splits)](
-        q, k_pool, v_pool, page_table, rows, lens, o, lse, 1.0 / head_dim ** 0.5, num_splits,
-        q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), page_table.stride(0),
-        o.stride(0), o.stride(1), o.stride(2), lse.stride(0), lse.stride(1), head_dim,
-        GROUP=heads // kv_heads, BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
-        BLOCK_N=block_n, BLOCK_D=block_d)
-    merge_kernel[(batch, heads)](o, lse, lens, out, num_splits, o.stride(0), o.stride(1), o.stride(2),
-                                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), head_dim,
-                                 BLOCK_N=block_n, BLOCK_D=block_d)
+        q,
+        k_pool,
+        v_pool,
+        page_table,
+        rows,
+        lens,
+        o,
+        lse,
+        1.0 / head_dim**0.5,
+        num_splits,
+        q.stride(0),
+        q.stride(1),
+        k_pool.stride(0),
+        k_pool.stride(1),
+        page_table.stride(0),
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        head_dim,
+        GROUP=heads // kv_heads,
+        BLOCK_H=max(16, triton.next_power_of_2(heads // kv_heads)),
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+    )
+    merge_kernel[(batch, heads)](
+        o,
+        lse,
+        lens,
+        out,
+        num_splits,
+        o.stride(0),
+        o.stride(1),
+        o.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        head_dim,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+    )
     return out
 
 
@@ -876,13 +1146,24 @@ rng_lift = random.Random(9)
 for trial in range(kvlab.base.runtime.pick(cpu=4, gpu=40)):
     P = [1, 3, 16][trial % 3]
     heads, kv_heads = rng_lift.choice([(8, 2), (4, 4), (6, 1)])
-    args = random_paged_layout(200 + trial, P, [rng_lift.randint(1, 60) for _ in range(rng_lift.randint(1, 3))],
-                               heads=heads, kv_heads=kv_heads, head_dim=16, device=device)
+    args = random_paged_layout(
+        200 + trial,
+        P,
+        [rng_lift.randint(1, 60) for _ in range(rng_lift.randint(1, 3))],
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=16,
+        device=device,
+    )
     splits = rng_lift.randint(1, 5)
     ours = notebook_fast_attention(*args, num_splits=splits)
-    theirs = fast_paged_decode_attention(*args, num_splits=splits, config=FastConfig(block_n=16))
+    theirs = fast_paged_decode_attention(
+        *args, num_splits=splits, config=FastConfig(block_n=16)
+    )
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(theirs, paged_attention_reference(*args), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        theirs, paged_attention_reference(*args), atol=1e-5, rtol=1e-5
+    )
 print("your two kernels == kvlab's fast_paged_decode_attention == the oracle")
 
 # %% [markdown]
@@ -931,12 +1212,18 @@ print("your two kernels == kvlab's fast_paged_decode_attention == the oracle")
 # %%
 st = att["step"]
 for r in st["rows"]:
-    cells = ", ".join(f"{name} {e['replay_us'] / 1e3:.2f} ms ({e['ratio_to_floor']:.2f}x)"
-                      for name, e in r["paths"].items())
+    cells = ", ".join(
+        f"{name} {e['replay_us'] / 1e3:.2f} ms ({e['ratio_to_floor']:.2f}x)"
+        for name, e in r["paths"].items()
+    )
     print(f"{r['batch']:>3} running requests: floor {r['floor_us'] / 1e3:.2f} ms "
           f"({r['bytes']['floor'] / 1e9:.2f} GB); {cells}")
-print("start-up:", ", ".join(f"{n} {s:.1f} s" for n, s in st["startup_s"].items()),
-      f"| graphs torch.compile built while serving: {st.get('graphs_built_while_serving')}")
+print(
+    "start-up:",
+    ", ".join(f"{n} {s:.1f} s" for n, s in st["startup_s"].items()),
+    "| graphs torch.compile built while serving:"
+    f" {st.get('graphs_built_while_serving')}",
+)
 
 # %% [markdown]
 # Compiling costs start-up time (the start-up line above: the compiled generator beside the
@@ -955,10 +1242,14 @@ print("start-up:", ", ".join(f"{n} {s:.1f} s" for n, s in st["startup_s"].items(
 # %%
 boot = att.get("startup")
 if boot and "warm" in boot:
-    print(", ".join(f"{k}: {v['seconds']:.1f} s" for k, v in boot.items() if isinstance(v, dict) and "seconds" in v),
-          f"({boot['cold'].get('sizes')} batch sizes captured, {boot['cold'].get('dynamo_graphs')} graphs compiled)")
+    starts = [f"{k}: {v['seconds']:.1f} s" for k, v in boot.items()
+              if isinstance(v, dict) and "seconds" in v]
+    cold = boot["cold"]
+    print(", ".join(starts), f"({cold.get('sizes')} batch sizes captured,",
+          f"{cold.get('dynamo_graphs')} graphs compiled)")
 else:
-    print("the saved run predates this measurement: python -m kvlab.bench --attention records it")
+    print("the saved run predates this measurement:",
+          "python -m kvlab.bench --attention records it")
 
 # %% [markdown]
 # The targets of the saved run, and the whole picture:
@@ -1001,8 +1292,9 @@ from kvlab.course.scenes.ch09_making_it_fast import step_profile_runs
 runs = step_profile_runs(bench)
 for run in runs:
     for r in run["rows"]:
+        ratio = r["replay_us"] / r["floor_us"]
         print(f"{run['label']}: {r['batch']} running, {r['replay_us']:.0f} µs, "
-              f"{r['replay_us'] / r['floor_us']:.2f}x its floor of {r['floor_us']:.0f} µs")
+              f"{ratio:.2f}x its floor of {r['floor_us']:.0f} µs")
 fig = plot_step_profile(runs)
 plt.show()
 
@@ -1043,8 +1335,12 @@ plt.show()
 from kvlab.course.scenes.ch09_making_it_fast import public_call_rows
 
 floor = bench["floor"]["paths"]
-for name, what in [("launch", "empty kernel, kernel[grid]()"), ("launch_kept", "empty kernel, compiled kernel kept"),
-                   ("launch_1_sync", "kept launch + one .item()"), ("launch_7_syncs", "kept launch + seven .item()")]:
+for name, what in [
+    ("launch", "empty kernel, kernel[grid]()"),
+    ("launch_kept", "empty kernel, compiled kernel kept"),
+    ("launch_1_sync", "kept launch + one .item()"),
+    ("launch_7_syncs", "kept launch + seven .item()"),
+]:
     print(f"{what:>36}: {floor[name]['loop_us']:6.1f} µs per call")
 sync_cost = floor["launch_1_sync"]["loop_us"] - floor["launch_kept"]["loop_us"]
 print(f"one sync adds {sync_cost:.1f} µs to a call, even with nothing left to wait for")
@@ -1101,20 +1397,31 @@ plt.show()
 # %%
 t = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
 alloc = kvlab.PagedTokenAllocator(num_pages=8, page_size=4, eager_errors=False)
-alloc.alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu=[3])  # page 0, slots 0..2
+# page 0, slots 0..2
+alloc.alloc_extend(t([0]), t([3]), t([-1]), 3, prefix_lens_cpu=[0], seq_lens_cpu=[3])
 before = alloc.state()
-refused = alloc.alloc_extend(t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])  # 22: page 5, free
+refused = alloc.alloc_extend(
+    t([3]), t([6]), t([22]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6]
+)  # 22: page 5, free
 print("the call returned without waiting; its slots:", refused.tolist())
-print("free pages:", alloc.num_free_pages, "(the refused call's page is not counted: this read waits for the device)")
+print(
+    "free pages:",
+    alloc.num_free_pages,
+    "(the refused call's page is not counted: this read waits for the device)",
+)
 assert alloc.num_free_pages == 7, (
-    f"{alloc.num_free_pages} free pages, expected 7 (the refused call's page not counted)")
+    f"{alloc.num_free_pages} free pages, expected 7 (the refused call's page not"
+    " counted)"
+)
 try:
     alloc.check_device_errors()  # the one read of the device
     raise AssertionError("should have been refused")
 except kvlab.InvalidArgument as err:
     print("raised at the next read:", err)
 assert alloc.state().equals(before), "the refused call changed the allocator"
-good = alloc.alloc_extend(t([3]), t([6]), t([2]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6])
+good = alloc.alloc_extend(
+    t([3]), t([6]), t([2]), 3, prefix_lens_cpu=[3], seq_lens_cpu=[6]
+)
 print("with last_loc on the request's own page:", good.tolist())
 alloc.check_device_errors()
 
@@ -1135,8 +1442,13 @@ in_c = alloc_checks.extend_counts(pre_cpu, seq_cpu, 16)
 in_numpy = alloc_checks.extend_counts(pre_cpu.numpy(), seq_cpu.numpy(), 16)
 assert in_c == in_numpy, f"the C helper says {in_c}, NumPy {in_numpy}"
 print(f"tokens {in_c.tokens}, new pages {in_c.pages}")
-for label, args in [("CPU tensors (C if built)", (pre_cpu, seq_cpu)), ("NumPy arrays", (pre_cpu.numpy(), seq_cpu.numpy()))]:
-    runs = timeit.repeat(lambda: alloc_checks.extend_counts(*args, 16), number=200, repeat=5)
+for label, args in [
+    ("CPU tensors (C if built)", (pre_cpu, seq_cpu)),
+    ("NumPy arrays", (pre_cpu.numpy(), seq_cpu.numpy())),
+]:
+    runs = timeit.repeat(
+        lambda: alloc_checks.extend_counts(*args, 16), number=200, repeat=5
+    )
     print(f"{label:>26}: {min(runs) / 200 * 1e6:5.1f} µs per count")
 
 # %% [markdown]
@@ -1156,7 +1468,10 @@ else:
     print(", ".join(f"{k} {v['loop_us']:.1f} µs" for k, v in live_floor.items()))
     live = bench_public_extend([(64, 512)], [16], **quiet)[0]
     for name, entry in live["paths"].items():
-        print(f"{name:>20}: {entry['loop_us']:6.1f} µs per call, {entry['syncs']} sync(s) per call")
+        print(
+            f"{name:>20}: {entry['loop_us']:6.1f} µs per call, {entry['syncs']} sync(s)"
+            " per call"
+        )
 
 # %% [markdown]
 # ### The attention call: the same discipline
@@ -1187,13 +1502,16 @@ else:
 # %%
 from kvlab.attention.attention_rules import check_attention_errors
 
-q, k_pool, v_pool, table, rows_, lens = random_paged_layout(2, 4, [6, 3], heads=4, kv_heads=2, head_dim=16,
+q, k_pool, v_pool, table, rows_, lens = random_paged_layout(2, 4, [6, 3], heads=4,
+kv_heads=2, head_dim=16,
                                                             device=device)
 bad_rows = rows_.clone()
-bad_rows[1] = table.shape[0] + 2                      # request 1 names a row the table does not have
+# request 1 names a row the table does not have
+bad_rows[1] = table.shape[0] + 2
 try:
     fast_paged_decode_attention(q, k_pool, v_pool, table, bad_rows, lens)
-    check_attention_errors()                          # on a GPU the refusal is raised here
+    # on a GPU the refusal is raised here
+    check_attention_errors()
     raise AssertionError("should have been refused")
 except kvlab.InvalidArgument as err:
     print("refused:", err)
@@ -1201,11 +1519,13 @@ public = att.get("public")
 if public:
     for r in public:
         p = r["paths"]
-        print(f"batch {r['batch']:>2} x {r['ctx']}: " + ", ".join(
-            f"{name} {e['wall_us']:.0f} µs ({e['syncs']} syncs)" for name, e in p.items())
-              + f" | checked fast call / SDPA: {p['fast']['vs_sdpa']:.2f}")
+        calls = ", ".join(f"{name} {e['wall_us']:.0f} µs ({e['syncs']} syncs)"
+                          for name, e in p.items())
+        print(f"batch {r['batch']:>2} x {r['ctx']}: {calls}",
+              f"| checked fast call / SDPA: {p['fast']['vs_sdpa']:.2f}")
 else:
-    print("the saved run predates this measurement: python -m kvlab.bench --attention records it")
+    print("the saved run predates this measurement:",
+          "python -m kvlab.bench --attention records it")
 
 # %% [markdown]
 # ## Summary
@@ -1263,7 +1583,10 @@ else:
 # size class arrives (in the middle of serving, unless the server warms them up at start):
 
 # %% tags=["solution"]
-print("versions for bs = 1..256:", len({triton.next_power_of_2(bs) for bs in range(1, 257)}))
+print(
+    "versions for bs = 1..256:",
+    len({triton.next_power_of_2(bs) for bs in range(1, 257)}),
+)
 
 # %% [markdown] tags=["solution"]
 # To get to one: (a) make `bs` a runtime argument and compute the offsets with a scan that

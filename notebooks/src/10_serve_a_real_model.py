@@ -35,20 +35,38 @@ import matplotlib.pyplot as plt
 import torch
 
 import kvlab
-from kvlab.serving.hf import PagedGenerator, paged_attention_reference, paged_decode_attention, tiny_model
-from kvlab.course.scenes.ch10_serve import (conversation_bars, conversation_rows, conversation_turns,
-                                     plug_in_figure)
+from kvlab.serving.hf import (
+    PagedGenerator,
+    paged_attention_reference,
+    paged_decode_attention,
+    tiny_model,
+)
+from kvlab.course.scenes.ch10_serve import (
+    conversation_bars,
+    conversation_rows,
+    conversation_turns,
+    plug_in_figure,
+)
 
 try:
     import transformers
-except ImportError as e:  # the course's dev install has it; elsewhere: pip install 'transformers>=4.56'
-    raise ImportError("chapter 10 needs transformers: pip install 'transformers>=4.56'") from e
+# the course's dev install has it; elsewhere: pip install 'transformers>=4.56'
+except ImportError as e:
+    raise ImportError(
+        "chapter 10 needs transformers: pip install 'transformers>=4.56'"
+    ) from e
 
-USE_SMOLLM2 = False            # True: HuggingFaceTB/SmolLM2-135M and real text (GPU + internet)
+# True: HuggingFaceTB/SmolLM2-135M and real text (GPU + internet)
+USE_SMOLLM2 = False
 DEVICE = kvlab.DEVICE
 torch.manual_seed(0)
 NEW_TOKENS = kvlab.base.runtime.pick(cpu=6, gpu=32)
-print("transformers", transformers.__version__, "| kvlab runtime:", "interpreter" if kvlab.INTERPRET else "GPU")
+print(
+    "transformers",
+    transformers.__version__,
+    "| kvlab runtime:",
+    "interpreter" if kvlab.INTERPRET else "GPU",
+)
 
 # %% [markdown]
 # ## The model
@@ -65,21 +83,29 @@ if USE_SMOLLM2:
     name = "HuggingFaceTB/SmolLM2-135M"
     tokenizer = transformers.AutoTokenizer.from_pretrained(name)
     # float32, so that kvlab's logits can be compared with generate()'s closely
-    model = transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).to(DEVICE).eval()
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        .to(DEVICE)
+        .eval()
+    )
     encode = tokenizer.encode
     decode = tokenizer.decode
 else:
     import tempfile
 
     tokenizer = None
-    model = tiny_model("llama", tempfile.mkdtemp(prefix="kvlab-ch10-"), seed=0, device=DEVICE)
+    model = tiny_model(
+        "llama", tempfile.mkdtemp(prefix="kvlab-ch10-"), seed=0, device=DEVICE
+    )
     encode = None
     decode = str                       # no tokenizer: show the ids themselves
 c = model.config
-print(f"{type(model).__name__} from {model.name_or_path}: {c.num_hidden_layers} layers, "
-      f"{c.num_attention_heads} query heads, {c.num_key_value_heads} K/V heads, "
-      f"head_dim {getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads}, "
-      f"vocabulary {c.vocab_size}, attention: {c._attn_implementation}")
+print(
+    f"{type(model).__name__} from {model.name_or_path}: {c.num_hidden_layers} layers,"
+    f" {c.num_attention_heads} query heads, {c.num_key_value_heads} K/V heads, head_dim"
+    f" {getattr(c, 'head_dim', None) or c.hidden_size // c.num_attention_heads},"
+    f" vocabulary {c.vocab_size}, attention: {c._attn_implementation}"
+)
 
 # %% [markdown]
 # ## Intuition: one box of the layer is kvlab's
@@ -113,7 +139,9 @@ seen = []
 
 
 def spy_attention(module, query, key, value, attention_mask, **kwargs):
-    seen.append((module.layer_idx, tuple(query.shape), tuple(key.shape), kwargs.get("note")))
+    seen.append(
+        (module.layer_idx, tuple(query.shape), tuple(key.shape), kwargs.get("note"))
+    )
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -130,7 +158,10 @@ for layer, q_shape, k_shape, note in seen:
     print(f"layer {layer}: query {q_shape}, key {k_shape}, note={note!r}")
 torch.testing.assert_close(spied, plain)       # only looked: the same logits
 heads, kv_heads = seen[0][1][1], seen[0][2][1]
-print(f"{heads} query heads share {kv_heads} K/V heads: {heads // kv_heads} query heads per K/V head")
+print(
+    f"{heads} query heads share {kv_heads} K/V heads: {heads // kv_heads} query heads"
+    " per K/V head"
+)
 
 # %% [markdown]
 # ## Build-up 2: grouped-query attention through the page table
@@ -159,8 +190,15 @@ from kvlab.attention.kv_pool import random_paged_layout
 
 def random_layout(seed, page_size, seq_lens, heads=4, kv_heads=2, head_dim=16):
     """Random K/V; each request on shuffled, disjoint pages; rows in shuffled order."""
-    return random_paged_layout(seed, page_size, seq_lens, heads=heads, kv_heads=kv_heads,
-                               head_dim=head_dim, device=DEVICE)
+    return random_paged_layout(
+        seed,
+        page_size,
+        seq_lens,
+        heads=heads,
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        device=DEVICE,
+    )
 
 
 edge_cases = {                       # page size, lengths, query heads, K/V heads
@@ -171,10 +209,16 @@ edge_cases = {                       # page size, lengths, query heads, K/V head
     "many requests, rows shuffled, group 3": (2, [3, 9, 1, 6, 4, 11], 6, 2),
 }
 for name, (page_size, lengths, h, kvh) in edge_cases.items():
-    q, k_pool, v_pool, page_table, rows, seq_lens = random_layout(0, page_size, lengths, h, kvh)
-    torch.testing.assert_close(paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens),
-                               paged_attention_reference(q, k_pool, v_pool, page_table, rows, seq_lens),
-                               atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    q, k_pool, v_pool, page_table, rows, seq_lens = random_layout(
+        0, page_size, lengths, h, kvh
+    )
+    torch.testing.assert_close(
+        paged_decode_attention(q, k_pool, v_pool, page_table, rows, seq_lens),
+        paged_attention_reference(q, k_pool, v_pool, page_table, rows, seq_lens),
+        atol=1e-5,
+        rtol=1e-5,
+        msg=lambda m: f"{name}: {m}",
+    )
     print(f"✓ {name}")
 
 # %% [markdown]
@@ -208,22 +252,35 @@ for name, (page_size, lengths, h, kvh) in edge_cases.items():
 rng = random.Random(1)
 if USE_SMOLLM2:
     system = encode("You are a helpful assistant. Answer briefly and precisely.\n")
-    prompts = [system + encode(t) for t in ["Q: What is a page table?\nA:", "Q: Name a prime number.\nA:",
-                                             "Q: What is the capital of France?\nA:"]] + [encode("Hello")]
+    prompts = [
+        system + encode(t)
+        for t in [
+            "Q: What is a page table?\nA:",
+            "Q: Name a prime number.\nA:",
+            "Q: What is the capital of France?\nA:",
+        ]
+    ] + [encode("Hello")]
 else:
     system = [rng.randrange(c.vocab_size) for _ in range(21)]
-    prompts = [system + [rng.randrange(c.vocab_size) for _ in range(n)] for n in (3, 8, 5)] + [[7]]
+    prompts = [
+        system + [rng.randrange(c.vocab_size) for _ in range(n)] for n in (3, 8, 5)
+    ] + [[7]]
 PAGE_SIZE = 4
-# overlap=False: each step is finished before the next one is planned (the last part of the
+# overlap=False: each step is finished before the next one is planned (the last part of
+# the
 # chapter overlaps them)
-gen = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=8, overlap=False)
+gen = PagedGenerator(
+    model, page_size=PAGE_SIZE, num_pages=256, max_running=8, overlap=False
+)
 new_tokens = gen.generate(prompts, max_new_tokens=NEW_TOKENS, output_logits=True,
                           on_step=lambda step: print(step) if step.index < 3 else None)
 print("...")
 print("stats:", gen.stats)
 for i, r in enumerate(gen.requests):
-    print(f"prompt {i}: {r.prompt_len} tokens, {r.cached} from the cache, {r.computed} computed, "
-          f"{r.generated} new ({r.finished_by}): {decode(new_tokens[i])!r}")
+    print(
+        f"prompt {i}: {r.prompt_len} tokens, {r.cached} from the cache, {r.computed}"
+        f" computed, {r.generated} new ({r.finished_by}): {decode(new_tokens[i])!r}"
+    )
 
 # %% [markdown]
 # Prompt 0 computed the shared system prompt; prompts 1 and 2 waited one step and found its
@@ -243,12 +300,18 @@ for i, r in enumerate(gen.requests):
 
 # %%
 LOGIT_ATOL = 1e-3 if USE_SMOLLM2 else 1e-4
-NEAR_TIE = 1e-3 if USE_SMOLLM2 else 0.0          # the small random model: no ties allowed
+# the small random model: no ties allowed
+NEAR_TIE = 1e-3 if USE_SMOLLM2 else 0.0
 
 
 def generate_alone(prompt, max_new_tokens):
-    out = model.generate(torch.tensor([prompt], device=DEVICE), max_new_tokens=max_new_tokens,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True)
+    out = model.generate(
+        torch.tensor([prompt], device=DEVICE),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
     return out.sequences[0, len(prompt):].tolist(), torch.cat(out.logits).float().cpu()
 
 
@@ -262,21 +325,33 @@ def compare_with_generate(i, prompt, tokens, logits=None):
     else:
         top2 = want_logits[differ].topk(2).values
         gap = float(top2[0] - top2[1])
-        assert gap < NEAR_TIE, (f"prompt {i}: token {differ} differs (kvlab {tokens[differ]}, "
-                                f"generate {want[differ]}) and is no near tie (gap {gap:.1e})")
-        print(f"prompt {i}: token {differ} is a near tie (top two logits {gap:.1e} apart); "
-              "compared up to there")
+        assert gap < NEAR_TIE, (
+            f"prompt {i}: token {differ} differs (kvlab {tokens[differ]}, "
+            f"generate {want[differ]}) and is no near tie (gap {gap:.1e})"
+        )
+        print(
+            f"prompt {i}: token {differ} is a near tie (top two logits {gap:.1e}"
+            " apart); compared up to there"
+        )
         upto = differ + 1
     if logits is None:
         return 0.0
     return float((logits[:upto] - want_logits[:upto]).abs().max())
 
 
-worst = max(compare_with_generate(i, p, new_tokens[i], gen.logits[i]) for i, p in enumerate(prompts))
+worst = max(
+    compare_with_generate(i, p, new_tokens[i], gen.logits[i])
+    for i, p in enumerate(prompts)
+)
 assert worst <= LOGIT_ATOL, worst
 assert gen.stats["prefill_cached"] >= 2 * (len(system) // PAGE_SIZE * PAGE_SIZE), (
-    f"{gen.stats['prefill_cached']} prompt tokens from the cache: prompts 1 and 2 should find the system prompt")
-print(f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit difference {worst:.1e}")
+    f"{gen.stats['prefill_cached']} prompt tokens from the cache: prompts 1 and 2"
+    " should find the system prompt"
+)
+print(
+    f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit difference"
+    f" {worst:.1e}"
+)
 
 # %% [markdown]
 # **Qwen3** differs from Llama in one place that matters here: inside its attention layer it
@@ -287,15 +362,26 @@ print(f"✓ {len(prompts)} prompts: the same tokens as generate(); largest logit
 # a hidden size of 64, served the same way:
 
 # %%
-qwen3 = tiny_model("qwen3", seed=0, device=DEVICE, head_dim=32)   # saved to a temporary folder
+# saved to a temporary folder
+qwen3 = tiny_model("qwen3", seed=0, device=DEVICE, head_dim=32)
 q3_rng = random.Random(2)
-q3_prompts = [[q3_rng.randrange(qwen3.config.vocab_size) for _ in range(n)] for n in (5, 13, 1)]
-q3_tokens = PagedGenerator(qwen3, page_size=PAGE_SIZE, num_pages=64, overlap=False).generate(
-    q3_prompts, max_new_tokens=NEW_TOKENS)
+q3_prompts = [
+    [q3_rng.randrange(qwen3.config.vocab_size) for _ in range(n)] for n in (5, 13, 1)
+]
+q3_tokens = PagedGenerator(
+    qwen3, page_size=PAGE_SIZE, num_pages=64, overlap=False
+).generate(q3_prompts, max_new_tokens=NEW_TOKENS)
 for p, got in zip(q3_prompts, q3_tokens):
-    want = qwen3.generate(torch.tensor([p], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False)
-    assert got == want[0, len(p):].tolist(), f"Qwen3, prompt {p}: kvlab {got}, generate {want[0, len(p):].tolist()}"
-print(f"✓ {type(qwen3).__name__}: the same tokens as generate() for {len(q3_prompts)} prompts")
+    want = qwen3.generate(
+        torch.tensor([p], device=DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    assert (
+        got == want[0, len(p) :].tolist()
+    ), f"Qwen3, prompt {p}: kvlab {got}, generate {want[0, len(p):].tolist()}"
+print(
+    f"✓ {type(qwen3).__name__}: the same tokens as generate() for {len(q3_prompts)}"
+    " prompts"
+)
 
 # %% [markdown]
 # ## A conversation that re-sends its history
@@ -307,12 +393,20 @@ print(f"✓ {type(qwen3).__name__}: the same tokens as generate() for {len(q3_pr
 # each turn's [prefill](glossary.md#prefill) we photograph the conversation's page-table row.
 
 # %%
-conv = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, max_running=4, overlap=False)
+conv = PagedGenerator(
+    model, page_size=PAGE_SIZE, num_pages=256, max_running=4, overlap=False
+)
 if USE_SMOLLM2:
     system_c = encode("The following is a conversation with a helpful assistant.\n")
-    users = [encode(f"User: {t}\nAssistant:") for t in
-             ["Hi! What is a KV cache?", "Why does it use pages?", "And what does a prefix cache add?",
-              "Thanks. Summarise in one line."]]
+    users = [
+        encode(f"User: {t}\nAssistant:")
+        for t in [
+            "Hi! What is a KV cache?",
+            "Why does it use pages?",
+            "And what does a prefix cache add?",
+            "Thanks. Summarise in one line.",
+        ]
+    ]
 else:
     system_c, users = conversation_turns(seed=0, turns=4, vocab=c.vocab_size)
 photos = []                      # the conversation's row after each turn's prefill
@@ -331,20 +425,30 @@ for turn, user in enumerate(users):
     turn_prompts.append(prompt)
     turn_answers.append(answer)
     turn_stats.append(dict(conv.stats))
-    print(f"turn {turn + 1}: sent {len(prompt)} tokens, computed {conv.stats['prefill_computed']}, "
-          f"from the cache {conv.stats['prefill_cached']}; answer {decode(answer)!r}")
+    print(
+        f"turn {turn + 1}: sent {len(prompt)} tokens, computed"
+        f" {conv.stats['prefill_computed']}, from the cache"
+        f" {conv.stats['prefill_cached']}; answer {decode(answer)!r}"
+    )
     history = prompt + answer
 
 computed_without_cache = sum(len(p) for p in turn_prompts)
 computed_with_cache = sum(s["prefill_computed"] for s in turn_stats)
-print(f"prompt tokens computed over {len(users)} turns: {computed_with_cache} with the prefix cache, "
-      f"{computed_without_cache} without")
+print(
+    f"prompt tokens computed over {len(users)} turns: {computed_with_cache} with the"
+    f" prefix cache, {computed_without_cache} without"
+)
 assert computed_with_cache < computed_without_cache, (
-    f"computed {computed_with_cache} tokens with the cache, {computed_without_cache} without")
+    f"computed {computed_with_cache} tokens with the cache, {computed_without_cache}"
+    " without"
+)
 for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
-    # the previous turn's prompt and answer, whole pages (the answer's last token has no K/V yet)
+    # the previous turn's prompt and answer, whole pages (the answer's last token has no
+    # K/V yet)
     assert s["prefill_cached"] >= (len(p) + len(a) - 1) // PAGE_SIZE * PAGE_SIZE, (
-        f"a turn took {s['prefill_cached']} tokens from the cache: the previous turn's whole pages are more")
+        f"a turn took {s['prefill_cached']} tokens from the cache: the previous turn's"
+        " whole pages are more"
+    )
 
 # %% [markdown]
 # ## Picture: per turn, computed vs cached; and the page table
@@ -357,14 +461,22 @@ for s, p, a in zip(turn_stats[1:], turn_prompts, turn_answers):
 # (the assert below compares the rows slot by slot) and adds pages of its own at the end.
 
 # %% alt="Top: bars of the prompt tokens of each turn of a conversation, most of them served from the prefix cache and only the new ones computed; bottom: the conversation's page-table row after each turn, coloured by the turn that computed each position."
-fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(8.4, 6.6), gridspec_kw=dict(height_ratios=[1, 1]))
+fig, (ax1, ax2) = plt.subplots(
+    2, 1, figsize=(8.4, 6.6), gridspec_kw=dict(height_ratios=[1, 1])
+)
 conversation_bars(turn_stats, ax1)
-conversation_rows(photos, [len(p) for p in turn_prompts], [s["prefill_cached"] for s in turn_stats],
-                  PAGE_SIZE, ax=ax2)
+conversation_rows(
+    photos,
+    [len(p) for p in turn_prompts],
+    [s["prefill_cached"] for s in turn_stats],
+    PAGE_SIZE,
+    ax=ax2,
+)
 ax2.set_title("the conversation's row after each turn's prefill", fontsize=9)
 fig.tight_layout()
 plt.show()
-for t in range(1, len(photos)):   # what an earlier turn mapped, a later turn maps to the same slots
+# what an earlier turn mapped, a later turn maps to the same slots
+for t in range(1, len(photos)):
     n = min(turn_stats[t]["prefill_cached"], len(turn_prompts[t - 1]))
     assert torch.equal(photos[t][:n], photos[t - 1][:n]), (
         f"turn {t + 1} maps the first {n} positions to other slots than turn {t}")
@@ -394,34 +506,58 @@ def tokens_until_eos(row):
 def padded_batch_generate(prompts, max_new_tokens, pad):
     longest = max(map(len, prompts))
     ids = torch.tensor([[pad] * (longest - len(p)) + p for p in prompts], device=DEVICE)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=DEVICE)
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
-                         do_sample=False, pad_token_id=pad)
+    mask = torch.tensor(
+        [[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=DEVICE
+    )
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad,
+    )
     return sum(tokens_until_eos(row) for row in out[:, longest:].tolist())
 
 
 def kvlab_generate(server, prompts, max_new_tokens):
-    server.clear_prefix_cache()                        # every run starts from a cold cache
+    # every run starts from a cold cache
+    server.clear_prefix_cache()
     return sum(map(len, server.generate(prompts, max_new_tokens=max_new_tokens)))
 
 
 if not kvlab.INTERPRET:
     # 16 distinct prompts: the four above, each with four different last tokens
     bench_prompts = [p + [100 + k] for k in range(4) for p in prompts]
-    pad = tokenizer.pad_token_id if tokenizer is not None and tokenizer.pad_token_id is not None else 0
-    server = PagedGenerator(model, page_size=16, num_pages=1024, overlap=False)   # start-up: captures its graphs
-    for name, run in {"transformers generate (padded batch)": lambda: padded_batch_generate(bench_prompts, NEW_TOKENS, pad),
-                      "kvlab PagedGenerator": lambda: kvlab_generate(server, bench_prompts, NEW_TOKENS)}.items():
+    pad = (
+        tokenizer.pad_token_id
+        if tokenizer is not None and tokenizer.pad_token_id is not None
+        else 0
+    )
+    # start-up: captures its graphs
+    server = PagedGenerator(model, page_size=16, num_pages=1024, overlap=False)
+    for name, run in {
+        "transformers generate (padded batch)": lambda: padded_batch_generate(
+            bench_prompts, NEW_TOKENS, pad
+        ),
+        "kvlab PagedGenerator": lambda: kvlab_generate(
+            server, bench_prompts, NEW_TOKENS
+        ),
+    }.items():
         run()                                          # warm-up
         torch.cuda.synchronize()
         start = time.perf_counter()
         produced = run()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - start
-        print(f"{name:38s} {produced / seconds:8.0f} tokens/s  ({produced} new tokens for "
-              f"{len(bench_prompts)} prompts in {seconds * 1e3:.0f} ms)")
+        print(
+            f"{name:38s} {produced / seconds:8.0f} tokens/s  ({produced} new tokens for"
+            f" {len(bench_prompts)} prompts in {seconds * 1e3:.0f} ms)"
+        )
 else:
-    print("interpreter: no timings (the kernels run on the CPU); the token-for-token check above holds")
+    print(
+        "interpreter: no timings (the kernels run on the CPU); the token-for-token"
+        " check above holds"
+    )
 
 # %% [markdown]
 # ## Your turn: one layer's decode step
@@ -448,18 +584,27 @@ else:
 # group sizes 1 to 4) and random layouts. Hints: `kvlab.check.hint("paged_attention_step", 1)`
 # (up to 3); the reference: `kvlab.solutions.show("paged_attention_step")`.
 
+
 # %%
-def my_paged_attention_step(q, k, v, k_pool, v_pool, page_table, rows, positions, scale):
-    """Store each request's new K/V at its slot, then paged attention over [0, positions[b]]."""
+def my_paged_attention_step(
+    q, k, v, k_pool, v_pool, page_table, rows, positions, scale
+):
+    """Store each request's new K/V at its slot, then paged attention over [0,
+    positions[b]]."""
     ### BEGIN SOLUTION
-    slots = page_table[rows, positions].long()          # request b's new token -> its slot
+    # request b's new token -> its slot
+    slots = page_table[rows, positions].long()
     k_pool[slots] = k
     v_pool[slots] = v
-    return paged_decode_attention(q, k_pool, v_pool, page_table, rows, positions + 1, scale)
+    return paged_decode_attention(
+        q, k_pool, v_pool, page_table, rows, positions + 1, scale
+    )
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: paged_attention_step
-    raise NotImplementedError("store k and v at the new tokens' slots, then paged attention")
+    raise NotImplementedError(
+        "store k and v at the new tokens' slots, then paged attention"
+    )
     ### END STARTER
 
 
@@ -467,7 +612,8 @@ kvlab.check.paged_attention_step(my_paged_attention_step)
 
 # %%
 kvlab.check.hint("paged_attention_step", 1)
-# kvlab.solutions.show("paged_attention_step")   # uncomment to read the reference solution
+# kvlab.solutions.show("paged_attention_step")   # uncomment to read the reference
+# solution
 
 # %% [markdown]
 # ## Lift: your step serves the real model
@@ -478,13 +624,21 @@ kvlab.check.hint("paged_attention_step", 1)
 # must still produce exactly `generate`'s tokens.
 
 # %%
-impl = kvlab.check.choose("paged_attention_step", my_paged_attention_step, kvlab.serving.hf.paged_attention_step)
-yours = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, decode_step=impl, overlap=False)
+impl = kvlab.check.choose(
+    "paged_attention_step",
+    my_paged_attention_step,
+    kvlab.serving.hf.paged_attention_step,
+)
+yours = PagedGenerator(
+    model, page_size=PAGE_SIZE, num_pages=256, decode_step=impl, overlap=False
+)
 got = yours.generate(prompts, max_new_tokens=NEW_TOKENS)
 for i, prompt in enumerate(prompts):
     compare_with_generate(i, prompt, got[i])
-print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as generate() for all "
-      f"{len(prompts)} prompts")
+print(
+    f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as generate()"
+    f" for all {len(prompts)} prompts"
+)
 
 # %% [markdown]
 # ## Serving fast: admission by memory, chunked prefill, CUDA graphs
@@ -518,14 +672,20 @@ print(f"✓ served through {getattr(impl, '__name__', impl)}: the same tokens as
 # pages holds three of them at once, one of 256 all six:
 
 # %%
-six = [[rng.randrange(c.vocab_size) for _ in range(rng.randint(6, 9))] for _ in range(6)]
+six = [
+    [rng.randrange(c.vocab_size) for _ in range(rng.randint(6, 9))] for _ in range(6)
+]
 for pages in (10, 256):
     g = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=pages, overlap=False)
     g.generate(six, max_new_tokens=4)
-    print(f"{pages:3d} pages of {PAGE_SIZE}: at most {g.stats['most_running']} requests ran at once, "
-          f"{g.stats['steps']} steps")
+    print(
+        f"{pages:3d} pages of {PAGE_SIZE}: at most {g.stats['most_running']} requests"
+        f" ran at once, {g.stats['steps']} steps"
+    )
     assert g.stats["most_running"] == min(6, pages // 3), (
-        f"{pages} pages: {g.stats['most_running']} requests at once, expected {min(6, pages // 3)}")
+        f"{pages} pages: {g.stats['most_running']} requests at once, expected"
+        f" {min(6, pages // 3)}"
+    )
 
 # %% [markdown]
 # ### Step 2: chunked prefill
@@ -549,15 +709,25 @@ from kvlab.course.scenes.ch10_serve import long_prompt_workload, prefill_per_ste
 from kvlab.serving.sim import simulate
 
 workload = long_prompt_workload(seed=0)
-runs = {name: simulate(workload, page_size=4, num_pages=64, max_running=4, prefill_budget=16,
-                       chunked_prefill=chunked)
-        for name, chunked in (("whole prompts", False), ("chunks of the budget", True))}
+runs = {
+    name: simulate(
+        workload,
+        page_size=4,
+        num_pages=64,
+        max_running=4,
+        prefill_budget=16,
+        chunked_prefill=chunked,
+    )
+    for name, chunked in (("whole prompts", False), ("chunks of the budget", True))
+}
 ax = prefill_per_step(runs, budget=16)
 ax.figure.tight_layout()
 plt.show()
 for name, tl in runs.items():
-    print(f"{name:21s} largest step: {max(s.prefill_tokens for s in tl.steps)} prompt tokens; "
-          f"chunks: {[s.chunked for s in tl.steps if s.chunked]}")
+    print(
+        f"{name:21s} largest step: {max(s.prefill_tokens for s in tl.steps)} prompt"
+        f" tokens; chunks: {[s.chunked for s in tl.steps if s.chunked]}"
+    )
 assert max(s.prefill_tokens for s in runs["chunks of the budget"].steps) <= 16, (
     "a chunked step computed more prompt tokens than the budget of 16")
 assert max(s.prefill_tokens for s in runs["whole prompts"].steps) == 60, (
@@ -570,7 +740,9 @@ assert max(s.prefill_tokens for s in runs["whole prompts"].steps) == 60, (
 # budget of 8 tokens (`StepInfo.chunks` lists the prompts a step continued):
 
 # %%
-chunky = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=256, prefill_budget=8, overlap=False)
+chunky = PagedGenerator(
+    model, page_size=PAGE_SIZE, num_pages=256, prefill_budget=8, overlap=False
+)
 got = chunky.generate(prompts, max_new_tokens=NEW_TOKENS,
                       on_step=lambda s: print(s) if s.chunks or s.index == 0 else None)
 for i, prompt in enumerate(prompts):
@@ -634,17 +806,21 @@ plt.show()
 
 # %%
 def my_pad_decode_batch(rows, positions, page_table, sizes, dummy_row):
-    """Pad the step's entries to the next captured size with the dummy request; look up every slot."""
+    """Pad the step's entries to the next captured size with the dummy request; look up
+    every slot."""
     ### BEGIN SOLUTION
     n = len(rows)
-    size = next((s for s in sorted(sizes) if s >= n), n)      # none holds it: no padding
+    # none holds it: no padding
+    size = next((s for s in sorted(sizes) if s >= n), n)
     rows = torch.cat([rows, rows.new_full((size - n,), dummy_row)])
     positions = torch.cat([positions, positions.new_zeros(size - n)])
     return rows, positions, page_table[rows, positions]
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: pad_decode_batch
-    raise NotImplementedError("pad rows and positions with the dummy request, then look up the slots")
+    raise NotImplementedError(
+        "pad rows and positions with the dummy request, then look up the slots"
+    )
     ### END STARTER
 
 
@@ -667,16 +843,26 @@ kvlab.check.hint("pad_decode_batch", 1)
 # %%
 from kvlab.attention.kv_pool import random_decode_step
 
-pad = kvlab.check.choose("pad_decode_batch", my_pad_decode_batch, kvlab.serving.hf.pad_decode_batch)
+pad = kvlab.check.choose(
+    "pad_decode_batch", my_pad_decode_batch, kvlab.serving.hf.pad_decode_batch
+)
 for seed in range(5):
     case_rng = random.Random(seed)
     lengths = [case_rng.randint(1, 12) for _ in range(case_rng.randint(1, 9))]
     sizes = sorted(case_rng.sample([1, 2, 4, 8, 16], 3))
     decode = random_decode_step(seed, 4, lengths)
     args = (decode.rows, decode.positions, decode.page_table, sizes, decode.dummy_row)
-    for what, mine, theirs in zip(("rows", "positions", "slots"), pad(*args), kvlab.serving.hf.pad_decode_batch(*args)):
-        mine, theirs = mine.cpu().long(), theirs.cpu().long()  # slots may be int32 or int64
-        assert torch.equal(mine, theirs), f"step {seed}, {what}: yours {mine.tolist()}, the package's {theirs.tolist()}"
+    for what, mine, theirs in zip(
+        ("rows", "positions", "slots"),
+        pad(*args),
+        kvlab.serving.hf.pad_decode_batch(*args),
+    ):
+        # slots may be int32 or int64
+        mine, theirs = mine.cpu().long(), theirs.cpu().long()
+        assert torch.equal(mine, theirs), (
+            f"step {seed}, {what}: yours {mine.tolist()}, the package's"
+            f" {theirs.tolist()}"
+        )
 print("✓ the same padded entries on 5 random steps")
 
 # %% [markdown]
@@ -685,7 +871,8 @@ print("✓ the same padded entries on 5 random steps")
 # slot hold numbers.
 
 # %%
-watched = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=64, graph_sizes=[8],  # pads every decode step to 8
+# pads every decode step to 8
+watched = PagedGenerator(model, page_size=PAGE_SIZE, num_pages=64, graph_sizes=[8],
                          overlap=False)
 watched.pool.k.fill_(float("nan"))
 got = watched.generate(prompts, max_new_tokens=NEW_TOKENS)
@@ -694,10 +881,17 @@ for i, prompt in enumerate(prompts):
 written = ~watched.pool.k[0].isnan().flatten(1).all(1)
 dummy = watched.num_pages * PAGE_SIZE
 computed = watched.stats["prefill_computed"] + watched.stats["decode_tokens"]
-assert int(written[:dummy].sum()) == computed, f"{int(written[:dummy].sum())} real slots written, {computed} tokens computed"
-assert bool(written[dummy]) and not bool(written[dummy + 1:].any()), "the dummy page's first slot only"
-print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' if watched.graphs.capture else 'run eagerly'}); "
-      "slots written: the computed tokens' and the dummy page's first")
+assert (
+    int(written[:dummy].sum()) == computed
+), f"{int(written[:dummy].sum())} real slots written, {computed} tokens computed"
+assert bool(written[dummy]) and not bool(
+    written[dummy + 1 :].any()
+), "the dummy page's first slot only"
+print(
+    f"✓ {watched.stats['graph_steps']} padded decode steps"
+    f" ({'CUDA graphs' if watched.graphs.capture else 'run eagerly'}); slots written:"
+    " the computed tokens' and the dummy page's first"
+)
 
 # %% [markdown]
 # ### Step 4: overlap scheduling
@@ -757,11 +951,17 @@ print(f"✓ {watched.stats['graph_steps']} padded decode steps ({'CUDA graphs' i
 # interpreter a Triton kernel takes so long that the host's share would not show.
 
 # %% alt="Two timelines of this run's steps, without and with overlap scheduling, each with a host track (scheduling, launching, waiting for tokens, recording) and a device track (the forward passes): with overlap the host plans the next step while the device still runs the current one."
-from kvlab.course.scenes.ch10_serve import overlap_runs, overlap_timeline_figure, recorded_timelines
+from kvlab.course.scenes.ch10_serve import (
+    overlap_runs,
+    overlap_timeline_figure,
+    recorded_timelines,
+)
 
 runs = overlap_runs(model, max_new_tokens=NEW_TOKENS)
 assert runs.tokens["with overlap"] == runs.tokens["without overlap"], (
-    f"with overlap {runs.tokens['with overlap']}, without {runs.tokens['without overlap']}")
+    f"with overlap {runs.tokens['with overlap']}, without"
+    f" {runs.tokens['without overlap']}"
+)
 print("✓ the same tokens with and without overlap;",
       {name: len(steps) for name, steps in runs.timelines.items()}, "steps")
 where = "GPU" if DEVICE.type == "cuda" else "CPU (a worker thread plays the GPU)"
@@ -786,7 +986,10 @@ if recorded:
     overlap_timeline_figure(recorded, bench["serve"]["meta"]["device"])
     plt.show()
 else:
-    print("figures/bench.json holds no recorded GPU timeline: run `python -m kvlab.bench --serve` on a GPU")
+    print(
+        "figures/bench.json holds no recorded GPU timeline: run `python -m kvlab.bench"
+        " --serve` on a GPU"
+    )
 
 # %% [markdown]
 # ## Measured: the workload serving engines publish
@@ -821,20 +1024,35 @@ if "offline" in saved:
     plot_serve({"serve": saved})
     plt.show()
     for t in saved["targets"]:
-        verdict = "PASS" if t["passed"] else "FAIL" if t["passed"] is not None else "n/a"
+        verdict = (
+            "PASS" if t["passed"] else "FAIL" if t["passed"] is not None else "n/a"
+        )
         print(f"[{verdict}] {t['name']}: {t['measured']} ({t['rule']})")
     off = saved["offline"]["paths"]
     for name, e in off.items():
         if "tokens_per_s" in e:
-            floor = f", {e['ratio_to_floor']:.2f}x the floor of its steps" if e.get("ratio_to_floor") else ""
-            print(f"{name:24s} {e['requests']:3d} requests: {e['tokens_per_s']:7.0f} output tokens/s{floor}")
+            floor = ""
+            if e.get("ratio_to_floor"):
+                floor = f", {e['ratio_to_floor']:.2f}x the floor of its steps"
+            print(
+                f"{name:24s} {e['requests']:3d} requests: {e['tokens_per_s']:7.0f}"
+                f" output tokens/s{floor}"
+            )
     for name in ("64", "256"):
-        on, no = saved["busy"]["paths"].get(f"overlap_{name}", {}), saved["busy"]["paths"].get(f"no_overlap_{name}", {})
+        on, no = saved["busy"]["paths"].get(f"overlap_{name}", {}), saved["busy"][
+            "paths"
+        ].get(f"no_overlap_{name}", {})
         if on.get("busy") is not None and no.get("busy") is not None:
-            print(f"{name} running: GPU busy {no['busy']:.2f} of a {no['step_ms']:.1f} ms step without overlap, "
-                  f"{on['busy']:.2f} of {on['step_ms']:.1f} ms with it")
+            print(
+                f"{name} running: GPU busy {no['busy']:.2f} of a {no['step_ms']:.1f} ms"
+                f" step without overlap, {on['busy']:.2f} of {on['step_ms']:.1f} ms"
+                " with it"
+            )
 else:
-    print("figures/bench.json holds an older serving benchmark: run `python -m kvlab.bench --serve` on a GPU")
+    print(
+        "figures/bench.json holds an older serving benchmark: run `python -m"
+        " kvlab.bench --serve` on a GPU"
+    )
 
 # %% [markdown]
 # What the numbers say (read them off your copy of the tables above):

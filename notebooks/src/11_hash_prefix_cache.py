@@ -40,12 +40,20 @@ from kvlab import CacheManager, HashPrefixCache, Req, chain_hash, page_hashes
 from kvlab.prefix.hash_chain import short
 from kvlab.alloc.paging import new_page_table
 from kvlab.course.reference import PagePoolRef
-from kvlab.course.scenes.ch11_hash_cache import (COMPARED, free_queue_figure, hash_chain_figure,
-                                          measured_rows)
+from kvlab.course.scenes.ch11_hash_cache import (
+    COMPARED,
+    free_queue_figure,
+    hash_chain_figure,
+    measured_rows,
+)
 from kvlab.serving.sim import SimConfig, Simulator, make_workload
 from kvlab.serving.sim.compare import comparison_table, lookup_cost, pool_sizes
 from kvlab.course.viz import page_table_heatmap
-from kvlab.course.viz.chains import draw_cache_comparison, draw_hash_chains, draw_lookup_cost
+from kvlab.course.viz.chains import (
+    draw_cache_comparison,
+    draw_hash_chains,
+    draw_lookup_cost,
+)
 
 torch.manual_seed(0)
 random.seed(0)
@@ -96,13 +104,24 @@ plt.show()
 
 # %%
 A, B = [1, 2, 3, 4], [9, 9, 3, 4]
-print("chained:     ", [short(h) for h in page_hashes(A, 2)], [short(h) for h in page_hashes(B, 2)])
-print("page alone:  ", short(chain_hash(None, [3, 4])), "for both: page 1 would be shared by mistake")
+print(
+    "chained:     ",
+    [short(h) for h in page_hashes(A, 2)],
+    [short(h) for h in page_hashes(B, 2)],
+)
+print(
+    "page alone:  ",
+    short(chain_hash(None, [3, 4])),
+    "for both: page 1 would be shared by mistake",
+)
 assert page_hashes(A, 2)[1] != page_hashes(B, 2)[1], (
-    "page 1 of A and of B hold the same tokens after other first pages: their hashes must differ")
+    "page 1 of A and of B hold the same tokens after other first pages: their hashes"
+    " must differ"
+)
 assert page_hashes(A, 2)[1] == chain_hash(chain_hash(None, [1, 2]), [3, 4]), (
     "page 1's hash should chain from page 0's")
-assert page_hashes([1, 2, 3, 4, 5], 2) == page_hashes(A, 2), (  # the partial page [5] has no hash
+# the partial page [5] has no hash
+assert page_hashes([1, 2, 3, 4, 5], 2) == page_hashes(A, 2), (
     "the partial page [5] should get no hash")
 
 # %% [markdown]
@@ -126,12 +145,18 @@ cache = HashPrefixCache(num_pages=8, page_size=2, device="cpu")
 a = cache.allocate([1, 2, 3, 4, 5])  # two full pages (cached) and a partial one
 print("A:", a, "| hash_to_page:", {short(h): p for h, p in cache.hash_to_page.items()})
 for prompt in ([1, 2, 3, 4, 9, 9], [1, 2, 3, 9], [1, 2, 3], [7, 2, 3, 4]):
-    print(f"match {prompt}: {cache.match(prompt).cached_len} tokens on pages {list(cache.match(prompt).pages)}")
-assert cache.match([1, 2, 3, 4, 9, 9]).cached_len == 4 and cache.match([1, 2, 3]).cached_len == 2, (
-    "[1 2 3 4 9 9] should match 4 tokens and [1 2 3] 2")
+    print(
+        f"match {prompt}: {cache.match(prompt).cached_len} tokens on pages"
+        f" {list(cache.match(prompt).pages)}"
+    )
+assert (
+    cache.match([1, 2, 3, 4, 9, 9]).cached_len == 4
+    and cache.match([1, 2, 3]).cached_len == 2
+), "[1 2 3 4 9 9] should match 4 tokens and [1 2 3] 2"
 assert cache.match([7, 2, 3, 4]).cached_len == 0, (  # [3 4] is cached only after [1 2]
     "[3 4] is cached only after [1 2]: [7 2 3 4] matches nothing")
-assert cache.page_hash[a.pages[2]] is None, (  # the partial page [5]: no hash, never shared
+# the partial page [5]: no hash, never shared
+assert cache.page_hash[a.pages[2]] is None, (
     "the partial page [5] should have no hash")
 
 # %% [markdown]
@@ -155,9 +180,11 @@ cache.free(a.pages)
 print("A done: ref counts", cache.ref_count, "free queue", list(cache.free_queue))
 cache.free(b.pages)
 print("B done: ref counts", cache.ref_count, "free queue", list(cache.free_queue))
-assert list(cache.free_queue)[-2:] == [1, 0], (  # the system prompt's pages queue last: used last
+# the system prompt's pages queue last: used last
+assert list(cache.free_queue)[-2:] == [1, 0], (
     f"free queue {list(cache.free_queue)}: the system prompt's pages should queue last")
-assert cache.match([1, 2, 3, 4, 6, 6, 6]).cached_len == 6, (  # freed, and still findable
+# freed, and still findable
+assert cache.match([1, 2, 3, 4, 6, 6, 6]).cached_len == 6, (
     "a freed prompt should still be found")
 cache.check_integrity()
 
@@ -214,10 +241,15 @@ plt.show()
 # %%
 for uncached_first in (False, True):
     q = HashPrefixCache(6, 2, device="cpu", uncached_first=uncached_first)
-    q.free(q.allocate([1, 2, 3, 4, 5]).pages)  # pages 0, 1 cached; page 2 holds the partial [5]
-    print(f"uncached_first={uncached_first}: free queue {list(q.free_queue)} (head first)")
+    # pages 0, 1 cached; page 2 holds the partial [5]
+    q.free(q.allocate([1, 2, 3, 4, 5]).pages)
+    print(
+        f"uncached_first={uncached_first}: free queue {list(q.free_queue)} (head first)"
+    )
     assert list(q.free_queue).index(2) == (0 if uncached_first else 3), (
-        f"uncached_first={uncached_first}: the partial page sits at {list(q.free_queue).index(2)} in {list(q.free_queue)}")
+        f"uncached_first={uncached_first}: the partial page sits at"
+        f" {list(q.free_queue).index(2)} in {list(q.free_queue)}"
+    )
 
 # %% [markdown]
 # ## Build-up 5: the partial last page
@@ -235,10 +267,14 @@ pages = dec.allocate(ids).pages
 for token in (4, 5, 6):
     ids.append(token)
     pages = dec.append_token(pages, ids)
-    print(f"after {token}: pages {list(pages)}, last page's hash {short(dec.page_hash[pages[-1]])}")
+    print(
+        f"after {token}: pages {list(pages)}, last page's hash"
+        f" {short(dec.page_hash[pages[-1]])}"
+    )
 assert pages == (0, 1, 2) and dec.page_hash[2] == page_hashes(ids, 2)[2], (
     f"pages {pages}, page 2's hash {short(dec.page_hash[2])}")
-assert dec.match(ids + [9]).cached_len == 6, (  # the decoded pages are shared like prompt pages
+# the decoded pages are shared like prompt pages
+assert dec.match(ids + [9]).cached_len == 6, (
     "the decoded pages should be found like prompt pages")
 
 # %% [markdown]
@@ -266,19 +302,27 @@ assert dec.match(ids + [9]).cached_len == 6, (  # the decoded pages are shared l
 rng = random.Random(7)
 for page_size in (1, 2, 4):
     for uncached_first in (False, True):
-        pool = HashPrefixCache(10, page_size, device="cpu", uncached_first=uncached_first)
+        pool = HashPrefixCache(
+            10, page_size, device="cpu", uncached_first=uncached_first
+        )
         ref = PagePoolRef(10, page_size, uncached_first)
-        beginnings = [[rng.randrange(4) for _ in range(3 * page_size)] for _ in range(2)]
+        beginnings = [
+            [rng.randrange(4) for _ in range(3 * page_size)] for _ in range(2)
+        ]
         live = {}
         for step in range(60):
             op = rng.random()
             if op < 0.4 or not live:
-                ids = rng.choice(beginnings)[: rng.randrange(1, 3 * page_size + 1)] + [rng.randrange(4)]
+                ids = rng.choice(beginnings)[: rng.randrange(1, 3 * page_size + 1)] + [
+                    rng.randrange(4)
+                ]
                 if pool.pages_needed(ids) > len(pool.free_queue):
                     continue
                 got = pool.allocate(ids)
                 assert got == tuple(ref.allocate(ids)), (
-                    f"step {step}: allocate gave {got}, the oracle {tuple(ref.allocate(ids))}")
+                    f"step {step}: allocate gave {got}, the oracle"
+                    f" {tuple(ref.allocate(ids))}"
+                )
                 live[step] = (ids, got.pages)
             elif op < 0.7:
                 sid = rng.choice(sorted(live))
@@ -294,13 +338,19 @@ for page_size in (1, 2, 4):
                 pool.free(live[sid][1])
                 ref.free(live.pop(sid)[1])
             assert pool.ref_count == ref.refs and list(pool.free_queue) == ref.queue, (
-                f"step {step}: counts {pool.ref_count} vs {ref.refs}, queue {list(pool.free_queue)} vs {ref.queue}")
+                f"step {step}: counts {pool.ref_count} vs {ref.refs}, queue"
+                f" {list(pool.free_queue)} vs {ref.queue}"
+            )
             assert {p: h for h, p in pool.hash_to_page.items()} == {
-                p: page_hashes(list(key), page_size)[-1] for key, p in ref.page_of.items()}, (
-                f"step {step}: the cached pages differ from the oracle's")
+                p: page_hashes(list(key), page_size)[-1]
+                for key, p in ref.page_of.items()
+            }, f"step {step}: the cached pages differ from the oracle's"
             pool.check_integrity()
-        print(f"page_size {page_size}, uncached_first={uncached_first}: 60 steps agree "
-              f"({pool.evicted_pages} evictions, {len(pool.hash_to_page)} pages cached at the end)")
+        print(
+            f"page_size {page_size}, uncached_first={uncached_first}: 60 steps agree"
+            f" ({pool.evicted_pages} evictions, {len(pool.hash_to_page)} pages cached"
+            " at the end)"
+        )
 
 # %% [markdown]
 # ## The picture: four requests through `CacheManager`, on the hash cache
@@ -314,10 +364,20 @@ for page_size in (1, 2, 4):
 
 # %% alt="A page table of four requests served by the hash cache on pages of 4 slots, in which rows 0 and 2 share their first two pages and rows 1 and 3 share theirs."
 P4 = 4
-cm = CacheManager(num_pages=24, page_size=P4, page_table=new_page_table(4, 24, P4), prefix_cache="hash",
-                  page_table_writer="host")
+cm = CacheManager(
+    num_pages=24,
+    page_size=P4,
+    page_table=new_page_table(4, 24, P4),
+    prefix_cache="hash",
+    page_table_writer="host",
+)
 system_a, system_b = list(range(100, 110)), list(range(200, 206))
-prompts = [system_a + [1, 2, 3], system_b + [4, 5, 6, 7, 8], system_a + [9, 9, 9, 9, 9, 9], system_b + [4, 5, 6, 7, 1]]
+prompts = [
+    system_a + [1, 2, 3],
+    system_b + [4, 5, 6, 7, 8],
+    system_a + [9, 9, 9, 9, 9, 9],
+    system_b + [4, 5, 6, 7, 1],
+]
 for row, prompt in enumerate(prompts):
     req = Req(prompt, table_idx=row)
     hit = cm.admit(req).cached_len
@@ -326,11 +386,15 @@ for row, prompt in enumerate(prompts):
     cm.cache_req(req, finished=False)
     print(f"row {row}: {len(prompt)} tokens, {hit} from the cache")
 cm.check_integrity()
-page_table_heatmap(cm.page_table[:4, :20], P4, title="shared pages across rows (hash cache)")
+page_table_heatmap(
+    cm.page_table[:4, :20], P4, title="shared pages across rows (hash cache)"
+)
 plt.show()
-assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8]), (  # system_a's 2 whole pages
+# system_a's 2 whole pages
+assert torch.equal(cm.page_table[2, :8], cm.page_table[0, :8]), (
     "rows 0 and 2 should share system_a's two pages")
-assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (  # system_b + [4 5]: 2 pages
+# system_b + [4 5]: 2 pages
+assert torch.equal(cm.page_table[3, :8], cm.page_table[1, :8]), (
     "rows 1 and 3 should share two pages")
 
 # %% [markdown]
@@ -382,9 +446,13 @@ plt.show()
 by = {(r.workload, r.pool, r.cache): r for r in rows}
 for name in COMPARED:
     ample = [by[(name, "ample", c)] for c in ("radix", "hash", "hash_uncached_first")]
-    assert all(r.diverged_at is None for r in ample[1:]) and len({r.hit_tokens for r in ample}) == 1, (
-        f"{name}, ample pool: the caches part or hit differently")
-    assert all(r.evicted_tokens == 0 for r in ample), f"{name}, ample pool: something was evicted"
+    assert (
+        all(r.diverged_at is None for r in ample[1:])
+        and len({r.hit_tokens for r in ample}) == 1
+    ), f"{name}, ample pool: the caches part or hit differently"
+    assert all(
+        r.evicted_tokens == 0 for r in ample
+    ), f"{name}, ample pool: something was evicted"
 print("ample pools: the three caches agree step by step on every workload")
 
 # %% [markdown]
@@ -405,19 +473,28 @@ firsts = [tuple(p[:P4]) for p in prompt_of.values()]
 assert len(set(firsts)) == len(firsts), "two random prompts begin with the same page"
 for pool in ("tight", "half", "ample"):
     rand = make_workload("random_prompts", seed=0)
-    run = Simulator(rand, SimConfig(num_pages=pool_sizes(rand, P4)[pool], page_size=P4)).run()
+    run = Simulator(
+        rand, SimConfig(num_pages=pool_sizes(rand, P4)[pool], page_size=P4)
+    ).run()
     preempted, hits = set(), 0
     for s in run.steps:
         preempted |= set(s.preempted)
         if s.hit_tokens:
             back = [rid for rid in s.admitted if rid in preempted]
-            most = sum(len(prompt_of[rid]) // P4 * P4 for rid in back)  # their whole prompt pages
-            assert 0 < s.hit_tokens <= most, (f"{pool} pool, step {s.step}: {s.hit_tokens} hit tokens, "
-                                              f"re-admitted after a preemption: {back}")
+            # their whole prompt pages
+            most = sum(len(prompt_of[rid]) // P4 * P4 for rid in back)
+            assert 0 < s.hit_tokens <= most, (
+                f"{pool} pool, step {s.step}: {s.hit_tokens} hit tokens, "
+                f"re-admitted after a preemption: {back}"
+            )
             hits += s.hit_tokens
-    print(f"random prompts, {pool:5s} pool: {len(preempted)} requests preempted, {hits} hit tokens, "
-          "every one on a re-admitted request's own pages")
-    assert (hits > 0) == (pool != "ample") and (len(preempted) > 0) == (pool != "ample"), (pool, hits, preempted)
+    print(
+        f"random prompts, {pool:5s} pool: {len(preempted)} requests preempted, {hits}"
+        " hit tokens, every one on a re-admitted request's own pages"
+    )
+    assert (hits > 0) == (pool != "ample") and (len(preempted) > 0) == (
+        pool != "ample"
+    ), (pool, hits, preempted)
 
 # %% [markdown]
 # **Eviction granularity.** The radix tree evicts a *whole leaf*, however many pages it holds
@@ -434,14 +511,19 @@ assert all(r.over_evicted == 0 for r in pressured if r.cache != "radix"), (
     "a hash run evicted tokens no allocation asked for")
 assert any(r.over_evicted > 0 for r in pressured if r.cache == "radix"), (
     "no radix run evicted more than asked for")
-mixed_tight = {c: by[("mixed", "tight", c)] for c in ("radix", "hash", "hash_uncached_first")}
+mixed_tight = {
+    c: by[("mixed", "tight", c)] for c in ("radix", "hash", "hash_uncached_first")
+}
 for pool in ("tight", "half"):
-    assert min(by[("mixed", pool, c)].hit_tokens for c in ("hash", "hash_uncached_first")) > by[
-        ("mixed", pool, "radix")].hit_tokens, (
-        f"{pool} pool of the mixed workload: the hash caches hit no more than the tree")
+    assert (
+        min(by[("mixed", pool, c)].hit_tokens for c in ("hash", "hash_uncached_first"))
+        > by[("mixed", pool, "radix")].hit_tokens
+    ), f"{pool} pool of the mixed workload: the hash caches hit no more than the tree"
 for c, r in mixed_tight.items():
-    print(f"mixed, tight pool, {c:20s}: {r.hit_tokens} hit tokens, {r.evicted_tokens} evicted, "
-          f"{r.over_evicted} of them beyond what allocations asked for")
+    print(
+        f"mixed, tight pool, {c:20s}: {r.hit_tokens} hit tokens, {r.evicted_tokens}"
+        f" evicted, {r.over_evicted} of them beyond what allocations asked for"
+    )
 
 # %% [markdown]
 # **Eviction order.** nano-vllm's single queue hands out the oldest released page *whether or not
@@ -454,25 +536,41 @@ for c, r in mixed_tight.items():
 
 # %%
 chat = make_workload("multi_turn_chat", seed=0)
-sim = Simulator(chat, SimConfig(num_pages=pool_sizes(chat, 4)["half"], page_size=4, prefix_cache="hash"))
+sim = Simulator(
+    chat,
+    SimConfig(num_pages=pool_sizes(chat, 4)["half"], page_size=4, prefix_cache="hash"),
+)
 hasty, take_free = [], sim.cache.take_free
 
 
 def counting_take_free():
     head = sim.cache.free_queue.head(1)[0]
-    if sim.cache.page_hash[head] is not None and any(sim.cache.page_hash[p] is None for p in sim.cache.free_queue):
+    if sim.cache.page_hash[head] is not None and any(
+        sim.cache.page_hash[p] is None for p in sim.cache.free_queue
+    ):
         hasty.append((sim.step_no, head))
     return take_free()
 
 
 sim.cache.take_free = counting_take_free
 sim.run()
-print(f"{len(hasty)} cached pages handed out while a page without a hash waited behind them: {hasty}")
-half = {c: by[("multi_turn_chat", "half", c)] for c in ("radix", "hash", "hash_uncached_first")}
+print(
+    f"{len(hasty)} cached pages handed out while a page without a hash waited behind"
+    f" them: {hasty}"
+)
+half = {
+    c: by[("multi_turn_chat", "half", c)]
+    for c in ("radix", "hash", "hash_uncached_first")
+}
 assert hasty and half["hash_uncached_first"].diverged_at is None, (
-    f"handed out while an uncached page waited: {hasty}; uncached-first parts at {half['hash_uncached_first'].diverged_at}")
-assert half["hash"].hit_tokens < half["radix"].hit_tokens == half["hash_uncached_first"].hit_tokens, (
-    f"hit tokens: {({c: r.hit_tokens for c, r in half.items()})}")
+    f"handed out while an uncached page waited: {hasty}; uncached-first parts at"
+    f" {half['hash_uncached_first'].diverged_at}"
+)
+assert (
+    half["hash"].hit_tokens
+    < half["radix"].hit_tokens
+    == half["hash_uncached_first"].hit_tokens
+), f"hit tokens: {({c: r.hit_tokens for c, r in half.items()})}"
 
 # %% [markdown]
 # The order of cached pages differs too: the radix tree orders whole leaves by the last match
@@ -487,7 +585,10 @@ assert half["hash"].hit_tokens < half["radix"].hit_tokens == half["hash_uncached
 # %% alt="A log-log line chart of the host microseconds one match_prefix takes against the number of cached prompt tokens, for the radix tree and for the hash chain."
 costs = lookup_cost([64, 256, 1024, 4096], page_size=16, repeats=100)
 for c in costs:
-    print(f"{c.prompt_len:5d} tokens: radix {c.radix_us:7.1f} us, hash {c.hash_us:7.1f} us -> hash/radix {c.ratio:.2f}")
+    print(
+        f"{c.prompt_len:5d} tokens: radix {c.radix_us:7.1f} us, hash {c.hash_us:7.1f}"
+        f" us -> hash/radix {c.ratio:.2f}"
+    )
 draw_lookup_cost(costs)
 plt.show()
 
@@ -524,8 +625,12 @@ plt.show()
 # failed and how. A typical slip, a page hash without its parent, is caught like this:
 
 # %%
-def page_hashes_without_parent(input_ids, page_size):  # the slip: every page hashed alone
-    return [chain_hash(None, input_ids[s:s + page_size]) for s in range(0, len(input_ids) - page_size + 1, page_size)]
+# the slip: every page hashed alone
+def page_hashes_without_parent(input_ids, page_size):
+    return [
+        chain_hash(None, input_ids[s : s + page_size])
+        for s in range(0, len(input_ids) - page_size + 1, page_size)
+    ]
 
 
 try:
@@ -543,7 +648,8 @@ else:
 
 # %%
 def my_page_hashes(input_ids, page_size):
-    """The chained hash of every full page of input_ids (a partial last page has none)."""
+    """The chained hash of every full page of input_ids (a partial last page has none).
+    """
     # lifted into kvlab.prefix.hash_chain.page_hashes
     ### BEGIN SOLUTION
     hashes, parent = [], None
@@ -606,7 +712,8 @@ kvlab.check.hash_match(my_hash_match);
 
 # %%
 def my_allocate_pages(cache, input_ids):
-    """Pages for a new sequence: its cached chain (hits), then new pages; (pages, cached_len)."""
+    """Pages for a new sequence: its cached chain (hits), then new pages; (pages,
+    cached_len)."""
     # lifted into kvlab.prefix.hash_cache.HashPrefixCache.allocate
     ### BEGIN SOLUTION
     P = cache.page_size
@@ -630,7 +737,9 @@ def my_allocate_pages(cache, input_ids):
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: allocate_pages
-    raise NotImplementedError("hits first (take_cached), then take_free; cache new full pages")
+    raise NotImplementedError(
+        "hits first (take_cached), then take_free; cache new full pages"
+    )
     ### END STARTER
 
 
@@ -646,7 +755,8 @@ kvlab.check.allocate_pages(my_allocate_pages);
 
 # %%
 def my_free_pages(cache, pages):
-    """Drop one reference per page, last page first; a page nobody holds joins the free queue."""
+    """Drop one reference per page, last page first; a page nobody holds joins the free
+    queue."""
     # lifted into kvlab.prefix.hash_cache.HashPrefixCache.free
     ### BEGIN SOLUTION
     for page in set(pages):
@@ -659,7 +769,9 @@ def my_free_pages(cache, pages):
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: free_pages
-    raise NotImplementedError("ref_count down, last page first; zero: append to the free queue")
+    raise NotImplementedError(
+        "ref_count down, last page first; zero: append to the free queue"
+    )
     ### END STARTER
 
 
@@ -677,24 +789,38 @@ kvlab.check.free_pages(my_free_pages);
 
 # %%
 hashes_fn = kvlab.check.choose("page_hashes", my_page_hashes, kvlab.page_hashes)
-match_fn = kvlab.check.choose("hash_match", my_hash_match, kvlab.solutions.get("hash_match"))
-allocate_fn = kvlab.check.choose("allocate_pages", my_allocate_pages, HashPrefixCache.allocate)
+match_fn = kvlab.check.choose(
+    "hash_match", my_hash_match, kvlab.solutions.get("hash_match")
+)
+allocate_fn = kvlab.check.choose(
+    "allocate_pages", my_allocate_pages, HashPrefixCache.allocate
+)
 free_fn = kvlab.check.choose("free_pages", my_free_pages, HashPrefixCache.free)
 
 rng = random.Random(11)
 for page_size in (1, 2, 4):
-    mine, theirs = HashPrefixCache(12, page_size, device="cpu"), HashPrefixCache(12, page_size, device="cpu")
+    mine, theirs = HashPrefixCache(12, page_size, device="cpu"), HashPrefixCache(
+        12, page_size, device="cpu"
+    )
     beginnings = [[rng.randrange(3) for _ in range(3 * page_size)] for _ in range(2)]
     live = []
     for _ in range(30):
-        ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [rng.randrange(3)]
+        ids = rng.choice(beginnings)[: rng.randrange(0, 3 * page_size + 1)] + [
+            rng.randrange(3)
+        ]
         said = f"page_size {page_size}, prompt {ids}"
-        assert hashes_fn(ids, page_size) == page_hashes(ids, page_size), f"{said}: page hashes differ"
+        assert hashes_fn(ids, page_size) == page_hashes(
+            ids, page_size
+        ), f"{said}: page hashes differ"
         n, slots = match_fn(mine, ids)
         want = theirs.match(ids)
         assert (n, slots) == (len(want.pages), want.get_matched_indices().tolist()), (
-            f"{said}: your match ({n}, {slots}), the package's ({len(want.pages)}, {want.get_matched_indices().tolist()})")
-        if live and (rng.random() < 0.5 or theirs.pages_needed(ids) > len(theirs.free_queue)):
+            f"{said}: your match ({n}, {slots}), the package's ({len(want.pages)},"
+            f" {want.get_matched_indices().tolist()})"
+        )
+        if live and (
+            rng.random() < 0.5 or theirs.pages_needed(ids) > len(theirs.free_queue)
+        ):
             pages = live.pop(rng.randrange(len(live)))
             free_fn(mine, list(pages))
             theirs.free(pages)
@@ -702,12 +828,20 @@ for page_size in (1, 2, 4):
             pages, cached_len = allocate_fn(mine, ids)
             done = theirs.allocate(ids)
             assert (tuple(pages), cached_len) == (done.pages, done.cached_len), (
-                f"{said}: you allocated {tuple(pages)} with {cached_len} cached, the package {done.pages} with {done.cached_len}")
+                f"{said}: you allocated {tuple(pages)} with {cached_len} cached, the"
+                f" package {done.pages} with {done.cached_len}"
+            )
             live.append(tuple(pages))
-        assert mine.ref_count == theirs.ref_count, f"{said}: ref_count {mine.ref_count}, the package's {theirs.ref_count}"
+        assert (
+            mine.ref_count == theirs.ref_count
+        ), f"{said}: ref_count {mine.ref_count}, the package's {theirs.ref_count}"
         assert list(mine.free_queue) == list(theirs.free_queue), (
-            f"{said}: free queue {list(mine.free_queue)}, the package's {list(theirs.free_queue)}")
-        assert mine.hash_to_page == theirs.hash_to_page, f"{said}: hash_to_page differs from the package's"
+            f"{said}: free queue {list(mine.free_queue)}, the package's"
+            f" {list(theirs.free_queue)}"
+        )
+        assert (
+            mine.hash_to_page == theirs.hash_to_page
+        ), f"{said}: hash_to_page differs from the package's"
         mine.check_integrity()
 print("page_hashes, hash_match, allocate_pages and free_pages agree with kvlab")
 
@@ -763,7 +897,10 @@ prompt = list(range(256))
 for P in (1, 4, 16, 64):
     h = HashPrefixCache(-(-256 // P), P, device="cpu")
     h.allocate(prompt)
-    print(f"page size {P:2d}: {len(h.hash_to_page):3d} dict entries, {len(page_hashes(prompt, P)):3d} hash calls per lookup")
+    print(
+        f"page size {P:2d}: {len(h.hash_to_page):3d} dict entries,"
+        f" {len(page_hashes(prompt, P)):3d} hash calls per lookup"
+    )
 
 
 # %% tags=["solution"]
@@ -772,4 +909,7 @@ for uncached_first in (False, True):
     q.free(q.allocate([1, 2, 3, 4, 5]).pages)  # A: [1 2|3 4] cached, [5] partial
     q.free(q.allocate([7]).pages)              # B: one page, no hash, released after A
     q.allocate([8, 8, 8])                      # C: two pages from the head of the queue
-    print(f"uncached_first={uncached_first}: the next [1 2 3 4 ...] hits {q.match([1, 2, 3, 4, 9]).cached_len} tokens")
+    print(
+        f"uncached_first={uncached_first}: the next [1 2 3 4 ...] hits"
+        f" {q.match([1, 2, 3, 4, 9]).cached_len} tokens"
+    )

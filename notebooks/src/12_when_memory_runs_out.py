@@ -35,13 +35,30 @@ import matplotlib.pyplot as plt
 import torch
 
 import kvlab
-from kvlab.serving.pressure import (POLICIES, RequestView, RetractDecode, make_policy, next_token_ratio,
-                            resume_plan, victim_order)
+from kvlab.serving.pressure import (
+    POLICIES,
+    RequestView,
+    RetractDecode,
+    make_policy,
+    next_token_ratio,
+    resume_plan,
+    victim_order,
+)
 from kvlab.serving.hf import PagedGenerator, tiny_model
-from kvlab.course.scenes.ch12_memory import (CHAPTER_WORKLOADS, P, bench_rows, chapter_workload,
-                                      compared_rows, host_full_stops, leave_and_return_figure,
-                                      policy_compare_figure, policy_run, promised_pages_figure,
-                                      retraction_cost, where_retract_sits)
+from kvlab.course.scenes.ch12_memory import (
+    CHAPTER_WORKLOADS,
+    P,
+    bench_rows,
+    chapter_workload,
+    compared_rows,
+    host_full_stops,
+    leave_and_return_figure,
+    policy_compare_figure,
+    policy_run,
+    promised_pages_figure,
+    retraction_cost,
+    where_retract_sits,
+)
 from kvlab.serving.sim import simulate
 from kvlab.serving.sim.compare import memory_pools, policy_table
 from kvlab.course.viz.policies import ratio_over_time
@@ -77,13 +94,23 @@ plt.show()
 # of a 10-token prompt that has generated 3 of at most 20 tokens, in pages of 4:
 
 # %%
-view = RequestView(key="r", prompt_len=10, generated=3, max_new=20, positions=13, mapped_pages=3)
-print(f"it may map {view.max_positions} positions in all (prompt + max_new - 1: the last token's KV is never computed)")
+view = RequestView(
+    key="r", prompt_len=10, generated=3, max_new=20, positions=13, mapped_pages=3
+)
+print(
+    f"it may map {view.max_positions} positions in all (prompt + max_new - 1: the last"
+    " token's KV is never computed)"
+)
 for name in ("reserve", "recompute", "retract", "swap"):
     run = make_policy(name).start()
     print(f"{name:9s} promises {run.promised_pages(view, 4)} more page(s)"
           + (f" (new_token_ratio {run.ratio})" if run.ratio is not None else ""))
-assert [make_policy(n).start().promised_pages(view, 4) for n in POLICIES] == [5, 1, 4, 1], "the promises above"
+assert [make_policy(n).start().promised_pages(view, 4) for n in POLICIES] == [
+    5,
+    1,
+    4,
+    1,
+], "the promises above"
 
 # %% [markdown]
 # * **reserve** promises every position it may still map: `div_ceil(29, 4) - 3 = 5` pages.
@@ -112,11 +139,18 @@ pools = memory_pools(chapter_workload("eos_long_tail"), P)
 print("pools, in pages of 4:", pools)
 reserve = policy_run("reserve")
 s = reserve.summary()
-print(f"reserve, tight: {s.steps} steps, {s.mean_running:.1f} requests running at once, {s.preemptions} stopped, "
-      f"{s.mean_promised_pages:.1f} pages promised but unmapped per step")
-assert s.preemptions == 0 and s.recomputed_tokens == 0, "reserving whole answers never stops a request"
+print(
+    f"reserve, tight: {s.steps} steps, {s.mean_running:.1f} requests running at once,"
+    f" {s.preemptions} stopped, {s.mean_promised_pages:.1f} pages promised but unmapped"
+    " per step"
+)
+assert (
+    s.preemptions == 0 and s.recomputed_tokens == 0
+), "reserving whole answers never stops a request"
 in_use = sum(r.memory.in_use for r in reserve.steps) / len(reserve)
-print(f"in use: {in_use:.1f} pages per step; promised on top: {s.mean_promised_pages:.1f}")
+print(
+    f"in use: {in_use:.1f} pages per step; promised on top: {s.mean_promised_pages:.1f}"
+)
 
 # %% [markdown]
 # Pools are a share of every request's whole answer at once (`kvlab.serving.sim.compare.MEMORY_POOLS`):
@@ -145,8 +179,10 @@ recompute = policy_run("recompute", "shared_system_prompt")
 chapter_07 = policy_run(kvlab.serving.pressure.CHAPTER_07, "shared_system_prompt")
 for label, tl in (("recompute (vLLM)", recompute), ("chapter 07's loop", chapter_07)):
     s = tl.summary()
-    print(f"{label:18s}: {s.preemptions:2d} preemptions, {s.recomputed_tokens:3d} positions computed again, "
-          f"{s.steps} steps")
+    print(
+        f"{label:18s}: {s.preemptions:2d} preemptions, {s.recomputed_tokens:3d}"
+        f" positions computed again, {s.steps} steps"
+    )
 assert recompute.summary().recomputed_tokens < chapter_07.summary().recomputed_tokens, \
     "kept pages make comebacks cheaper"
 assert all(not set(st.admitted) & set(st.preempted) for st in recompute.steps), \
@@ -171,8 +207,10 @@ leave_and_return_figure()
 plt.show()
 swap_run = policy_run("swap", "shared_system_prompt")
 for step, rid, used in host_full_stops(swap_run):
-    print(f"swap run, step {step}: request {rid} went back to the queue;\n"
-          f"  host memory held {used} of {swap_run.num_pages} pages, too few left for its row")
+    print(
+        f"swap run, step {step}: request {rid} went back to the queue;\n  host memory"
+        f" held {used} of {swap_run.num_pages} pages, too few left for its row"
+    )
 assert host_full_stops(swap_run), "the picture's recomputed request"
 
 # %% [markdown]
@@ -203,15 +241,22 @@ assert host_full_stops(swap_run), "the picture's recomputed request"
 # the estimate of 0.7 x what is left undercounts from the start:
 
 # %% alt="SGLang's new_token_ratio per step of three runs: on the burst workload with 600 decay steps it barely falls from 0.7, with 20 it falls to its minimum of 0.098 and jumps back up after a retraction; on long answers it falls slowly until the running requests outgrow their estimate, and each retraction, marked, makes it jump."
-ratios = {"burst, 600 decay steps": policy_run("retract", "long_prompt_burst", "medium"),
-          "burst, 20 decay steps": policy_run(RetractDecode(decay_steps=20), "long_prompt_burst", "medium"),
-          "long answers, 600 steps": policy_run("retract", "long_answers", "medium")}
+ratios = {
+    "burst, 600 decay steps": policy_run("retract", "long_prompt_burst", "medium"),
+    "burst, 20 decay steps": policy_run(
+        RetractDecode(decay_steps=20), "long_prompt_burst", "medium"
+    ),
+    "long answers, 600 steps": policy_run("retract", "long_answers", "medium"),
+}
 ratio_over_time(ratios)
 plt.show()
 for label, tl in ratios.items():
     s = tl.summary()
-    print(f"{label:24s}: {s.steps:3d} steps, {s.mean_running:4.1f} running, {s.preemptions} retractions, "
-          f"lowest ratio {min(st.ratio for st in tl.steps):.3f}")
+    print(
+        f"{label:24s}: {s.steps:3d} steps, {s.mean_running:4.1f} running,"
+        f" {s.preemptions} retractions, lowest ratio"
+        f" {min(st.ratio for st in tl.steps):.3f}"
+    )
 
 # %% [markdown]
 # A lower ratio admits more, until the estimate is too low and a retraction resets it. On long
@@ -225,9 +270,13 @@ for label, tl in ratios.items():
 for pool in ("medium", "tight"):
     for name in ("reserve", "retract", "recompute"):
         s = policy_run(name, "long_answers", pool).summary()
-        print(f"long answers, {pool:6s} {name:9s}: {s.steps:3d} steps, {s.preemptions:2d} stopped, "
-              f"{s.recomputed_tokens:3d} positions computed again")
-    assert policy_run("retract", "long_answers", pool).summary().preemptions > 0, "the estimate ran short"
+        print(
+            f"long answers, {pool:6s} {name:9s}: {s.steps:3d} steps, {s.preemptions:2d}"
+            f" stopped, {s.recomputed_tokens:3d} positions computed again"
+        )
+    assert (
+        policy_run("retract", "long_answers", pool).summary().preemptions > 0
+    ), "the estimate ran short"
 
 # %% [markdown]
 # Each retraction is work thrown away: the positions computed again above. Whether the memory an
@@ -255,8 +304,10 @@ for pool in ("medium", "tight"):
 # %%
 for how in ("swap", "recompute"):
     plan = resume_plan(how, saved=15, hit=8, input_len=16)
-    print(f"{how:9s}: positions [0, {plan.hit}) from the cache, copy {list(plan.copy)}, compute {list(plan.compute)}"
-          f" -> {plan.recomputed} position(s) computed again")
+    print(
+        f"{how:9s}: positions [0, {plan.hit}) from the cache, copy {list(plan.copy)},"
+        f" compute {list(plan.compute)} -> {plan.recomputed} position(s) computed again"
+    )
 
 # %% [markdown]
 # ## Validate: no page lost, no token changed
@@ -273,9 +324,15 @@ def check_run(tl, workload):
     for st in tl.steps:
         assert st.memory.total == tl.num_pages and st.promised_pages >= 0, st.step
     last = tl.steps[-1]
-    assert last.memory.in_use == 0 and last.host_pages == 0 and not last.swapped, "something left at the end"
-    assert sorted(r for st in tl.steps for r in st.finished) == list(range(len(workload))), "a request ended twice or never"
-    assert all(tl.requests[r.rid].generated == len(r.output) for r in workload.requests), "a token was lost"
+    assert (
+        last.memory.in_use == 0 and last.host_pages == 0 and not last.swapped
+    ), "something left at the end"
+    assert sorted(r for st in tl.steps for r in st.finished) == list(
+        range(len(workload))
+    ), "a request ended twice or never"
+    assert all(
+        tl.requests[r.rid].generated == len(r.output) for r in workload.requests
+    ), "a token was lost"
 
 
 runs = 0
@@ -297,14 +354,20 @@ print(f"{runs} runs: every page and every token accounted for")
 model = tiny_model("llama", seed=0, device=kvlab.DEVICE)
 rng = random.Random(5)
 prompts = [[rng.randrange(128) for _ in range(n)] for n in (9, 17, 4, 12, 3, 6)]
-gen = PagedGenerator(model, page_size=4, num_pages=8, max_running=6, prefill_budget=7, policy="swap")
+gen = PagedGenerator(
+    model, page_size=4, num_pages=8, max_running=6, prefill_budget=7, policy="swap"
+)
 got = gen.generate(prompts, max_new_tokens=10)
 for i, prompt in enumerate(prompts):
-    want = model.generate(torch.tensor([prompt], device=model.device), max_new_tokens=10,
-                          do_sample=False)[0, len(prompt):].tolist()
+    want = model.generate(
+        torch.tensor([prompt], device=model.device), max_new_tokens=10, do_sample=False
+    )[0, len(prompt) :].tolist()
     assert got[i] == want, f"prompt {i}: {got[i]} != generate's {want}"
-print(f"identical to generate; swapped out {gen.stats['swaps_out']} times, "
-      f"{gen.stats['swapped_out_bytes']} bytes to host and {gen.stats['swapped_in_bytes']} back")
+print(
+    f"identical to generate; swapped out {gen.stats['swaps_out']} times,"
+    f" {gen.stats['swapped_out_bytes']} bytes to host and"
+    f" {gen.stats['swapped_in_bytes']} back"
+)
 assert gen.stats["swaps_out"] > 0, "the pool was meant to force swaps"
 
 # %% [markdown]
@@ -315,8 +378,14 @@ assert gen.stats["swaps_out"] > 0, "the pool was meant to force swaps"
 # the requests that generated *most* first, is caught like this:
 
 # %%
-def retract_most_first(policy, running):  # the slip: SGLang's sort without the pop from the end
-    return [r.key for r in sorted(running, key=lambda r: (r.generated, -r.prompt_len), reverse=True)]
+# the slip: SGLang's sort without the pop from the end
+def retract_most_first(policy, running):
+    return [
+        r.key
+        for r in sorted(
+            running, key=lambda r: (r.generated, -r.prompt_len), reverse=True
+        )
+    ]
 
 
 try:
@@ -344,7 +413,9 @@ def my_victim_order(policy, running):
     elif policy == "swap":
         order = sorted(running, key=lambda r: r.arrived, reverse=True)
     else:
-        order = sorted(running, key=lambda r: (r.generated, -r.prompt_len), reverse=True)[::-1]
+        order = sorted(
+            running, key=lambda r: (r.generated, -r.prompt_len), reverse=True
+        )[::-1]
     return [r.key for r in order]
     ### END SOLUTION
     ### BEGIN STARTER
@@ -373,11 +444,20 @@ def my_next_ratio(policy, ratio, retracted, remaining):
     total = sum(r.max_new for r in remaining)
     if not total:
         return policy.init_ratio
-    return min(1.0, (sum(r.generated for r in remaining) + policy.retract_decode_steps * len(remaining)) / total)
+    return min(
+        1.0,
+        (
+            sum(r.generated for r in remaining)
+            + policy.retract_decode_steps * len(remaining)
+        )
+        / total,
+    )
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: next_token_ratio
-    raise NotImplementedError("decay to the minimum; after a retraction, a fresh estimate")
+    raise NotImplementedError(
+        "decay to the minimum; after a retraction, a fresh estimate"
+    )
     ### END STARTER
 
 
@@ -400,7 +480,8 @@ kvlab.check.next_token_ratio(my_next_ratio);
 # %%
 def my_resume(how, saved, hit, input_len, host_pages, row, page_size):
     """(copies, compute): what a returning request copies back and what it computes."""
-    # lifted into kvlab.serving.pressure.resume_plan (ranges) and kvlab.serving.hf.swap.HostKV.load (slots)
+    # lifted into kvlab.serving.pressure.resume_plan (ranges) and
+    # kvlab.serving.hf.swap.HostKV.load (slots)
     ### BEGIN SOLUTION
     P = page_size
     if how != "swap":
@@ -410,7 +491,9 @@ def my_resume(how, saved, hit, input_len, host_pages, row, page_size):
     ### END SOLUTION
     ### BEGIN STARTER
     # YOUR CODE HERE: resume_plan
-    raise NotImplementedError("copy [hit, saved) host -> row for a swap; compute the rest")
+    raise NotImplementedError(
+        "copy [hit, saved) host -> row for a swap; compute the rest"
+    )
     ### END STARTER
 
 
@@ -430,8 +513,10 @@ kvlab.check.resume_plan(my_resume);
 
 # %%
 def my_swap_out(manager, req, pool, host):
-    """Copy req's row to host pages, then give its device pages back; return the host pages."""
-    # lifted into kvlab.serving.hf.swap.HostKV.save and kvlab.serving.pressure.stop_request
+    """Copy req's row to host pages, then give its device pages back; return the host
+    pages."""
+    # lifted into kvlab.serving.hf.swap.HostKV.save and
+    # kvlab.serving.pressure.stop_request
     ### BEGIN SOLUTION
     P, n = host.page_size, req.cached_len
     slots = manager.page_table[req.table_idx, :n].long()
@@ -476,34 +561,67 @@ plt.show()
 by = {(r["workload"], r["pool"], r["policy"]): r for r in rows}
 eos = {p: by[("eos_long_tail", "tight", p)] for p in POLICIES}
 gain = eos["recompute"]["tokens_per_step"] / eos["reserve"]["tokens_per_step"]
-print(f"EOS-heavy answers, tight memory: recompute serves {gain:.2f}x the tokens per step of reserve\n"
-      f"  and runs {eos['recompute']['mean_running'] / eos['reserve']['mean_running']:.2f}x the requests at once, "
-      f"for {eos['recompute']['recomputed_tokens']} positions recomputed;\n"
-      f"  retract promises {eos['retract']['unused_pages']:.1f} unused pages per step, "
-      f"reserve {eos['reserve']['unused_pages']:.1f}")
+print(
+    f"EOS-heavy answers, tight memory: recompute serves {gain:.2f}x the tokens per step"
+    " of reserve\n  and runs"
+    f" {eos['recompute']['mean_running'] / eos['reserve']['mean_running']:.2f}x the"
+    f" requests at once, for {eos['recompute']['recomputed_tokens']} positions"
+    f" recomputed;\n  retract promises {eos['retract']['unused_pages']:.1f} unused"
+    f" pages per step, reserve {eos['reserve']['unused_pages']:.1f}"
+)
 burst_tight = {p: by[("long_prompt_burst", "tight", p)] for p in POLICIES}
-print(f"burst of long prompts, tight memory: recompute computes "
-      f"{burst_tight['recompute']['recomputed_tokens']} positions again,\n"
-      f"  swap copies {burst_tight['swap']['swapped_tokens']} and computes {burst_tight['swap']['recomputed_tokens']}")
+print(
+    "burst of long prompts, tight memory: recompute computes"
+    f" {burst_tight['recompute']['recomputed_tokens']} positions again,\n  swap copies"
+    f" {burst_tight['swap']['swapped_tokens']} and computes"
+    f" {burst_tight['swap']['recomputed_tokens']}"
+)
 long = {p: by[("long_answers", "tight", p)] for p in POLICIES}
-print(f"long answers, tight memory: retract stops {long['retract']['stops']} request(s) and computes "
-      f"{long['retract']['recomputed_tokens']} positions again;\n  "
-      + ", ".join(f"{p} {long[p]['tokens_per_step']:.2f}" for p in POLICIES) + " tokens per step")
-assert gain > 1 and eos["recompute"]["mean_running"] > eos["reserve"]["mean_running"], "recompute wins here"
-assert eos["reserve"]["unused_pages"] > eos["retract"]["unused_pages"] > 0 == eos["recompute"]["unused_pages"], \
-    "promises: whole answers > estimates > none"
-assert eos["reserve"]["tokens_per_step"] < eos["retract"]["tokens_per_step"] < eos["recompute"]["tokens_per_step"], \
-    "on the simulator, retract sits between reserve and recompute here"
-assert all(r["stops"] == 0 for r in rows if r["policy"] == "reserve"), "reserve stopped a request"
-assert burst_tight["swap"]["recomputed_tokens"] < burst_tight["recompute"]["recomputed_tokens"], \
-    "swap copies what recompute computes again"
-assert all(r["stops"] == 0 and r["steps"] == by[(r["workload"], "ample", "reserve")]["steps"]
-           for r in rows if r["pool"] == "ample"), "with ample memory the policies differ"
-assert long["retract"]["stops"] > 0 and long["retract"]["recomputed_tokens"] > 0, "long answers retract"
-assert all(long[p]["stops"] > long["retract"]["stops"] and long[p]["tokens_per_step"] > long["retract"]["tokens_per_step"]
-           for p in ("recompute", "swap")), "recompute and swap stop more, and serve more per step"
-assert all(r["stops"] == 0 for r in rows if r["policy"] == "retract" and r["workload"] != "long_answers"), \
-    "retract stops nobody where its estimate holds"
+print(
+    f"long answers, tight memory: retract stops {long['retract']['stops']} request(s)"
+    f" and computes {long['retract']['recomputed_tokens']} positions again;\n  "
+    + ", ".join(f"{p} {long[p]['tokens_per_step']:.2f}" for p in POLICIES)
+    + " tokens per step"
+)
+assert (
+    gain > 1 and eos["recompute"]["mean_running"] > eos["reserve"]["mean_running"]
+), "recompute wins here"
+assert (
+    eos["reserve"]["unused_pages"]
+    > eos["retract"]["unused_pages"]
+    > 0
+    == eos["recompute"]["unused_pages"]
+), "promises: whole answers > estimates > none"
+assert (
+    eos["reserve"]["tokens_per_step"]
+    < eos["retract"]["tokens_per_step"]
+    < eos["recompute"]["tokens_per_step"]
+), "on the simulator, retract sits between reserve and recompute here"
+assert all(
+    r["stops"] == 0 for r in rows if r["policy"] == "reserve"
+), "reserve stopped a request"
+assert (
+    burst_tight["swap"]["recomputed_tokens"]
+    < burst_tight["recompute"]["recomputed_tokens"]
+), "swap copies what recompute computes again"
+assert all(
+    r["stops"] == 0 and r["steps"] == by[(r["workload"], "ample", "reserve")]["steps"]
+    for r in rows
+    if r["pool"] == "ample"
+), "with ample memory the policies differ"
+assert (
+    long["retract"]["stops"] > 0 and long["retract"]["recomputed_tokens"] > 0
+), "long answers retract"
+assert all(
+    long[p]["stops"] > long["retract"]["stops"]
+    and long[p]["tokens_per_step"] > long["retract"]["tokens_per_step"]
+    for p in ("recompute", "swap")
+), "recompute and swap stop more, and serve more per step"
+assert all(
+    r["stops"] == 0
+    for r in rows
+    if r["policy"] == "retract" and r["workload"] != "long_answers"
+), "retract stops nobody where its estimate holds"
 
 # %% [markdown]
 # On the simulator:
@@ -532,21 +650,38 @@ import textwrap
 
 bench = bench_rows()
 if bench is None:
-    print("figures/bench.json holds no GPU run of `python -m kvlab.bench --memory` yet: these rows are absent.")
+    print(
+        "figures/bench.json holds no GPU run of `python -m kvlab.bench --memory` yet:"
+        " these rows are absent."
+    )
 else:
     print(f"{bench['meta']['device']}, {bench['meta']['date']}")
     for c in bench["claims"]:
         verdict = "n/a" if c["passed"] is None else ("PASS" if c["passed"] else "FAIL")
-        print(textwrap.fill(f"[{verdict}] {c['name']}: {c['measured']}", 88, subsequent_indent="    "))
-    print(f"\n{'tight memory':20s} {'policy':9s} {'tok/s':>6s} {'running':>7s} {'stops':>5s} "
-          f"{'recomputed':>10s} {'swapped':>9s}")
+        print(
+            textwrap.fill(
+                f"[{verdict}] {c['name']}: {c['measured']}",
+                88,
+                subsequent_indent="    ",
+            )
+        )
+    print(
+        f"\n{'tight memory':20s} {'policy':9s} {'tok/s':>6s} {'running':>7s}"
+        f" {'stops':>5s} {'recomputed':>10s} {'swapped':>9s}"
+    )
     for r in bench["rows"]:
         if r["pool"] == "tight" and "error" not in r:
-            print(f"{r['workload']:20s} {r['policy']:9s} {r['tokens_per_s']:6.0f} {r['mean_running']:7.1f} "
-                  f"{r['stops']:5d} {r['recomputed_tokens']:10d} {r['swapped_out_bytes'] / 2**20:5.1f} MiB")
+            print(
+                f"{r['workload']:20s} {r['policy']:9s} {r['tokens_per_s']:6.0f}"
+                f" {r['mean_running']:7.1f} {r['stops']:5d}"
+                f" {r['recomputed_tokens']:10d}"
+                f" {r['swapped_out_bytes'] / 2**20:5.1f} MiB"
+            )
     print()
     for name in CHAPTER_WORKLOADS:
-        print(textwrap.fill(where_retract_sits(bench, name), 88, subsequent_indent="    "))
+        print(
+            textwrap.fill(where_retract_sits(bench, name), 88, subsequent_indent="    ")
+        )
     print(textwrap.fill(retraction_cost(bench), 88, subsequent_indent="    "))
 
 # %% [markdown]
@@ -556,34 +691,64 @@ else:
 # inputs (until an exercise passes, this cell uses the reference solution and says so):
 
 # %%
-order_fn = kvlab.check.choose("victim_order", my_victim_order, kvlab.solutions.get("victim_order"))
-ratio_fn = kvlab.check.choose("next_token_ratio", my_next_ratio, kvlab.solutions.get("next_token_ratio"))
-resume_fn = kvlab.check.choose("resume_plan", my_resume, kvlab.solutions.get("resume_plan"))
+order_fn = kvlab.check.choose(
+    "victim_order", my_victim_order, kvlab.solutions.get("victim_order")
+)
+ratio_fn = kvlab.check.choose(
+    "next_token_ratio", my_next_ratio, kvlab.solutions.get("next_token_ratio")
+)
+resume_fn = kvlab.check.choose(
+    "resume_plan", my_resume, kvlab.solutions.get("resume_plan")
+)
 
 rng = random.Random(12)
 policy = RetractDecode()
 ratio = policy.init_ratio
 for _ in range(200):
     n_running = rng.randint(1, 6)
-    admitted, arrived = rng.sample(range(100), n_running), rng.sample(range(100), n_running)  # each once
-    views = [RequestView(k, rng.randint(1, 30), rng.randint(0, 9), rng.choice([16, 64]), 0, 0,
-                         admitted[k], arrived[k]) for k in range(n_running)]
+    admitted, arrived = rng.sample(range(100), n_running), rng.sample(
+        range(100), n_running
+    )  # each once
+    views = [
+        RequestView(
+            k,
+            rng.randint(1, 30),
+            rng.randint(0, 9),
+            rng.choice([16, 64]),
+            0,
+            0,
+            admitted[k],
+            arrived[k],
+        )
+        for k in range(n_running)
+    ]
     for name in ("recompute", "retract", "swap"):
         assert list(order_fn(name, views)) == victim_order(name, views), (
-            f"{name}: yours {list(order_fn(name, views))}, kvlab's {victim_order(name, views)}")
+            f"{name}: yours {list(order_fn(name, views))}, kvlab's"
+            f" {victim_order(name, views)}"
+        )
     retracted = rng.random() < 0.1
     mine = ratio_fn(policy, ratio, retracted, views)
     ratio = next_token_ratio(policy, ratio, retracted=retracted, remaining=views)
-    assert abs(float(mine) - ratio) < 1e-12, f"ratio: yours {float(mine)}, kvlab's {ratio}"
+    assert (
+        abs(float(mine) - ratio) < 1e-12
+    ), f"ratio: yours {float(mine)}, kvlab's {ratio}"
     n, Pg = rng.randint(2, 40), rng.choice([1, 4, 16])
     saved, hit = rng.randint(1, n - 1), rng.randint(0, (n - 1) // Pg) * Pg
     plan = resume_plan("swap", saved=saved, hit=hit, input_len=n)
     row, host = list(range(100, 100 + n)), list(range(-(-saved // Pg)))
-    copies, compute = resume_fn("swap", saved, hit, n, host, row, Pg)   # any pairs the checker takes
-    assert tuple(compute) == plan.compute and [p for _, p in copies] == row[plan.copy[0]:plan.copy[1]], (
-        f"saved {saved}, hit {hit}, page size {Pg}: compute {tuple(compute)} vs {plan.compute}, "
-        f"copies {list(copies)}")
-print("victim_order, next_token_ratio and resume_plan agree with kvlab.serving.pressure")
+    # any pairs the checker takes
+    copies, compute = resume_fn("swap", saved, hit, n, host, row, Pg)
+    assert (
+        tuple(compute) == plan.compute
+        and [p for _, p in copies] == row[plan.copy[0] : plan.copy[1]]
+    ), (
+        f"saved {saved}, hit {hit}, page size {Pg}: compute {tuple(compute)} vs"
+        f" {plan.compute}, copies {list(copies)}"
+    )
+print(
+    "victim_order, next_token_ratio and resume_plan agree with kvlab.serving.pressure"
+)
 
 # %% [markdown]
 # ## Summary
@@ -628,7 +793,10 @@ print("victim_order, next_token_ratio and resume_plan agree with kvlab.serving.p
 for steps in (5, 20, 100, 600):
     tl = policy_run(RetractDecode(decay_steps=steps), "long_prompt_burst", "tight")
     s = tl.summary()
-    print(f"decay over {steps:3d} steps: {s.steps} steps, {s.preemptions} retractions, {s.recomputed_tokens} recomputed")
+    print(
+        f"decay over {steps:3d} steps: {s.steps} steps, {s.preemptions} retractions,"
+        f" {s.recomputed_tokens} recomputed"
+    )
 
 # %% [markdown] tags=["solution"]
 # **2. Swap or recompute.** Swapping `n` tokens moves `2 * L * H * d * 2` bytes per token each way

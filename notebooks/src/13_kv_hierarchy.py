@@ -353,7 +353,8 @@ by = {(r["config"], r["share"]): r for r in rows}
 names = ("GPU only", "+ host", "+ host + disk")
 small = {name: by[(name, 0.25)]["hit"] for name in names}
 print({k: f"{v:.0%}" for k, v in small.items()}, "at a quarter of the working set")
-assert small["GPU only"] < small["+ host"] <= small["+ host + disk"], "each tier below finds more"
+assert small["GPU only"] < small["+ host"] <= small["+ host + disk"], (
+    "each tier below finds more")
 
 # %% [markdown]
 # Without a lower tier, a pool smaller than the working set finds almost nothing: least

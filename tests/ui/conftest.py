@@ -5,7 +5,10 @@ missing). Screenshots and the server log go to ``test-output/ui/``.
 """
 from __future__ import annotations
 
+import functools
 import sys
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,7 @@ import workspace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUTPUT = ROOT / "test-output" / "ui"
+SITE_HTML = ROOT / "build" / "site" / "html"
 
 
 @pytest.fixture(scope="session")
@@ -78,3 +82,25 @@ def open_notebook(browser, lab_server, ui_output):
     for context in contexts:
         context.close()
     lab_server.shutdown_sessions()  # stop the kernels this test started
+
+
+@pytest.fixture(scope="session")
+def site_url():
+    """The built website (``make site``) served on 127.0.0.1."""
+    if not (SITE_HTML / "index.html").is_file():
+        pytest.fail(f"{SITE_HTML.relative_to(ROOT)}/index.html is missing: run `make site` "
+                    "(make test-ui builds it first)", pytrace=False)
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0),
+                                 functools.partial(Quiet, directory=str(SITE_HTML)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/"
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -103,6 +103,13 @@ class LabServer:
             path = settings_dir / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(values))
+        # the server settings `make lab` runs with (tools/workspace.py writes them there)
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+        import workspace
+
+        config = self.home / "config" / "jupyter_server_config.json"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(json.dumps(workspace.server_config()))
         env = dict(os.environ)
         # The kernel must draw inline figures: a test runner's MPLBACKEND=Agg would hide them.
         env.pop("MPLBACKEND", None)

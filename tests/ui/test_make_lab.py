@@ -4,7 +4,8 @@ The test runs the real target (its set-up step, the workspace copies, JupyterLab
 throwaway workspace and Jupyter folders, a free port, and a "browser" that only records the
 page JupyterLab asks it to open. It then opens that page in headless Chromium: chapter 00 must
 be the notebook on screen, unmodified once its kernel has started, and no news or update
-pop-up may cover it. CI runs as root, where
+pop-up may cover it; the terminal shows no warning (the kernel's connection, websocket settings,
+trust) a learner could do nothing about. CI runs as root, where
 JupyterLab refuses to start without ``--allow-root``: the target must pass it.
 """
 from __future__ import annotations
@@ -119,5 +120,12 @@ def test_make_lab_starts_jupyterlab_on_chapter_00_without_a_popup(make_lab, brow
         page.wait_for_timeout(2000)
         assert "jp-mod-dirty" not in (title.get_attribute("class") or ""), \
             "chapter 00 shows as modified the moment JupyterLab opens it"
+        # the chapter open, its kernel started: nothing in the terminal a learner cannot act on
+        # (from JupyterLab's start on: the set-up's own lines are another test's)
+        lines = log_path.read_text().splitlines()
+        started = next(i for i, line in enumerate(lines) if "jupyter lab --ServerApp" in line)
+        warnings = [line for line in lines[started:]
+                    if re.match(r"\[W |\[IPKernelApp\] WARNING|WARNING", line)]
+        assert not warnings, "`make lab` printed warnings:\n" + "\n".join(warnings)
     finally:
         context.close()
