@@ -99,3 +99,18 @@ def test_the_smoke_run_serves_every_configuration_and_a_second_process(tmp_path)
     md = (tmp_path / "bench.md").read_text()
     assert "A KV hierarchy" in md and "Smoke run" in md and "PASS" not in md
     assert (tmp_path / "13_bench_hierarchy.png").stat().st_size > 0
+
+
+def test_the_gpu_runs_model_holds_the_longest_history_and_its_answer():
+    """Every prompt (a whole history and its new message) plus its answer fits the positions of
+    the model the GPU run builds (its 0.5B shape alone has 4096: a 16k history did not fit)."""
+    plan, turns, _ = hb._plan(smoke=False)
+    history: dict[int, int] = {}
+    longest = 0
+    for t in turns:
+        prompt = history.get(t.conversation, 0) + len(t.message)
+        longest = max(longest, prompt + t.answer_len)
+        history[t.conversation] = prompt + t.answer_len
+    assert longest > 4096, "the chats outgrow the base shape's positions (the case this guards)"
+    assert longest <= hb._positions(plan, smoke=False)
+    assert hb._positions(plan, smoke=True) is None

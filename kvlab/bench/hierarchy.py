@@ -151,6 +151,11 @@ def make_generator(model, pages: int, smoke: bool, **tiers):
     return gen
 
 
+def _positions(plan, smoke: bool) -> int | None:
+    """The model's positions: a whole history and its answer (the 0.5B shape has only 4096)."""
+    return None if smoke else plan.history_cap + 4096
+
+
 def run_hierarchy(smoke: bool = False, log=print, budget_s: float | None = None) -> dict:
     """Every configuration; the rows and the claims' verdicts (see the module docstring)."""
     from .. import runtime
@@ -161,8 +166,9 @@ def run_hierarchy(smoke: bool = False, log=print, budget_s: float | None = None)
     device = runtime.DEVICE
     t0 = time.perf_counter()
     budget = budget_s if budget_s is not None else (None if smoke else BUDGET_S)
-    model = memory_model(device, smoke)
     plan, turns, ws = _plan(smoke)
+    # a history plus its answer must fit the model's positions (the 0.5B shape has 4096)
+    model = memory_model(device, smoke, max_positions=_positions(plan, smoke))
     P = 4 if smoke else PAGE_SIZE
     ws_pages = -(-ws // P)
     device_pages = max(ws_pages // 4, -(-plan.history_cap // P) + 4)
@@ -269,7 +275,8 @@ def _second_main(path: str) -> None:
 
     with open(path) as f:
         job = json.load(f)
-    model = memory_model(runtime.DEVICE, job["smoke"])
+    model = memory_model(runtime.DEVICE, job["smoke"], max_positions=_positions(_plan(job["smoke"])[0],
+                                                                               job["smoke"]))
     pages = job["pages"]
     gen = make_generator(model, pages, job["smoke"], host_cache=HostCache(2 * pages, "write_back"),
                          disk_cache=DiskCache(job["directory"], pages=1 << 22))

@@ -64,8 +64,9 @@ BUDGET_S = 210.0
 SMOKE_PAGE_SIZE = 4
 
 
-def memory_model(device, smoke: bool):
-    """The model (seeded random weights, no end-of-text token)."""
+def memory_model(device, smoke: bool, max_positions: int | None = None):
+    """The model (seeded random weights, no end-of-text token); ``max_positions`` widens its
+    position range (chapter 13's chats run to 16k tokens)."""
     from ..serving.hf.models import tiny_model
     from ..serving.hf.plugin import require_transformers
     from .serve import random_bf16_model, without_end_of_text
@@ -73,7 +74,8 @@ def memory_model(device, smoke: bool):
     if smoke:
         return without_end_of_text(tiny_model("llama", seed=0, device=device, max_positions=4096))
     transformers = require_transformers()
-    config = transformers.LlamaConfig(**MODEL, bos_token_id=None, eos_token_id=None,
+    shape = dict(MODEL, **({"max_position_embeddings": max_positions} if max_positions else {}))
+    config = transformers.LlamaConfig(**shape, bos_token_id=None, eos_token_id=None,
                                       pad_token_id=None, tie_word_embeddings=False)
     return without_end_of_text(random_bf16_model(transformers.LlamaForCausalLM, config, device))
 
