@@ -67,6 +67,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def kernel_run(monkeypatch):
+    """``kernel_run(kernel, fn)``: ``kernel.run`` is ``fn`` for this test only.
+
+    Not ``monkeypatch.setattr(kernel, "run", fn)``: on an instance its undo leaves the bound
+    class method behind as an instance attribute, which hides the class's ``run`` from every
+    later patch of it (tests/gpu_targets.py records launches by patching the class)."""
+    def patch(kernel, fn):
+        monkeypatch.setitem(vars(kernel), "run", fn)
+    return patch
+
+
+@pytest.fixture
 def device():
     """The runtime's device: cuda with compiled Triton, cpu in the interpreter."""
     return runtime.DEVICE

@@ -135,8 +135,22 @@ def record(call: Callable[[], object], what: str) -> list[Launch]:
     with _recording(launches, what), contextlib.suppress(_Recorded):
         call()
     if not launches:
-        raise AssertionError(f"{what}: launched no kernel")
+        shadowed = [qualified(k) for k in _kernels_loaded() if "run" in vars(k)]
+        raise AssertionError(f"{what}: launched no kernel" + (
+            f"; these kernels hold a run of their own, which hides the recorder (a test "
+            f"patched it with monkeypatch.setattr: use the kernel_run fixture): {shadowed}"
+            if shadowed else ""))
     return launches
+
+
+def _kernels_loaded() -> list:
+    """The Triton kernels of every loaded kvlab module."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    return [obj for name, module in list(sys.modules.items())
+            if (name == "kvlab" or name.startswith("kvlab.")) and module is not None
+            for obj in list(vars(module).values()) if isinstance(obj, (JITFunction, InterpretedFunction))]
 
 
 def jit_functions() -> dict[str, object]:

@@ -11,6 +11,7 @@ state as it was (tests/cache_state.py).
 """
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -24,6 +25,12 @@ from kvlab.alloc.paging import new_page_table
 
 BAD = [None, True, 1.5, float("nan"), "x", b"1", -1, 2**63, 10**30, [], [None], [1.5], [-1], [2**64],
        [[1]], {}, object(), torch.tensor([1.5]), torch.zeros(2, 2, dtype=torch.int64), torch.tensor(3)]
+
+
+def fresh_bad() -> list:
+    """A copy of :data:`BAD` per use: a call may rightly fill a list it is given (``into=[]``),
+    and one test's call must not change the values the next test tries."""
+    return copy.deepcopy(BAD)
 
 
 #: calls that only answer a question: they may answer False (or 0) to a wrong argument
@@ -70,7 +77,7 @@ def test_every_manager_call_refuses_a_bad_argument_with_a_kvlab_error(method, ca
     params = list(inspect.signature(getattr(CacheManager, method)).parameters.values())[1:]
     refused = 0
     for i in range(len(params)):
-        for bad in BAD:
+        for bad in fresh_bad():
             cm, reqs, batch = served(cache)
             args = list(manager_calls(cm, reqs, batch)[method])
             kwargs = {"finished": False} if method == "cache_req" else {}
@@ -126,7 +133,7 @@ def test_every_prefix_cache_call_refuses_a_bad_argument_with_a_kvlab_error(kind)
         params = list(inspect.signature(getattr(type(make()), method)).parameters.values())[1:]
         refused = 0
         for i in range(len(params)):
-            for bad in BAD:
+            for bad in fresh_bad():
                 cache = make()
                 args = list(cache_calls(cache)[method])
                 kwargs = {}
@@ -188,7 +195,7 @@ HOST_RULES = [("config", {"block_n": 16}), ("config", (16, True, 4, 2)), ("max_c
 
 
 @pytest.mark.parametrize("name, bad", HOST_RULES, ids=[f"{n}={b!r:.20}" for n, b in HOST_RULES])
-def test_the_fast_attention_call_refuses_a_bad_option_before_any_launch(name, bad, monkeypatch):
+def test_the_fast_attention_call_refuses_a_bad_option_before_any_launch(name, bad, kernel_run):
     from kvlab.attention.paged_attention import fast_paged_decode_attention
     from kvlab.base.errors import InvalidArgument
     from kvlab.attention import split_kernels as fast_attention
@@ -200,7 +207,7 @@ def test_the_fast_attention_call_refuses_a_bad_option_before_any_launch(name, ba
     def no_launch(*args, **kwargs):
         raise AssertionError("launched")
 
-    monkeypatch.setattr(fast_attention.split_decode_kernel, "run", no_launch)
+    kernel_run(fast_attention.split_decode_kernel, no_launch)
     for _ in range(2):                  # the second time a cached plan must not let it through
         with pytest.raises(InvalidArgument) as err:
             fast_paged_decode_attention(q, k, v, table, rows, lens, **{name: bad})
@@ -229,7 +236,7 @@ def test_every_argument_of_the_fast_attention_call_is_refused_with_a_kvlab_error
     refused with a kvlab error, the pools unchanged; never a raw Python, torch or Triton error."""
     from kvlab.attention.paged_attention import check_attention_errors, fast_paged_decode_attention
 
-    for bad in BAD:
+    for bad in fresh_bad():
         args = list(_attention_case())
         before = (args[1].clone(), args[2].clone())
         args[position] = bad
@@ -249,7 +256,7 @@ def test_every_option_of_the_fast_attention_call_is_refused_with_a_kvlab_error(n
     from kvlab.attention.paged_attention import check_attention_errors, fast_paged_decode_attention
 
     refused = 0
-    for bad in BAD:
+    for bad in fresh_bad():
         args = _attention_case()
         try:
             out = fast_paged_decode_attention(*args, **{name: bad})

@@ -19,7 +19,7 @@ import inspect
 
 import pytest
 import torch
-from test_bad_arguments import BAD
+from test_bad_arguments import BAD, fresh_bad
 
 import kvlab
 from kvlab.bench.output import BadOut, checked_out
@@ -93,7 +93,7 @@ def _refused(call, args, kwargs, state) -> bool:
 def test_every_host_pool_call_refuses_a_bad_argument_with_a_kvlab_error(name):
     accepted = set()
     for i in range(len(host_calls(*host_scene())[name][1])):
-        for bad in BAD:
+        for bad in fresh_bad():
             pool, host, saved, unsaved = host_scene()
             call, args = host_calls(pool, host, saved, unsaved)[name]
             args = list(args)
@@ -252,7 +252,7 @@ def test_every_pressure_rule_refuses_a_bad_argument_with_a_kvlab_error(name):
     places = list(range(len(args))) + list(kwargs)
     accepted = set()
     for place in places:
-        for bad in BAD:
+        for bad in fresh_bad():
             call, args, kwargs, state = pressure_calls()[name]
             args, kwargs = list(args), dict(kwargs)
             if isinstance(place, int):

@@ -380,3 +380,42 @@ def test_attention_targets_compare_with_the_floor():
     assert [t["passed"] for t in calls] == [True, False]                     # 1.5x SDPA's time
     assert found["start-up of the compiled serving generator, warm (compile artefacts reused)"]["passed"] is True
     assert found["start-up: compile artefacts reused across runs (warm / cold)"]["measured"] == 0.36
+
+
+class _FakeGenerator:
+    """A model whose ``generate`` fails the way nested CUDA-graph trees do: a compiled
+    ``forward`` under transformers' own compile of the static cache's steps."""
+
+    def __init__(self, manual_works: bool):
+        from types import SimpleNamespace
+
+        self.generation_config = SimpleNamespace(cache_implementation=None, disable_compile=False)
+        self.device = torch.device("cpu")
+        self.manual_works = manual_works
+        self.seen = []
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - never called: compile is lazy
+        raise AssertionError
+
+    def generate(self, input_ids, attention_mask, max_new_tokens, **kwargs):
+        config, manual = self.generation_config, "forward" in self.__dict__
+        self.seen.append((config.cache_implementation, config.disable_compile, manual))
+        assert config.cache_implementation == "static"
+        if manual and (not config.disable_compile or not self.manual_works):
+            raise RuntimeError("accessing tensor output of CUDAGraphs that has been overwritten")
+        return torch.zeros(input_ids.shape[0], input_ids.shape[1] + max_new_tokens, dtype=torch.long)
+
+
+@pytest.mark.parametrize("manual_works", [True, False])
+def test_the_static_cache_baseline_never_nests_two_compiles_and_restores_the_model(manual_works):
+    from kvlab.bench.serve_baselines import static_compiled_generate
+
+    model = _FakeGenerator(manual_works)
+    out = static_compiled_generate(model, [[1, 2, 3], [4]], [2, 3])
+    assert out["tokens"] == 5 and out["compile_s"] >= 0
+    assert ("torch.compile(model.forward" in out["path"]) == manual_works
+    # the documented way first, with transformers' own compile off; its own compile alone next
+    assert model.seen[0] == ("static", True, True)
+    assert manual_works or model.seen[-1] == ("static", False, False)
+    assert model.generation_config.cache_implementation is None
+    assert model.generation_config.disable_compile is False and "forward" not in vars(model)

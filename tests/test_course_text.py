@@ -250,7 +250,7 @@ def test_chapter_07_tabulates_the_step_records_before_check_timeline():
 def test_chapter_09_lift_runs_the_learners_scan():
     text = chapter("09").read_text()
     lift = text[text.index("# ## Lift"):text.index("# ## Optional")]
-    assert re.search(r'kvlab\.check\.choose\("extend_scan", my_extend_scan', lift)
+    assert re.search(r'kvlab\.check\.choose\(\s*"extend_scan", my_extend_scan', lift)
     assert "scan_starts(scan_kernel" in lift
 
 
@@ -342,7 +342,7 @@ def test_progress_lists_each_chapter_s_exercises_in_the_order_its_notebook_check
 
     for path in CHAPTERS:
         answers_at = {m.group(1) for m in re.finditer(r"^def (\w+)\(", path.read_text(), flags=re.M)}
-        calls = re.findall(r"^kvlab\.check\.(\w+)\((\w+)", path.read_text(), flags=re.M)
+        calls = re.findall(r"^kvlab\.check\.(\w+)\(\s*(\w+)", path.read_text(), flags=re.M)
         asked = list(dict.fromkeys(name for name, fn in calls if fn in answers_at))  # on the answer cells' functions
         listed = [n for n in kvlab.check.exercises() if kvlab.check.EXERCISES[n].chapter == path.name[:2]]
         assert asked == listed, f"{path.name} checks {asked}, progress() lists {listed}"

@@ -157,7 +157,10 @@ def test_the_storing_kernel_writes_only_the_new_slots_and_reads_them_from_regist
     keep = torch.ones(k.shape[0], dtype=torch.bool, device=DEVICE)
     keep[spare] = False                                      # the dummy slot: whichever pad wrote last
     assert torch.equal(kp[keep], want_k[keep]) and torch.equal(vp[keep], want_v[keep])
-    assert any(torch.equal(kp[spare], new_k[b]) for b in (3, 4))
+    # one program per (entry, KV head) stores, and on a GPU the two pads' programs race (per
+    # head, K against V, even per element): the dummy slot holds pad values, nothing else
+    for pool, new in ((kp, new_k), (vp, new_v)):
+        assert ((pool[spare] == new[3]) | (pool[spare] == new[4])).all(), pool[spare]
     want = paged_attention_reference(q[:3], want_k, want_v, table, rows[:3], lens[:3], scale=0.25)
     torch.testing.assert_close(out[:3], want, atol=1e-5, rtol=1e-5)
 
@@ -211,13 +214,13 @@ def test_choose_num_splits_fills_the_gpu_and_no_more():
     (lambda a: {**a, "config": FastConfig(block_n=24)}, "config.block_n"),
     (lambda a: {**a, "config": FastConfig(block_n=8)}, "config.block_n"),
 ])
-def test_bad_input_is_refused_before_launch(change, argument, monkeypatch):
+def test_bad_input_is_refused_before_launch(change, argument, kernel_run):
     from kvlab.attention import split_kernels as fast_attention
 
     def no_launch(*args, **kwargs):
         raise AssertionError("launched")
 
-    monkeypatch.setattr(fast_attention.split_decode_kernel, "run", no_launch)
+    kernel_run(fast_attention.split_decode_kernel, no_launch)
     q, k, v, table, rows, lens = layout(6, 4, [7, 2], 4, 2)
     a = change(dict(q=q, k=k, v=v, table=table, rows=rows, lens=lens, splits=None, config=None))
     with pytest.raises(InvalidArgument) as err:

@@ -537,6 +537,7 @@ def test_a_forced_collision_between_pages_after_different_prefixes_is_no_hit(mon
     (lambda c, held, free: c.cache_page(free, b"short", [1, 2], None), "h"),
     (lambda c, held, free: c.lookup("h", [1, 2]), "h"),
     (lambda c, held, free: c.evict_leaves(2, into=()), "into"),
+    (lambda c, held, free: c.evict_leaves(2, into=[None]), "into"),  # not empty: whose pages?
     (lambda c, held, free: c.lock_handle(c.match([1, 2]), unlock="yes"), "unlock"),
 ])
 def test_a_bad_argument_is_refused_by_name_before_any_change(call, argument):

@@ -226,11 +226,11 @@ def test_a_decode_step_of_your_own_serves_the_model(models):
 
 
 @pytest.mark.parametrize("attention", ["fast", "teaching"])
-def test_the_chosen_decode_kernels_are_the_ones_that_run(models, attention, monkeypatch):
+def test_the_chosen_decode_kernels_are_the_ones_that_run(models, attention, kernel_run):
     """attention="fast" decodes through chapter 09's kernels, "teaching" through chapter 08's,
     in padded graph steps and packed steps alike; the other one is never launched."""
-    from kvlab.attention.paged_attention import decode_kernels as teaching_kernels
-    from kvlab.attention.paged_attention import split_kernels as fast_attention
+    from kvlab.attention import decode_kernels as teaching_kernels
+    from kvlab.attention import split_kernels as fast_attention
 
     launched = {"fast": 0, "teaching": 0}
     for name, kernel in (("fast", fast_attention.split_decode_kernel),
@@ -238,7 +238,7 @@ def test_the_chosen_decode_kernels_are_the_ones_that_run(models, attention, monk
         def counted(*args, _run=kernel.run, _name=name, **kwargs):
             launched[_name] += 1
             return _run(*args, **kwargs)
-        monkeypatch.setattr(kernel, "run", counted)
+        kernel_run(kernel, counted)
     prompts = shared_prefix_prompts(seed=7, system_len=9, suffixes=(2, 5))
     gen = PagedGenerator(models["llama"], page_size=4, num_pages=64, max_running=4, prefill_budget=8,
                          attention=attention)

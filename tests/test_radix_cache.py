@@ -390,3 +390,18 @@ def test_tree_drawing_marks_locked_new_and_evicted_nodes():
     assert matplotlib.colors.to_hex(new[0].get_bbox_patch().get_edgecolor()) == NEW_EDGE
     assert "ref 1 · t" in locked[0].get_text()
     plt.close("all")
+
+
+@pytest.mark.parametrize("into", [(), [None], "nodes"])
+def test_evict_leaves_fills_only_an_empty_list_of_the_callers(into):
+    """``into`` is for a rollback: a list that already holds something would mix this call's
+    nodes with others (and undo_evict would put those back too), so it is refused unchanged."""
+    cache = RadixPrefixCache(2)
+    cache.insert_prefix([1, 2, 3, 4], slots(0, 4))
+    before = [(n.uid, n.key, n.last_access) for n in cache.nodes()]
+    kept = list(into) if isinstance(into, list) else into
+    with pytest.raises(InvalidArgument, match="into"):
+        cache.evict_leaves(2, into=into)
+    assert [(n.uid, n.key, n.last_access) for n in cache.nodes()] == before and into == kept
+    mine: list = []
+    assert cache.evict_leaves(2, into=mine) is mine and [list(n.key) for n in mine] == [[1, 2, 3, 4]]

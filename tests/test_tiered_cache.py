@@ -148,3 +148,10 @@ def test_bad_arguments_are_refused_by_name(tmp_path):
         HostTier(0, 4)
     with pytest.raises(InvalidArgument, match="host_pages"):
         HostTier(True, 4)
+
+
+def test_evict_leaves_refuses_a_list_that_already_holds_records():
+    cache = TieredRadixCache(4, "cpu", host=HostTier(4, 4))
+    with pytest.raises(InvalidArgument, match="into"):
+        cache.evict_leaves(4, into=[None])
+    assert cache.evict_leaves(4, into=[]) == []          # nothing cached: nothing to evict

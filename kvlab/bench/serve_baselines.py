@@ -44,20 +44,46 @@ def static_compiled_generate(model, prompts, answers) -> dict:
     "static"`` and ``model.forward = torch.compile(model.forward, mode="reduce-overhead",
     fullgraph=True)``, the batch left-padded to a multiple of 64 tokens (the page's tip against
     shape recompiles). The first call compiles (its seconds are reported as ``compile_s``); the
-    second, on the same shapes, is timed. The model is restored afterwards."""
+    second, on the same shapes, is timed. The model is restored afterwards.
+
+    Versions of transformers that compile a static cache's decoding steps themselves
+    (``generation_config.compile_config``) would wrap the compiled ``forward`` in a second
+    CUDA-graph tree, and the inner one's outputs are overwritten by the outer's replay: there
+    the path is taken with ``disable_compile=True`` (one compiled forward, as the page means),
+    and if that still fails, with transformers' own compile alone (``path`` says which ran)."""
+    ways = [("manual", True)]
+    if hasattr(model.generation_config, "disable_compile"):
+        ways.append(("automatic", False))
+    errors = []
+    for way, manual in ways:
+        try:
+            return _static_compiled(model, prompts, answers, manual)
+        except Exception as e:  # noqa: BLE001 - the next way, or the error reported
+            errors.append(f"{way}: {type(e).__name__}: {e}"[:200])
+            torch._dynamo.reset()
+    raise RuntimeError("; ".join(errors))
+
+
+def _static_compiled(model, prompts, answers, manual: bool) -> dict:
     config = model.generation_config
-    before = config.cache_implementation
+    before = {k: getattr(config, k) for k in ("cache_implementation", "disable_compile") if hasattr(config, k)}
     config.cache_implementation = "static"
-    model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    if "disable_compile" in before:
+        config.disable_compile = manual            # exactly one compiled forward either way
+    if manual:
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     try:
         first = padded_generate(model, prompts, answers, pad_to=64)
         out = padded_generate(model, prompts, answers, pad_to=64)
     finally:
-        config.cache_implementation = before
+        for k, v in before.items():
+            setattr(config, k, v)
         model.__dict__.pop("forward", None)
         model.__dict__.pop("_compiled_call", None)
     out["compile_s"] = first["seconds"]
-    out["path"] = 'cache_implementation="static" + torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)'
+    out["path"] = ('cache_implementation="static" + torch.compile(model.forward, mode="reduce-overhead", '
+                   'fullgraph=True)' if manual else
+                   'cache_implementation="static", compiled by generate itself (compile_config)')
     return out
 
 

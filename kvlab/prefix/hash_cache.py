@@ -398,8 +398,10 @@ class HashPrefixCache(HashCacheUndo):
         The cache manager's word for "pages, please". ``into``: the caller's list, which gets each
         page before it is taken (and is returned); a call that fails is taken back whole, its
         pages in the queue again, where :meth:`undo_evict` leaves them."""
-        if into is not None and not isinstance(into, list):
-            raise InvalidArgument("into", "None or a list", f"got {type(into).__name__}")
+        if into is not None and (not isinstance(into, list) or into):
+            # an empty list: what it holds afterwards is this call's evictions and nothing else
+            raise InvalidArgument("into", "None or an empty list",
+                                  f"got {type(into).__name__}" + (f" of {len(into)}" if isinstance(into, list) else ""))
         n = min(div_ceil(check_int("num_tokens", num_tokens, minimum=0), self.page_size),
                 len(self.free_queue))
         taken: list[TakenPage] = [] if into is None else into

@@ -270,8 +270,10 @@ class TieredRadixCache(TierHost, RadixPrefixCache):
         from ..base.args import check_int
 
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
-        if into is not None and not isinstance(into, list):
-            raise InvalidArgument("into", "None or a list", f"got {type(into).__name__}")
+        if into is not None and (not isinstance(into, list) or into):
+            # an empty list: what it holds afterwards is this call's evictions and nothing else
+            raise InvalidArgument("into", "None or an empty list",
+                                  f"got {type(into).__name__}" + (f" of {len(into)}" if isinstance(into, list) else ""))
         records: list = [] if into is None else into
         if num_tokens == 0:
             return records
