@@ -179,7 +179,7 @@ for policy in ("write_through", "write_through_selective", "write_back"):
 # skips nodes with `host_ref_counter > 0`; vLLM's `LRUOffloadingManager` skips blocks
 # with `ref_cnt > 0`, set by `prepare_load` until `complete_load`).
 
-# %%
+# %% alt="The tiered tree of the write-back cache before an eviction of four device pages: its clean and dirty nodes on the device and the host-only ones below them."
 nodes = manager.prefix_cache.tier_snapshot()
 free = manager.prefix_cache.host.num_free
 plan = eviction_plan(nodes, need_pages=4, host_free=free, policy="write_back")
@@ -187,8 +187,6 @@ print("victims:", plan.victims)
 print("spills: ", plan.spills)
 fig, ax = plt.subplots(figsize=(6.6, 2.6))
 draw_tier_tree(nodes, ax, title="before the eviction above", page_size=P)
-
-# %% alt="The tiered tree of the write-back cache before an eviction of four device pages: its clean and dirty nodes on the device and the host-only ones below them."
 plt.show()
 
 # %% [markdown]
