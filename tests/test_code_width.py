@@ -34,7 +34,7 @@ def too_wide(cells, limit: int = MAX_CODE_COLUMNS) -> list[str]:
         if cell.cell_type == "code":
             blocks = [cell.source]
         elif cell.cell_type == "markdown":
-            blocks = _FENCE.findall(cell.source)
+            blocks = _FENCE.findall(cell.source) + _indented_blocks(_FENCE.sub("", cell.source))
         else:
             continue
         for block in blocks:
@@ -42,6 +42,28 @@ def too_wide(cells, limit: int = MAX_CODE_COLUMNS) -> list[str]:
                 if len(line) > limit:
                     found.append(f"cell {n}, line {m} ({len(line)} chars): {line.strip()[:60]}")
     return found
+
+
+def _indented_blocks(markdown: str) -> list[str]:
+    """Markdown's indented code blocks (four spaces after a blank line, not inside a list: a
+    list item's continuation lines are indented too), each without its four spaces."""
+    blocks, block, previous, in_list = [], None, "", False
+    for line in markdown.splitlines():
+        if block is not None and (line.startswith("    ") or not line.strip()):
+            block.append(line[4:])
+            continue
+        if block is not None:
+            blocks.append("\n".join(block))
+            block = None
+        if line.startswith("    ") and not previous.strip() and not in_list:
+            block = [line[4:]]
+            continue
+        if line.strip():
+            in_list = bool(re.match(r"\s*([-*+]|\d+\.) ", line)) or (in_list and line[:1] == " ")
+        previous = line
+    if block is not None:
+        blocks.append("\n".join(block))
+    return blocks
 
 
 def test_every_chapter_is_checked():
@@ -66,3 +88,10 @@ def test_the_check_finds_a_wide_line_in_code_and_in_a_fence():
              nbformat.v4.new_markdown_cell("text " * 40 + "\n```python\n" + "z" * 90 + "\n```\n"),
              nbformat.v4.new_code_cell("w" * 88)]
     assert [w.split(" (")[0] for w in too_wide(cells)] == ["cell 0, line 2", "cell 1, line 1"]
+
+
+def test_the_check_finds_a_wide_line_in_an_indented_block_but_not_in_a_list():
+    wide = "v" * 90
+    cells = [nbformat.v4.new_markdown_cell(f"A diagram:\n\n    short\n    {wide}\n\nText {wide}\n"),
+             nbformat.v4.new_markdown_cell(f"1. an item\n\n    its second paragraph {wide}\n")]
+    assert [w.split(" (")[0] for w in too_wide(cells)] == ["cell 0, line 2"]

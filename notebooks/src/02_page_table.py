@@ -17,7 +17,7 @@
 #     row 0      [ 12   13   14   15 |  4    5    6    7 | -1 ... ]   one row per request slot
 #     row 1      [ 40   41   42   -1 | -1   -1   -1   -1 | -1 ... ]   -1 = unmapped
 #     ...
-#     row R      [ -1 ... ]                                          spare row: the dummy request
+#     row R      [ -1 ... ]                                   spare row: the dummy request
 
 # %%
 import random

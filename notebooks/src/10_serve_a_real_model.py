@@ -906,10 +906,12 @@ print(
 # launch it, *then* process step n's results -- the GPU runs step n+1 while the host records
 # step n, and finds step n+2 queued when it is done:
 #
-#     without overlap   host   | plan n+1 | launch n+1 | wait ......... | record n+1 | plan n+2 | ...
-#                       GPU    |          |            | forward n+1    |            |          | ...
-#     with overlap      host   | plan n+2 | launch n+2 | wait | record n+1 | plan n+3 | launch n+3 |
-#                       GPU    | forward n+1 ................ | forward n+2 ....................... |
+#     without overlap:
+#       host | plan n+1 | launch n+1 | wait ......... | record n+1 | plan n+2 | ...
+#       GPU  |          |            | forward n+1    |            |          | ...
+#     with overlap:
+#       host | plan n+2 | launch n+2 | wait | record n+1 | plan n+3 | launch n+3 |
+#       GPU  | forward n+1 ................ | forward n+2 ....................... |
 #
 # `PagedGenerator(overlap=True)` (the default on a GPU; this chapter turned it off until now)
 # runs the same order (`kvlab.serving.hf.loop.ServingLoop.run`). A step's tokens now reach the host
