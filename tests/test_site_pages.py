@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import os
 import re
 import sys
 import time
@@ -389,14 +390,18 @@ def test_a_chapter_executed_for_the_site_keeps_its_progress_apart(tmp_path, monk
         "import os\n"
         f"path = os.environ['{PROGRESS_ENV}']\n"
         "open(path, 'w').write('written')\n"
-        "print(path, os.environ.get('MPLBACKEND'))")])
+        "print(path, os.environ.get('MPLBACKEND'), os.getpid())")])
     (tmp_path / "solutions").mkdir()
     nbformat.write(nb, tmp_path / "solutions" / "99_demo.ipynb")
     out = executed_notebooks.execute(tmp_path / "solutions" / "99_demo.ipynb", tmp_path / "executed")
     (printed,) = nbformat.read(out, as_version=4).cells[0].outputs
-    used, backend = printed["text"].split()
+    used, backend, kernel = printed["text"].split()
     assert backend != "Agg" and used != str(mine) and mine.read_text() == "{}"
     assert not Path(used).exists()  # removed with its folder
+    # the kernel is gone when execute returns (a kernel left running outlives its chapter and
+    # warns "Parent appears to have exited" when the worker that started it ends)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(kernel), 0)
     printed = capfd.readouterr()
     assert "WARNING" not in printed.out + printed.err, printed.err
 

@@ -139,8 +139,16 @@ def execute(notebook_path: Path, out_folder: Path, timeout_s: int = 1200) -> Pat
     env = {k: v for k, v in os.environ.items() if k != "MPLBACKEND"}
     with tempfile.TemporaryDirectory(prefix="kvlab-kernel-") as scratch:
         env[PROGRESS_ENV] = os.path.join(scratch, "progress.json")
-        NotebookClient(nb, km=_local_kernel_manager(scratch), timeout=timeout_s,
-                       resources={"metadata": {"path": str(notebook_path.parent)}}).execute(env=env)
+        km = _local_kernel_manager(scratch)
+        try:
+            NotebookClient(nb, km=km, timeout=timeout_s,
+                           resources={"metadata": {"path": str(notebook_path.parent)}}).execute(env=env)
+        finally:
+            # nbclient leaves a kernel manager it was handed running: without this each
+            # chapter's kernel lived on until its worker exited, then printed ipykernel's
+            # "Parent appears to have exited" (14 lines at the end of make site)
+            if km.has_kernel:
+                km.shutdown_kernel(now=True)
     _stamp(nb, source, "nbclient")
     out = executed_path(Path(out_folder), notebook_path)
     out.parent.mkdir(parents=True, exist_ok=True)
