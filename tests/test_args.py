@@ -89,3 +89,14 @@ def test_errors_travel_through_pickle(error):
     back = pickle.loads(pickle.dumps(error))
     assert type(back) is type(error) and str(back) == str(error)
     assert vars(back) == vars(error)
+
+
+def test_check_empty_list_takes_none_or_an_empty_list_only():
+    from kvlab.base.args import check_empty_list
+
+    mine: list = []
+    assert check_empty_list("into", None) is None and check_empty_list("into", mine) is mine
+    for bad, got in (([1], "a list of 1"), ((), "tuple"), ("x", "str")):
+        with pytest.raises(InvalidArgument, match=got) as err:
+            check_empty_list("into", bad)
+        assert err.value.argument == "into"

@@ -63,6 +63,15 @@ def check_int(argument: str, value, *, minimum: int | None = None) -> int:
     return value
 
 
+def check_empty_list(argument: str, value) -> list | None:
+    """None, or an empty list that a call fills (an eviction's ``into``: what it holds afterwards
+    is that call's work and nothing else, so a rollback puts back exactly that)."""
+    if value is None or (isinstance(value, list) and not value):
+        return value
+    got = f"a list of {len(value)}" if isinstance(value, list) else type(value).__name__
+    raise InvalidArgument(argument, "None or an empty list", f"got {got}")
+
+
 def check_bool(argument: str, value) -> bool:
     """A plain ``True`` or ``False`` (not a tensor, whose truth may be ambiguous, nor 0/1)."""
     if not isinstance(value, bool):

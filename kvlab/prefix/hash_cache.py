@@ -51,7 +51,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ..base.args import check_bool, check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
+from ..base.args import check_bool, check_device, check_empty_list, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages, div_ceil
 from ..base.errors import CacheMisuse, InvalidArgument, OutOfPages
 from .hash_cache_undo import HashCacheUndo, whole
 from .hash_chain import (DIGEST_SIZE, Allocation, FreeQueue, HashCacheHandle, PageHash, TakenPage, _chain,
@@ -398,10 +398,7 @@ class HashPrefixCache(HashCacheUndo):
         The cache manager's word for "pages, please". ``into``: the caller's list, which gets each
         page before it is taken (and is returned); a call that fails is taken back whole, its
         pages in the queue again, where :meth:`undo_evict` leaves them."""
-        if into is not None and (not isinstance(into, list) or into):
-            # an empty list: what it holds afterwards is this call's evictions and nothing else
-            raise InvalidArgument("into", "None or an empty list",
-                                  f"got {type(into).__name__}" + (f" of {len(into)}" if isinstance(into, list) else ""))
+        check_empty_list("into", into)
         n = min(div_ceil(check_int("num_tokens", num_tokens, minimum=0), self.page_size),
                 len(self.free_queue))
         taken: list[TakenPage] = [] if into is None else into

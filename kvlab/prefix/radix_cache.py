@@ -33,7 +33,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ..base.args import check_bool, check_device, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
+from ..base.args import check_bool, check_device, check_empty_list, check_int, check_page_size, check_slots, check_token_ids, check_whole_pages
 from ..base.errors import CacheMisuse, IntegrityError, InvalidArgument
 from .radix_node import (InsertResult, MatchResult, NodeInfo, RadixCacheHandle, RadixNode, SizeInfo,
                          TreeSnapshot)
@@ -348,10 +348,7 @@ class RadixPrefixCache:
         have to roll back passes its own, so that a failure or an interrupt part-way through
         (a learner pressing stop) loses no node already evicted."""
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
-        if into is not None and (not isinstance(into, list) or into):
-            # an empty list: what it holds afterwards is this call's evictions and nothing else
-            raise InvalidArgument("into", "None or an empty list",
-                                  f"got {type(into).__name__}" + (f" of {len(into)}" if isinstance(into, list) else ""))
+        check_empty_list("into", into)
         evicted: list[RadixNode] = [] if into is None else into
         if num_tokens == 0:
             return evicted

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import torch
 
-from ..base.args import check_bool, check_token_ids, div_ceil
+from ..base.args import check_bool, check_empty_list, check_token_ids, div_ceil
 from ..base.errors import CacheMisuse, IntegrityError, InvalidArgument
 from .radix_cache import InsertResult, MatchResult, RadixCacheHandle, RadixPrefixCache
 from .radix_node import RadixNode
@@ -270,10 +270,7 @@ class TieredRadixCache(TierHost, RadixPrefixCache):
         from ..base.args import check_int
 
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
-        if into is not None and (not isinstance(into, list) or into):
-            # an empty list: what it holds afterwards is this call's evictions and nothing else
-            raise InvalidArgument("into", "None or an empty list",
-                                  f"got {type(into).__name__}" + (f" of {len(into)}" if isinstance(into, list) else ""))
+        check_empty_list("into", into)
         records: list = [] if into is None else into
         if num_tokens == 0:
             return records
