@@ -60,15 +60,9 @@ def check_scale_value(scale, head_dim: int) -> float:
     return float(scale)
 
 
-def check_kinds(q, k_pool, v_pool, page_table, table_idx, seq_lens) -> None:
-    """Chapter 08's shape rules (:func:`kvlab.attention.check_paged_attention_inputs`) and the
-    rules on dtypes, devices and layouts the fast kernels add; nothing here reads a value."""
-    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table),
-                    ("table_idx", table_idx), ("seq_lens", seq_lens)):
-        tensor_arg(name, t)
-    if q.dim() != 3 or not q.dtype.is_floating_point:
-        raise InvalidArgument("q", "a floating tensor [batch, heads, head_dim]", f"got {q.dtype} {list(q.shape)}")
-    batch, heads, head_dim = q.shape
+def check_pool_shapes(heads: int, head_dim: int, k_pool, v_pool) -> None:
+    """The pools' shape rules shared by chapter 08's checks and the fast call's:
+    ``[num_slots, kv_heads, head_dim]`` with ``kv_heads`` dividing the query heads, both alike."""
     if k_pool.dim() != 3 or k_pool.shape[2] != head_dim:
         raise InvalidArgument("k_pool", f"shape [num_slots, kv_heads, {head_dim}] (head_dim of q)",
                               f"got {list(k_pool.shape)}")
@@ -78,6 +72,18 @@ def check_kinds(q, k_pool, v_pool, page_table, table_idx, seq_lens) -> None:
                               "(grouped-query attention)", f"got {kv_heads} K/V heads")
     if v_pool.shape != k_pool.shape:
         raise InvalidArgument("v_pool", "same shape as k_pool", f"{list(v_pool.shape)} vs {list(k_pool.shape)}")
+
+
+def check_kinds(q, k_pool, v_pool, page_table, table_idx, seq_lens) -> None:
+    """Chapter 08's shape rules (:func:`kvlab.attention.check_paged_attention_inputs`) and the
+    rules on dtypes, devices and layouts the fast kernels add; nothing here reads a value."""
+    for name, t in (("q", q), ("k_pool", k_pool), ("v_pool", v_pool), ("page_table", page_table),
+                    ("table_idx", table_idx), ("seq_lens", seq_lens)):
+        tensor_arg(name, t)
+    if q.dim() != 3 or not q.dtype.is_floating_point:
+        raise InvalidArgument("q", "a floating tensor [batch, heads, head_dim]", f"got {q.dtype} {list(q.shape)}")
+    batch, heads, head_dim = q.shape
+    check_pool_shapes(heads, head_dim, k_pool, v_pool)
     for name, t in (("k_pool", k_pool), ("v_pool", v_pool)):
         if t.dtype not in POOL_DTYPES or t.dtype != k_pool.dtype:
             raise InvalidArgument(name, f"one dtype of {[str(d) for d in POOL_DTYPES]} for both pools",

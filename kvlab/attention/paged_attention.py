@@ -36,7 +36,7 @@ from ..base.runtime import pick
 from .attention_options import (MAX_SPLITS, MIN_SPLIT_TOKENS, PROGRAMS_PER_SM, FastConfig,  # noqa: F401
                                 choose_num_splits, streaming_multiprocessors)
 from .attention_plan import attend
-from .attention_rules import check_attention_errors
+from .attention_rules import check_attention_errors, check_pool_shapes
 
 __all__ = ["check_paged_attention_inputs", "check_rows_mapped", "paged_decode_attention",
            "FastConfig", "choose_num_splits", "split_ranges", "fast_paged_decode_attention",
@@ -58,16 +58,7 @@ def check_paged_attention_inputs(q, k_pool, v_pool, page_table, table_idx, seq_l
     if q.dim() != 3:
         raise InvalidArgument("q", "shape [batch, heads, head_dim]", f"got {list(q.shape)}")
     batch, heads, head_dim = q.shape
-    if k_pool.dim() != 3 or k_pool.shape[2] != head_dim:
-        raise InvalidArgument("k_pool", f"shape [num_slots, kv_heads, {head_dim}] (head_dim of q)",
-                              f"got {list(k_pool.shape)}")
-    kv_heads = k_pool.shape[1]
-    if kv_heads == 0 or heads % kv_heads:
-        raise InvalidArgument("k_pool", f"kv_heads must divide the {heads} query heads "
-                              "(grouped-query attention)", f"got {kv_heads} K/V heads")
-    if v_pool.shape != k_pool.shape:
-        raise InvalidArgument("v_pool", "same shape as k_pool",
-                              f"{list(v_pool.shape)} vs {list(k_pool.shape)}")
+    check_pool_shapes(heads, head_dim, k_pool, v_pool)
     if page_table.dim() != 2 or page_table.dtype not in (torch.int32, torch.int64):
         raise InvalidArgument("page_table", "a 2-D int32/int64 tensor [rows, cols]",
                               f"got {page_table.dtype} {list(page_table.shape)}")
