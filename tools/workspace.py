@@ -247,13 +247,19 @@ def write_server_config(prefix: Path = Path(sys.prefix)) -> Path:
         if not isinstance(current.get(section), dict):
             current[section] = {}
         current[section].update(values)
+    _write_settings(path, current, "Jupyter's", "JupyterLab may print warnings about its kernels' "
+                    "connections")
+    return path
+
+
+def _write_settings(path: Path, settings: dict, whose: str, otherwise: str) -> None:
+    """Write ``settings`` as JSON; a folder that cannot be written is said in one line (what
+    the learner will see ``otherwise``), never a traceback: the course works without it."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(current, indent=2) + "\n")
+        path.write_text(json.dumps(settings, indent=2) + "\n")
     except OSError as e:
-        _say(f"could not write Jupyter's settings to {path} ({e.strerror or e}); JupyterLab may "
-             "print warnings about its kernels' connections")
-    return path
+        _say(f"could not write {whose} settings to {path} ({e.strerror or e}); {otherwise}")
 
 
 def _json_object(path: Path) -> dict:
@@ -269,12 +275,7 @@ def write_lab_overrides(prefix: Path = Path(sys.prefix)) -> Path:
     path = prefix / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
     current = _json_object(path)
     current.update(LAB_OVERRIDES)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(current, indent=2) + "\n")
-    except OSError as e:
-        _say(f"could not write JupyterLab's settings to {path} ({e.strerror or e}); it may show its "
-             "news pop-up")
+    _write_settings(path, current, "JupyterLab's", "it may show its news pop-up")
     return path
 
 
