@@ -124,9 +124,14 @@ def _closed_gate(device: int) -> None:
 def _launch_gates() -> dict:
     """Every loaded kvlab module that holds a ``launch_ready`` (the gate in front of each direct
     launch), with the one it holds."""
-    return {module: module.launch_ready for name, module in list(sys.modules.items())
-            if (name == "kvlab" or name.startswith("kvlab.")) and module is not None
-            and callable(getattr(module, "launch_ready", None))}
+    return {module: module.launch_ready for module in _kvlab_modules()
+            if callable(getattr(module, "launch_ready", None))}
+
+
+def _kvlab_modules() -> list:
+    """Every loaded module of the package."""
+    return [module for name, module in list(sys.modules.items())
+            if (name == "kvlab" or name.startswith("kvlab.")) and module is not None]
 
 
 def record(call: Callable[[], object], what: str) -> list[Launch]:
@@ -148,8 +153,7 @@ def _kernels_loaded() -> list:
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
-    return [obj for name, module in list(sys.modules.items())
-            if (name == "kvlab" or name.startswith("kvlab.")) and module is not None
+    return [obj for module in _kvlab_modules()
             for obj in list(vars(module).values()) if isinstance(obj, (JITFunction, InterpretedFunction))]
 
 
