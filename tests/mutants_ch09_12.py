@@ -93,7 +93,9 @@ MUTANTS_CH09_12 = [
     Mutant("swap_out", "    return pages\n", "    pool.k[:, slots] = 0.0\n    pool.v[:, slots] = 0.0\n    return pages\n",
            ("changed during your swap-out",), "zeroes the device K/V after release_req (pages now another's)",
            "aside"),
-    Mutant("swap_out", _COPY_K, _COPY_K.replace("] = pool.k", "] += pool.k"),
+    # (.to(...): on a GPU a plain += of the device pool into the CPU host pages is refused
+    # first, a different slip; the checker names that one through torch_error_hint)
+    Mutant("swap_out", _COPY_K, _COPY_K.replace("] = pool.k[:, part]", "] += pool.k[:, part].to(host.k.device)"),
            ("host.k[", "host pages are reused without being cleared"),
            "adds to the host pages (right while they are fresh zeros)", "aside"),
     # --- orders the cases could not tell apart ---

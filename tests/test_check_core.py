@@ -486,3 +486,20 @@ def test_torch_zeros_among_int64_indices_gets_the_same_advice_on_a_cpu_and_a_gpu
         assert torch_error_hint(summary).endswith(NEW_ENTRIES_ADVICE), summary
     assert "float" in torch_error_hint(cpu) and "device" in torch_error_hint(_H200_DEVICE_MIX)
     assert torch_error_hint("ValueError: something else") == ""
+
+
+#: what torch 2.11 said on an H200 when a learner's `host.k[...] += pool.k[...]` added a GPU
+#: tensor into a CPU one (chapter 12's host pages live on the CPU)
+_H200_INPLACE_MIX = ("RuntimeError: Expected all tensors to be on the same device, but found at least "
+                     "two devices, cuda:0 and cpu!")
+
+
+def test_arithmetic_across_devices_is_named_beside_a_tensor_made_on_the_cpu():
+    """On a GPU, `+=` of the device pool into the host's CPU pages is refused by torch before any
+    wrong value appears: the hint must name that slip too (an assignment copies across devices,
+    arithmetic does not), not only a tensor made without device=."""
+    from kvlab.course.checking.messages import NEW_ENTRIES_ADVICE, torch_error_hint
+
+    hint = torch_error_hint(_H200_INPLACE_MIX)
+    assert "arithmetic mixes a CPU tensor with a GPU one" in hint and "only an assignment" in hint
+    assert "device=" in hint and hint.endswith(NEW_ENTRIES_ADVICE)

@@ -57,8 +57,10 @@ def torch_error_hint(summary: str) -> str:
     makes a float32 tensor on the CPU: beside a GPU's inputs torch refuses the mix of devices
     first, beside a CPU's it refuses the float index -- one slip, one piece of advice."""
     if _DEVICE_MIX.search(summary):
-        why = ("a tensor your code made is not on the inputs' device (torch.zeros(n), torch.ones(n), "
-               "torch.full(...) make CPU tensors unless told device=)")
+        why = ("tensors of two devices meet: a tensor your code made is not on the inputs' device "
+               "(torch.zeros(n), torch.ones(n), torch.full(...) make CPU tensors unless told device=), "
+               "or arithmetic mixes a CPU tensor with a GPU one (+=, +, *: only an assignment, "
+               "x[i] = y, copies from one device to the other)")
     elif _FLOAT_INDEX.search(summary):
         why = ("an index tensor is float (torch.zeros(n), torch.ones(n), torch.full(...) make float32 "
                "unless told dtype=, and torch.cat of int64 and float32 is float32)")
