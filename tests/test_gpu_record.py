@@ -121,5 +121,9 @@ def test_gpu_check_runs_every_step_records_and_fails_if_any_did(tmp_path, report
         assert "**RED**: unit tests 0 passed, 1 failed" in record.read_text()
     else:
         assert "no CUDA GPU here" in run.stdout and not record.exists()
-    make = subprocess.run(["make", "-n", "-C", str(ROOT), "gpu-check"], capture_output=True, text=True).stdout
+    # (run by `make gpu-check GPU_RECORD=...` itself, this test must not see that make's settings)
+    plain = {k: v for k, v in os.environ.items()
+             if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES") and not k.startswith("GPU_")}
+    make = subprocess.run(["make", "-n", "-C", str(ROOT), "gpu-check"], capture_output=True, text=True,
+                          env=plain).stdout
     assert 'GPU_RECORD="figures/gpu-check.md"' in make
