@@ -237,7 +237,13 @@ def test_serve_smoke_adds_its_section_to_an_existing_result(tmp_path):
     assert not (tmp_path / "bench.serve-partial.json").exists()
     s = res["serve"]
     off = s["offline"]["paths"]
-    assert set(off) == {"kvlab", "kvlab_no_overlap", "kvlab_subset", "generate"}
+    # transformers' static cache + torch.compile runs on a GPU only (compiling in the
+    # interpreter takes minutes): there it serves the same tokens and says which way compiled
+    static = {"generate_static_compiled"} if torch.cuda.is_available() else set()
+    assert set(off) == {"kvlab", "kvlab_no_overlap", "kvlab_subset", "generate"} | static
+    if static:
+        assert off["generate_static_compiled"]["tokens"] == off["generate"]["tokens"]
+        assert "static" in off["generate_static_compiled"]["path"]
     _, answers = offline_workload(**SMOKE_OFFLINE)
     for name in ("kvlab", "kvlab_no_overlap"):
         assert off[name]["tokens"] == sum(answers) == s["offline"]["workload"]["output_tokens"]
@@ -414,8 +420,23 @@ def test_the_static_cache_baseline_never_nests_two_compiles_and_restores_the_mod
     out = static_compiled_generate(model, [[1, 2, 3], [4]], [2, 3])
     assert out["tokens"] == 5 and out["compile_s"] >= 0
     assert ("torch.compile(model.forward" in out["path"]) == manual_works
+    if manual_works:
+        assert "earlier_ways_failed" not in out
+    else:                                            # the first way's error is kept, not lost
+        assert out["earlier_ways_failed"] == ["manual: RuntimeError: accessing tensor output of "
+                                              "CUDAGraphs that has been overwritten"]
     # the documented way first, with transformers' own compile off; its own compile alone next
     assert model.seen[0] == ("static", True, True)
     assert manual_works or model.seen[-1] == ("static", False, False)
     assert model.generation_config.cache_implementation is None
     assert model.generation_config.disable_compile is False and "forward" not in vars(model)
+
+
+def test_the_serve_report_says_which_static_cache_way_ran_and_why_the_first_did_not():
+    from kvlab.bench.serve_report import _static_cache_lines
+
+    static = dict(compile_s=4.5, path='cache_implementation="static", compiled by generate itself',
+                  earlier_ways_failed=["manual: RuntimeError: accessing tensor output of CUDAGraphs"])
+    lines = "\n".join(_static_cache_lines({"paths": {"generate_static_compiled": static}}))
+    assert "compiled by generate itself" in lines and "4.5 s" in lines
+    assert "Tried first and failed here: manual: RuntimeError: accessing tensor output" in lines

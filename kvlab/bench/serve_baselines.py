@@ -50,14 +50,18 @@ def static_compiled_generate(model, prompts, answers) -> dict:
     (``generation_config.compile_config``) would wrap the compiled ``forward`` in a second
     CUDA-graph tree, and the inner one's outputs are overwritten by the outer's replay: there
     the path is taken with ``disable_compile=True`` (one compiled forward, as the page means),
-    and if that still fails, with transformers' own compile alone (``path`` says which ran)."""
+    and if that still fails, with transformers' own compile alone (``path`` says which ran,
+    ``earlier_ways_failed`` why the first did not)."""
     ways = [("manual", True)]
     if hasattr(model.generation_config, "disable_compile"):
         ways.append(("automatic", False))
     errors = []
     for way, manual in ways:
         try:
-            return _static_compiled(model, prompts, answers, manual)
+            out = _static_compiled(model, prompts, answers, manual)
+            if errors:                              # why the documented way did not run here
+                out["earlier_ways_failed"] = errors
+            return out
         except Exception as e:  # noqa: BLE001 - the next way, or the error reported
             errors.append(f"{way}: {type(e).__name__}: {e}"[:200])
             torch._dynamo.reset()

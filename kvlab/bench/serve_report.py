@@ -68,7 +68,7 @@ def serve_section(s: dict) -> list[str]:
                                                   if e.get("generated") else "–")
         lines.append(f"| {SERVE_LABELS.get(name, name)} | {e['requests']} | {e['tokens']} | {e['seconds']:.2f} | "
                      f"{e['tokens_per_s']:.0f} | {steps} | {st.get('most_running', '–')} | {floor} |")
-    lines += _floor_lines(off)
+    lines += _floor_lines(off) + _static_cache_lines(off)
     lines += _online_lines(s["online"]) + _busy_lines(s["busy"])
     if s.get("skipped"):
         lines += ["", "Not run (the time budget of one GPU call, or the interpreter): " + "; ".join(s["skipped"]) + "."]
@@ -87,11 +87,19 @@ def _floor_lines(off: dict) -> list[str]:
              f"FLOPs (2 x parameters x tokens, plus the prompts' attention) over the GPU's peak, {peak}; summed: "
              f"**{f['seconds']:.2f} s** ({f['bytes'] / 1e12:.2f} TB: {f['bytes_s']:.2f} s of bytes; "
              f"{f['flops'] / 1e12:.0f} TFLOP: {flops} of arithmetic)."]
+    return lines
+
+
+def _static_cache_lines(off: dict) -> list[str]:
+    """Which way transformers' static cache + torch.compile ran (and why an earlier one did not)."""
+    lines = []
     static = off["paths"].get("generate_static_compiled", {})
     if static.get("compile_s"):
         lines += ["", f"transformers' static cache + torch.compile: {static['path']}, as its optimisation guide "
                   "(`docs/source/en/llm_optims.md`) recommends; its first call, which compiles, took "
                   f"{static['compile_s']:.1f} s and is not counted; the row is its second call."]
+        for error in static.get("earlier_ways_failed", []):
+            lines += [f"Tried first and failed here: {error}"]
     return lines
 
 
