@@ -90,3 +90,94 @@ def test_fixes_can_be_turned_off_and_the_report_then_warns():
     assert fixes.strip() == "()"
     expected = 1 if (affected == "True" and mode == "interpreter") else 0
     assert int(n_warnings) == expected
+
+
+def _interpreting():
+    if not runtime.INTERPRET:
+        pytest.skip("needs the Triton interpreter (make test, no CUDA): its speed-ups apply only there")
+
+
+import triton  # noqa: E402  (after kvlab: it decides the interpreter)
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _twice(x):
+    return x * 2
+
+
+@triton.jit
+def _twice_plus_one(x):
+    return _twice(x) + 1
+
+
+@triton.jit
+def _rows_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    """4 programs calling a helper 3 times each (that helper calls another)."""
+    row = tl.program_id(0)
+    offs = row * BLOCK + tl.arange(0, BLOCK)
+    value = tl.load(x_ptr + offs)
+    for _ in range(3):
+        value = _twice_plus_one(value)
+    tl.store(out_ptr + offs, value)
+
+
+# a helper defined where only triton.language.core is in sight (its kernel's launch patches
+# triton.language alone)
+_CORE_ONLY = {"triton": triton, "core": tl.core}
+exec("@triton.jit\ndef _plus_three(x):\n    return x + core.full((8,), 3, core.int64)\n", _CORE_ONLY)
+_plus_three = _CORE_ONLY["_plus_three"]
+
+
+@triton.jit
+def _core_kernel(x_ptr, out_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _plus_three(tl.load(x_ptr + offs)))
+
+
+def test_jit_helpers_do_not_patch_the_language_again_and_give_the_same_values(monkeypatch):
+    """The speed-up: one launch of 4 programs that call a helper 3 times each (that helper
+    calls another) patches triton.language once, not 25 times; values as before."""
+    _interpreting()
+    from triton.runtime import interpreter
+
+    assert "interpreter-jit-helper-repatch" in triton_compat.applied_fixes()
+    calls = []
+    builtin_patch = interpreter._patch_builtin
+    monkeypatch.setattr(interpreter, "_patch_builtin", lambda pkg, *a: (calls.append(pkg), builtin_patch(pkg, *a)))
+    x = torch.arange(32, dtype=torch.int64, device=runtime.DEVICE)
+    out = torch.empty_like(x)
+    _rows_kernel[(4,)](x, out, BLOCK=8)
+    expected = x.clone()
+    for _ in range(3):
+        expected = expected * 2 + 1
+    assert torch.equal(out, expected)
+    assert calls.count(tl) == 1, f"triton.language patched {calls.count(tl)} times in one launch"
+
+
+def test_a_helper_seeing_another_language_module_still_gets_it_patched():
+    """Its kernel's launch patched triton.language only; the helper uses triton.language.core:
+    that one is patched (Triton's own way), or ``core.full`` would run unpatched and fail."""
+    _interpreting()
+    x = torch.arange(8, dtype=torch.int64, device=runtime.DEVICE)
+    out = torch.empty_like(x)
+    _core_kernel[(1,)](x, out, BLOCK=8)
+    assert torch.equal(out, x + 3)
+
+
+def test_the_language_is_restored_after_a_launch_with_helpers():
+    """After the launch nothing of triton.language stays patched (its builtins are builtins)."""
+    _interpreting()
+    x = torch.arange(32, dtype=torch.int64, device=runtime.DEVICE)
+    _rows_kernel[(4,)](x, torch.empty_like(x), BLOCK=8)
+    _core_kernel[(1,)](x[:8], torch.empty_like(x[:8]), BLOCK=8)
+    assert tl.core.is_builtin(tl.load) and tl.core.is_builtin(tl.core.full)
+    assert tl.core.is_builtin(tl.core.load)
+
+
+def test_the_speed_up_is_off_with_the_fixes():
+    code = ("import kvlab, kvlab.base.triton_compat as c; from triton.runtime import interpreter as i; "
+            "print(c.applied_fixes(), getattr(i._patch_lang, '_kvlab_fixed', False))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "KVLAB_NO_TRITON_FIXES": "1"}).stdout
+    assert out.split() == ["[]", "False"]
