@@ -184,3 +184,18 @@ def pytest_runtest_teardown(item):
     path = _notebook(item)
     if record_nbval_cell is not None and path is not None:
         record_nbval_cell(item, failed=path in _failed)  # a failed notebook is not saved
+
+
+def pytest_collection_modifyitems(items):
+    """The later chapters first (they run the serving model and take longest: chapter 10 a
+    third of a minute, chapter 01 a few seconds), each chapter's answers before its starters,
+    and every notebook's cells in order: pytest-xdist hands whole notebooks to its workers
+    in this order (--dist loadfile), so the short ones fill the end instead of one worker
+    waiting on a long one."""
+    def heaviest_first(item):
+        path = _notebook(item)
+        if path is None:
+            return (1, 0, 0)
+        chapter = int(path.name[:2]) if path.name[:2].isdigit() else -1
+        return (0, -chapter, 0 if path.parent.name == "solutions" else 1)
+    items.sort(key=heaviest_first)     # stable: a notebook's cells keep their order
