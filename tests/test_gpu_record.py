@@ -107,7 +107,11 @@ def test_gpu_check_runs_every_step_records_and_fails_if_any_did(tmp_path, report
     (tmp_path / "test_red.py").write_text("def test_red():\n    assert False\n")
     (tmp_path / "test_green.py").write_text("def test_green():\n    assert True\n")
     record = tmp_path / "gpu-check.md"
-    env = dict(os.environ, PYTHON=sys.executable, GPU_REQUIRE="0", GPU_RECORD=str(record),
+    # Not the settings of a `make gpu-check` this runs under: its GPU_WHEELS / GPU_SITE would
+    # have this run delete and re-unpack the wheels the other test workers are importing from.
+    outer = {k: v for k, v in os.environ.items() if not k.startswith("GPU_")}
+    env = dict(outer, PYTHON=sys.executable, GPU_REQUIRE="0", GPU_RECORD=str(record),
+               GPU_WHEELS="", GPU_SITE=str(tmp_path / "site"),
                GPU_TESTS=f"-p no:xdist {tmp_path / 'test_red.py'}",
                GPU_NOTEBOOKS=f"-p no:xdist {tmp_path / 'test_green.py'}",
                KVLAB_PROGRESS_FILE=str(tmp_path / "progress.json"))
