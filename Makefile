@@ -25,6 +25,13 @@ export PYTHONHASHSEED = 0
 # setuptools' "Editable installation" box (a note on folders named like the package, nothing a
 # learner can act on) shows through pip's --quiet: this warnings filter keeps it out.
 NO_EDITABLE_NOTE := ignore:Editable installation
+# Bytecode: pip compiles nothing at install (--no-compile saves about 45 s of a set-up, most of
+# it on modules nothing imports); Python compiles a module at its first import and keeps it in
+# __pycache__/, here even where the environment turns that off (PYTHONDONTWRITEBYTECODE, set in
+# many containers), or every pytest worker, notebook kernel and checker child would compile
+# torch, kvlab and the rewritten tests again (about 9 s per pytest process).
+export PYTHONDONTWRITEBYTECODE =
+NO_COMPILE := --no-compile
 # Tests run two pytest workers on small tensors: one BLAS/OpenMP thread each avoids oversubscription.
 export OMP_NUM_THREADS ?= 1
 
@@ -45,9 +52,9 @@ $(VENV)/.installed: pyproject.toml
 	@echo "kvlab set-up 2/5: upgrading pip"
 	@$(BIN)/python -m pip install --quiet --upgrade pip
 	@echo "kvlab set-up 3/5: $(TORCH_SPEC), the largest download, in the build this machine can use:"
-	@TORCH_BUILD="$(TORCH_BUILD)" $(BIN)/python tools/torch_build.py install --python "$(BIN)/python" --spec "$(TORCH_SPEC)"
+	@TORCH_BUILD="$(TORCH_BUILD)" $(BIN)/python tools/torch_build.py install --python "$(BIN)/python" --spec "$(TORCH_SPEC)" $(NO_COMPILE)
 	@echo "kvlab set-up 4/5: kvlab and its extras (Triton, JupyterLab, transformers, test and site tools)"
-	@PYTHONWARNINGS="$(NO_EDITABLE_NOTE)" $(BIN)/python -m pip install --quiet -e ".[dev]" "$(TORCH_SPEC)"
+	@PYTHONWARNINGS="$(NO_EDITABLE_NOTE)" $(BIN)/python -m pip install --quiet $(NO_COMPILE) -e ".[dev]" "$(TORCH_SPEC)"
 	@echo "kvlab set-up 5/5: the notebooks' Jupyter kernel"
 	@$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
 	@touch $@
@@ -91,7 +98,7 @@ $(VENV_OLDEST)/.installed: $(VENV)/.installed
 	@echo "kvlab: $(VENV_OLDEST)/, $(VENV) with $(TRITON_OLDEST) in place of its Triton"
 	@rm -rf $(VENV_OLDEST)
 	@$(PYTHON) -m venv $(VENV_OLDEST)
-	@$(VENV_OLDEST)/bin/python -m pip install --quiet --no-deps "$(TRITON_OLDEST)"
+	@$(VENV_OLDEST)/bin/python -m pip install --quiet $(NO_COMPILE) --no-deps "$(TRITON_OLDEST)"
 	@$(VENV_OLDEST)/bin/python tools/share_venv.py "$(VENV)"
 	@$(VENV_OLDEST)/bin/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
 	@touch $@

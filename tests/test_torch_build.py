@@ -197,3 +197,26 @@ def test_make_setup_runs_the_choice_with_the_override_passed_on():
     (line,) = [ln for ln in dry.splitlines() if "torch_build.py install" in ln]
     assert 'TORCH_BUILD="cpu"' in line and '--spec "torch==' in line
     assert "/nonexistent/v/bin/python" in line
+    # no bytecode at install: each of the set-up's installs of packages passes --no-compile
+    installs = [ln for ln in dry.splitlines() if "pip install" in ln and "--upgrade pip" not in ln]
+    assert len(installs) == 1 and all("--no-compile" in ln for ln in [line, *installs]), dry
+
+
+def test_no_compile_is_passed_on_to_pip(tmp_path, cpu_index):
+    environ = _faked_env(_bin(tmp_path), KVLAB_TORCH_CPU_INDEX=cpu_index)
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "torch_build.py"), "install",
+                          "--python", str(_fake_python(tmp_path)), "--spec", "torch==2.13.0",
+                          "--no-compile"], capture_output=True, text=True, env=environ, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert (tmp_path / "pip.log").read_text().split() == [
+        "-m", "pip", "install", "--quiet", "--no-compile", "torch==2.13.0", "--index-url", cpu_index]
+
+
+def test_make_writes_bytecode_even_where_the_environment_turns_it_off():
+    """Installed without bytecode, every module is compiled at its first import and kept: also
+    under PYTHONDONTWRITEBYTECODE=1 (else each process of `make test` compiles them again)."""
+    env = dict(os.environ, PYTHONDONTWRITEBYTECODE="1")
+    run = subprocess.run(["make", "-s", "-C", str(ROOT), "--eval",
+                          f'_bytecode: ; @{sys.executable} -c "import sys; print(sys.dont_write_bytecode)"',
+                          "_bytecode"], capture_output=True, text=True, env=env, timeout=60)
+    assert run.stdout.split() == ["False"], run.stdout + run.stderr

@@ -96,10 +96,11 @@ def index_problem(url: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
         return str(reason) or type(e).__name__
 
 
-def pip_args(choice: Choice, spec: str, cpu_index: str | None) -> list[str]:
+def pip_args(choice: Choice, spec: str, cpu_index: str | None, byte_compile: bool = True) -> list[str]:
     """``pip install`` arguments: PyTorch's CPU index for the CPU build when it answers, else
-    pip's own configuration (PyPI: the CUDA build on Linux x86_64)."""
-    args = ["-m", "pip", "install", "--quiet", spec]
+    pip's own configuration (PyPI: the CUDA build on Linux x86_64). ``byte_compile=False``:
+    pip's ``--no-compile`` (Python compiles each module at its first import instead)."""
+    args = ["-m", "pip", "install", "--quiet", *([] if byte_compile else ["--no-compile"]), spec]
     if choice.build == "cpu" and cpu_index:
         args += ["--index-url", cpu_index]
     return args
@@ -113,7 +114,7 @@ def installed_build(python: str) -> str:
     return run.stdout.strip() if run.returncode == 0 else "torch does not import"
 
 
-def install(python: str, spec: str, choice: Choice, say=print) -> int:
+def install(python: str, spec: str, choice: Choice, say=print, byte_compile: bool = True) -> int:
     index = os.environ.get("KVLAB_TORCH_CPU_INDEX") or CPU_INDEX
     cpu_index = None
     if choice.build == "cpu":
@@ -127,11 +128,11 @@ def install(python: str, spec: str, choice: Choice, say=print) -> int:
                 "x86_64 PyPI's torch is the CUDA build: 2.7 GB of wheels instead of 0.2 GB)")
     else:
         say(f"  the CUDA build, from pip's own index: {choice.why}")
-    run = subprocess.run([python, *pip_args(choice, spec, cpu_index)])
+    run = subprocess.run([python, *pip_args(choice, spec, cpu_index, byte_compile)])
     if run.returncode != 0 and cpu_index:
         say(f"  pip could not install {spec} from {index} (above): installing from pip's own "
             "index instead")
-        run = subprocess.run([python, *pip_args(choice, spec, None)])
+        run = subprocess.run([python, *pip_args(choice, spec, None, byte_compile)])
     if run.returncode != 0:
         return run.returncode
     say(f"  installed {installed_build(python)}")
@@ -146,12 +147,14 @@ def main(argv: list[str] | None = None) -> int:
     inst = sub.add_parser("install", help="pip-install torch into an environment")
     inst.add_argument("--python", required=True, help="the environment's python")
     inst.add_argument("--spec", required=True, help="the requirement, e.g. torch==2.13.0")
+    inst.add_argument("--no-compile", action="store_true",
+                      help="pip's --no-compile: no bytecode at install (compiled at first import)")
     args = ap.parse_args(argv)
     choice = choose()
     if args.command == "choose":
         print(f"{choice.build}: {choice.why}")
         return 0
-    return install(args.python, args.spec, choice)
+    return install(args.python, args.spec, choice, byte_compile=not args.no_compile)
 
 
 if __name__ == "__main__":
