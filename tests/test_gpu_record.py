@@ -111,7 +111,6 @@ def test_gpu_check_runs_every_step_records_and_fails_if_any_did(tmp_path, report
     # have this run delete and re-unpack the wheels the other test workers are importing from.
     outer = {k: v for k, v in os.environ.items() if not k.startswith("GPU_")}
     env = dict(outer, PYTHON=sys.executable, GPU_REQUIRE="0", GPU_RECORD=str(record),
-               GPU_WHEELS="", GPU_SITE=str(tmp_path / "site"),
                GPU_TESTS=f"-p no:xdist {tmp_path / 'test_red.py'}",
                GPU_NOTEBOOKS=f"-p no:xdist {tmp_path / 'test_green.py'}",
                KVLAB_PROGRESS_FILE=str(tmp_path / "progress.json"))
@@ -126,8 +125,8 @@ def test_gpu_check_runs_every_step_records_and_fails_if_any_did(tmp_path, report
     else:
         assert "no CUDA GPU here" in run.stdout and not record.exists()
     # (run by `make gpu-check GPU_RECORD=...` itself, this test must not see that make's settings)
-    plain = {k: v for k, v in os.environ.items()
-             if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES") and not k.startswith("GPU_")}
+    plain = {k: v for k, v in outer.items()
+             if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
     make = subprocess.run(["make", "-n", "-C", str(ROOT), "gpu-check"], capture_output=True, text=True,
                           env=plain).stdout
     assert 'GPU_RECORD="figures/gpu-check.md"' in make

@@ -127,10 +127,11 @@ def _faked_env(path_dir: Path, **env) -> dict:
     return environ
 
 
-def _install(tmp_path: Path, python: Path, path_dir: Path, **env) -> subprocess.CompletedProcess:
+def _install(tmp_path: Path, python: Path, path_dir: Path, *options: str,
+             **env) -> subprocess.CompletedProcess:
     environ = _faked_env(path_dir, **env)
     return subprocess.run([sys.executable, str(ROOT / "tools" / "torch_build.py"), "install",
-                           "--python", str(python), "--spec", "torch==2.13.0"],
+                           "--python", str(python), "--spec", "torch==2.13.0", *options],
                           capture_output=True, text=True, env=environ, timeout=60)
 
 
@@ -203,10 +204,8 @@ def test_make_setup_runs_the_choice_with_the_override_passed_on():
 
 
 def test_no_compile_is_passed_on_to_pip(tmp_path, cpu_index):
-    environ = _faked_env(_bin(tmp_path), KVLAB_TORCH_CPU_INDEX=cpu_index)
-    run = subprocess.run([sys.executable, str(ROOT / "tools" / "torch_build.py"), "install",
-                          "--python", str(_fake_python(tmp_path)), "--spec", "torch==2.13.0",
-                          "--no-compile"], capture_output=True, text=True, env=environ, timeout=60)
+    run = _install(tmp_path, _fake_python(tmp_path), _bin(tmp_path), "--no-compile",
+                   KVLAB_TORCH_CPU_INDEX=cpu_index)
     assert run.returncode == 0, run.stderr
     assert (tmp_path / "pip.log").read_text().split() == [
         "-m", "pip", "install", "--quiet", "--no-compile", "torch==2.13.0", "--index-url", cpu_index]
